@@ -1,0 +1,35 @@
+"""celery-guardrails: guardrails for Celery tasks.
+
+Switch a task's base class to :class:`GuardedTask`; publish inside :func:`tenant_context` /
+:func:`correlation_context`; read :func:`current_tenant` / :func:`current_correlation_id` anywhere.
+"""
+
+from celery_guardrails.context import (
+    correlation_context,
+    current_correlation_id,
+    current_tenant,
+    tenant_context,
+)
+from celery_guardrails.exceptions import (
+    ConfigurationError,
+    ContextError,
+    GuardrailsError,
+    MissingTenantError,
+)
+from celery_guardrails.pipeline import Guardrail
+from celery_guardrails.task import GuardedTask
+
+__version__ = "0.1.0.dev0"
+
+__all__ = [
+    "ConfigurationError",
+    "ContextError",
+    "GuardedTask",
+    "Guardrail",
+    "GuardrailsError",
+    "MissingTenantError",
+    "correlation_context",
+    "current_correlation_id",
+    "current_tenant",
+    "tenant_context",
+]

@@ -1,0 +1,1 @@
+"""The guardrails ``GuardedTask`` composes, one module each."""

@@ -1,0 +1,102 @@
+"""Context propagation: the tenant and correlation id travel in every message and are restored on the worker.
+
+Publish side: every message gets the guardrails header (see :mod:`celery_guardrails.headers`) with the tenant
+and correlation id of the current context, on every path, because the stamping happens in Celery's
+``before_task_publish`` signal: ``delay``/``apply_async``, ``app.send_task``, the signatures of chains, groups,
+chords and link/link_error callbacks (published by the worker inside the parent task's context), ``self.retry``
+and beat. A publish outside any correlation context gets a new correlation id. Values already in the header
+(a per-call ``tenant=``/``correlation_id=``, or a retry's copy of its own header) are kept.
+
+Worker side: ``task_prerun`` restores both values before ``GuardedTask`` runs any guardrail and before the body;
+``task_postrun`` undoes it, after callbacks and errbacks were published, so one task's tenant never leaks into
+the next task of the same process or thread. A message without a correlation id gets a new one on the worker.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import MutableMapping
+from typing import TYPE_CHECKING, Any
+
+from celery.signals import before_task_publish, task_postrun, task_prerun
+
+from celery_guardrails import headers
+from celery_guardrails.context import (
+    Activation,
+    activate,
+    current_correlation_id,
+    current_tenant,
+    deactivate,
+    new_correlation_id,
+    validate_correlation_id,
+    validate_tenant,
+)
+from celery_guardrails.pipeline import Guardrail, Publication
+
+if TYPE_CHECKING:
+    from celery_guardrails.task import GuardedTask
+
+logger = logging.getLogger(__name__)
+
+
+def stamp(header: MutableMapping[str, Any]) -> MutableMapping[str, Any]:
+    """Fill the tenant and correlation id a header lacks from the current context."""
+    header.setdefault(headers.VERSION_FIELD, headers.VERSION)
+    if headers.TENANT not in header:
+        tenant = current_tenant()
+        if tenant is not None:
+            header[headers.TENANT] = tenant
+    if not header.get(headers.CORRELATION_ID):
+        header[headers.CORRELATION_ID] = current_correlation_id() or new_correlation_id()
+    return header
+
+
+class ContextPropagation(Guardrail):
+    """Takes the per-call ``tenant=`` / ``correlation_id=`` overrides and stamps the context."""
+
+    def on_publish(self, task: GuardedTask, publication: Publication) -> None:
+        tenant = publication.overrides.get("tenant")
+        if tenant is not None:
+            publication.header[headers.TENANT] = validate_tenant(tenant)
+        correlation_id = publication.overrides.get("correlation_id")
+        if correlation_id is not None:
+            publication.header[headers.CORRELATION_ID] = validate_correlation_id(correlation_id)
+        stamp(publication.header)
+
+
+@before_task_publish.connect(weak=False, dispatch_uid="celery_guardrails.context.stamp")
+def _stamp_every_message(headers: dict[str, Any] | None = None, **_: Any) -> None:
+    if headers is None:
+        return
+    current = headers.get("guardrails")
+    headers["guardrails"] = stamp(dict(current) if isinstance(current, dict) else {})
+
+
+# One stack per thread: the prefork child and the solo pool use one thread, the threads pool one per slot;
+# an eager task applied inside a task nests.
+_activations = threading.local()
+
+
+@task_prerun.connect(weak=False, dispatch_uid="celery_guardrails.context.restore")
+def _restore(task: Any = None, task_id: str | None = None, **_: Any) -> None:
+    header = headers.from_request(task.request) if task is not None else {}
+    correlation_id = header.get(headers.CORRELATION_ID) or new_correlation_id()
+    tenant = header.get(headers.TENANT)
+    stack = getattr(_activations, "stack", None)
+    if stack is None:
+        stack = _activations.stack = []
+    stack.append(activate(tenant=tenant, correlation_id=correlation_id))
+    logger.debug("Task %s: context restored (tenant=%s, correlation id=%s)", task_id, tenant, correlation_id)
+
+
+@task_postrun.connect(weak=False, dispatch_uid="celery_guardrails.context.clear")
+def _clear(task_id: str | None = None, **_: Any) -> None:
+    stack: list[Activation] = getattr(_activations, "stack", None) or []
+    if not stack:
+        return
+    try:
+        deactivate(stack.pop())
+    except ValueError:  # token made in another context (should not happen); never leave a tenant behind
+        logger.warning("Task %s: context could not be reset; cleared instead", task_id)
+        activate(tenant=None, correlation_id=None)

@@ -1,0 +1,56 @@
+"""Tenancy: refuse tenant-less messages for ``tenant_required`` tasks, activate the tenant around the body.
+
+* At publish (``GuardedTask.apply_async``): a ``tenant_required`` task with no tenant in the context and none
+  given per call raises :class:`~celery_guardrails.exceptions.MissingTenantError` in the caller.
+* On the worker: a message that arrives without a tenant (``app.send_task`` from outside any tenant, a plain
+  Celery publisher, a malformed header) is refused before the body: an ERROR log with task id and correlation
+  id, the ``missing_tenant`` signal, and the task ends FAILED with ``MissingTenantError``. It is acked, never
+  requeued, so it cannot loop.
+* ``tenant_activator``: a callable taking the tenant id and returning a context manager, entered around the
+  body (switch a django-tenants schema, pick a database router). It is not entered without a tenant.
+"""
+
+from __future__ import annotations
+
+import logging
+from contextlib import AbstractContextManager, nullcontext
+from typing import TYPE_CHECKING, Any
+
+from celery_guardrails import signals
+from celery_guardrails.context import current_correlation_id, current_tenant
+from celery_guardrails.exceptions import MissingTenantError
+from celery_guardrails.headers import TENANT
+from celery_guardrails.options import load, resolve
+from celery_guardrails.pipeline import Guardrail, Publication
+
+if TYPE_CHECKING:
+    from celery_guardrails.task import GuardedTask
+
+logger = logging.getLogger(__name__)
+
+
+class TenantGuard(Guardrail):
+    """Enforces ``tenant_required`` and enters ``tenant_activator``."""
+
+    def on_publish(self, task: GuardedTask, publication: Publication) -> None:
+        if not publication.header.get(TENANT) and resolve(task, "tenant_required", publication.call):
+            raise MissingTenantError(task.name, where="given at publish")
+
+    def before_run(self, task: GuardedTask, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        if current_tenant() is not None or not resolve(task, "tenant_required", task.call_options()):
+            return
+        error = MissingTenantError(task.name, task.request.id, where="in the message")
+        correlation_id = current_correlation_id()
+        logger.error("Task %s[%s] refused without running (correlation id %s): %s",
+                     task.name, task.request.id, correlation_id, error)
+        signals.missing_tenant.send(sender=task, task_id=task.request.id, task_name=task.name,
+                                    reason=str(error), correlation_id=correlation_id)
+        raise error
+
+    def body_context(self, task: GuardedTask) -> AbstractContextManager[Any]:
+        tenant = current_tenant()
+        activator = resolve(task, "tenant_activator", task.call_options())
+        if tenant is None or activator is None:
+            return nullcontext()
+        manager: AbstractContextManager[Any] = load(activator)(tenant)
+        return manager

@@ -1,0 +1,62 @@
+"""The guardrail hooks and the order ``GuardedTask`` runs them in.
+
+A guardrail is a small class with no-op hooks; override the ones you need (the way Dramatiq's middleware
+are written). ``GuardedTask.guardrails`` is the ordered tuple of guardrail instances. Order:
+
+* ``on_publish`` and ``before_run``: in tuple order (first guardrail first);
+* ``body_context``: entered in tuple order around the task body (the first is outermost);
+* ``on_success``, ``on_failure``, ``on_retry``: in reverse order (the first guardrail sees the outcome last,
+  like unwinding a stack).
+
+Before any ``before_run`` hook runs, the worker has already restored the message's tenant and correlation
+id (see :mod:`celery_guardrails.guardrails.context`), so every hook reads stores as the right tenant.
+A ``before_run`` hook refuses a message by raising; the body then does not run.
+"""
+
+from __future__ import annotations
+
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from celery_guardrails.task import GuardedTask
+
+
+@dataclass(slots=True, kw_only=True)
+class Publication:
+    """A message about to be published through ``GuardedTask.apply_async``.
+
+    ``header`` is the guardrails header (see :mod:`celery_guardrails.headers`) and may be changed in place;
+    ``call`` holds the per-call guardrail options (validated, as stored in the header); ``overrides`` the
+    per-call ``tenant=`` / ``correlation_id=`` arguments, not yet validated.
+    """
+
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    header: dict[str, Any]
+    call: dict[str, Any]
+    overrides: dict[str, Any]
+
+
+class Guardrail:
+    """Base class of every guardrail: all hooks do nothing."""
+
+    def on_publish(self, task: GuardedTask, publication: Publication) -> None:
+        """Called in the publisher before the message is sent (delay, apply_async, retry, signatures)."""
+
+    def before_run(self, task: GuardedTask, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """Called on the worker before the body; raise to refuse the message."""
+
+    def body_context(self, task: GuardedTask) -> AbstractContextManager[Any]:
+        """A context manager entered around the task body (after every ``before_run``)."""
+        return nullcontext()
+
+    def on_success(self, task: GuardedTask, retval: Any) -> None:
+        """Called on the worker after the body returned."""
+
+    def on_failure(self, task: GuardedTask, exc: BaseException, einfo: Any) -> None:
+        """Called on the worker after the task failed for good (Celery's ``on_failure``)."""
+
+    def on_retry(self, task: GuardedTask, exc: BaseException, einfo: Any) -> None:
+        """Called on the worker after a retry was published (Celery's ``on_retry``)."""

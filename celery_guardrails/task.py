@@ -1,0 +1,97 @@
+"""``GuardedTask``: the Celery task base class that composes the guardrails.
+
+It holds no guardrail logic of its own: it collects the per-call options, runs the hooks of
+``GuardedTask.guardrails`` in the order documented in :mod:`celery_guardrails.pipeline`, and leaves the rest
+to Celery.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from contextlib import ExitStack
+from typing import Any, ClassVar
+
+from celery import Task
+
+from celery_guardrails import headers
+from celery_guardrails.guardrails.context import ContextPropagation
+from celery_guardrails.guardrails.tenancy import TenantGuard
+from celery_guardrails.install import install
+from celery_guardrails.options import CALL_OPTIONS, check_call_options
+from celery_guardrails.pipeline import Guardrail, Publication
+
+#: Per-call keyword arguments of ``apply_async`` that set the message's context rather than an option.
+CONTEXT_OVERRIDES = frozenset({"tenant", "correlation_id"})
+
+
+class GuardedTask(Task):  # type: ignore[misc]
+    """Base class for guarded tasks: ``@shared_task(base=GuardedTask, bind=True, tenant_required=True)``."""
+
+    #: The guardrails, in pipeline order. Extend with ``guardrails = GuardedTask.guardrails + (Mine(),)``.
+    guardrails: ClassVar[tuple[Guardrail, ...]] = (ContextPropagation(), TenantGuard())
+
+    # Guardrail options as task attributes; None means "not set here", so the app config applies.
+    tenant_required: bool | None = None
+    tenant_activator: Any = None
+
+    @classmethod
+    def on_bound(cls, app: Any) -> None:
+        install(app)
+
+    def apply_async(
+        self,
+        args: Any = None,
+        kwargs: Any = None,
+        task_id: str | None = None,
+        producer: Any = None,
+        link: Any = None,
+        link_error: Any = None,
+        shadow: str | None = None,
+        **options: Any,
+    ) -> Any:
+        given = {name: options.pop(name) for name in list(options) if name in CALL_OPTIONS}
+        check_call_options(given)
+        overrides = {name: options.pop(name) for name in CONTEXT_OVERRIDES & options.keys()}
+        message_headers = dict(options.pop("headers", None) or {})
+        header = headers.from_message_headers(message_headers)
+        # A retry brings its own header back (Celery copies custom headers since celery#7555), per-call
+        # options included; options given now win.
+        call = {**headers.call_options(header), **given}
+        if call:
+            header[headers.OPTIONS] = call
+        publication = Publication(
+            args=tuple(args or ()), kwargs=dict(kwargs or {}), header=header, call=call, overrides=overrides
+        )
+        for guardrail in self.guardrails:
+            guardrail.on_publish(self, publication)
+        message_headers[headers.HEADER] = publication.header
+        return super().apply_async(
+            args, kwargs, task_id, producer, link, link_error, shadow, headers=message_headers, **options
+        )
+
+    def call_options(self) -> Mapping[str, Any]:
+        """The per-call guardrail options of the message being executed (empty outside a task run)."""
+        return headers.call_options(headers.from_request(self.request))
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        for guardrail in self.guardrails:
+            guardrail.before_run(self, args, kwargs)
+        with ExitStack() as stack:
+            for guardrail in self.guardrails:
+                stack.enter_context(guardrail.body_context(self))
+            return super().__call__(*args, **kwargs)
+
+    def on_success(self, retval: Any, task_id: str, args: Any, kwargs: Any) -> None:
+        for guardrail in reversed(self.guardrails):
+            guardrail.on_success(self, retval)
+        super().on_success(retval, task_id, args, kwargs)
+
+    def on_failure(self, exc: BaseException, task_id: str, args: Any, kwargs: Any, einfo: Any) -> None:
+        for guardrail in reversed(self.guardrails):
+            guardrail.on_failure(self, exc, einfo)
+        super().on_failure(exc, task_id, args, kwargs, einfo)
+
+    def on_retry(self, exc: BaseException, task_id: str, args: Any, kwargs: Any, einfo: Any) -> None:
+        for guardrail in reversed(self.guardrails):
+            guardrail.on_retry(self, exc, einfo)
+        super().on_retry(exc, task_id, args, kwargs, einfo)

@@ -1,0 +1,11 @@
+"""The example project's Celery app, configured from Django settings (``CELERY_*``)."""
+
+import os
+
+from celery import Celery
+
+os.environ.setdefault("DJANGO_SETTINGS_MODULE", "example_project.settings")
+
+app = Celery("example_project")
+app.config_from_object("django.conf:settings", namespace="CELERY")
+app.autodiscover_tasks()

@@ -1,0 +1,90 @@
+"""Settings of the example project. Every service address can be changed with an environment variable."""
+
+import json
+import os
+from pathlib import Path
+
+BASE_DIR = Path(__file__).resolve().parent
+VAR_DIR = Path(os.environ.get("EXAMPLE_VAR_DIR", BASE_DIR / "var"))
+
+SECRET_KEY = "example-project-only-not-a-secret"
+DEBUG = True
+ALLOWED_HOSTS = ["*"]
+
+INSTALLED_APPS = [
+    "django.contrib.admin",
+    "django.contrib.auth",
+    "django.contrib.contenttypes",
+    "django.contrib.sessions",
+    "django.contrib.messages",
+    "django.contrib.staticfiles",
+    "django_celery_beat",
+    "django_celery_guardrails",
+    "example_project.shop",
+]
+
+MIDDLEWARE = [
+    "django.middleware.security.SecurityMiddleware",
+    "django.contrib.sessions.middleware.SessionMiddleware",
+    "django.middleware.common.CommonMiddleware",
+    "django.middleware.csrf.CsrfViewMiddleware",
+    "django.contrib.auth.middleware.AuthenticationMiddleware",
+    "django.contrib.messages.middleware.MessageMiddleware",
+    "django_celery_guardrails.middleware.GuardrailsContextMiddleware",
+]
+
+ROOT_URLCONF = "example_project.urls"
+TEMPLATES = [
+    {
+        "BACKEND": "django.template.backends.django.DjangoTemplates",
+        "DIRS": [],
+        "APP_DIRS": True,
+        "OPTIONS": {
+            "context_processors": [
+                "django.template.context_processors.request",
+                "django.contrib.auth.context_processors.auth",
+                "django.contrib.messages.context_processors.messages",
+            ]
+        },
+    }
+]
+
+DATABASES = {
+    "default": {
+        "ENGINE": "django.db.backends.sqlite3",
+        "NAME": os.environ.get("EXAMPLE_SQLITE_PATH", str(VAR_DIR / "db.sqlite3")),
+    }
+}
+DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
+USE_TZ = True
+TIME_ZONE = "UTC"
+STATIC_URL = "static/"
+
+# Celery: Redis by default; demo.py switches to a server-less broker when no Redis answers.
+CELERY_BROKER_URL = os.environ.get("EXAMPLE_BROKER_URL", "redis://127.0.0.1:6379/14")
+CELERY_RESULT_BACKEND = os.environ.get("EXAMPLE_RESULT_BACKEND", "redis://127.0.0.1:6379/14")
+CELERY_BROKER_TRANSPORT_OPTIONS = json.loads(os.environ.get("EXAMPLE_BROKER_TRANSPORT_OPTIONS", "{}"))
+CELERY_TASK_DEFAULT_QUEUE = os.environ.get("EXAMPLE_QUEUE", "example")
+CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
+# Django's LOGGING (below) formats the worker's log lines too, with the guardrails context on each line.
+CELERY_WORKER_HIJACK_ROOT_LOGGER = False
+
+CELERY_GUARDRAILS = {
+    "tenant_resolver": "example_project.shop.tenants.tenant_from_header",
+}
+
+LOGGING = {
+    "version": 1,
+    "disable_existing_loggers": False,
+    "filters": {"guardrails": {"()": "celery_guardrails.log.ContextFilter"}},
+    "formatters": {
+        "context": {
+            "format": "%(asctime)s %(levelname)s %(name)s "
+            "[tenant=%(tenant)s cid=%(correlation_id)s task=%(task_name)s/%(task_id)s] %(message)s"
+        }
+    },
+    "handlers": {
+        "console": {"class": "logging.StreamHandler", "filters": ["guardrails"], "formatter": "context"}
+    },
+    "root": {"handlers": ["console"], "level": os.environ.get("EXAMPLE_LOG_LEVEL", "INFO")},
+}

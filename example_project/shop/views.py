@@ -1,0 +1,20 @@
+from django.http import HttpRequest, JsonResponse
+from django.views.decorators.csrf import csrf_exempt
+from django.views.decorators.http import require_POST
+
+from celery_guardrails import MissingTenantError, current_correlation_id, current_tenant
+from example_project.shop.tasks import send_receipt
+
+
+@csrf_exempt
+@require_POST
+def send_receipt_view(request: HttpRequest, order_id: int) -> JsonResponse:
+    """Enqueue the receipt of an order; the request's tenant and X-Request-ID travel with the task."""
+    try:
+        result = send_receipt.delay(order_id)
+    except MissingTenantError as exc:
+        return JsonResponse({"error": str(exc)}, status=400)
+    return JsonResponse(
+        {"task_id": result.id, "tenant": current_tenant(), "correlation_id": current_correlation_id()},
+        status=202,
+    )

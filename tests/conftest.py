@@ -1,0 +1,94 @@
+"""Fixtures shared by the whole suite: real brokers, an embedded worker per test, Redis sinks.
+
+The embedded worker comes from Celery's own pytest plugin (``celery.contrib.pytest``: ``celery_app`` and
+``celery_worker``), configured here for a real broker. Tests that need another broker are parametrized
+indirectly over ``broker`` (``"redis"``, ``"amqp"``).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import redis
+from kombu import Connection
+
+from tests.support.services import BROKER_SERVICE, BROKER_URLS, REDIS_URL, require
+
+BOTH_BROKERS = pytest.mark.parametrize("broker", ["redis", "amqp"], indirect=True)
+
+
+@pytest.fixture
+def broker(request: pytest.FixtureRequest) -> str:
+    name: str = getattr(request, "param", "redis")
+    require("redis")  # results and sinks live in Redis whatever the broker
+    require(BROKER_SERVICE[name])
+    return name
+
+
+@pytest.fixture
+def queue_name() -> str:
+    return f"gr-test-{uuid.uuid4().hex[:12]}"
+
+
+@pytest.fixture
+def celery_config(broker: str, queue_name: str) -> Iterator[dict[str, Any]]:
+    yield {
+        "broker_url": BROKER_URLS[broker],
+        "result_backend": REDIS_URL,
+        "task_default_queue": queue_name,
+        "result_expires": 600,
+        "broker_connection_retry_on_startup": False,
+        "worker_hijack_root_logger": False,
+    }
+    # Each test has its own queue; drop it so RabbitMQ does not collect empty queues run after run.
+    with Connection(BROKER_URLS[broker]) as conn:
+        try:
+            conn.default_channel.queue_delete(queue_name)
+        except conn.channel_errors:  # never declared
+            pass
+
+
+@pytest.fixture
+def celery_app(celery_app: Any) -> Any:
+    # Celery's fixture leaves the previous app current; tasks published by name in a test (shared_task
+    # proxies, Django views) must reach this one, as they would in a project.
+    celery_app.set_current()
+    celery_app.set_default()
+    return celery_app
+
+
+@pytest.fixture(scope="session")
+def celery_includes() -> list[str]:
+    return ["tests.proj.tasks"]
+
+
+class Sink:
+    """A Redis list that tasks push their reports to."""
+
+    def __init__(self) -> None:
+        self.key = f"gr-test-sink-{uuid.uuid4().hex}"
+        self.client = redis.Redis.from_url(REDIS_URL)
+
+    def items(self) -> list[dict[str, Any]]:
+        return [json.loads(raw) for raw in self.client.lrange(self.key, 0, -1)]
+
+    def wait(self, count: int, timeout: float = 30.0) -> list[dict[str, Any]]:
+        deadline = time.monotonic() + timeout
+        while self.client.llen(self.key) < count:
+            if time.monotonic() > deadline:
+                raise AssertionError(f"expected {count} reports in {timeout}s, got {self.items()}")
+            time.sleep(0.05)
+        return self.items()
+
+
+@pytest.fixture
+def sink() -> Iterator[Sink]:
+    require("redis")
+    box = Sink()
+    yield box
+    box.client.delete(box.key)

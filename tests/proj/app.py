@@ -1,0 +1,24 @@
+"""The Celery app that ``celery worker`` / ``celery beat`` subprocesses of the tests load.
+
+Configured from the environment: GUARDRAILS_TEST_BROKER_URL, GUARDRAILS_TEST_REDIS_URL (results, sinks),
+GUARDRAILS_TEST_QUEUE, GUARDRAILS_TEST_GUARDRAILS (JSON for app.conf.guardrails), GUARDRAILS_TEST_BEAT (JSON
+for beat_schedule entries: {"name": {"task": ..., "schedule": seconds, "kwargs": {...}, "options": {...}}}).
+"""
+
+import json
+import os
+
+from celery import Celery
+
+redis_url = os.environ.get("GUARDRAILS_TEST_REDIS_URL", "redis://127.0.0.1:6379/9")
+app = Celery("guardrails_tests", include=["tests.proj.tasks"])
+app.conf.update(
+    broker_url=os.environ.get("GUARDRAILS_TEST_BROKER_URL", redis_url),
+    result_backend=redis_url,
+    task_default_queue=os.environ.get("GUARDRAILS_TEST_QUEUE", "guardrails-tests"),
+    broker_connection_retry_on_startup=True,
+    result_expires=3600,
+    beat_schedule=json.loads(os.environ.get("GUARDRAILS_TEST_BEAT", "{}")),
+)
+if "GUARDRAILS_TEST_GUARDRAILS" in os.environ:
+    app.conf.guardrails = json.loads(os.environ["GUARDRAILS_TEST_GUARDRAILS"])

@@ -1,0 +1,83 @@
+"""Guarded tasks the tests run on real workers. Each reports the context it saw.
+
+A task reports by returning it (read through the result backend) and, when given ``sink``, by pushing it
+to a Redis list (for runs whose result nobody waits on: beat, errbacks, each retry).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+from typing import Any
+
+import redis
+from celery import shared_task
+
+from celery_guardrails import GuardedTask, current_correlation_id, current_tenant
+
+REDIS_URL = os.environ.get("GUARDRAILS_TEST_REDIS_URL", "redis://127.0.0.1:6379/9")
+
+
+def seen(task: GuardedTask, sink: str | None = None, **extra: Any) -> dict[str, Any]:
+    report = {
+        "task": task.name,
+        "task_id": task.request.id,
+        "tenant": current_tenant(),
+        "cid": current_correlation_id(),
+        "retries": task.request.retries,
+        "pid": os.getpid(),
+        "thread": threading.get_ident(),
+        **extra,
+    }
+    if sink:
+        redis.Redis.from_url(REDIS_URL).rpush(sink, json.dumps(report))
+    return report
+
+
+@shared_task(base=GuardedTask, bind=True)
+def observe(self: GuardedTask, *previous: Any, sink: str | None = None) -> dict[str, Any]:
+    return seen(self, sink)
+
+
+@shared_task(base=GuardedTask, bind=True)
+def collect(self: GuardedTask, parts: list[Any], sink: str | None = None) -> dict[str, Any]:
+    return seen(self, sink, parts=parts)
+
+
+@shared_task(base=GuardedTask, bind=True, max_retries=5)
+def retry_thrice(self: GuardedTask, sink: str) -> dict[str, Any]:
+    report = seen(self, sink)
+    if self.request.retries < 3:
+        raise self.retry(countdown=0)
+    return report
+
+
+@shared_task(base=GuardedTask, bind=True)
+def spawn_child(self: GuardedTask, sink: str | None = None, child_tenant: str | None = None) -> dict[str, Any]:
+    options = {"tenant": child_tenant} if child_tenant else {}
+    child = observe.apply_async(kwargs={"sink": sink}, **options)
+    return seen(self, sink, child_id=child.id)
+
+
+@shared_task(base=GuardedTask, bind=True)
+def explode(self: GuardedTask, sink: str | None = None) -> None:
+    seen(self, sink)
+    raise ValueError("boom")
+
+
+@shared_task(base=GuardedTask, bind=True)
+def record_errback(self: GuardedTask, failed_task_id: str, sink: str) -> dict[str, Any]:
+    return seen(self, sink, failed_task_id=failed_task_id)
+
+
+@shared_task(base=GuardedTask, bind=True, tenant_required=True)
+def tenant_only(self: GuardedTask, sink: str) -> dict[str, Any]:
+    return seen(self, sink)
+
+
+@shared_task(base=GuardedTask, bind=True)
+def log_line(self: GuardedTask, text: str) -> None:
+    import logging
+
+    logging.getLogger("tests.proj").warning("%s", text)

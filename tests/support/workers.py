@@ -1,0 +1,101 @@
+"""Real ``celery worker`` / ``celery beat`` subprocesses that tests start, stop and SIGKILL."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Sequence
+from pathlib import Path
+from types import TracebackType
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+class CeleryProcess:
+    """A ``celery`` subprocess in its own process group, output captured in a log file."""
+
+    ready_text: str | None = None
+
+    def __init__(self, command: Sequence[str], *, log_path: Path, env: dict[str, str] | None = None) -> None:
+        self.command = [sys.executable, "-m", "celery", *command]
+        self.log_path = log_path
+        self.env = {**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}
+        self.process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+    def start(self, timeout: float = 45.0) -> CeleryProcess:
+        with self.log_path.open("wb") as out:
+            self.process = subprocess.Popen(
+                self.command, cwd=ROOT, env=self.env, stdout=out, stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL, start_new_session=True,
+            )
+        if self.ready_text is None:
+            return self
+        deadline = time.monotonic() + timeout
+        while self.ready_text not in self.log:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"{self.command} exited with {self.process.returncode}:\n{self.log}")
+            if time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(f"{self.command} not ready after {timeout}s:\n{self.log}")
+            time.sleep(0.1)
+        return self
+
+    def kill(self, sig: int = signal.SIGKILL) -> None:
+        """Send ``sig`` to the whole process group (main process and pool children)."""
+        if self.process is not None and self.process.poll() is None:
+            os.killpg(self.process.pid, sig)
+
+    def stop(self, timeout: float = 15.0) -> int | None:
+        if self.process is None:
+            return None
+        if self.process.poll() is None:
+            self.kill(signal.SIGTERM)
+            try:
+                self.process.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.kill(signal.SIGKILL)
+                self.process.wait(timeout)
+        return self.process.returncode
+
+    def wait(self, timeout: float) -> int:
+        assert self.process is not None
+        return self.process.wait(timeout)
+
+    def __enter__(self) -> CeleryProcess:
+        return self.start()
+
+    def __exit__(self, *exc: type[BaseException] | BaseException | TracebackType | None) -> None:
+        self.stop()
+
+
+class WorkerProcess(CeleryProcess):
+    """``celery -A <app> worker`` consuming one queue."""
+
+    ready_text = " ready."
+
+    def __init__(self, *, app: str, queue: str, log_path: Path, pool: str = "prefork", concurrency: int = 1,
+                 env: dict[str, str] | None = None, extra: Sequence[str] = ()) -> None:
+        name = f"gr-{uuid.uuid4().hex[:8]}@%h"
+        super().__init__(
+            ["-A", app, "worker", "-P", pool, "-c", str(concurrency), "-Q", queue, "-n", name, "-l", "INFO",
+             "--without-gossip", "--without-mingle", "--without-heartbeat", *extra],
+            log_path=log_path, env=env,
+        )
+
+
+class BeatProcess(CeleryProcess):
+    """``celery -A <app> beat`` with its schedule file in a temporary folder."""
+
+    def __init__(self, *, app: str, workdir: Path, env: dict[str, str] | None = None) -> None:
+        super().__init__(
+            ["-A", app, "beat", "-l", "INFO", "-s", str(workdir / "beat-schedule"), "--pidfile="],
+            log_path=workdir / "beat.log", env=env,
+        )
