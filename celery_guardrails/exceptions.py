@@ -23,9 +23,13 @@ class ConfigurationError(GuardrailsError, ValueError):
     """A guardrails setting or task option is unknown or has a bad value; the message names the key."""
 
     def __init__(self, key: str, problem: str) -> None:
+        # args hold the constructor arguments so a result backend can rebuild the exception.
+        super().__init__(key, problem)
         self.key = key
         self.problem = problem
-        super().__init__(f"celery-guardrails setting {key!r}: {problem}")
+
+    def __str__(self) -> str:
+        return f"celery-guardrails setting {self.key!r}: {self.problem}"
 
 
 class ContextError(GuardrailsError, ValueError):
@@ -33,22 +37,20 @@ class ContextError(GuardrailsError, ValueError):
 
 
 class MissingTenantError(ContextError):
-    """A task declared ``tenant_required=True`` was published or delivered without a tenant."""
+    """A task declared ``tenant_required=True`` was published or delivered without a tenant.
 
-    def __init__(self, task_name: str, task_id: str | None = None, *, where: str) -> None:
+    ``where`` says which side noticed: ``"given at publish"`` or ``"in the message"``.
+    """
+
+    def __init__(self, task_name: str, task_id: str | None = None, where: str = "in the message") -> None:
+        super().__init__(task_name, task_id, where)
         self.task_name = task_name
         self.task_id = task_id
         self.where = where
-        ident = f"{task_name}[{task_id}]" if task_id else task_name
-        super().__init__(
-            f"{ident} requires a tenant and none was {where}; "
+
+    def __str__(self) -> str:
+        ident = f"{self.task_name}[{self.task_id}]" if self.task_id else self.task_name
+        return (
+            f"{ident} requires a tenant and none was {self.where}; "
             "publish it inside tenant_context(...) or pass tenant=... to apply_async"
         )
-
-    def __reduce__(self) -> tuple[object, ...]:
-        # Keeps the exception picklable/serialisable for the result backend (keyword-only argument).
-        return (_rebuild_missing_tenant, (self.task_name, self.task_id, self.where))
-
-
-def _rebuild_missing_tenant(task_name: str, task_id: str | None, where: str) -> MissingTenantError:
-    return MissingTenantError(task_name, task_id, where=where)

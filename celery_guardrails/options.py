@@ -97,10 +97,6 @@ OPTIONS: Mapping[str, Option] = {
     )
 }
 
-#: Options that may be given to ``apply_async`` and travel in the message.
-CALL_OPTIONS = frozenset(name for name, option in OPTIONS.items() if CALL in option.scopes)
-
-
 def _unknown(key: str, known: Any) -> ConfigurationError:
     close = difflib.get_close_matches(key, list(known), n=1)
     hint = f"; did you mean {close[0]!r}?" if close else f"; known keys: {', '.join(sorted(known))}"
@@ -152,7 +148,7 @@ def django_settings() -> dict[str, Any]:
 def validate_task(task: Any) -> None:
     """Check the guardrail options set as attributes of a task class; raise naming task and key."""
     for name, option in OPTIONS.items():
-        value = getattr(task, name, None)
+        value = getattr(type(task), name, None)
         if value is None:
             continue
         if TASK not in option.scopes:
@@ -172,7 +168,8 @@ def resolve(task: Any, name: str, call: Mapping[str, Any]) -> Any:
     """The value of option ``name`` for ``task``: per call, then task, then app config, then default."""
     if name in call:
         return call[name]
-    value = getattr(task, name, None)
+    # Read from the class: a function given as a decorator kwarg must not become a bound method.
+    value = getattr(type(task), name, None)
     if value is not None:
         return value
     settings = app_settings(task.app)

@@ -17,7 +17,7 @@ from celery_guardrails import headers
 from celery_guardrails.guardrails.context import ContextPropagation
 from celery_guardrails.guardrails.tenancy import TenantGuard
 from celery_guardrails.install import install
-from celery_guardrails.options import CALL_OPTIONS, check_call_options
+from celery_guardrails.options import OPTIONS, check_call_options
 from celery_guardrails.pipeline import Guardrail, Publication
 
 #: Per-call keyword arguments of ``apply_async`` that set the message's context rather than an option.
@@ -49,8 +49,9 @@ class GuardedTask(Task):  # type: ignore[misc]
         shadow: str | None = None,
         **options: Any,
     ) -> Any:
-        given = {name: options.pop(name) for name in list(options) if name in CALL_OPTIONS}
-        check_call_options(given)
+        # Every guardrail option name is taken out (never passed on to Celery as a message property); one
+        # that may not be set per call is refused here, naming the key.
+        given = check_call_options({name: options.pop(name) for name in list(options) if name in OPTIONS})
         overrides = {name: options.pop(name) for name in CONTEXT_OVERRIDES & options.keys()}
         message_headers = dict(options.pop("headers", None) or {})
         header = headers.from_message_headers(message_headers)

@@ -92,3 +92,14 @@ def sink() -> Iterator[Sink]:
     box = Sink()
     yield box
     box.client.delete(box.key)
+
+
+def waiting_messages(broker: str, queue: str) -> int:
+    """Messages ready in ``queue`` on the real broker (unacked ones not counted)."""
+    if broker == "redis":
+        client = redis.Redis.from_url(BROKER_URLS["redis"])
+        # kombu keeps one list per priority step: "<queue>" and "<queue>\x06\x16<step>".
+        return sum(int(client.llen(key)) for key in [queue.encode(), *client.keys(f"{queue}\x06\x16*")])
+    with Connection(BROKER_URLS[broker]) as conn:
+        _, count, _ = conn.default_channel.queue_declare(queue, passive=True)
+        return int(count)

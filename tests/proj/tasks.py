@@ -81,3 +81,12 @@ def log_line(self: GuardedTask, text: str) -> None:
     import logging
 
     logging.getLogger("tests.proj").warning("%s", text)
+
+
+@shared_task(base=GuardedTask, bind=True, max_retries=1)
+def header_echo(self: GuardedTask, sink: str) -> None:
+    from celery_guardrails.headers import from_request
+
+    seen(self, sink, header=from_request(self.request))
+    if self.request.retries == 0:
+        raise self.retry(countdown=0)

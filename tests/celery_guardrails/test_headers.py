@@ -1,0 +1,46 @@
+"""The header contract: one versioned header, tolerant reading, nothing lost on re-publish."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import pytest
+
+from celery_guardrails import headers, tenant_context
+from tests.conftest import BOTH_BROKERS, Sink
+from tests.proj import tasks
+
+
+def test_sanitise_drops_only_the_malformed_fields(caplog: pytest.LogCaptureFixture) -> None:
+    raw = {"v": 1, "tenant": "a b", "cid": 5, "opts": [], "future": {"x": 1}}
+    with caplog.at_level(logging.WARNING):
+        clean = headers.sanitise(raw, task_id="t-1")
+    assert clean == {"v": 1, "future": {"x": 1}}
+    assert all("t-1" in r.getMessage() for r in caplog.records) and len(caplog.records) == 3
+
+
+def test_message_without_header_reads_as_empty() -> None:
+    class Request:
+        id = "t-2"
+        headers = None
+
+    assert headers.from_request(Request()) == {}
+    assert headers.call_options({}) == {}
+
+
+@BOTH_BROKERS
+def test_retry_keeps_version_per_call_options_and_unknown_fields(celery_worker: Any, sink: Sink,
+                                                                 broker: str) -> None:
+    # Given a message from a newer release with a field this one does not know, and a per-call option
+    with tenant_context("acme"):
+        tasks.header_echo.apply_async(
+            kwargs={"sink": sink.key}, headers={"guardrails": {"future_field": "keep-me"}},
+            tenant_required=True, correlation_id="req-h-1",
+        ).get(timeout=30)
+    first, retried = sink.wait(2)
+    # Then the retry's header is the same mapping: version, context, per-call options, unknown field
+    expected = {"v": 1, "tenant": "acme", "cid": "req-h-1", "opts": {"tenant_required": True},
+                "future_field": "keep-me"}
+    assert first["header"] == expected
+    assert retried["header"] == expected

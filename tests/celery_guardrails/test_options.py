@@ -1,0 +1,102 @@
+"""The one lookup rule and the validation of settings."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+from celery import Celery
+
+from celery_guardrails import ConfigurationError, GuardedTask
+from celery_guardrails.options import OPTIONS, app_settings, resolve, validate
+from tests.support.services import BROKER_URLS, REDIS_URL, require
+from tests.support.workers import WorkerProcess
+
+
+def make_task(app: Celery, **attributes: Any) -> GuardedTask:
+    @app.task(base=GuardedTask, bind=True, name=f"t{len(app.tasks)}", **attributes)
+    def task(self: GuardedTask) -> None: ...
+
+    return task  # type: ignore[no-any-return]
+
+
+def test_lookup_order_call_then_task_then_app_then_default() -> None:
+    app = Celery("lookup", set_as_current=False)
+    plain, strict = make_task(app), make_task(app, tenant_required=True)
+    # default
+    assert resolve(plain, "tenant_required", {}) is False
+    # app config beats the default
+    app.conf.guardrails = {"tenant_required": True}
+    assert resolve(plain, "tenant_required", {}) is True
+    # the task attribute beats the app config
+    app.conf.guardrails = {"tenant_required": False}
+    assert resolve(strict, "tenant_required", {}) is True
+    # the per-call option beats everything
+    assert resolve(strict, "tenant_required", {"tenant_required": False}) is False
+
+
+def test_every_option_has_a_documented_default() -> None:
+    for option in OPTIONS.values():
+        assert option.doc and option.scopes, option.name
+        if option.default is not None:
+            option.check(option.default)
+
+
+@pytest.mark.parametrize(
+    ("raw", "key", "text"),
+    [
+        ({"tenant_requried": True}, "tenant_requried", "did you mean 'tenant_required'"),
+        ({"tenant_required": "yes"}, "tenant_required", "must be True or False"),
+        ({"tenant_resolver": 42}, "tenant_resolver", "dotted path"),
+        ({"request_id_headers": "X-Request-ID"}, "request_id_headers", "list of HTTP header names"),
+        ({"zzz": 1}, "zzz", "known keys"),
+    ],
+)
+def test_bad_settings_name_the_key(raw: dict[str, Any], key: str, text: str) -> None:
+    with pytest.raises(ConfigurationError, match=text) as caught:
+        validate(raw)
+    assert caught.value.key == key
+    assert repr(key) in str(caught.value)
+
+
+def test_app_only_option_is_refused_per_call_and_on_tasks() -> None:
+    with pytest.raises(ConfigurationError, match="cannot be set in call scope"):
+        validate({"tenant_resolver": "a.b"}, scope="call")
+    app = Celery("scopes", set_as_current=False)
+    task = make_task(app)
+    with pytest.raises(ConfigurationError, match="cannot be set in call scope"):
+        task.apply_async(tenant_resolver="a.b")
+
+
+def test_settings_are_revalidated_when_replaced() -> None:
+    app = Celery("cache", set_as_current=False)
+    app.conf.guardrails = {"tenant_required": True}
+    assert app_settings(app) == {"tenant_required": True}
+    app.conf.guardrails = {"tenant_required": "no"}
+    with pytest.raises(ConfigurationError):
+        app_settings(app)
+
+
+@pytest.mark.parametrize(
+    ("env", "expected"),
+    [
+        ({"GUARDRAILS_TEST_GUARDRAILS": json.dumps({"tenant_requried": True})},
+         "setting 'tenant_requried': unknown key; did you mean 'tenant_required'?"),
+        ({"GUARDRAILS_TEST_GUARDRAILS": json.dumps({"tenant_required": 1})},
+         "setting 'tenant_required': must be True or False"),
+    ],
+)
+def test_worker_refuses_to_start_on_a_bad_setting(env: dict[str, str], expected: str, tmp_path: Path,
+                                                   queue_name: str) -> None:
+    # Given a worker whose app config has a typo / a wrong type
+    require("redis")
+    worker = WorkerProcess(app="tests.proj.app", queue=queue_name, log_path=tmp_path / "worker.log",
+                           env={"GUARDRAILS_TEST_BROKER_URL": BROKER_URLS["redis"],
+                                "GUARDRAILS_TEST_REDIS_URL": REDIS_URL, **env})
+    # When it starts, Then it exits with an error naming the key, before consuming anything
+    with pytest.raises(RuntimeError, match="exited with 1"):
+        worker.start()
+    assert expected in worker.log
+    assert " ready." not in worker.log
