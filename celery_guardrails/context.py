@@ -50,9 +50,7 @@ def validate_correlation_id(value: object) -> str:
     if not isinstance(value, str):
         raise ContextError(f"correlation id must be a str, got {type(value).__name__} {value!r:.80}")
     if not 0 < len(value) <= CORRELATION_ID_MAX_LENGTH:
-        raise ContextError(
-            f"correlation id must be 1 to {CORRELATION_ID_MAX_LENGTH} characters, got {len(value)}"
-        )
+        raise ContextError(f"correlation id must be 1 to {CORRELATION_ID_MAX_LENGTH} characters, got {len(value)}")
     if not _CORRELATION_RE.fullmatch(value):
         raise ContextError(f"correlation id {value!r:.80} may hold only ASCII letters, digits and . _ : + / = -")
     return value

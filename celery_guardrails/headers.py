@@ -78,8 +78,9 @@ def sanitise(raw: Mapping[str, Any], *, task_id: str | None = None) -> dict[str,
             try:
                 check(clean[field])
             except ContextError as exc:
-                logger.warning("Task %s: malformed %r in header %r, treated as missing: %s",
-                               task_id, field, HEADER, exc)
+                logger.warning(
+                    "Task %s: malformed %r in header %r, treated as missing: %s", task_id, field, HEADER, exc
+                )
                 del clean[field]
     if OPTIONS in clean and not isinstance(clean[OPTIONS], Mapping):
         logger.warning("Task %s: malformed %r in header %r, treated as missing", task_id, OPTIONS, HEADER)

@@ -48,11 +48,13 @@ def install(app: Any) -> None:
     app.steps["worker"].add(GuardrailsBootstep)
 
 
-@after_setup_logger.connect(weak=False, dispatch_uid="celery_guardrails.log.worker")
-@after_setup_task_logger.connect(weak=False, dispatch_uid="celery_guardrails.log.task")
 def _add_context_filter(logger: logging.Logger | None = None, **_: Any) -> None:
     # Celery configured its own handlers (worker_hijack_root_logger=True): give their records the context
     # fields, so a format such as "%(tenant)s %(correlation_id)s" works there too.
     for handler in getattr(logger, "handlers", ()):
         if not any(isinstance(f, ContextFilter) for f in handler.filters):
             handler.addFilter(ContextFilter())
+
+
+after_setup_logger.connect(_add_context_filter, weak=False, dispatch_uid="celery_guardrails.log.worker")
+after_setup_task_logger.connect(_add_context_filter, weak=False, dispatch_uid="celery_guardrails.log.task")

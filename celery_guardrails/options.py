@@ -97,6 +97,7 @@ OPTIONS: Mapping[str, Option] = {
     )
 }
 
+
 def _unknown(key: str, known: Any) -> ConfigurationError:
     close = difflib.get_close_matches(key, list(known), n=1)
     hint = f"; did you mean {close[0]!r}?" if close else f"; known keys: {', '.join(sorted(known))}"

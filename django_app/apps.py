@@ -15,4 +15,4 @@ class GuardrailsConfig(AppConfig):
     default_auto_field = "django.db.models.BigAutoField"
 
     def ready(self) -> None:
-        from django_celery_guardrails import checks  # noqa: F401  (registers the system checks)
+        from . import checks  # noqa: F401  (registers the system checks)

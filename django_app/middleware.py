@@ -32,9 +32,7 @@ class GuardrailsContextMiddleware:
     def __init__(self, get_response: Callable[[HttpRequest], Any]) -> None:
         self.get_response = get_response
         settings = django_settings()
-        self.header_names: tuple[str, ...] = settings.get(
-            "request_id_headers", OPTIONS["request_id_headers"].default
-        )
+        self.header_names: tuple[str, ...] = settings.get("request_id_headers", OPTIONS["request_id_headers"].default)
         resolver = settings.get("tenant_resolver")
         self.resolver: Callable[[HttpRequest], str | None] | None = load(resolver) if resolver else None
         self.is_async = iscoroutinefunction(get_response)
@@ -58,8 +56,10 @@ class GuardrailsContextMiddleware:
     def __call__(self, request: HttpRequest) -> Any:
         if self.is_async:
             return self.__acall__(request)
-        with correlation_context(self.correlation_id_of(request)) as cid, \
-                tenant_context(self.tenant_of(request)):
+        with (
+            correlation_context(self.correlation_id_of(request)) as cid,
+            tenant_context(self.tenant_of(request)),
+        ):
             request.correlation_id = cid  # type: ignore[attr-defined]
             response: HttpResponseBase = self.get_response(request)
         response[self.header_names[0]] = cid
@@ -67,8 +67,10 @@ class GuardrailsContextMiddleware:
 
     async def __acall__(self, request: HttpRequest) -> HttpResponseBase:
         get_response: Callable[[HttpRequest], Awaitable[HttpResponseBase]] = self.get_response
-        with correlation_context(self.correlation_id_of(request)) as cid, \
-                tenant_context(self.tenant_of(request)):
+        with (
+            correlation_context(self.correlation_id_of(request)) as cid,
+            tenant_context(self.tenant_of(request)),
+        ):
             request.correlation_id = cid  # type: ignore[attr-defined]
             response = await get_response(request)
         response[self.header_names[0]] = cid

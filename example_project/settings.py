@@ -83,8 +83,6 @@ LOGGING = {
             "[tenant=%(tenant)s cid=%(correlation_id)s task=%(task_name)s/%(task_id)s] %(message)s"
         }
     },
-    "handlers": {
-        "console": {"class": "logging.StreamHandler", "filters": ["guardrails"], "formatter": "context"}
-    },
+    "handlers": {"console": {"class": "logging.StreamHandler", "filters": ["guardrails"], "formatter": "context"}},
     "root": {"handlers": ["console"], "level": os.environ.get("EXAMPLE_LOG_LEVEL", "INFO")},
 }

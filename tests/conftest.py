@@ -7,6 +7,7 @@ indirectly over ``broker`` (``"redis"``, ``"amqp"``).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 import uuid
@@ -46,11 +47,8 @@ def celery_config(broker: str, queue_name: str) -> Iterator[dict[str, Any]]:
         "worker_hijack_root_logger": False,
     }
     # Each test has its own queue; drop it so RabbitMQ does not collect empty queues run after run.
-    with Connection(BROKER_URLS[broker]) as conn:
-        try:
-            conn.default_channel.queue_delete(queue_name)
-        except conn.channel_errors:  # never declared
-            pass
+    with Connection(BROKER_URLS[broker]) as conn, contextlib.suppress(*conn.channel_errors):  # never declared
+        conn.default_channel.queue_delete(queue_name)
 
 
 @pytest.fixture

@@ -2,6 +2,14 @@
 
 import os
 
+from tests.support.services import REDIS_URL
+
+# The example project's Celery app publishes to the test Redis, on a queue of this test session only, so a
+# worker subprocess started by a test (with the same environment) consumes exactly what the test enqueued.
+os.environ.setdefault("EXAMPLE_BROKER_URL", REDIS_URL)
+os.environ.setdefault("EXAMPLE_RESULT_BACKEND", REDIS_URL)
+os.environ.setdefault("EXAMPLE_QUEUE", f"example-tests-{os.getpid()}")
+
 from example_project.settings import *  # noqa: F403
 
 DB = os.environ.get("GUARDRAILS_TEST_DB", "sqlite")

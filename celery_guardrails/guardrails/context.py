@@ -65,7 +65,6 @@ class ContextPropagation(Guardrail):
         stamp(publication.header)
 
 
-@before_task_publish.connect(weak=False, dispatch_uid="celery_guardrails.context.stamp")
 def _stamp_every_message(headers: dict[str, Any] | None = None, **_: Any) -> None:
     if headers is None:
         return
@@ -78,7 +77,6 @@ def _stamp_every_message(headers: dict[str, Any] | None = None, **_: Any) -> Non
 _activations = threading.local()
 
 
-@task_prerun.connect(weak=False, dispatch_uid="celery_guardrails.context.restore")
 def _restore(task: Any = None, task_id: str | None = None, **_: Any) -> None:
     header = headers.from_request(task.request) if task is not None else {}
     correlation_id = header.get(headers.CORRELATION_ID) or new_correlation_id()
@@ -90,7 +88,6 @@ def _restore(task: Any = None, task_id: str | None = None, **_: Any) -> None:
     logger.debug("Task %s: context restored (tenant=%s, correlation id=%s)", task_id, tenant, correlation_id)
 
 
-@task_postrun.connect(weak=False, dispatch_uid="celery_guardrails.context.clear")
 def _clear(task_id: str | None = None, **_: Any) -> None:
     stack: list[Activation] = getattr(_activations, "stack", None) or []
     if not stack:
@@ -100,3 +97,8 @@ def _clear(task_id: str | None = None, **_: Any) -> None:
     except ValueError:  # token made in another context (should not happen); never leave a tenant behind
         logger.warning("Task %s: context could not be reset; cleared instead", task_id)
         activate(tenant=None, correlation_id=None)
+
+
+before_task_publish.connect(_stamp_every_message, weak=False, dispatch_uid="celery_guardrails.context.stamp")
+task_prerun.connect(_restore, weak=False, dispatch_uid="celery_guardrails.context.restore")
+task_postrun.connect(_clear, weak=False, dispatch_uid="celery_guardrails.context.clear")

@@ -41,10 +41,20 @@ class TenantGuard(Guardrail):
             return
         error = MissingTenantError(task.name, task.request.id, where="in the message")
         correlation_id = current_correlation_id()
-        logger.error("Task %s[%s] refused without running (correlation id %s): %s",
-                     task.name, task.request.id, correlation_id, error)
-        signals.missing_tenant.send(sender=task, task_id=task.request.id, task_name=task.name,
-                                    reason=str(error), correlation_id=correlation_id)
+        logger.error(
+            "Task %s[%s] refused without running (correlation id %s): %s",
+            task.name,
+            task.request.id,
+            correlation_id,
+            error,
+        )
+        signals.missing_tenant.send(
+            sender=task,
+            task_id=task.request.id,
+            task_name=task.name,
+            reason=str(error),
+            correlation_id=correlation_id,
+        )
         raise error
 
     def body_context(self, task: GuardedTask) -> AbstractContextManager[Any]:

@@ -32,8 +32,13 @@ def test_contexts_nest_and_restore() -> None:
 
 @pytest.mark.parametrize(
     ("value", "text"),
-    [(42, "must be a str"), ("", "1 to 128"), ("x" * 129, "1 to 128"), ("a b", "may hold only"),
-     ("acme\n", "may hold only")],
+    [
+        (42, "must be a str"),
+        ("", "1 to 128"),
+        ("x" * 129, "1 to 128"),
+        ("a b", "may hold only"),
+        ("acme\n", "may hold only"),
+    ],
 )
 def test_bad_tenant_is_refused(value: Any, text: str) -> None:
     with pytest.raises(ContextError, match=text), tenant_context(value):
@@ -42,8 +47,14 @@ def test_bad_tenant_is_refused(value: Any, text: str) -> None:
 
 @pytest.mark.parametrize(
     ("value", "text"),
-    [(b"abc", "must be a str"), ("", "1 to 128"), ("a" * 129, "1 to 128"), ("id with space", "may hold only"),
-     ("-leading", "may hold only"), ("ümlaut", "may hold only")],
+    [
+        (b"abc", "must be a str"),
+        ("", "1 to 128"),
+        ("a" * 129, "1 to 128"),
+        ("id with space", "may hold only"),
+        ("-leading", "may hold only"),
+        ("ümlaut", "may hold only"),
+    ],
 )
 def test_malformed_correlation_id_is_refused(value: Any, text: str) -> None:
     with pytest.raises(ContextError, match=text), correlation_context(value):

@@ -30,17 +30,23 @@ def test_message_without_header_reads_as_empty() -> None:
 
 
 @BOTH_BROKERS
-def test_retry_keeps_version_per_call_options_and_unknown_fields(celery_worker: Any, sink: Sink,
-                                                                 broker: str) -> None:
+def test_retry_keeps_version_per_call_options_and_unknown_fields(celery_worker: Any, sink: Sink, broker: str) -> None:
     # Given a message from a newer release with a field this one does not know, and a per-call option
     with tenant_context("acme"):
         tasks.header_echo.apply_async(
-            kwargs={"sink": sink.key}, headers={"guardrails": {"future_field": "keep-me"}},
-            tenant_required=True, correlation_id="req-h-1",
+            kwargs={"sink": sink.key},
+            headers={"guardrails": {"future_field": "keep-me"}},
+            tenant_required=True,
+            correlation_id="req-h-1",
         ).get(timeout=30)
     first, retried = sink.wait(2)
     # Then the retry's header is the same mapping: version, context, per-call options, unknown field
-    expected = {"v": 1, "tenant": "acme", "cid": "req-h-1", "opts": {"tenant_required": True},
-                "future_field": "keep-me"}
+    expected = {
+        "v": 1,
+        "tenant": "acme",
+        "cid": "req-h-1",
+        "opts": {"tenant_required": True},
+        "future_field": "keep-me",
+    }
     assert first["header"] == expected
     assert retried["header"] == expected

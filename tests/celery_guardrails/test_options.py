@@ -82,19 +82,31 @@ def test_settings_are_revalidated_when_replaced() -> None:
 @pytest.mark.parametrize(
     ("env", "expected"),
     [
-        ({"GUARDRAILS_TEST_GUARDRAILS": json.dumps({"tenant_requried": True})},
-         "setting 'tenant_requried': unknown key; did you mean 'tenant_required'?"),
-        ({"GUARDRAILS_TEST_GUARDRAILS": json.dumps({"tenant_required": 1})},
-         "setting 'tenant_required': must be True or False"),
+        (
+            {"GUARDRAILS_TEST_GUARDRAILS": json.dumps({"tenant_requried": True})},
+            "setting 'tenant_requried': unknown key; did you mean 'tenant_required'?",
+        ),
+        (
+            {"GUARDRAILS_TEST_GUARDRAILS": json.dumps({"tenant_required": 1})},
+            "setting 'tenant_required': must be True or False",
+        ),
     ],
 )
-def test_worker_refuses_to_start_on_a_bad_setting(env: dict[str, str], expected: str, tmp_path: Path,
-                                                   queue_name: str) -> None:
+def test_worker_refuses_to_start_on_a_bad_setting(
+    env: dict[str, str], expected: str, tmp_path: Path, queue_name: str
+) -> None:
     # Given a worker whose app config has a typo / a wrong type
     require("redis")
-    worker = WorkerProcess(app="tests.proj.app", queue=queue_name, log_path=tmp_path / "worker.log",
-                           env={"GUARDRAILS_TEST_BROKER_URL": BROKER_URLS["redis"],
-                                "GUARDRAILS_TEST_REDIS_URL": REDIS_URL, **env})
+    worker = WorkerProcess(
+        app="tests.proj.app",
+        queue=queue_name,
+        log_path=tmp_path / "worker.log",
+        env={
+            "GUARDRAILS_TEST_BROKER_URL": BROKER_URLS["redis"],
+            "GUARDRAILS_TEST_REDIS_URL": REDIS_URL,
+            **env,
+        },
+    )
     # When it starts, Then it exits with an error naming the key, before consuming anything
     with pytest.raises(RuntimeError, match="exited with 1"):
         worker.start()

@@ -68,12 +68,17 @@ def test_success_runs_hooks_in_order_then_reverse(celery_worker: Any) -> None:
     with tenant_context("acme"):
         assert recorded.delay("ok").get(timeout=30) == "done"
     assert CALLS == [
-        ("a", "publish", "acme"), ("b", "publish", "acme"),
-        ("a", "before_run", "acme"), ("b", "before_run", "acme"),
-        ("a", "enter", None), ("b", "enter", None),
+        ("a", "publish", "acme"),
+        ("b", "publish", "acme"),
+        ("a", "before_run", "acme"),
+        ("b", "before_run", "acme"),
+        ("a", "enter", None),
+        ("b", "enter", None),
         ("body", "ok", "acme"),
-        ("b", "exit", None), ("a", "exit", None),
-        ("b", "success", "done"), ("a", "success", "done"),
+        ("b", "exit", None),
+        ("a", "exit", None),
+        ("b", "success", "done"),
+        ("a", "success", "done"),
     ]
 
 

@@ -33,8 +33,13 @@ class CeleryProcess:
     def start(self, timeout: float = 45.0) -> CeleryProcess:
         with self.log_path.open("wb") as out:
             self.process = subprocess.Popen(
-                self.command, cwd=ROOT, env=self.env, stdout=out, stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL, start_new_session=True,
+                self.command,
+                cwd=ROOT,
+                env=self.env,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
             )
         if self.ready_text is None:
             return self
@@ -81,13 +86,40 @@ class WorkerProcess(CeleryProcess):
 
     ready_text = " ready."
 
-    def __init__(self, *, app: str, queue: str, log_path: Path, pool: str = "prefork", concurrency: int = 1,
-                 env: dict[str, str] | None = None, extra: Sequence[str] = ()) -> None:
+    def __init__(
+        self,
+        *,
+        app: str,
+        queue: str,
+        log_path: Path,
+        pool: str = "prefork",
+        concurrency: int = 1,
+        env: dict[str, str] | None = None,
+        extra: Sequence[str] = (),
+    ) -> None:
         name = f"gr-{uuid.uuid4().hex[:8]}@%h"
         super().__init__(
-            ["-A", app, "worker", "-P", pool, "-c", str(concurrency), "-Q", queue, "-n", name, "-l", "INFO",
-             "--without-gossip", "--without-mingle", "--without-heartbeat", *extra],
-            log_path=log_path, env=env,
+            [
+                "-A",
+                app,
+                "worker",
+                "-P",
+                pool,
+                "-c",
+                str(concurrency),
+                "-Q",
+                queue,
+                "-n",
+                name,
+                "-l",
+                "INFO",
+                "--without-gossip",
+                "--without-mingle",
+                "--without-heartbeat",
+                *extra,
+            ],
+            log_path=log_path,
+            env=env,
         )
 
 
@@ -97,5 +129,6 @@ class BeatProcess(CeleryProcess):
     def __init__(self, *, app: str, workdir: Path, env: dict[str, str] | None = None) -> None:
         super().__init__(
             ["-A", app, "beat", "-l", "INFO", "-s", str(workdir / "beat-schedule"), "--pidfile="],
-            log_path=workdir / "beat.log", env=env,
+            log_path=workdir / "beat.log",
+            env=env,
         )

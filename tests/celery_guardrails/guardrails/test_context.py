@@ -51,8 +51,9 @@ def test_send_task_by_name(celery_worker: Any, celery_app: Any, broker: str) -> 
 
 def test_chain_every_step(celery_worker: Any, sink: Sink) -> None:
     with tenant_context("acme"), correlation_context("req-chain-1"):
-        chain(tasks.observe.s(sink=sink.key), tasks.observe.s(sink=sink.key),
-              tasks.observe.s(sink=sink.key)).delay().get(timeout=TIMEOUT)
+        chain(
+            tasks.observe.s(sink=sink.key), tasks.observe.s(sink=sink.key), tasks.observe.s(sink=sink.key)
+        ).delay().get(timeout=TIMEOUT)
     reports = sink.wait(3)
     assert [(r["tenant"], r["cid"]) for r in reports] == [("acme", "req-chain-1")] * 3
 
@@ -126,9 +127,15 @@ def test_plain_celery_message_and_malformed_header(celery_worker: Any, celery_ap
         if header is not None:
             message.headers["guardrails"] = header
         with celery_app.producer_or_acquire() as producer:
-            producer.publish(message.body, exchange="", routing_key=queue_name, headers=message.headers,
-                             serializer="json", declare=[celery_app.amqp.queues[queue_name]],
-                             **message.properties)
+            producer.publish(
+                message.body,
+                exchange="",
+                routing_key=queue_name,
+                headers=message.headers,
+                serializer="json",
+                declare=[celery_app.amqp.queues[queue_name]],
+                **message.properties,
+            )
         results[label] = celery_app.AsyncResult(task_id)
     # Then each runs with no tenant and a fresh, well-formed correlation id: nothing crashes
     for label, result in results.items():
@@ -137,13 +144,24 @@ def test_plain_celery_message_and_malformed_header(celery_worker: Any, celery_ap
         assert len(report["cid"]) == 32, label
 
 
-def test_beat_dispatch_carries_the_entry_tenant(celery_worker: Any, queue_name: str, sink: Sink,
-                                                tmp_path: Path) -> None:
+def test_beat_dispatch_carries_the_entry_tenant(
+    celery_worker: Any, queue_name: str, sink: Sink, tmp_path: Path
+) -> None:
     # Given a beat entry for tenant "acme", dispatched every second by a real beat process
-    schedule = {"observe": {"task": "tests.proj.tasks.spawn_child", "schedule": 1.0,
-                            "kwargs": {"sink": sink.key}, "options": {"tenant": "acme", "queue": queue_name}}}
-    env = {"GUARDRAILS_TEST_BROKER_URL": BROKER_URLS["redis"], "GUARDRAILS_TEST_REDIS_URL": REDIS_URL,
-           "GUARDRAILS_TEST_QUEUE": queue_name, "GUARDRAILS_TEST_BEAT": json.dumps(schedule)}
+    schedule = {
+        "observe": {
+            "task": "tests.proj.tasks.spawn_child",
+            "schedule": 1.0,
+            "kwargs": {"sink": sink.key},
+            "options": {"tenant": "acme", "queue": queue_name},
+        }
+    }
+    env = {
+        "GUARDRAILS_TEST_BROKER_URL": BROKER_URLS["redis"],
+        "GUARDRAILS_TEST_REDIS_URL": REDIS_URL,
+        "GUARDRAILS_TEST_QUEUE": queue_name,
+        "GUARDRAILS_TEST_BEAT": json.dumps(schedule),
+    }
     with BeatProcess(app="tests.proj.app", workdir=tmp_path, env=env):
         # When two runs have happened (each spawning a child)
         reports = sink.wait(4, timeout=45)
@@ -163,8 +181,11 @@ def test_consecutive_tasks_in_one_worker_process_never_share_context(
     pool: str, queue_name: str, celery_app: Any, tmp_path: Path, broker: str
 ) -> None:
     # Given a real worker process with one execution slot
-    env = {"GUARDRAILS_TEST_BROKER_URL": BROKER_URLS["redis"], "GUARDRAILS_TEST_REDIS_URL": REDIS_URL,
-           "GUARDRAILS_TEST_QUEUE": queue_name}
+    env = {
+        "GUARDRAILS_TEST_BROKER_URL": BROKER_URLS["redis"],
+        "GUARDRAILS_TEST_REDIS_URL": REDIS_URL,
+        "GUARDRAILS_TEST_QUEUE": queue_name,
+    }
     with WorkerProcess(app="tests.proj.app", queue=queue_name, pool=pool, log_path=tmp_path / "w.log", env=env):
         # When a task for "acme" runs, then one without any tenant
         with tenant_context("acme"), correlation_context("req-first"):

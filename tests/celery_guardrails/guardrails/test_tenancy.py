@@ -20,7 +20,7 @@ TIMEOUT = 30
 def test_publishing_without_a_tenant_raises_in_the_caller(celery_app: Any, sink: Sink) -> None:
     # Given a tenant_required task and no tenant in the context
     # When it is published, Then the caller gets a clear error and nothing is sent
-    with pytest.raises(MissingTenantError, match="tests.proj.tasks.tenant_only requires a tenant"):
+    with pytest.raises(MissingTenantError, match=r"tests\.proj\.tasks\.tenant_only requires a tenant"):
         tasks.tenant_only.delay(sink=sink.key)
     with tenant_context(None), pytest.raises(MissingTenantError):
         tasks.tenant_only.apply_async(kwargs={"sink": sink.key})
@@ -33,7 +33,11 @@ def test_per_call_option_can_require_a_tenant(celery_app: Any) -> None:
 
 @BOTH_BROKERS
 def test_tenantless_message_is_refused_without_running_and_without_looping(
-    celery_worker: Any, celery_app: Any, sink: Sink, queue_name: str, broker: str,
+    celery_worker: Any,
+    celery_app: Any,
+    sink: Sink,
+    queue_name: str,
+    broker: str,
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     refused: list[dict[str, Any]] = []

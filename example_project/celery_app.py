@@ -1,4 +1,8 @@
-"""The example project's Celery app, configured from Django settings (``CELERY_*``)."""
+"""The example project's Celery app, configured from Django settings (``CELERY_*``).
+
+Named celery_app.py, not celery.py: manage.py puts this folder first on sys.path, where a celery.py would
+shadow the celery package.
+"""
 
 import os
 

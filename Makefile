@@ -1,0 +1,33 @@
+# The two commands of the README: `make demo` and `make test`. Everything installs into .venv from
+# setup.cfg; nothing is installed by hand.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+INSTALLED := $(VENV)/.installed
+
+.PHONY: demo test services lint check bench clean
+
+$(INSTALLED): setup.cfg pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -e '.[test]'
+	touch $(INSTALLED)
+
+demo: $(INSTALLED)
+	$(PY) example_project/demo.py
+
+services:
+	bash scripts/services.sh
+
+lint: $(INSTALLED)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/mypy
+
+# The whole suite: lint, then everything on PostgreSQL, then the Django tests again on SQLite.
+test: $(INSTALLED) services lint
+	GUARDRAILS_TEST_DB=postgres $(PY) -m pytest
+	GUARDRAILS_TEST_DB=sqlite $(PY) -m pytest tests/django_app tests/example_project
+
+clean:
+	rm -rf $(VENV) build dist *.egg-info example_project/var

@@ -1,0 +1,164 @@
+"""The example project end to end (``make demo``).
+
+Migrates the project's SQLite database, starts a real ``celery worker`` (on Redis when one answers on
+127.0.0.1:6379, else on Kombu's filesystem transport, which needs no server; ``DEMO_BROKER=filesystem``
+forces it), sends requests and messages through ``GuardedTask``, prints what the worker saw, and stops
+everything it started.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+VAR = Path(os.environ.get("EXAMPLE_VAR_DIR", ROOT / "example_project" / "var"))
+
+
+def redis_answers() -> bool:
+    try:
+        with socket.create_connection(("127.0.0.1", 6379), timeout=1):
+            return True
+    except OSError:
+        return False
+
+
+def configure() -> str:
+    """Point the example project at a broker and say which."""
+    VAR.mkdir(parents=True, exist_ok=True)
+    os.environ.update(
+        {
+            "DJANGO_SETTINGS_MODULE": "example_project.settings",
+            "EXAMPLE_QUEUE": f"demo-{os.getpid()}",
+            "EXAMPLE_SQLITE_PATH": str(VAR / "db.sqlite3"),
+        }
+    )
+    if os.environ.get("DEMO_BROKER") != "filesystem" and redis_answers():
+        os.environ["EXAMPLE_BROKER_URL"] = os.environ["EXAMPLE_RESULT_BACKEND"] = "redis://127.0.0.1:6379/14"
+        return "Redis on 127.0.0.1:6379 (db 14)"
+    folders = {name: VAR / "broker" / name for name in ("messages", "processed", "results")}
+    for folder in folders.values():
+        folder.mkdir(parents=True, exist_ok=True)
+    os.environ["EXAMPLE_BROKER_URL"] = "filesystem://"
+    os.environ["EXAMPLE_BROKER_TRANSPORT_OPTIONS"] = json.dumps(
+        {
+            "data_folder_in": str(folders["messages"]),
+            "data_folder_out": str(folders["messages"]),
+            "processed_folder": str(folders["processed"]),
+            "store_processed": False,
+        }
+    )
+    os.environ["EXAMPLE_RESULT_BACKEND"] = f"file://{folders['results']}"
+    return f"Kombu filesystem transport in {folders['messages']} (no Redis answered on 127.0.0.1:6379)"
+
+
+def start_worker(log_path: Path) -> subprocess.Popen[bytes]:
+    with log_path.open("wb") as log:
+        worker = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "celery",
+                "-A",
+                "example_project",
+                "worker",
+                "-P",
+                "solo",
+                "-Q",
+                os.environ["EXAMPLE_QUEUE"],
+                "-n",
+                "demo@%h",
+                "-l",
+                "INFO",
+                "--without-gossip",
+                "--without-mingle",
+                "--without-heartbeat",
+            ],
+            cwd=ROOT,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+    deadline = time.monotonic() + 60
+    while " ready." not in log_path.read_text(errors="replace"):
+        if worker.poll() is not None or time.monotonic() > deadline:
+            raise SystemExit(f"the worker did not start:\n{log_path.read_text(errors='replace')}")
+        time.sleep(0.2)
+    return worker
+
+
+def stop(worker: subprocess.Popen[bytes]) -> None:
+    if worker.poll() is None:
+        os.killpg(worker.pid, signal.SIGTERM)
+        try:
+            worker.wait(20)
+        except subprocess.TimeoutExpired:
+            os.killpg(worker.pid, signal.SIGKILL)
+            worker.wait()
+
+
+def main() -> None:
+    sys.path.insert(0, str(ROOT))
+    broker = configure()
+    print(f"== broker: {broker}")
+    subprocess.run(
+        [sys.executable, str(ROOT / "example_project" / "manage.py"), "migrate", "--noinput", "-v", "0"],
+        check=True,
+        cwd=ROOT,
+    )
+    print(f"== migrated {os.environ['EXAMPLE_SQLITE_PATH']}")
+
+    import django
+
+    django.setup()
+    from django.test import Client
+
+    from example_project.celery_app import app
+
+    log_path = VAR / "demo-worker.log"
+    worker = start_worker(log_path)
+    print(f"== worker started (pid {worker.pid}, solo pool, queue {os.environ['EXAMPLE_QUEUE']}, log {log_path})")
+    try:
+        client = Client()
+
+        print(
+            "\n-- 1. tenant and correlation context: POST /orders/42/receipt as tenant acme, X-Request-ID demo-req-42"
+        )
+        response = client.post("/orders/42/receipt", headers={"X-Tenant": "acme", "X-Request-ID": "demo-req-42"})
+        body = response.json()
+        print(
+            f"   web:    HTTP {response.status_code}, task {body['task_id']}, tenant={body['tenant']}, "
+            f"correlation id={body['correlation_id']}"
+        )
+        seen = app.AsyncResult(body["task_id"]).get(timeout=30)
+        print(f"   worker: tenant={seen['tenant']}, correlation id={seen['correlation_id']} (on {seen['worker']})")
+
+        print("\n-- 2. tenant_required at publish: the same request without X-Tenant")
+        response = client.post("/orders/43/receipt")
+        print(f"   web:    HTTP {response.status_code}: {response.json()['error']}")
+
+        print("\n-- 3. tenant_required on the worker: a tenant-less message sent by name, as another service would")
+        result = app.send_task("example_project.shop.tasks.send_receipt", args=[44])
+        try:
+            result.get(timeout=30)
+        except Exception as exc:  # the refusal, raised back from the result backend
+            print(f"   worker: refused without running, state {result.state}: {type(exc).__name__}: {exc}")
+
+        print("\n-- the worker's log lines for request demo-req-42 (tenant and correlation id on each line)")
+        for line in log_path.read_text(errors="replace").splitlines():
+            if "demo-req-42" in line:
+                print(f"   {line}")
+    finally:
+        stop(worker)
+        print(f"\n== worker stopped (exit code {worker.returncode})")
+
+
+if __name__ == "__main__":
+    main()

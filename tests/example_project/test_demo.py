@@ -1,0 +1,32 @@
+"""The README's demo runs end to end (on the server-less broker, so it needs nothing running)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_demo_prints_the_context_seen_inside_the_worker(tmp_path: Path) -> None:
+    env = {**os.environ, "DEMO_BROKER": "filesystem", "EXAMPLE_VAR_DIR": str(tmp_path)}
+    for key in ("EXAMPLE_BROKER_URL", "EXAMPLE_RESULT_BACKEND", "EXAMPLE_QUEUE", "DJANGO_SETTINGS_MODULE"):
+        env.pop(key, None)
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "example_project" / "demo.py")],
+        env=env,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    out = done.stdout
+    assert "== broker: Kombu filesystem transport" in out
+    assert "worker: tenant=acme, correlation id=demo-req-42" in out
+    assert "web:    HTTP 400: example_project.shop.tasks.send_receipt requires a tenant" in out
+    assert "worker: refused without running, state FAILURE: MissingTenantError" in out
+    assert "[tenant=acme cid=demo-req-42 task=example_project.shop.tasks.send_receipt/" in out
+    assert "== worker stopped (exit code 0)" in out
