@@ -11,8 +11,8 @@ from celery import Celery
 
 from celery_guardrails import ConfigurationError, GuardedTask
 from celery_guardrails.options import OPTIONS, app_settings, resolve, validate
-from tests.support.services import BROKER_URLS, REDIS_URL, require
-from tests.support.workers import WorkerProcess
+from tests.support.services import require
+from tests.support.workers import PROJ_APP, WorkerProcess, proj_env
 
 
 def make_task(app: Celery, **attributes: Any) -> GuardedTask:
@@ -98,14 +98,10 @@ def test_worker_refuses_to_start_on_a_bad_setting(
     # Given a worker whose app config has a typo / a wrong type
     require("redis")
     worker = WorkerProcess(
-        app="tests.proj.app",
+        app=PROJ_APP,
         queue=queue_name,
         log_path=tmp_path / "worker.log",
-        env={
-            "GUARDRAILS_TEST_BROKER_URL": BROKER_URLS["redis"],
-            "GUARDRAILS_TEST_REDIS_URL": REDIS_URL,
-            **env,
-        },
+        env=proj_env(queue=queue_name, **env),
     )
     # When it starts, Then it exits with an error naming the key, before consuming anything
     with pytest.raises(RuntimeError, match="exited with 1"):

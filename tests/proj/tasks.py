@@ -90,3 +90,15 @@ def header_echo(self: GuardedTask, sink: str) -> None:
     seen(self, sink, header=from_request(self.request))
     if self.request.retries == 0:
         raise self.retry(countdown=0)
+
+
+@shared_task(base=GuardedTask, bind=True, acks_late=True)
+def hold_until_redelivered(self: GuardedTask, sink: str) -> dict[str, Any]:
+    """Reports, then (on its first delivery) blocks so a test can SIGKILL the worker mid-task."""
+    import time
+
+    redelivered = bool((self.request.delivery_info or {}).get("redelivered"))
+    report = seen(self, sink, redelivered=redelivered)
+    if not redelivered:
+        time.sleep(60)
+    return report

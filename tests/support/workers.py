@@ -12,7 +12,21 @@ from collections.abc import Sequence
 from pathlib import Path
 from types import TracebackType
 
+from tests.support.services import BROKER_URLS, REDIS_URL
+
 ROOT = Path(__file__).resolve().parents[2]
+#: The app module the test subprocesses load.
+PROJ_APP = "tests.proj.app"
+
+
+def proj_env(*, queue: str, broker: str = "redis", **extra: str) -> dict[str, str]:
+    """Environment for a ``tests.proj.app`` subprocess on ``broker``, consuming/publishing ``queue``."""
+    return {
+        "GUARDRAILS_TEST_BROKER_URL": BROKER_URLS[broker],
+        "GUARDRAILS_TEST_REDIS_URL": REDIS_URL,
+        "GUARDRAILS_TEST_QUEUE": queue,
+        **extra,
+    }
 
 
 class CeleryProcess:

@@ -13,8 +13,7 @@ from celery import chain, chord, group
 from celery_guardrails import correlation_context, current_tenant, tenant_context
 from tests.conftest import BOTH_BROKERS, Sink
 from tests.proj import tasks
-from tests.support.services import BROKER_URLS, REDIS_URL
-from tests.support.workers import BeatProcess, WorkerProcess
+from tests.support.workers import PROJ_APP, BeatProcess, WorkerProcess, proj_env
 
 TIMEOUT = 30
 
@@ -70,6 +69,13 @@ def test_chord_header_and_callback(celery_worker: Any) -> None:
     assert_context(report, "acme", "req-chord-1")
     for part in report["parts"]:
         assert_context(part, "acme", "req-chord-1")
+
+
+def test_link_callback(celery_worker: Any, sink: Sink) -> None:
+    with tenant_context("acme"), correlation_context("req-link-1"):
+        tasks.observe.apply_async(link=tasks.observe.s(sink=sink.key)).get(timeout=TIMEOUT)
+    (report,) = sink.wait(1)
+    assert_context(report, "acme", "req-link-1")
 
 
 def test_link_error_errback(celery_worker: Any, sink: Sink) -> None:
@@ -156,13 +162,8 @@ def test_beat_dispatch_carries_the_entry_tenant(
             "options": {"tenant": "acme", "queue": queue_name},
         }
     }
-    env = {
-        "GUARDRAILS_TEST_BROKER_URL": BROKER_URLS["redis"],
-        "GUARDRAILS_TEST_REDIS_URL": REDIS_URL,
-        "GUARDRAILS_TEST_QUEUE": queue_name,
-        "GUARDRAILS_TEST_BEAT": json.dumps(schedule),
-    }
-    with BeatProcess(app="tests.proj.app", workdir=tmp_path, env=env):
+    env = proj_env(queue=queue_name, GUARDRAILS_TEST_BEAT=json.dumps(schedule))
+    with BeatProcess(app=PROJ_APP, workdir=tmp_path, env=env):
         # When two runs have happened (each spawning a child)
         reports = sink.wait(4, timeout=45)
     runs = {r["task_id"]: r for r in reports if r["task"] == "tests.proj.tasks.spawn_child"}
@@ -181,12 +182,8 @@ def test_consecutive_tasks_in_one_worker_process_never_share_context(
     pool: str, queue_name: str, celery_app: Any, tmp_path: Path, broker: str
 ) -> None:
     # Given a real worker process with one execution slot
-    env = {
-        "GUARDRAILS_TEST_BROKER_URL": BROKER_URLS["redis"],
-        "GUARDRAILS_TEST_REDIS_URL": REDIS_URL,
-        "GUARDRAILS_TEST_QUEUE": queue_name,
-    }
-    with WorkerProcess(app="tests.proj.app", queue=queue_name, pool=pool, log_path=tmp_path / "w.log", env=env):
+    env = proj_env(queue=queue_name, broker="redis")
+    with WorkerProcess(app=PROJ_APP, queue=queue_name, pool=pool, log_path=tmp_path / "w.log", env=env):
         # When a task for "acme" runs, then one without any tenant
         with tenant_context("acme"), correlation_context("req-first"):
             first = tasks.observe.delay().get(timeout=TIMEOUT)
@@ -209,3 +206,26 @@ def test_threads_pool_never_shares_context(celery_worker: Any) -> None:
     second = tasks.observe.delay().get(timeout=TIMEOUT)
     assert_context(first, "acme", "req-thread-1")
     assert second["tenant"] is None and second["cid"] != "req-thread-1"
+
+
+@pytest.mark.parametrize("broker", ["amqp"], indirect=True)
+def test_redelivery_after_sigkill_keeps_the_context(
+    celery_app: Any, broker: str, queue_name: str, sink: Sink, tmp_path: Path
+) -> None:
+    # Given an acks_late task running on a real worker over RabbitMQ, for tenant "acme"
+    env = proj_env(queue=queue_name, broker="amqp")
+    first = WorkerProcess(app=PROJ_APP, queue=queue_name, log_path=tmp_path / "first.log", env=env)
+    with first:
+        with tenant_context("acme"), correlation_context("req-kill-1"):
+            tasks.hold_until_redelivered.apply_async(kwargs={"sink": sink.key})
+        sink.wait(1)
+        # When the worker is SIGKILLed mid-task
+        first.kill()
+        first.wait(15)
+    # Then a new worker gets the message again, with the same tenant and correlation id
+    with WorkerProcess(app=PROJ_APP, queue=queue_name, log_path=tmp_path / "second.log", env=env):
+        before, after = sink.wait(2)
+    assert (before["redelivered"], after["redelivered"]) == (False, True)
+    assert before["task_id"] == after["task_id"]
+    assert_context(before, "acme", "req-kill-1")
+    assert_context(after, "acme", "req-kill-1")
