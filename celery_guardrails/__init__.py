@@ -11,23 +11,35 @@ from celery_guardrails.context import (
     tenant_context,
 )
 from celery_guardrails.exceptions import (
+    BudgetExhaustedError,
     ConfigurationError,
     ContextError,
     GuardrailsError,
     MissingTenantError,
+    PermanentError,
+    RetryLater,
+    StoreError,
+    TransientError,
 )
+from celery_guardrails.guardrails.budget import budget_status
 from celery_guardrails.pipeline import Guardrail
 from celery_guardrails.task import GuardedTask
 
 __version__ = "0.1.0.dev0"
 
 __all__ = [
+    "BudgetExhaustedError",
     "ConfigurationError",
     "ContextError",
     "GuardedTask",
     "Guardrail",
     "GuardrailsError",
     "MissingTenantError",
+    "PermanentError",
+    "RetryLater",
+    "StoreError",
+    "TransientError",
+    "budget_status",
     "correlation_context",
     "current_correlation_id",
     "current_tenant",

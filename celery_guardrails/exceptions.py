@@ -5,8 +5,13 @@ Every exception the extension raises derives from one root, :class:`GuardrailsEr
     GuardrailsError
     ├── ConfigurationError      a bad key or value in ``app.conf.guardrails`` / ``CELERY_GUARDRAILS``
     │                           or in a task's guardrail options (raised at start-up or at bind time)
-    └── ContextError            a tenant or correlation id that cannot travel in a message
-        └── MissingTenantError  a ``tenant_required`` task published or delivered without a tenant
+    ├── ContextError            a tenant or correlation id that cannot travel in a message
+    │   └── MissingTenantError  a ``tenant_required`` task published or delivered without a tenant
+    ├── TransientError          raise from a task: this may work if tried again (retried with backoff)
+    ├── PermanentError          raise from a task: trying again cannot help (never retried)
+    ├── RetryLater              raise from a task: "not yet" (re-delivered later, no attempt consumed)
+    ├── BudgetExhaustedError    a dependency's retry budget or open circuit kept a message from running
+    └── StoreError              the guardrails store (Redis or the Django database) cannot be used
 
 ``ConfigurationError`` and ``ContextError`` are also ``ValueError`` so that code catching bad input the usual
 way keeps working.
@@ -54,3 +59,47 @@ class MissingTenantError(ContextError):
             f"{ident} requires a tenant and none was {self.where}; "
             "publish it inside tenant_context(...) or pass tenant=... to apply_async"
         )
+
+
+class TransientError(GuardrailsError):
+    """Raise (or subclass) for a failure that may go away: the task is retried with backoff.
+
+    ``retry_after`` (seconds) asks for at least that delay, like an HTTP ``Retry-After``.
+    """
+
+    def __init__(self, message: str = "", *, retry_after: float | None = None) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
+class PermanentError(GuardrailsError):
+    """Raise (or subclass) for a failure that trying again cannot fix (bad input, a refused request)."""
+
+
+class RetryLater(GuardrailsError):
+    """Raise when the message cannot be processed *yet* (a record another path writes is not readable yet).
+
+    The same message is re-published after ``delay`` seconds (``retry_later_delay`` when None) without
+    consuming an attempt; ``retry_later_max`` bounds how often.
+    """
+
+    def __init__(self, message: str = "", *, delay: float | None = None) -> None:
+        super().__init__(message)
+        self.delay = delay
+
+
+class StoreError(GuardrailsError):
+    """The guardrails store cannot be reached or refused an operation."""
+
+
+class BudgetExhaustedError(GuardrailsError):
+    """A dependency's retry budget (``reason="budget"``) or open circuit (``"circuit"``) refused a run."""
+
+    def __init__(self, dependency: str, reason: str) -> None:
+        super().__init__(dependency, reason)
+        self.dependency = dependency
+        self.reason = reason
+
+    def __str__(self) -> str:
+        what = "retry budget is spent" if self.reason == "budget" else "circuit is open"
+        return f"dependency {self.dependency!r}: {what}"

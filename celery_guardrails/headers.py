@@ -8,11 +8,21 @@ is a flat mapping (an AMQP table on RabbitMQ, a JSON object on Redis)::
         "tenant": "acme",       # tenant id; absent when the message has no tenant
         "cid": "9f1c0c6e...",   # correlation id; every message gets one at publish
         "opts": {...},          # per-call guardrail options given to apply_async (JSON values only)
+        "attempt": 2,           # attempts consumed before this delivery (absent: 0)
+        "later": 1,             # RetryLater re-deliveries so far (absent: 0)
+        "deferred": 0,          # retry-budget / circuit-breaker deferrals so far (absent: 0)
+        "hist": [{...}],        # the last HISTORY_LIMIT attempt records, oldest first (see below)
+        "hist_n": 3,            # how many records were ever written (the list keeps the last 20)
     }
+
+An attempt record: ``{"n": 1, "start": "2026-11-30T08:00:00.123+00:00", "end": "...", "host": "celery@web1",
+"exc": "requests.exceptions.HTTPError", "msg": "503 Server Error" (at most MESSAGE_LIMIT characters),
+"class": "transient" | "permanent" | "retry_later" | "manual" | "deferred_budget" | "deferred_circuit",
+"rule": "http:503", "delay": 3.2}`` (``delay`` is null when none was chosen).
 
 Version history:
 
-* ``1`` (0.1): ``tenant``, ``cid``, ``opts``.
+* ``1`` (0.1): ``tenant``, ``cid``, ``opts``, ``attempt``, ``later``, ``deferred``, ``hist``, ``hist_n``.
 
 Compatibility rules:
 
@@ -44,6 +54,17 @@ VERSION_FIELD = "v"
 TENANT = "tenant"
 CORRELATION_ID = "cid"
 OPTIONS = "opts"
+ATTEMPT = "attempt"
+LATER = "later"
+DEFERRED = "deferred"
+HISTORY = "hist"
+HISTORY_TOTAL = "hist_n"
+
+#: Attempt records carried in a message at most (the oldest are dropped; HISTORY_TOTAL keeps counting).
+HISTORY_LIMIT = 20
+#: Characters of an exception message kept in an attempt record.
+MESSAGE_LIMIT = 500
+_COUNTERS = (ATTEMPT, LATER, DEFERRED, HISTORY_TOTAL)
 
 
 def from_message_headers(headers: Mapping[str, Any] | None) -> dict[str, Any]:
@@ -82,10 +103,39 @@ def sanitise(raw: Mapping[str, Any], *, task_id: str | None = None) -> dict[str,
                     "Task %s: malformed %r in header %r, treated as missing: %s", task_id, field, HEADER, exc
                 )
                 del clean[field]
+    for field in _COUNTERS:
+        value = clean.get(field)
+        if field in clean and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+            _drop(clean, field, task_id)
     if OPTIONS in clean and not isinstance(clean[OPTIONS], Mapping):
-        logger.warning("Task %s: malformed %r in header %r, treated as missing", task_id, OPTIONS, HEADER)
-        del clean[OPTIONS]
+        _drop(clean, OPTIONS, task_id)
+    history = clean.get(HISTORY)
+    if HISTORY in clean and not (isinstance(history, list) and all(isinstance(r, Mapping) for r in history)):
+        _drop(clean, HISTORY, task_id)
     return clean
+
+
+def _drop(clean: dict[str, Any], field: str, task_id: str | None) -> None:
+    logger.warning("Task %s: malformed %r in header %r, treated as missing", task_id, field, HEADER)
+    del clean[field]
+
+
+def counter(header: Mapping[str, Any], field: str) -> int:
+    """A counter field of a sanitised header (0 when absent)."""
+    value = header.get(field, 0)
+    return value if isinstance(value, int) else 0
+
+
+def history(header: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """The attempt records of a sanitised header, oldest first."""
+    return [dict(record) for record in header.get(HISTORY) or ()]
+
+
+def with_record(header: Mapping[str, Any], record: Mapping[str, Any], **counters: int) -> dict[str, Any]:
+    """A copy of ``header`` with ``record`` appended to the bounded history and ``counters`` set."""
+    records = [*history(header), dict(record)][-HISTORY_LIMIT:]
+    total = max(counter(header, HISTORY_TOTAL), len(history(header))) + 1
+    return {**header, **counters, HISTORY: records, HISTORY_TOTAL: total}
 
 
 def call_options(header: Mapping[str, Any]) -> Mapping[str, Any]:

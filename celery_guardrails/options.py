@@ -19,12 +19,16 @@ Keys are lowercase, like Celery's own settings. An unknown key or a bad value ra
 from __future__ import annotations
 
 import difflib
+import logging
+import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from importlib import import_module
 from typing import Any
 
 from celery_guardrails.exceptions import ConfigurationError
+
+logger = logging.getLogger(__name__)
 
 CALL = "call"
 TASK = "task"
@@ -56,6 +60,71 @@ def _callable_or_path(value: Any) -> Any:
     raise ValueError(f"must be a callable or a dotted path 'package.module.name', got {value!r:.80}")
 
 
+def _positive_int(value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"must be a whole number of at least 1, got {value!r:.80}")
+    return value
+
+
+def _non_negative_int(value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"must be a whole number of at least 0, got {value!r:.80}")
+    return value
+
+
+def _seconds(value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
+        raise ValueError(f"must be a positive number of seconds, got {value!r:.80}")
+    return float(value)
+
+
+def _ratio(value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value <= 10:
+        raise ValueError(f"must be a number from 0 to 10 (retries per first attempt), got {value!r:.80}")
+    return float(value)
+
+
+def _choice(*choices: str) -> Callable[[Any], str]:
+    def check(value: Any) -> str:
+        if value not in choices:
+            raise ValueError(f"must be one of {', '.join(map(repr, choices))}, got {value!r:.80}")
+        return str(value)
+
+    return check
+
+
+def _exception_types(value: Any) -> tuple[type[BaseException], ...]:
+    items = value if isinstance(value, list | tuple) else (value,)
+    types = []
+    for item in items:
+        loaded = load(item) if isinstance(item, str) else item
+        if not (isinstance(loaded, type) and issubclass(loaded, BaseException)):
+            raise ValueError(f"must be exception classes or dotted paths to them, got {item!r:.80}")
+        types.append(loaded)
+    return tuple(types)
+
+
+def _patterns(value: Any) -> tuple[tuple[re.Pattern[str], str], ...]:
+    pairs = value.items() if isinstance(value, Mapping) else value
+    try:
+        checked = tuple((re.compile(pattern), _choice("transient", "permanent")(kind)) for pattern, kind in pairs)
+    except (TypeError, ValueError, re.error) as exc:
+        raise ValueError(f"must map regular expressions to 'transient' or 'permanent': {exc}") from None
+    return checked
+
+
+def _name(value: Any) -> str:
+    if not isinstance(value, str) or not re.fullmatch(r"[\w.:-]{1,100}", value):
+        raise ValueError(f"must be a name of 1 to 100 letters, digits or . : - _, got {value!r:.80}")
+    return value
+
+
+def _store(value: Any) -> str:
+    if value == "django" or (isinstance(value, str) and value.startswith(("redis://", "rediss://", "unix://"))):
+        return str(value)
+    raise ValueError(f"must be 'django' or a Redis URL such as 'redis://127.0.0.1:6379/1', got {value!r:.80}")
+
+
 def _header_names(value: Any) -> tuple[str, ...]:
     if isinstance(value, str) or not all(isinstance(v, str) and v for v in value):
         raise ValueError(f"must be a list of HTTP header names, got {value!r:.80}")
@@ -85,6 +154,169 @@ OPTIONS: Mapping[str, Option] = {
             default=None,
             doc="Django: callable (or dotted path) taking the HttpRequest and returning its tenant id or None.",
             check=_callable_or_path,
+            scopes=frozenset({APP}),
+        ),
+        Option(
+            name="idempotent",
+            default=False,
+            doc="Declare the task safe to run twice; an unknown error is then retried (see unknown_errors).",
+            check=_boolean,
+            scopes=frozenset({TASK, APP}),
+        ),
+        Option(
+            name="max_attempts",
+            default=5,
+            doc="Runs at most, the first one included.",
+            check=_positive_int,
+            scopes=frozenset({CALL, TASK, APP}),
+        ),
+        Option(
+            name="transient_errors",
+            default=(),
+            doc="Exception classes (or dotted paths) retried with backoff.",
+            check=_exception_types,
+            scopes=frozenset({TASK, APP}),
+        ),
+        Option(
+            name="permanent_errors",
+            default=(),
+            doc="Exception classes (or dotted paths) never retried; checked before transient_errors.",
+            check=_exception_types,
+            scopes=frozenset({TASK, APP}),
+        ),
+        Option(
+            name="error_patterns",
+            default=(),
+            doc="Ordered {regex: 'transient'|'permanent'} matched against the error message, for errors "
+            "that crossed an RPC boundary as text.",
+            check=_patterns,
+            scopes=frozenset({TASK, APP}),
+        ),
+        Option(
+            name="unknown_errors",
+            default="auto",
+            doc="'auto': an unclassified error is transient for an idempotent task and not retried for "
+            "another; or 'transient' / 'permanent' for all tasks.",
+            check=_choice("auto", "transient", "permanent"),
+            scopes=frozenset({TASK, APP}),
+        ),
+        Option(
+            name="backoff",
+            default="full_jitter",
+            doc="'full_jitter': random(0, min(backoff_max, backoff_base * 2**(n-1))); 'decorrelated_jitter': "
+            "min(backoff_max, random(backoff_base, 3 * previous delay)).",
+            check=_choice("full_jitter", "decorrelated_jitter"),
+            scopes=frozenset({TASK, APP}),
+        ),
+        Option(
+            name="backoff_base",
+            default=1.0,
+            doc="Seconds: the scale of the first retry delay.",
+            check=_seconds,
+            scopes=frozenset({CALL, TASK, APP}),
+        ),
+        Option(
+            name="backoff_max",
+            default=600.0,
+            doc="Seconds: no retry delay (Retry-After included) is longer. Keep it below the Redis "
+            "visibility_timeout (1 hour by default).",
+            check=_seconds,
+            scopes=frozenset({CALL, TASK, APP}),
+        ),
+        Option(
+            name="backoff_random",
+            default=None,
+            doc="Callable (or dotted path) returning a float in [0, 1); default random.random. Inject a "
+            "seeded one to test exact delays.",
+            check=_callable_or_path,
+            scopes=frozenset({TASK, APP}),
+        ),
+        Option(
+            name="retry_later_delay",
+            default=5.0,
+            doc="Seconds before a RetryLater without its own delay is delivered again.",
+            check=_seconds,
+            scopes=frozenset({TASK, APP}),
+        ),
+        Option(
+            name="retry_later_max",
+            default=10,
+            doc="RetryLater deliveries at most; one more is a final failure (retry_later_exhausted).",
+            check=_positive_int,
+            scopes=frozenset({CALL, TASK, APP}),
+        ),
+        Option(
+            name="dependency",
+            default=None,
+            doc="Name of the provider the task depends on: tasks sharing it share a retry budget and a "
+            "circuit breaker across all workers.",
+            check=_name,
+            scopes=frozenset({CALL, TASK}),
+        ),
+        Option(
+            name="retry_budget_ratio",
+            default=0.2,
+            doc="Retries allowed per first attempt of the dependency within the sliding window.",
+            check=_ratio,
+            scopes=frozenset({TASK, APP}),
+        ),
+        Option(
+            name="retry_budget_floor",
+            default=3,
+            doc="Retries always allowed per window, whatever the first attempts.",
+            check=_non_negative_int,
+            scopes=frozenset({TASK, APP}),
+        ),
+        Option(
+            name="retry_budget_window",
+            default=60.0,
+            doc="Seconds: the sliding window of the retry budget.",
+            check=_seconds,
+            scopes=frozenset({TASK, APP}),
+        ),
+        Option(
+            name="retry_budget_policy",
+            default="defer",
+            doc="When the budget is spent: 'defer' the retry to the next window (retry_budget_max_deferrals "
+            "times at most) or 'fail' it finally (retry_budget_exhausted).",
+            check=_choice("defer", "fail"),
+            scopes=frozenset({TASK, APP}),
+        ),
+        Option(
+            name="retry_budget_max_deferrals",
+            default=10,
+            doc="Budget or circuit deferrals of one message at most; one more is a final failure "
+            "(retry_budget_exhausted).",
+            check=_positive_int,
+            scopes=frozenset({TASK, APP}),
+        ),
+        Option(
+            name="circuit_threshold",
+            default=5,
+            doc="Consecutive transient failures of a dependency that open its circuit (0: no breaker).",
+            check=_non_negative_int,
+            scopes=frozenset({TASK, APP}),
+        ),
+        Option(
+            name="circuit_open_seconds",
+            default=30.0,
+            doc="Seconds an open circuit delays new first attempts before letting probes through.",
+            check=_seconds,
+            scopes=frozenset({TASK, APP}),
+        ),
+        Option(
+            name="circuit_half_open_probes",
+            default=1,
+            doc="First attempts let through while the circuit is half-open.",
+            check=_positive_int,
+            scopes=frozenset({TASK, APP}),
+        ),
+        Option(
+            name="store",
+            default=None,
+            doc="Where budgets and circuit states live: 'django' (the Django app's tables) or a Redis URL. "
+            "Default: 'django' when the Django app is installed, else the broker's Redis.",
+            check=_store,
             scopes=frozenset({APP}),
         ),
         Option(
@@ -166,17 +398,30 @@ def check_call_options(call: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def resolve(task: Any, name: str, call: Mapping[str, Any]) -> Any:
-    """The value of option ``name`` for ``task``: per call, then task, then app config, then default."""
+    """The value of option ``name`` for ``task``: per call, then task, then app config, then default.
+
+    Values are returned checked (exception classes loaded, patterns compiled). A per-call value that does
+    not pass its check (a tampered or newer message) is logged and skipped, never fatal on the worker.
+    """
+    option = OPTIONS[name]
     if name in call:
-        return call[name]
+        try:
+            return option.check(call[name])
+        except (TypeError, ValueError) as exc:
+            logger.warning("Ignoring per-call option %r=%r: %s", name, call[name], exc)
     # Read from the class: a function given as a decorator kwarg must not become a bound method.
     value = getattr(type(task), name, None)
     if value is not None:
-        return value
+        return _checked(name, value)
     settings = app_settings(task.app)
     if name in settings:
         return settings[name]
-    return OPTIONS[name].default
+    return option.default
+
+
+def app_value(app: Any, name: str) -> Any:
+    """Option ``name`` from the app config, else its default (for work that is not one task's)."""
+    return app_settings(app).get(name, OPTIONS[name].default)
 
 
 def load(value: Any) -> Any:

@@ -32,6 +32,7 @@ class Publication:
     per-call ``tenant=`` / ``correlation_id=`` arguments, not yet validated.
     """
 
+    task_id: str | None
     args: tuple[Any, ...]
     kwargs: dict[str, Any]
     header: dict[str, Any]

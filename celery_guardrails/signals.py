@@ -14,6 +14,26 @@ task.
 missing_tenant
     A ``tenant_required`` task was delivered without a tenant and refused without running.
     Arguments: ``task_id``, ``task_name``, ``reason`` (a sentence), ``correlation_id``.
+
+retry_scheduled
+    A failed attempt will be tried again. Arguments: ``task_id``, ``attempt`` (the one that failed),
+    ``delay`` (seconds), ``kind`` (``"transient"`` or ``"retry_later"``), ``rule``, ``exc``.
+
+retry_deferred
+    A retry or first attempt was put off by its dependency's retry budget or open circuit, without running.
+    Arguments: ``task_id``, ``dependency``, ``reason`` (``"budget"`` or ``"circuit"``), ``delay``.
+
+final_failure
+    A message will not be tried again. Argument: ``failure``, a
+    :class:`~celery_guardrails.outcomes.FinalFailure` with the reason and the whole attempt history.
+
+budget_exhausted
+    A dependency's retry budget refused a retry, sent once per window. Arguments: ``dependency``,
+    ``window_end`` (epoch seconds), ``status`` (as :func:`~celery_guardrails.budget_status` reports it).
+
+circuit_opened
+    A dependency's circuit opened after consecutive transient failures. Arguments: ``dependency``,
+    ``until`` (epoch seconds).
 """
 
 from __future__ import annotations
@@ -21,3 +41,8 @@ from __future__ import annotations
 from celery.utils.dispatch import Signal
 
 missing_tenant = Signal(name="missing_tenant")
+retry_scheduled = Signal(name="retry_scheduled")
+retry_deferred = Signal(name="retry_deferred")
+final_failure = Signal(name="final_failure")
+budget_exhausted = Signal(name="budget_exhausted")
+circuit_opened = Signal(name="circuit_opened")

@@ -14,7 +14,9 @@ from typing import Any, ClassVar
 from celery import Task
 
 from celery_guardrails import headers
+from celery_guardrails.guardrails.budget import RetryBudget
 from celery_guardrails.guardrails.context import ContextPropagation
+from celery_guardrails.guardrails.retries import Retries
 from celery_guardrails.guardrails.tenancy import TenantGuard
 from celery_guardrails.install import install
 from celery_guardrails.options import OPTIONS, check_call_options
@@ -27,12 +29,38 @@ CONTEXT_OVERRIDES = frozenset({"tenant", "correlation_id"})
 class GuardedTask(Task):  # type: ignore[misc]
     """Base class for guarded tasks: ``@shared_task(base=GuardedTask, bind=True, tenant_required=True)``."""
 
-    #: The guardrails, in pipeline order. Extend with ``guardrails = GuardedTask.guardrails + (Mine(),)``.
-    guardrails: ClassVar[tuple[Guardrail, ...]] = (ContextPropagation(), TenantGuard())
+    #: The guardrails, in pipeline order. Extend with ``guardrails = (*GuardedTask.guardrails, Mine())``.
+    #: Retries runs before RetryBudget (which needs the attempt number) and wraps the body innermost.
+    guardrails: ClassVar[tuple[Guardrail, ...]] = (ContextPropagation(), TenantGuard(), Retries(), RetryBudget())
+
+    #: The ack is sacred: a message is acked only after the task finished, its retry was published or its
+    #: final failure was handed over; a worker that dies mid-task leaves it to be delivered again.
+    acks_late = True
 
     # Guardrail options as task attributes; None means "not set here", so the app config applies.
     tenant_required: bool | None = None
     tenant_activator: Any = None
+    idempotent: bool | None = None
+    max_attempts: int | None = None
+    transient_errors: Any = None
+    permanent_errors: Any = None
+    error_patterns: Any = None
+    unknown_errors: str | None = None
+    backoff: str | None = None
+    backoff_base: float | None = None
+    backoff_max: float | None = None
+    backoff_random: Any = None
+    retry_later_delay: float | None = None
+    retry_later_max: int | None = None
+    dependency: str | None = None
+    retry_budget_ratio: float | None = None
+    retry_budget_floor: int | None = None
+    retry_budget_window: float | None = None
+    retry_budget_policy: str | None = None
+    retry_budget_max_deferrals: int | None = None
+    circuit_threshold: int | None = None
+    circuit_open_seconds: float | None = None
+    circuit_half_open_probes: int | None = None
 
     @classmethod
     def on_bound(cls, app: Any) -> None:
@@ -61,7 +89,12 @@ class GuardedTask(Task):  # type: ignore[misc]
         if call:
             header[headers.OPTIONS] = call
         publication = Publication(
-            args=tuple(args or ()), kwargs=dict(kwargs or {}), header=header, call=call, overrides=overrides
+            task_id=task_id,
+            args=tuple(args or ()),
+            kwargs=dict(kwargs or {}),
+            header=header,
+            call=call,
+            overrides=overrides,
         )
         for guardrail in self.guardrails:
             guardrail.on_publish(self, publication)

@@ -3,8 +3,9 @@
 * At publish (``GuardedTask.apply_async``): a ``tenant_required`` task with no tenant in the context and none
   given per call raises :class:`~celery_guardrails.exceptions.MissingTenantError` in the caller.
 * On the worker: a message that arrives without a tenant (``app.send_task`` from outside any tenant, a plain
-  Celery publisher, a malformed header) is refused before the body: an ERROR log with task id and correlation
-  id, the ``missing_tenant`` signal, and the task ends FAILED with ``MissingTenantError``. It is acked, never
+  Celery publisher, a malformed header) is refused before the body: the ``missing_tenant`` signal, then the
+  final-failure path (an ERROR log with task id and correlation id, ``final_failure``, the dead-letter hook;
+  reason ``missing_tenant``), and the task ends FAILED with ``MissingTenantError``. It is acked, never
   requeued, so it cannot loop.
 * ``tenant_activator``: a callable taking the tenant id and returning a context manager, entered around the
   body (switch a django-tenants schema, pick a database router). It is not entered without a tenant.

@@ -40,7 +40,8 @@ def test_retry_keeps_version_per_call_options_and_unknown_fields(celery_worker: 
             correlation_id="req-h-1",
         ).get(timeout=30)
     first, retried = sink.wait(2)
-    # Then the retry's header is the same mapping: version, context, per-call options, unknown field
+    # Then the retry's header is the same mapping (version, context, per-call options, unknown field), plus
+    # the manual self.retry() counted as an attempt and recorded in the history
     expected = {
         "v": 1,
         "tenant": "acme",
@@ -49,4 +50,6 @@ def test_retry_keeps_version_per_call_options_and_unknown_fields(celery_worker: 
         "future_field": "keep-me",
     }
     assert first["header"] == expected
-    assert retried["header"] == expected
+    records = retried["header"].pop("hist")
+    assert retried["header"] == {**expected, "attempt": 1, "hist_n": 1}
+    assert [(r["n"], r["class"], r["rule"]) for r in records] == [(1, "manual", "self.retry")]

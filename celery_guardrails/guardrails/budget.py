@@ -1,0 +1,146 @@
+"""Retry budget and circuit breaker per dependency, shared by every worker through the store.
+
+Tasks that declare the same ``dependency="payments-api"`` share both:
+
+* ``before_run`` asks the store to admit the delivery (see :mod:`celery_guardrails.stores.base`). A first
+  attempt is counted, and deferred while the dependency's circuit is open; a retry must fit the budget
+  (``retry_budget_floor + retry_budget_ratio * first attempts`` per ``retry_budget_window``). A refused
+  delivery does not run: with ``retry_budget_policy="defer"`` it is re-published for the moment the store
+  named (the next window, the end of the open period) plus up to 10% jitter, no attempt consumed, at most
+  ``retry_budget_max_deferrals`` times; with ``"fail"`` (or past that bound) it fails finally
+  (``retry_budget_exhausted`` / ``circuit_open``). ``budget_exhausted`` fires once per window.
+* The outcome of each run feeds the circuit: a transient failure counts towards opening it
+  (``circuit_threshold`` in a row), a success closes it.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from celery_guardrails import headers, signals
+from celery_guardrails.classification import Kind
+from celery_guardrails.exceptions import BudgetExhaustedError
+from celery_guardrails.options import app_value, resolve
+from celery_guardrails.outcomes import CIRCUIT_OPEN, RETRY_BUDGET_EXHAUSTED, attempt_record, fail_finally, republish
+from celery_guardrails.pipeline import Guardrail
+from celery_guardrails.stores import get_store
+from celery_guardrails.stores.base import Admission, BudgetPolicy
+
+if TYPE_CHECKING:
+    from celery_guardrails.task import GuardedTask
+
+logger = logging.getLogger(__name__)
+
+
+def policy_from(lookup: Callable[[str], Any]) -> BudgetPolicy:
+    return BudgetPolicy(
+        window=lookup("retry_budget_window"),
+        ratio=lookup("retry_budget_ratio"),
+        floor=lookup("retry_budget_floor"),
+        threshold=lookup("circuit_threshold"),
+        open_seconds=lookup("circuit_open_seconds"),
+        probes=lookup("circuit_half_open_probes"),
+    )
+
+
+def policy_for(task: Any, call: Any) -> BudgetPolicy:
+    return policy_from(lambda name: resolve(task, name, call))
+
+
+class RetryBudget(Guardrail):
+    """Admission by retry budget and circuit breaker; outcomes recorded for the breaker."""
+
+    def before_run(self, task: GuardedTask, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        call = task.call_options()
+        request = task.request
+        dependency = resolve(task, "dependency", call)
+        request.guardrails_dependency = dependency
+        if not dependency:
+            return
+        policy = policy_for(task, call)
+        store = get_store(task.app)
+        now = time.time()
+        admission = store.admit(dependency, policy, retry=request.attempt > 1, now=now)
+        if admission.first_denial:
+            logger.warning("Retry budget of %s exhausted until %.0f", dependency, admission.retry_at)
+            signals.budget_exhausted.send(
+                sender=task,
+                dependency=dependency,
+                window_end=admission.retry_at,
+                status=store.budget_status(dependency, policy, now=now),
+            )
+        if not admission.allowed:
+            request.guardrails_dependency = None  # nothing ran: no outcome to record
+            raise self._refuse(task, dependency, admission, policy, now, call)
+
+    def _refuse(
+        self, task: GuardedTask, dependency: str, admission: Admission, policy: BudgetPolicy, now: float, call: Any
+    ) -> BaseException:
+        request = task.request
+        header = headers.from_request(request)
+        deferred = headers.counter(header, headers.DEFERRED) + 1
+        kind = f"deferred_{admission.reason}"
+        reason = RETRY_BUDGET_EXHAUSTED if admission.reason == "budget" else CIRCUIT_OPEN
+        error = BudgetExhaustedError(dependency, admission.reason)
+        give_up = deferred > resolve(task, "retry_budget_max_deferrals", call) or (
+            admission.reason == "budget" and resolve(task, "retry_budget_policy", call) == "fail"
+        )
+        if give_up:
+            record = attempt_record(task, kind=kind, rule=reason, exc=error)
+            fail_finally(task, error, reason=reason, history=[*request.attempt_history, record])
+            return error
+        wait = max(0.0, admission.retry_at - now)
+        delay = wait + random.random() * 0.1 * (policy.window if admission.reason == "budget" else policy.open_seconds)
+        record = attempt_record(task, kind=kind, rule=reason, delay=delay)
+        logger.info(
+            "Task %s[%s] deferred %.3fs: %s of %s (deferral %d)",
+            task.name,
+            request.id,
+            delay,
+            "retry budget spent" if admission.reason == "budget" else "circuit open",
+            dependency,
+            deferred,
+        )
+        signals.retry_deferred.send(
+            sender=task, task_id=request.id, dependency=dependency, reason=admission.reason, delay=delay
+        )
+        return republish(task, countdown=delay, header=headers.with_record(header, record, deferred=deferred))
+
+    def _record(self, task: GuardedTask, *, failed: bool) -> None:
+        dependency = getattr(task.request, "guardrails_dependency", None)
+        if not dependency:
+            return
+        call = task.call_options()
+        policy = policy_for(task, call)
+        now = time.time()
+        if get_store(task.app).record_outcome(dependency, policy, failed=failed, now=now):
+            logger.warning("Circuit of %s opened for %.1fs", dependency, policy.open_seconds)
+            signals.circuit_opened.send(sender=task, dependency=dependency, until=now + policy.open_seconds)
+
+    def on_success(self, task: GuardedTask, retval: Any) -> None:
+        self._record(task, failed=False)
+
+    def on_failure(self, task: GuardedTask, exc: BaseException, einfo: Any) -> None:
+        self._outcome_of_failure(task)
+
+    def on_retry(self, task: GuardedTask, exc: BaseException, einfo: Any) -> None:
+        self._outcome_of_failure(task)
+
+    def _outcome_of_failure(self, task: GuardedTask) -> None:
+        verdict = getattr(task.request, "guardrails_verdict", None)
+        # Only a transient failure says something about the dependency's health.
+        if verdict is not None and verdict.kind is Kind.TRANSIENT:
+            self._record(task, failed=True)
+
+
+def budget_status(dependency: str, *, app: Any = None) -> dict[str, Any]:
+    """The retry budget and circuit of ``dependency`` now, under ``app``'s settings (default: current app)."""
+    from celery import current_app
+
+    app = app or current_app
+    policy = policy_from(lambda name: app_value(app, name))
+    return get_store(app).budget_status(dependency, policy, now=time.time())
