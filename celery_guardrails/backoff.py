@@ -34,8 +34,8 @@ class Backoff:
             return min(self.maximum, retry_after)
         if self.strategy == "decorrelated_jitter":
             last = self.base if previous is None else previous
-            return min(self.maximum, self.base + self.random() * max(0.0, 3 * last - self.base))
-        return self.random() * min(self.maximum, self.base * 2 ** (failures - 1))
+            return float(min(self.maximum, self.base + self.random() * max(0.0, 3 * last - self.base)))
+        return float(self.random() * min(self.maximum, self.base * 2 ** (failures - 1)))
 
 
 def backoff_for(task: Any, call: Mapping[str, Any]) -> Backoff:

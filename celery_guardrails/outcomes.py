@@ -57,7 +57,9 @@ def attempt_record(
     }
 
 
-def republish(task: Any, *, countdown: float, header: dict[str, Any], exc: BaseException | None = None) -> Any:
+def republish(
+    task: Any, *, countdown: float, header: dict[str, Any], exc: BaseException | None = None
+) -> BaseException:
     """Publish the running message again after ``countdown`` seconds with ``header``; return Celery's Retry.
 
     Every other header of the message is kept (tenant included: it is in ``header``). The caller raises the
@@ -67,9 +69,10 @@ def republish(task: Any, *, countdown: float, header: dict[str, Any], exc: BaseE
     request.guardrails_republishing = True
     message_headers = {**(request.headers or {}), headers.HEADER: header}
     # max_retries: the guardrails count attempts themselves; Celery's own limit must not interfere.
-    return task.retry(
+    retry: BaseException = task.retry(
         exc=exc, countdown=max(0.0, countdown), max_retries=request.retries + 1, headers=message_headers, throw=False
     )
+    return retry
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

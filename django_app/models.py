@@ -5,7 +5,7 @@ from __future__ import annotations
 from django.db import models
 from django.utils.translation import gettext_lazy as _
 
-from django_celery_guardrails.querysets import DependencyStateQuerySet
+from .querysets import DependencyStateQuerySet
 
 
 class DependencyState(models.Model):

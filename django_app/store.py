@@ -22,7 +22,8 @@ from celery_guardrails.stores.base import (
     decide_outcome,
     status,
 )
-from django_celery_guardrails.models import DependencyState as Row
+
+from .models import DependencyState as Row
 
 _FIELDS = [f.name for f in fields(DependencyState)]
 

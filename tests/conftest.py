@@ -9,10 +9,13 @@ from __future__ import annotations
 
 import contextlib
 import json
+import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
+from urllib.parse import parse_qs, urlsplit
 
 import pytest
 import redis
@@ -45,6 +48,9 @@ def celery_config(broker: str, queue_name: str) -> Iterator[dict[str, Any]]:
         "result_expires": 600,
         "broker_connection_retry_on_startup": False,
         "worker_hijack_root_logger": False,
+        # The Django app is installed in the test process, which would make "django" the default store; the
+        # Django store is tested on its own (tests/django_app).
+        "guardrails": {"store": REDIS_URL},
     }
     # Each test has its own queue; drop it so RabbitMQ does not collect empty queues run after run.
     with Connection(BROKER_URLS[broker]) as conn, contextlib.suppress(*conn.channel_errors):  # never declared
@@ -68,9 +74,14 @@ def celery_includes() -> list[str]:
 class Sink:
     """A Redis list that tasks push their reports to."""
 
-    def __init__(self) -> None:
-        self.key = f"gr-test-sink-{uuid.uuid4().hex}"
+    def __init__(self, key: str | None = None) -> None:
+        self.key = key or f"gr-test-sink-{uuid.uuid4().hex}"
         self.client = redis.Redis.from_url(REDIS_URL)
+
+    @classmethod
+    def of(cls, key: str) -> Sink:
+        """Another view on a list (a sink key with a suffix, used by one task of a test)."""
+        return cls(key)
 
     def items(self) -> list[dict[str, Any]]:
         return [json.loads(raw) for raw in self.client.lrange(self.key, 0, -1)]
@@ -101,3 +112,48 @@ def waiting_messages(broker: str, queue: str) -> int:
     with Connection(BROKER_URLS[broker]) as conn:
         _, count, _ = conn.default_channel.queue_declare(queue, passive=True)
         return int(count)
+
+
+class _ProviderHandler(BaseHTTPRequestHandler):
+    def do_GET(self) -> None:
+        parts = urlsplit(self.path)
+        code = int(parts.path.rsplit("/", 1)[-1])
+        self.send_response(code)
+        for name, values in parse_qs(parts.query).items():
+            self.send_header(name.replace("_", "-").title(), values[0])
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
+    def log_message(self, format: str, *args: Any) -> None:  # keep test output quiet
+        pass
+
+
+@pytest.fixture
+def provider() -> Iterator[str]:
+    """A real HTTP server on loopback: ``GET <url>/status/503?retry_after=7`` answers 503, Retry-After: 7."""
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _ProviderHandler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+    server.server_close()
+
+
+@pytest.fixture
+def received() -> Iterator[Callable[..., list[dict[str, Any]]]]:
+    """``received(signal)`` starts collecting what ``signal`` sends; call the result again to read it."""
+    connected: list[tuple[Any, Callable[..., None]]] = []
+
+    def listen(signal: Any) -> list[dict[str, Any]]:
+        calls: list[dict[str, Any]] = []
+
+        def receiver(sender: Any = None, **kwargs: Any) -> None:
+            calls.append({"sender": sender, **kwargs})
+
+        signal.connect(receiver, weak=False)
+        connected.append((signal, receiver))
+        return calls
+
+    yield listen
+    for signal, receiver in connected:
+        signal.disconnect(receiver)

@@ -1,6 +1,7 @@
 """Django settings for the tests: the example project, on PostgreSQL or SQLite (GUARDRAILS_TEST_DB)."""
 
 import os
+import tempfile
 
 from tests.support.services import REDIS_URL
 
@@ -25,6 +26,16 @@ if DB == "postgres":
         }
     }
 elif DB == "sqlite":
-    DATABASES = {"default": {"ENGINE": "django.db.backends.sqlite3", "NAME": ":memory:"}}
+    # A file, not :memory:, so that worker threads and processes share it; IMMEDIATE transactions make
+    # concurrent writers wait for the lock (as the Django store's docs ask) instead of failing.
+    _path = os.path.join(tempfile.gettempdir(), f"guardrails-tests-{os.getpid()}.sqlite3")
+    DATABASES = {
+        "default": {
+            "ENGINE": "django.db.backends.sqlite3",
+            "NAME": _path,
+            "OPTIONS": {"transaction_mode": "IMMEDIATE", "timeout": 30},
+            "TEST": {"NAME": _path},
+        }
+    }
 else:
     raise RuntimeError(f"GUARDRAILS_TEST_DB must be 'postgres' or 'sqlite', not {DB!r}")

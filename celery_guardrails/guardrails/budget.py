@@ -76,6 +76,7 @@ class RetryBudget(Guardrail):
         if not admission.allowed:
             request.guardrails_dependency = None  # nothing ran: no outcome to record
             raise self._refuse(task, dependency, admission, policy, now, call)
+        request.guardrails_admitted = now  # the instant the store counted this run
 
     def _refuse(
         self, task: GuardedTask, dependency: str, admission: Admission, policy: BudgetPolicy, now: float, call: Any

@@ -22,3 +22,17 @@ app.conf.update(
 )
 if "GUARDRAILS_TEST_GUARDRAILS" in os.environ:
     app.conf.guardrails = json.loads(os.environ["GUARDRAILS_TEST_GUARDRAILS"])
+
+if "GUARDRAILS_TEST_SIGNAL_SINK" in os.environ:
+    import redis
+
+    from celery_guardrails import signals
+
+    def _report_budget_exhausted(
+        sender: object = None, dependency: str = "", window_end: float = 0.0, **_: object
+    ) -> None:
+        redis.Redis.from_url(redis_url).rpush(
+            os.environ["GUARDRAILS_TEST_SIGNAL_SINK"], json.dumps({"dependency": dependency, "window_end": window_end})
+        )
+
+    signals.budget_exhausted.connect(_report_budget_exhausted, weak=False)

@@ -9,12 +9,20 @@ from __future__ import annotations
 import json
 import os
 import threading
+from datetime import UTC, datetime
 from typing import Any
 
 import redis
 from celery import shared_task
 
-from celery_guardrails import GuardedTask, current_correlation_id, current_tenant
+from celery_guardrails import (
+    GuardedTask,
+    PermanentError,
+    RetryLater,
+    TransientError,
+    current_correlation_id,
+    current_tenant,
+)
 
 REDIS_URL = os.environ.get("GUARDRAILS_TEST_REDIS_URL", "redis://127.0.0.1:6379/9")
 
@@ -28,6 +36,7 @@ def seen(task: GuardedTask, sink: str | None = None, **extra: Any) -> dict[str, 
         "retries": task.request.retries,
         "pid": os.getpid(),
         "thread": threading.get_ident(),
+        "started": datetime.now(UTC).isoformat(timespec="milliseconds"),
         **extra,
     }
     if sink:
@@ -102,3 +111,60 @@ def hold_until_redelivered(self: GuardedTask, sink: str) -> dict[str, Any]:
     if not redelivered:
         time.sleep(60)
     return report
+
+
+def _behave(task: GuardedTask, sink: str, script: list[str]) -> dict[str, Any]:
+    """Run number n (counted across deliveries) does what ``script[n - 1]`` says (the last step repeats)."""
+    runs = redis.Redis.from_url(REDIS_URL).incr(f"{sink}:runs")
+    step = script[min(runs, len(script)) - 1]
+    report = seen(
+        task,
+        sink,
+        run=runs,
+        step=step,
+        attempt=task.request.attempt,
+        history=task.request.attempt_history,
+        admitted=getattr(task.request, "guardrails_admitted", None),
+    )
+    kind, _, arg = step.partition(":")
+    if kind == "transient":
+        raise TransientError(f"run {runs} failed")
+    if kind == "permanent":
+        raise PermanentError(f"run {runs} refused")
+    if kind == "value_error":
+        raise ValueError(f"run {runs}: bad value")
+    if kind == "unknown":
+        raise LookupError(f"run {runs}: nobody knows")
+    if kind == "remote":
+        raise RuntimeError(arg)
+    if kind == "until" and not redis.Redis.from_url(REDIS_URL).exists(arg):  # down until the key exists
+        raise TransientError("dependency down")
+    if kind == "later":
+        raise RetryLater("not readable yet", delay=float(arg or 0.05))
+    if kind == "get":  # a real HTTP call to the test's provider: get:<url>
+        import requests
+
+        requests.get(arg, timeout=5).raise_for_status()
+    if kind == "httpx":
+        import httpx
+
+        httpx.get(arg, timeout=5).raise_for_status()
+    return report
+
+
+@shared_task(
+    base=GuardedTask,
+    bind=True,
+    idempotent=True,
+    backoff_base=0.05,
+    backoff_max=10.0,
+    permanent_errors=(ValueError,),
+    error_patterns={r"(?i)\b404 not found\b": "permanent"},
+)
+def behave(self: GuardedTask, sink: str, script: list[str]) -> dict[str, Any]:
+    return _behave(self, sink, script)
+
+
+@shared_task(base=GuardedTask, bind=True, backoff_base=0.05)
+def behave_not_idempotent(self: GuardedTask, sink: str, script: list[str]) -> dict[str, Any]:
+    return _behave(self, sink, script)

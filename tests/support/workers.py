@@ -22,6 +22,8 @@ PROJ_APP = "tests.proj.app"
 def proj_env(*, queue: str, broker: str = "redis", **extra: str) -> dict[str, str]:
     """Environment for a ``tests.proj.app`` subprocess on ``broker``, consuming/publishing ``queue``."""
     return {
+        # A plain Celery app: without this, the pytest-django variable would switch on Celery's Django fixup.
+        "DJANGO_SETTINGS_MODULE": "",
         "GUARDRAILS_TEST_BROKER_URL": BROKER_URLS[broker],
         "GUARDRAILS_TEST_REDIS_URL": REDIS_URL,
         "GUARDRAILS_TEST_QUEUE": queue,

@@ -1,0 +1,138 @@
+"""Retry budget and circuit breaker on real workers over Redis (and the Django store on an embedded worker)."""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+import uuid
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+
+from celery_guardrails import BudgetExhaustedError, budget_status, signals
+from tests.conftest import Sink
+from tests.proj import tasks
+from tests.support.services import REDIS_URL
+from tests.support.workers import PROJ_APP, WorkerProcess, proj_env
+
+TIMEOUT = 60
+
+
+def test_budget_holds_across_two_worker_processes_and_work_proceeds_after_recovery(
+    celery_app: Any, queue_name: str, sink: Sink, tmp_path: Path
+) -> None:
+    # Given two worker processes sharing a dependency whose budget is 2 + 0.5 * first attempts per 2 s window
+    window, floor, ratio = 2.0, 2, 0.5
+    dependency, flag = f"dep-{uuid.uuid4().hex[:8]}", f"{sink.key}:up"
+    config = {
+        "retry_budget_window": window,
+        "retry_budget_floor": floor,
+        "retry_budget_ratio": ratio,
+        "circuit_threshold": 0,
+        "retry_budget_max_deferrals": 50,
+    }
+    celery_app.conf.guardrails = {**celery_app.conf.guardrails, **config}
+    env = proj_env(
+        queue=queue_name,
+        GUARDRAILS_TEST_GUARDRAILS=json.dumps(config),
+        GUARDRAILS_TEST_SIGNAL_SINK=f"{sink.key}:signals",
+    )
+    workers = [
+        WorkerProcess(app=PROJ_APP, queue=queue_name, concurrency=2, log_path=tmp_path / f"w{i}.log", env=env)
+        for i in range(2)
+    ]
+    for worker in workers:
+        worker.start()
+    try:
+        # When 10 tasks hit the dependency while it is down, and it comes back after 5 s
+        results = [
+            tasks.behave.apply_async((sink.key, [f"until:{flag}"]), dependency=dependency, max_attempts=30)
+            for _ in range(10)
+        ]
+        time.sleep(5)
+        redis.Redis.from_url(REDIS_URL).set(flag, 1, ex=120)
+        # Then every task eventually succeeds (the backlog drains at the budget's pace: no new traffic here)
+        finals = [result.get(timeout=TIMEOUT) for result in results]
+    finally:
+        for worker in workers:
+            worker.stop()
+    assert len({f["pid"] for f in sink.items()}) >= 2  # both processes worked
+    assert len(finals) == 10
+    # And in every window the retries that ran stayed within floor + ratio * (first attempts of this window
+    # and of the one before, which the sliding window can still count), by the store's own clock
+    runs = sink.items()
+    firsts = Counter(math.floor(r["admitted"] / window) for r in runs if r["attempt"] == 1)
+    retries = Counter(math.floor(r["admitted"] / window) for r in runs if r["attempt"] > 1)
+    assert retries, "the dependency was down: there were retries"
+    for index, count in retries.items():
+        assert count <= floor + ratio * (firsts[index] + firsts[index - 1]), (index, count, firsts, retries)
+    # And the budget_exhausted signal fired, at most once per window
+    fired = [json.loads(raw)["window_end"] for raw in sink.client.lrange(f"{sink.key}:signals", 0, -1)]
+    assert fired and len(fired) == len(set(fired))
+    # And deferred runs carry the deferral in their history
+    assert any(r["class"] == "deferred_budget" for f in finals for r in f["history"])
+    sink.client.delete(f"{sink.key}:signals", f"{sink.key}:runs")
+
+
+def test_budget_policy_fail_ends_with_retry_budget_exhausted(
+    celery_worker: Any, celery_app: Any, sink: Sink, received: Any
+) -> None:
+    celery_app.conf.guardrails = {
+        **celery_app.conf.guardrails,
+        "retry_budget_floor": 0,
+        "retry_budget_ratio": 0,
+        "retry_budget_policy": "fail",
+    }
+    finals = received(signals.final_failure)
+    dependency = f"dep-{uuid.uuid4().hex[:8]}"
+    with pytest.raises(BudgetExhaustedError, match="retry budget is spent"):
+        tasks.behave.apply_async((sink.key, ["transient", "ok"]), dependency=dependency).get(timeout=30)
+    assert [r["attempt"] for r in sink.items()] == [1]
+    (final,) = [f["failure"] for f in finals]
+    assert final.reason == "retry_budget_exhausted"
+    assert [r["class"] for r in final.history] == ["transient", "deferred_budget"]
+    assert budget_status(dependency, app=celery_app)["exhausted"] is True
+
+
+def test_circuit_opens_defers_first_attempts_and_closes_after_a_probe(
+    celery_worker: Any, celery_app: Any, sink: Sink, received: Any
+) -> None:
+    # Given a breaker that opens after 2 consecutive transient failures, for 2 s
+    celery_app.conf.guardrails = {**celery_app.conf.guardrails, "circuit_threshold": 2, "circuit_open_seconds": 2.0}
+    opened = received(signals.circuit_opened)
+    deferred = received(signals.retry_deferred)
+    dependency = f"dep-{uuid.uuid4().hex[:8]}"
+    # When two tasks fail transiently (no retries left), the circuit opens
+    for i in range(2):
+        with pytest.raises(Exception, match="failed"):
+            tasks.behave.apply_async((f"{sink.key}:{i}", ["transient"]), dependency=dependency, max_attempts=1).get(
+                timeout=30
+            )
+    assert budget_status(dependency, app=celery_app)["circuit"] == "open"
+    assert [o["dependency"] for o in opened] == [dependency]
+    # Then a new task is deferred until the circuit lets a probe through, runs once, and closes it
+    report = tasks.behave.apply_async((sink.key, ["ok"]), dependency=dependency).get(timeout=30)
+    assert [r["class"] for r in report["history"]] == ["deferred_circuit"]
+    assert report["attempt"] == 1 and len(sink.items()) == 1
+    assert [(d["dependency"], d["reason"]) for d in deferred] == [(dependency, "circuit")]
+    assert deferred[0]["delay"] >= 1.5
+    assert budget_status(dependency, app=celery_app)["circuit"] == "closed"
+
+
+@pytest.mark.django_db(transaction=True)
+def test_the_django_store_on_a_real_worker(celery_worker: Any, celery_app: Any, sink: Sink) -> None:
+    # Given the Django database as the store
+    from django_celery_guardrails.models import DependencyState
+
+    celery_app.conf.guardrails = {**celery_app.conf.guardrails, "store": "django"}
+    dependency = f"dep-{uuid.uuid4().hex[:8]}"
+    # When a task of the dependency fails once and succeeds
+    tasks.behave.apply_async((sink.key, ["transient", "ok"]), dependency=dependency).get(timeout=30)
+    # Then its first attempt and its retry were counted in the database, and the success closed the circuit
+    row = DependencyState.objects.get(dependency=dependency)
+    assert (row.first_current + row.first_previous, row.retries_current + row.retries_previous) == (1, 1)
+    assert (row.failures, row.circuit) == (0, "closed")

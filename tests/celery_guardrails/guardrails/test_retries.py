@@ -1,0 +1,181 @@
+"""Retries on a real worker over Redis: classification, backoff sequences, RetryLater, history, final failure."""
+
+from __future__ import annotations
+
+import logging
+import random
+import statistics
+from datetime import datetime
+from typing import Any
+
+import pytest
+from celery import group
+
+from celery_guardrails import PermanentError, TransientError, signals, tenant_context
+from tests.conftest import Sink
+from tests.proj import tasks
+
+TIMEOUT = 30
+
+
+def runs(sink: Sink) -> list[dict[str, Any]]:
+    return sink.items()
+
+
+def use_random(app: Any, source: Any) -> None:
+    app.conf.guardrails = {**app.conf.guardrails, "backoff_random": source}
+
+
+def test_two_transient_failures_then_success_run_three_times_with_exact_delays(
+    celery_worker: Any, celery_app: Any, sink: Sink, received: Any
+) -> None:
+    # Given an injected random source, and a task that fails transiently twice, then succeeds
+    use_random(celery_app, random.Random(7).random)
+    scheduled = received(signals.retry_scheduled)
+    with tenant_context("acme"):
+        final = tasks.behave.delay(sink.key, ["transient", "transient", "ok"]).get(timeout=TIMEOUT)
+    # Then it ran exactly 3 times, as attempts 1, 2, 3, each as "acme"
+    assert [(r["run"], r["attempt"], r["tenant"]) for r in runs(sink)] == [
+        (1, 1, "acme"),
+        (2, 2, "acme"),
+        (3, 3, "acme"),
+    ]
+    # And the delays are full jitter over base 0.05 s for the whole sequence: r * 0.05 * 2**(n-1)
+    expected_random = random.Random(7)
+    expected = [round(expected_random.random() * 0.05 * 2 ** (n - 1), 3) for n in (1, 2)]
+    assert [round(s["delay"], 3) for s in scheduled] == expected
+    assert [r["delay"] for r in final["history"]] == expected
+    assert [(r["n"], r["class"], r["rule"], r["exc"]) for r in final["history"]] == [
+        (1, "transient", "TransientError", "celery_guardrails.exceptions.TransientError"),
+        (2, "transient", "TransientError", "celery_guardrails.exceptions.TransientError"),
+    ]
+    for record in final["history"]:
+        assert record["host"] and record["msg"].startswith("run ")
+        assert datetime.fromisoformat(record["start"]) <= datetime.fromisoformat(record["end"])
+
+
+def test_decorrelated_jitter_sequence(celery_worker: Any, celery_app: Any, sink: Sink, received: Any) -> None:
+    celery_app.conf.guardrails = {**celery_app.conf.guardrails, "backoff": "decorrelated_jitter"}
+    use_random(celery_app, random.Random(11).random)
+    scheduled = received(signals.retry_scheduled)
+    tasks.behave.delay(sink.key, ["transient", "transient", "transient", "ok"]).get(timeout=TIMEOUT)
+    rng, previous, expected = random.Random(11), 0.05, []
+    for _ in range(3):
+        previous = min(10.0, 0.05 + rng.random() * (3 * previous - 0.05))
+        expected.append(round(previous, 3))
+    assert [round(s["delay"], 3) for s in scheduled] == expected
+
+
+def test_fifty_simultaneous_failures_retry_spread_out(celery_worker: Any, received: Any, sink: Sink) -> None:
+    # Given 50 tasks that fail at (nearly) the same instant, with real randomness
+    scheduled = received(signals.retry_scheduled)
+    group(tasks.behave.s(f"{sink.key}:{i}", ["transient", "ok"]) for i in range(50)).delay().get(timeout=TIMEOUT)
+    delays = [s["delay"] for s in scheduled]
+    # Then their retry delays are spread over the whole range, not bunched (loose bounds: no timing)
+    assert len(delays) == 50
+    assert len({round(d, 4) for d in delays}) >= 45
+    assert min(delays) < 0.0125 and max(delays) > 0.0375
+    assert statistics.pstdev(delays) > 0.008  # a uniform spread over [0, 0.05) has about 0.0144
+
+
+def test_max_attempts_reached_then_final_failure_with_the_whole_history(
+    celery_worker: Any, sink: Sink, received: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    finals = received(signals.final_failure)
+    with tenant_context("acme"), caplog.at_level(logging.ERROR), pytest.raises(TransientError):
+        tasks.behave.apply_async((sink.key, ["transient"]), max_attempts=4).get(timeout=TIMEOUT)
+    assert [r["attempt"] for r in runs(sink)] == [1, 2, 3, 4]
+    (final,) = [f["failure"] for f in finals]
+    assert (final.reason, final.attempts, final.tenant) == ("attempts_exhausted", 4, "acme")
+    assert [(r["n"], r["class"]) for r in final.history] == [(n, "transient") for n in (1, 2, 3, 4)]
+    assert [r["delay"] is not None for r in final.history] == [True, True, True, False]
+    assert any(
+        "failed finally (attempts_exhausted) after 4 attempt(s)" in r.getMessage() and final.task_id in r.getMessage()
+        for r in caplog.records
+    )
+
+
+@pytest.mark.parametrize(
+    ("step", "error", "rule"),
+    [
+        ("permanent", PermanentError, "PermanentError"),
+        ("value_error", ValueError, "permanent_errors"),
+        ("remote:upstream said 404 Not Found", RuntimeError, "error_patterns:(?i)\\b404 not found\\b"),
+    ],
+)
+def test_permanent_errors_run_once(
+    celery_worker: Any, sink: Sink, received: Any, step: str, error: type, rule: str
+) -> None:
+    finals = received(signals.final_failure)
+    with pytest.raises(error):
+        tasks.behave.delay(sink.key, [step]).get(timeout=TIMEOUT)
+    assert len(runs(sink)) == 1
+    (final,) = [f["failure"] for f in finals]
+    assert final.reason == "permanent"
+    assert final.history[-1]["rule"] == rule
+
+
+def test_http_422_runs_once_and_http_503_waits_for_retry_after(
+    celery_worker: Any, sink: Sink, provider: str, received: Any
+) -> None:
+    import httpx
+
+    finals, scheduled = received(signals.final_failure), received(signals.retry_scheduled)
+    # An HTTP 422 (httpx) is permanent: one run
+    # (the result backend rebuilds httpx.HTTPStatusError as its base class)
+    with pytest.raises(httpx.HTTPError):
+        tasks.behave.delay(f"{sink.key}:422", [f"httpx:{provider}/status/422"]).get(timeout=TIMEOUT)
+    assert len(Sink.of(f"{sink.key}:422").items()) == 1
+    assert finals[0]["failure"].history[-1]["rule"] == "http:422"
+    # An HTTP 503 with Retry-After: 7 (requests) is retried after 7 seconds, not less
+    tasks.behave.delay(sink.key, [f"get:{provider}/status/503?retry_after=7", "ok"]).get(timeout=TIMEOUT)
+    first, second = runs(sink)
+    assert [s["delay"] for s in scheduled] == [7.0]
+    assert first["attempt"] == 1 and second["attempt"] == 2
+    failed_at = datetime.fromisoformat(second["history"][0]["end"])
+    assert (datetime.fromisoformat(second["started"]) - failed_at).total_seconds() >= 7.0
+    assert second["history"][0]["rule"] == "http:503"
+
+
+def test_unknown_error_not_retried_unless_idempotent(celery_worker: Any, sink: Sink, received: Any) -> None:
+    finals = received(signals.final_failure)
+    with pytest.raises(LookupError):
+        tasks.behave_not_idempotent.delay(sink.key, ["unknown", "ok"]).get(timeout=TIMEOUT)
+    assert len(runs(sink)) == 1
+    assert finals[0]["failure"].reason == "not_idempotent"
+    # the same error in a task declared idempotent is retried
+    other = Sink.of(f"{sink.key}:idem")
+    tasks.behave.delay(other.key, ["unknown", "ok"]).get(timeout=TIMEOUT)
+    assert [r["history"][-1]["rule"] if r["history"] else None for r in other.items()] == [
+        None,
+        "unknown_errors:auto:idempotent",
+    ]
+
+
+def test_retry_later_consumes_no_attempt_and_keeps_the_tenant(celery_worker: Any, sink: Sink) -> None:
+    with tenant_context("acme"):
+        tasks.behave.delay(sink.key, ["later", "later", "later", "ok"]).get(timeout=TIMEOUT)
+    reports = runs(sink)
+    assert [(r["run"], r["attempt"], r["tenant"]) for r in reports] == [(n, 1, "acme") for n in (1, 2, 3, 4)]
+    assert [r["class"] for r in reports[-1]["history"]] == ["retry_later"] * 3
+
+
+def test_retry_later_is_bounded(celery_worker: Any, sink: Sink, received: Any) -> None:
+    finals = received(signals.final_failure)
+    with pytest.raises(Exception, match="not readable yet"):
+        tasks.behave.apply_async((sink.key, ["later"]), retry_later_max=3).get(timeout=TIMEOUT)
+    assert len(runs(sink)) == 4
+    assert finals[0]["failure"].reason == "retry_later_exhausted"
+
+
+def test_malformed_attempt_history_is_ignored_with_a_warning(
+    celery_worker: Any, sink: Sink, caplog: pytest.LogCaptureFixture
+) -> None:
+    with caplog.at_level(logging.WARNING):
+        report = tasks.behave.apply_async(
+            (sink.key, ["transient", "ok"]),
+            headers={"guardrails": {"hist": "garbage", "attempt": "two", "hist_n": -1}},
+        ).get(timeout=TIMEOUT)
+    assert report["attempt"] == 2 and len(report["history"]) == 1
+    messages = caplog.text
+    assert "malformed 'hist'" in messages and "malformed 'attempt'" in messages
