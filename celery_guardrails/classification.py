@@ -6,9 +6,9 @@
 2. ``RetryLater`` -> retry later (no attempt consumed); ``TransientError`` -> transient;
    ``PermanentError`` -> permanent.
 3. The task's ``permanent_errors``, then its ``transient_errors`` (``isinstance``).
-4. HTTP errors of requests, httpx or urllib3, by status: 408, 425, 429 and 5xx are transient, any other
-   4xx is permanent; their transport errors (timeouts, refused connections) are transient. The libraries
-   are recognised by the exception's module, never imported here.
+4. HTTP errors of requests, httpx, urllib3 or the standard library's urllib, by status: 408, 425, 429 and
+   5xx are transient, any other 4xx is permanent; their transport errors (timeouts, refused connections)
+   are transient. The libraries are recognised by the exception's module, never imported here.
 5. ``error_patterns``: regular expressions matched against ``str(exc)``, for errors that crossed an RPC
    boundary as plain text (a remote "404 Not Found" must still be recognised).
 6. ``unknown_errors``: ``"auto"`` (default) makes an unknown error transient for an idempotent task
@@ -27,11 +27,11 @@ from typing import Any
 from celery.exceptions import Ignore, Reject, Retry
 
 from celery_guardrails.exceptions import PermanentError, RetryLater, TransientError
-from celery_guardrails.options import resolve
+from celery_guardrails.options import resolve, task_attribute
 
 #: Statuses worth retrying: request timeout, too early, too many requests (and every 5xx).
 TRANSIENT_STATUSES = frozenset({408, 425, 429})
-HTTP_LIBRARIES = frozenset({"requests", "httpx", "urllib3"})
+HTTP_LIBRARIES = frozenset({"requests", "httpx", "urllib3", "urllib"})
 # Transport-level failures of those libraries (no response at all): always worth another try.
 TRANSPORT_ERRORS = frozenset(
     {
@@ -48,6 +48,7 @@ TRANSPORT_ERRORS = frozenset(
         "ConnectTimeoutError",
         "ReadTimeoutError",
         "MaxRetryError",  # urllib3
+        "URLError",  # urllib (an HTTPError, which carries a status, is classified by it first)
     }
 )
 
@@ -100,7 +101,7 @@ def classify(exc: BaseException, task: Any, call: Mapping[str, Any]) -> Verdict:
 
 def is_idempotent(task: Any, call: Mapping[str, Any]) -> bool:
     """Declared idempotent, or given an idempotency key (which makes a second run change nothing)."""
-    return bool(resolve(task, "idempotent", call) or getattr(type(task), "idempotency_key", None))
+    return bool(resolve(task, "idempotent", call) or task_attribute(task, "idempotency_key"))
 
 
 def _http_library(exc: BaseException) -> bool:
@@ -122,9 +123,10 @@ def _http_verdict(exc: BaseException) -> Verdict | None:
 
 
 def status_of(exc: BaseException) -> int | None:
-    """The HTTP status an exception carries (requests/httpx ``response.status_code``, urllib3 ``status``)."""
+    """The HTTP status an exception carries (requests/httpx ``response.status_code``, urllib3 ``status``,
+    urllib ``code``)."""
     response = getattr(exc, "response", None)
-    for holder, attribute in ((response, "status_code"), (response, "status"), (exc, "status")):
+    for holder, attribute in ((response, "status_code"), (response, "status"), (exc, "status"), (exc, "code")):
         value = getattr(holder, attribute, None) if holder is not None else None
         if isinstance(value, int):
             return value
@@ -136,7 +138,7 @@ def retry_after_of(exc: BaseException) -> float | None:
     explicit = getattr(exc, "retry_after", None)
     if isinstance(explicit, int | float) and not isinstance(explicit, bool):
         return max(0.0, float(explicit))
-    headers = getattr(getattr(exc, "response", None), "headers", None)
+    headers = getattr(getattr(exc, "response", None), "headers", None) or getattr(exc, "headers", None)
     value = headers.get("Retry-After") if headers is not None and hasattr(headers, "get") else None
     return parse_retry_after(value) if isinstance(value, str) else None
 

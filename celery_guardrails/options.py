@@ -381,7 +381,7 @@ def django_settings() -> dict[str, Any]:
 def validate_task(task: Any) -> None:
     """Check the guardrail options set as attributes of a task class; raise naming task and key."""
     for name, option in OPTIONS.items():
-        value = getattr(type(task), name, None)
+        value = task_attribute(task, name)
         if value is None:
             continue
         if TASK not in option.scopes:
@@ -397,6 +397,14 @@ def check_call_options(call: Mapping[str, Any]) -> dict[str, Any]:
     return validate(call, scope=CALL)
 
 
+def task_attribute(task: Any, name: str) -> Any:
+    """Attribute ``name`` of the task's class (None when unset)."""
+    # Read from the class: a function given as a decorator kwarg must not become a bound method. A task
+    # from @app.task before the app is finalised is a proxy: look through it.
+    task = task._get_current_object() if hasattr(task, "_get_current_object") else task
+    return getattr(type(task), name, None)
+
+
 def resolve(task: Any, name: str, call: Mapping[str, Any]) -> Any:
     """The value of option ``name`` for ``task``: per call, then task, then app config, then default.
 
@@ -409,8 +417,7 @@ def resolve(task: Any, name: str, call: Mapping[str, Any]) -> Any:
             return option.check(call[name])
         except (TypeError, ValueError) as exc:
             logger.warning("Ignoring per-call option %r=%r: %s", name, call[name], exc)
-    # Read from the class: a function given as a decorator kwarg must not become a bound method.
-    value = getattr(type(task), name, None)
+    value = task_attribute(task, name)
     if value is not None:
         return _checked(name, value)
     settings = app_settings(task.app)

@@ -122,6 +122,11 @@ def main() -> None:
 
     from example_project.celery_app import app
 
+    from example_project.shop.fake_provider import FlakyProvider
+
+    provider = FlakyProvider(failures=2).__enter__()
+    os.environ["EXAMPLE_PAYMENTS_URL"] = provider.url  # the worker inherits it
+    print(f"== flaky payments provider at {provider.url}: 503 twice per idempotency key, then 201")
     log_path = VAR / "demo-worker.log"
     worker = start_worker(log_path)
     print(f"== worker started (pid {worker.pid}, solo pool, queue {os.environ['EXAMPLE_QUEUE']}, log {log_path})")
@@ -151,12 +156,35 @@ def main() -> None:
         except Exception as exc:  # the refusal, raised back from the result backend
             print(f"   worker: refused without running, state {result.state}: {type(exc).__name__}: {exc}")
 
+        print("\n-- 4. classified retries: charge order 42 through the flaky provider (transient 503s)")
+        response = client.post("/orders/42/charge?amount=1999", headers={"X-Tenant": "acme"})
+        charged = app.AsyncResult(response.json()["task_id"]).get(timeout=60)
+        for record in charged["history"]:
+            print(f"   attempt {record['n']}: {record['exc']} ({record['msg'][:40]}) -> {record['class']} "
+                  f"by rule {record['rule']}, retried after {record['delay']:.3f}s")
+        print(f"   attempt {charged['attempt']}: charged, {charged['charge']} "
+              f"(the provider saw {provider.calls['charge:42']} requests)")
+
+        print("\n-- 5. a validation error is permanent: charge order 43 with amount -5")
+        response = client.post("/orders/43/charge?amount=-5", headers={"X-Tenant": "acme"})
+        failed = app.AsyncResult(response.json()["task_id"])
+        try:
+            failed.get(timeout=30)
+        except Exception as exc:
+            print(f"   worker: {type(exc).__name__}: {exc}; state {failed.state}, "
+                  f"provider requests: {provider.calls['charge:43']}")
+        finals = [line for line in log_path.read_text(errors="replace").splitlines() if failed.id in line
+                  and "failed finally" in line]
+        for line in finals:
+            print(f"   log: {line.split('] ', 1)[-1]}")
+
         print("\n-- the worker's log lines for request demo-req-42 (tenant and correlation id on each line)")
         for line in log_path.read_text(errors="replace").splitlines():
             if "demo-req-42" in line:
                 print(f"   {line}")
     finally:
         stop(worker)
+        provider.__exit__()
         print(f"\n== worker stopped (exit code {worker.returncode})")
 
 

@@ -70,6 +70,9 @@ CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
 # Django's LOGGING (below) formats the worker's log lines too, with the guardrails context on each line.
 CELERY_WORKER_HIJACK_ROOT_LOGGER = False
 
+# The external payments provider (the demo starts a flaky stand-in and points this at it).
+PAYMENTS_URL = os.environ.get("EXAMPLE_PAYMENTS_URL", "http://127.0.0.1:8765")
+
 CELERY_GUARDRAILS = {
     "tenant_resolver": "example_project.shop.tenants.tenant_from_header",
 }

@@ -6,4 +6,5 @@ from example_project.shop import views
 urlpatterns = [
     path("admin/", admin.site.urls),
     path("orders/<int:order_id>/receipt", views.send_receipt_view, name="send-receipt"),
+    path("orders/<int:order_id>/charge", views.charge_order_view, name="charge-order"),
 ]

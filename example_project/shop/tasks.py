@@ -6,6 +6,7 @@ from typing import Any
 from celery import shared_task
 
 from celery_guardrails import GuardedTask, current_correlation_id, current_tenant
+from example_project.shop import payments
 
 logger = logging.getLogger(__name__)
 
@@ -19,4 +20,29 @@ def send_receipt(self: GuardedTask, order_id: int) -> dict[str, Any]:
         "tenant": current_tenant(),
         "correlation_id": current_correlation_id(),
         "worker": self.request.hostname,
+    }
+
+
+class InvalidAmount(ValueError):
+    """The order's amount cannot be charged: no retry can fix that."""
+
+
+# idempotent=True is honest here: the provider deduplicates by the Idempotency-Key we send, so a second run
+# (a retry, a redelivery) cannot charge twice. The provider's 5xx and 429 are retried with jittered backoff,
+# its other 4xx and InvalidAmount are not; "payments-api" shares one retry budget and circuit breaker.
+@shared_task(
+    base=GuardedTask, bind=True, tenant_required=True, idempotent=True, dependency="payments-api",
+    permanent_errors=(InvalidAmount,), max_attempts=5, backoff_base=0.3,
+)
+def charge_order(self: GuardedTask, order_id: int, amount_cents: int) -> dict[str, Any]:
+    """Charge an order through the payments provider; tells how many attempts it took."""
+    if amount_cents <= 0:
+        raise InvalidAmount(f"order {order_id}: amount must be positive, got {amount_cents}")
+    charge = payments.charge(order_id, amount_cents, idempotency_key=f"charge:{order_id}")
+    logger.info("Charged order %s: %s", order_id, charge["id"])
+    return {
+        "order_id": order_id,
+        "charge": charge["id"],
+        "attempt": self.request.attempt,
+        "history": self.request.attempt_history,
     }

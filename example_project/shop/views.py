@@ -3,7 +3,7 @@ from django.views.decorators.csrf import csrf_exempt
 from django.views.decorators.http import require_POST
 
 from celery_guardrails import MissingTenantError, current_correlation_id, current_tenant
-from example_project.shop.tasks import send_receipt
+from example_project.shop.tasks import charge_order, send_receipt
 
 
 @csrf_exempt
@@ -18,3 +18,14 @@ def send_receipt_view(request: HttpRequest, order_id: int) -> JsonResponse:
         {"task_id": result.id, "tenant": current_tenant(), "correlation_id": current_correlation_id()},
         status=202,
     )
+
+
+@csrf_exempt
+@require_POST
+def charge_order_view(request: HttpRequest, order_id: int) -> JsonResponse:
+    """Enqueue the charge of an order (amount in cents from ?amount=)."""
+    try:
+        result = charge_order.delay(order_id, int(request.GET.get("amount", "0")))
+    except MissingTenantError as exc:
+        return JsonResponse({"error": str(exc)}, status=400)
+    return JsonResponse({"task_id": result.id, "tenant": current_tenant()}, status=202)

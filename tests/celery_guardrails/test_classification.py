@@ -1,0 +1,131 @@
+"""Classification rules, in order, on real exceptions from requests, httpx and urllib against a real server."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+import urllib.error
+import urllib.request
+from email.utils import format_datetime
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import pytest
+from celery import Celery
+from celery.exceptions import Ignore, Reject, Retry
+
+from celery_guardrails import GuardedTask, PermanentError, RetryLater, TransientError
+from celery_guardrails.classification import Kind, classify, parse_retry_after
+
+app = Celery("classification", set_as_current=False)
+
+
+@app.task(base=GuardedTask, bind=True, idempotent=True, permanent_errors=(KeyError,),
+          transient_errors=(LookupError, "builtins.ConnectionResetError"),
+          error_patterns={r"(?i)not found": "permanent", r"(?i)try again": "transient"})
+def configured(self: GuardedTask) -> None: ...
+
+
+@app.task(base=GuardedTask, bind=True)
+def plain(self: GuardedTask) -> None: ...
+
+
+@app.task(base=GuardedTask, bind=True, idempotency_key="order:{order_id}")
+def keyed(self: GuardedTask, order_id: int) -> None: ...
+
+
+def verdict(exc: BaseException, task: Any = configured, call: dict[str, Any] | None = None) -> tuple[str, str]:
+    result = classify(exc, task, call or {})
+    return result.kind.value, result.rule
+
+
+def test_rules_in_order() -> None:
+    assert verdict(Retry()) == ("control", "celery")
+    assert verdict(Ignore()) == ("control", "celery")
+    assert verdict(Reject()) == ("control", "celery")
+    assert verdict(RetryLater("x", delay=3)) == ("retry_later", "RetryLater")
+    assert verdict(TransientError("x")) == ("transient", "TransientError")
+    assert verdict(PermanentError("x")) == ("permanent", "PermanentError")
+    # permanent_errors is checked before transient_errors (KeyError is a LookupError)
+    assert verdict(KeyError("x")) == ("permanent", "permanent_errors")
+    assert verdict(IndexError("x")) == ("transient", "transient_errors")
+    assert verdict(ConnectionResetError()) == ("transient", "transient_errors")
+    # a remote error that arrives as text
+    assert verdict(RuntimeError("RemoteError: order 7 Not Found")) == ("permanent", "error_patterns:(?i)not found")
+    assert verdict(RuntimeError("busy, try again")) == ("transient", "error_patterns:(?i)try again")
+
+
+def test_unknown_errors_depend_on_idempotency() -> None:
+    assert verdict(RuntimeError("?")) == ("transient", "unknown_errors:auto:idempotent")
+    assert verdict(RuntimeError("?"), plain) == ("permanent", "unknown_errors:auto:not_idempotent")
+    assert verdict(RuntimeError("?"), keyed) == ("transient", "unknown_errors:auto:idempotent")
+    app.conf.guardrails = {"unknown_errors": "transient"}
+    try:
+        assert verdict(RuntimeError("?"), plain) == ("transient", "unknown_errors:transient")
+    finally:
+        app.conf.guardrails = {}
+
+
+STATUSES = [(408, "transient"), (425, "transient"), (429, "transient"), (500, "transient"), (503, "transient"),
+            (599, "transient"), (400, "permanent"), (404, "permanent"), (422, "permanent")]
+
+
+@pytest.mark.parametrize(("status", "kind"), STATUSES)
+def test_http_statuses_from_requests_httpx_and_urllib(provider: str, status: int, kind: str) -> None:
+    import httpx
+    import requests
+
+    url = f"{provider}/status/{status}"
+    errors: list[BaseException] = []
+    for call in (lambda: requests.get(url, timeout=5).raise_for_status(),
+                 lambda: httpx.get(url, timeout=5).raise_for_status(),
+                 lambda: urllib.request.urlopen(url, timeout=5)):
+        with pytest.raises(Exception) as caught:
+            call()
+        errors.append(caught.value)
+    assert [verdict(error, plain) for error in errors] == [(kind, f"http:{status}")] * 3
+
+
+def test_retry_after_in_seconds_and_as_a_date(provider: str) -> None:
+    import requests
+
+    response = requests.get(f"{provider}/status/503?retry_after=7", timeout=5)
+    with pytest.raises(requests.HTTPError) as caught:
+        response.raise_for_status()
+    assert classify(caught.value, plain, {}).retry_after == 7.0
+    with pytest.raises(urllib.error.HTTPError) as by_urllib:
+        urllib.request.urlopen(f"{provider}/status/429?retry_after=3", timeout=5)
+    assert classify(by_urllib.value, plain, {}).retry_after == 3.0
+    when = datetime(2030, 1, 1, 12, 0, 10, tzinfo=UTC)
+    assert parse_retry_after(format_datetime(when, usegmt=True), now=(when - timedelta(seconds=10)).timestamp()) \
+        == 10.0
+    assert parse_retry_after("yesterday-ish") is None
+
+
+def test_transport_errors_are_transient() -> None:
+    import httpx
+    import requests
+
+    closed = "http://127.0.0.1:9"  # discard port: nothing listens
+    for call in (lambda: requests.get(closed, timeout=2), lambda: httpx.get(closed, timeout=2),
+                 lambda: urllib.request.urlopen(closed, timeout=2)):
+        with pytest.raises(Exception) as caught:
+            call()
+        assert classify(caught.value, plain, {}).kind is Kind.TRANSIENT, caught.value
+
+
+def test_http_libraries_are_not_imported_to_classify() -> None:
+    out = subprocess.run([sys.executable, "-c", textwrap.dedent("""
+        import sys
+        from celery import Celery
+        from celery_guardrails import GuardedTask
+        from celery_guardrails.classification import classify
+        app = Celery("x", set_as_current=False)
+        def body(self):
+            pass
+        task = app.task(base=GuardedTask, bind=True)(body)
+        classify(RuntimeError("boom"), task, {})
+        print(sorted(m for m in ("requests", "httpx", "urllib3") if m in sys.modules))
+    """)], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
