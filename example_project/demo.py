@@ -121,7 +121,6 @@ def main() -> None:
     from django.test import Client
 
     from example_project.celery_app import app
-
     from example_project.shop.fake_provider import FlakyProvider
 
     provider = FlakyProvider(failures=2).__enter__()
@@ -160,10 +159,14 @@ def main() -> None:
         response = client.post("/orders/42/charge?amount=1999", headers={"X-Tenant": "acme"})
         charged = app.AsyncResult(response.json()["task_id"]).get(timeout=60)
         for record in charged["history"]:
-            print(f"   attempt {record['n']}: {record['exc']} ({record['msg'][:40]}) -> {record['class']} "
-                  f"by rule {record['rule']}, retried after {record['delay']:.3f}s")
-        print(f"   attempt {charged['attempt']}: charged, {charged['charge']} "
-              f"(the provider saw {provider.calls['charge:42']} requests)")
+            print(
+                f"   attempt {record['n']}: {record['exc']} ({record['msg'][:40]}) -> {record['class']} "
+                f"by rule {record['rule']}, retried after {record['delay']:.3f}s"
+            )
+        print(
+            f"   attempt {charged['attempt']}: charged, {charged['charge']} "
+            f"(the provider saw {provider.calls['charge:42']} requests)"
+        )
 
         print("\n-- 5. a validation error is permanent: charge order 43 with amount -5")
         response = client.post("/orders/43/charge?amount=-5", headers={"X-Tenant": "acme"})
@@ -171,10 +174,15 @@ def main() -> None:
         try:
             failed.get(timeout=30)
         except Exception as exc:
-            print(f"   worker: {type(exc).__name__}: {exc}; state {failed.state}, "
-                  f"provider requests: {provider.calls['charge:43']}")
-        finals = [line for line in log_path.read_text(errors="replace").splitlines() if failed.id in line
-                  and "failed finally" in line]
+            print(
+                f"   worker: {type(exc).__name__}: {exc}; state {failed.state}, "
+                f"provider requests: {provider.calls['charge:43']}"
+            )
+        finals = [
+            line
+            for line in log_path.read_text(errors="replace").splitlines()
+            if failed.id in line and "failed finally" in line
+        ]
         for line in finals:
             print(f"   log: {line.split('] ', 1)[-1]}")
 

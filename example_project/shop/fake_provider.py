@@ -22,7 +22,7 @@ class FlakyProvider:
         provider = self
 
         class Handler(BaseHTTPRequestHandler):
-            def do_POST(self) -> None:  # noqa: N802 (http.server's naming)
+            def do_POST(self) -> None:
                 key = self.headers.get("Idempotency-Key", "")
                 body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))) or b"{}")
                 provider.calls[key] += 1

@@ -31,8 +31,14 @@ class InvalidAmount(ValueError):
 # (a retry, a redelivery) cannot charge twice. The provider's 5xx and 429 are retried with jittered backoff,
 # its other 4xx and InvalidAmount are not; "payments-api" shares one retry budget and circuit breaker.
 @shared_task(
-    base=GuardedTask, bind=True, tenant_required=True, idempotent=True, dependency="payments-api",
-    permanent_errors=(InvalidAmount,), max_attempts=5, backoff_base=0.3,
+    base=GuardedTask,
+    bind=True,
+    tenant_required=True,
+    idempotent=True,
+    dependency="payments-api",
+    permanent_errors=(InvalidAmount,),
+    max_attempts=5,
+    backoff_base=0.3,
 )
 def charge_order(self: GuardedTask, order_id: int, amount_cents: int) -> dict[str, Any]:
     """Charge an order through the payments provider; tells how many attempts it took."""

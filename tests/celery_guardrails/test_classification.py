@@ -7,8 +7,8 @@ import sys
 import textwrap
 import urllib.error
 import urllib.request
-from email.utils import format_datetime
 from datetime import UTC, datetime, timedelta
+from email.utils import format_datetime
 from typing import Any
 
 import pytest
@@ -21,9 +21,14 @@ from celery_guardrails.classification import Kind, classify, parse_retry_after
 app = Celery("classification", set_as_current=False)
 
 
-@app.task(base=GuardedTask, bind=True, idempotent=True, permanent_errors=(KeyError,),
-          transient_errors=(LookupError, "builtins.ConnectionResetError"),
-          error_patterns={r"(?i)not found": "permanent", r"(?i)try again": "transient"})
+@app.task(
+    base=GuardedTask,
+    bind=True,
+    idempotent=True,
+    permanent_errors=(KeyError,),
+    transient_errors=(LookupError, "builtins.ConnectionResetError"),
+    error_patterns={r"(?i)not found": "permanent", r"(?i)try again": "transient"},
+)
 def configured(self: GuardedTask) -> None: ...
 
 
@@ -67,8 +72,17 @@ def test_unknown_errors_depend_on_idempotency() -> None:
         app.conf.guardrails = {}
 
 
-STATUSES = [(408, "transient"), (425, "transient"), (429, "transient"), (500, "transient"), (503, "transient"),
-            (599, "transient"), (400, "permanent"), (404, "permanent"), (422, "permanent")]
+STATUSES = [
+    (408, "transient"),
+    (425, "transient"),
+    (429, "transient"),
+    (500, "transient"),
+    (503, "transient"),
+    (599, "transient"),
+    (400, "permanent"),
+    (404, "permanent"),
+    (422, "permanent"),
+]
 
 
 @pytest.mark.parametrize(("status", "kind"), STATUSES)
@@ -78,9 +92,11 @@ def test_http_statuses_from_requests_httpx_and_urllib(provider: str, status: int
 
     url = f"{provider}/status/{status}"
     errors: list[BaseException] = []
-    for call in (lambda: requests.get(url, timeout=5).raise_for_status(),
-                 lambda: httpx.get(url, timeout=5).raise_for_status(),
-                 lambda: urllib.request.urlopen(url, timeout=5)):
+    for call in (
+        lambda: requests.get(url, timeout=5).raise_for_status(),
+        lambda: httpx.get(url, timeout=5).raise_for_status(),
+        lambda: urllib.request.urlopen(url, timeout=5),
+    ):
         with pytest.raises(Exception) as caught:
             call()
         errors.append(caught.value)
@@ -98,8 +114,7 @@ def test_retry_after_in_seconds_and_as_a_date(provider: str) -> None:
         urllib.request.urlopen(f"{provider}/status/429?retry_after=3", timeout=5)
     assert classify(by_urllib.value, plain, {}).retry_after == 3.0
     when = datetime(2030, 1, 1, 12, 0, 10, tzinfo=UTC)
-    assert parse_retry_after(format_datetime(when, usegmt=True), now=(when - timedelta(seconds=10)).timestamp()) \
-        == 10.0
+    assert parse_retry_after(format_datetime(when, usegmt=True), now=(when - timedelta(seconds=10)).timestamp()) == 10.0
     assert parse_retry_after("yesterday-ish") is None
 
 
@@ -108,15 +123,22 @@ def test_transport_errors_are_transient() -> None:
     import requests
 
     closed = "http://127.0.0.1:9"  # discard port: nothing listens
-    for call in (lambda: requests.get(closed, timeout=2), lambda: httpx.get(closed, timeout=2),
-                 lambda: urllib.request.urlopen(closed, timeout=2)):
+    for call in (
+        lambda: requests.get(closed, timeout=2),
+        lambda: httpx.get(closed, timeout=2),
+        lambda: urllib.request.urlopen(closed, timeout=2),
+    ):
         with pytest.raises(Exception) as caught:
             call()
         assert classify(caught.value, plain, {}).kind is Kind.TRANSIENT, caught.value
 
 
 def test_http_libraries_are_not_imported_to_classify() -> None:
-    out = subprocess.run([sys.executable, "-c", textwrap.dedent("""
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            textwrap.dedent("""
         import sys
         from celery import Celery
         from celery_guardrails import GuardedTask
@@ -127,5 +149,10 @@ def test_http_libraries_are_not_imported_to_classify() -> None:
         task = app.task(base=GuardedTask, bind=True)(body)
         classify(RuntimeError("boom"), task, {})
         print(sorted(m for m in ("requests", "httpx", "urllib3") if m in sys.modules))
-    """)], capture_output=True, text=True, check=True)
+    """),
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     assert out.stdout.strip() == "[]"

@@ -29,9 +29,13 @@ def test_demo_prints_the_context_seen_inside_the_worker(tmp_path: Path) -> None:
     assert "web:    HTTP 400: example_project.shop.tasks.send_receipt requires a tenant" in out
     assert "worker: refused without running, state FAILURE: MissingTenantError" in out
     assert "[tenant=acme cid=demo-req-42 task=example_project.shop.tasks.send_receipt/" in out
-    assert "attempt 1: urllib.error.HTTPError (HTTP Error 503: Service Unavailable) -> transient by rule http:503" in out
+    assert (
+        "attempt 1: urllib.error.HTTPError (HTTP Error 503: Service Unavailable) -> transient by rule http:503" in out
+    )
     assert "attempt 2: urllib.error.HTTPError" in out
     assert "attempt 3: charged, ch_1 (the provider saw 3 requests)" in out
-    assert "worker: InvalidAmount: order 43: amount must be positive, got -5; state FAILURE, provider requests: 0" in out
+    assert (
+        "worker: InvalidAmount: order 43: amount must be positive, got -5; state FAILURE, provider requests: 0" in out
+    )
     assert "failed finally (permanent) after 1 attempt(s)" in out
     assert "== worker stopped (exit code 0)" in out
