@@ -53,3 +53,11 @@ def test_retry_keeps_version_per_call_options_and_unknown_fields(celery_worker: 
     records = retried["header"].pop("hist")
     assert retried["header"] == {**expected, "attempt": 1, "hist_n": 1}
     assert [(r["n"], r["class"], r["rule"]) for r in records] == [(1, "manual", "self.retry")]
+
+
+def test_history_keeps_the_last_twenty_and_counts_them_all() -> None:
+    header: dict[str, Any] = {"v": 1}
+    for n in range(1, 26):
+        header = headers.with_record(header, {"n": n}, attempt=n)
+    assert [r["n"] for r in headers.history(header)] == list(range(6, 26))
+    assert (header["hist_n"], header["attempt"]) == (25, 25)
