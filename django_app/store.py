@@ -8,8 +8,9 @@ as they are. On SQLite with several worker processes, set ``"OPTIONS": {"transac
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import fields
-from typing import Any
+from typing import Any, TypeVar
 
 from django.db import DatabaseError, transaction
 
@@ -26,6 +27,7 @@ from celery_guardrails.stores.base import (
 from .models import DependencyState as Row
 
 _FIELDS = [f.name for f in fields(DependencyState)]
+T = TypeVar("T")
 
 
 def _state(row: Row) -> DependencyState:
@@ -41,27 +43,23 @@ def _save(row: Row, state: DependencyState) -> None:
 class DjangoStore:
     """Store in the Django database (the ``guardrails`` app's tables)."""
 
-    def admit(self, dependency: str, policy: BudgetPolicy, *, retry: bool, now: float) -> Admission:
+    def _change(self, dependency: str, rule: Callable[[DependencyState], T]) -> T:
+        """Apply ``rule`` to the dependency's state under its row lock; save; return what the rule said."""
         try:
             with transaction.atomic():
                 row = Row.objects.locked(dependency)
                 state = _state(row)
-                admission = decide_admission(state, policy, retry=retry, now=now)
+                result = rule(state)
                 _save(row, state)
         except DatabaseError as exc:
             raise StoreError(f"Django store failed for {dependency!r}: {exc}") from exc
-        return admission
+        return result
+
+    def admit(self, dependency: str, policy: BudgetPolicy, *, retry: bool, now: float) -> Admission:
+        return self._change(dependency, lambda state: decide_admission(state, policy, retry=retry, now=now))
 
     def record_outcome(self, dependency: str, policy: BudgetPolicy, *, failed: bool, now: float) -> bool:
-        try:
-            with transaction.atomic():
-                row = Row.objects.locked(dependency)
-                state = _state(row)
-                opened = decide_outcome(state, policy, failed=failed, now=now)
-                _save(row, state)
-        except DatabaseError as exc:
-            raise StoreError(f"Django store failed for {dependency!r}: {exc}") from exc
-        return opened
+        return self._change(dependency, lambda state: decide_outcome(state, policy, failed=failed, now=now))
 
     def budget_status(self, dependency: str, policy: BudgetPolicy, *, now: float) -> dict[str, Any]:
         row = Row.objects.filter(dependency=dependency).first()
