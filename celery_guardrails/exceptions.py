@@ -7,6 +7,7 @@ Every exception the extension raises derives from one root, :class:`GuardrailsEr
     │                           or in a task's guardrail options (raised at start-up or at bind time)
     ├── ContextError            a tenant or correlation id that cannot travel in a message
     │   └── MissingTenantError  a ``tenant_required`` task published or delivered without a tenant
+    ├── IdempotencyKeyError     an idempotency key that cannot be made (missing argument, too long, bad text)
     ├── TransientError          raise from a task: this may work if tried again (retried with backoff)
     ├── PermanentError          raise from a task: trying again cannot help (never retried)
     ├── RetryLater              raise from a task: "not yet" (re-delivered later, no attempt consumed)
@@ -103,3 +104,7 @@ class BudgetExhaustedError(GuardrailsError):
     def __str__(self) -> str:
         what = "retry budget is spent" if self.reason == "budget" else "circuit is open"
         return f"dependency {self.dependency!r}: {what}"
+
+
+class IdempotencyKeyError(GuardrailsError, ValueError):
+    """An idempotency key could not be made from the task's arguments, or is not acceptable."""

@@ -8,6 +8,7 @@ is a flat mapping (an AMQP table on RabbitMQ, a JSON object on Redis)::
         "tenant": "acme",       # tenant id; absent when the message has no tenant
         "cid": "9f1c0c6e...",   # correlation id; every message gets one at publish
         "opts": {...},          # per-call guardrail options given to apply_async (JSON values only)
+        "idem": "charge:42",    # the idempotency key made at publish (unscoped: task and tenant scope it)
         "attempt": 2,           # attempts consumed before this delivery (absent: 0)
         "later": 1,             # RetryLater re-deliveries so far (absent: 0)
         "deferred": 0,          # retry-budget / circuit-breaker deferrals so far (absent: 0)
@@ -22,7 +23,8 @@ An attempt record: ``{"n": 1, "start": "2026-11-30T08:00:00.123+00:00", "end": "
 
 Version history:
 
-* ``1`` (0.1): ``tenant``, ``cid``, ``opts``, ``attempt``, ``later``, ``deferred``, ``hist``, ``hist_n``.
+* ``1`` (0.1): ``tenant``, ``cid``, ``opts``, ``idem``, ``attempt``, ``later``, ``deferred``, ``hist``,
+  ``hist_n``.
 
 Compatibility rules:
 
@@ -54,6 +56,7 @@ VERSION_FIELD = "v"
 TENANT = "tenant"
 CORRELATION_ID = "cid"
 OPTIONS = "opts"
+IDEMPOTENCY_KEY = "idem"
 ATTEMPT = "attempt"
 LATER = "later"
 DEFERRED = "deferred"
@@ -109,6 +112,8 @@ def sanitise(raw: Mapping[str, Any], *, task_id: str | None = None) -> dict[str,
             _drop(clean, field, task_id)
     if OPTIONS in clean and not isinstance(clean[OPTIONS], Mapping):
         _drop(clean, OPTIONS, task_id)
+    if IDEMPOTENCY_KEY in clean and not isinstance(clean[IDEMPOTENCY_KEY], str):
+        _drop(clean, IDEMPOTENCY_KEY, task_id)
     history = clean.get(HISTORY)
     if HISTORY in clean and not (isinstance(history, list) and all(isinstance(r, Mapping) for r in history)):
         _drop(clean, HISTORY, task_id)

@@ -113,6 +113,12 @@ def _patterns(value: Any) -> tuple[tuple[re.Pattern[str], str], ...]:
     return checked
 
 
+def _key_spec(value: Any) -> Any:
+    if callable(value) or (isinstance(value, str) and value):
+        return value
+    raise ValueError(f"must be a str.format template, a key, or a callable, got {value!r:.80}")
+
+
 def _name(value: Any) -> str:
     if not isinstance(value, str) or not re.fullmatch(r"[\w.:-]{1,100}", value):
         raise ValueError(f"must be a name of 1 to 100 letters, digits or . : - _, got {value!r:.80}")
@@ -161,6 +167,52 @@ OPTIONS: Mapping[str, Option] = {
             default=False,
             doc="Declare the task safe to run twice; an unknown error is then retried (see unknown_errors).",
             check=_boolean,
+            scopes=frozenset({TASK, APP}),
+        ),
+        Option(
+            name="idempotency_key",
+            default=None,
+            doc="str.format template over the task's bound arguments ('charge:{order_id}'), or a callable "
+            "taking the task's arguments; per call, the key itself. Scoped by task name and tenant.",
+            check=_key_spec,
+            scopes=frozenset({CALL, TASK}),
+        ),
+        Option(
+            name="idempotency_lease",
+            default=60.0,
+            doc="Seconds a claim lives without a heartbeat; a running task renews it every third of it. A "
+            "delivery whose worker died is taken over this long after its last heartbeat.",
+            check=_seconds,
+            scopes=frozenset({TASK, APP}),
+        ),
+        Option(
+            name="idempotency_retention",
+            default=7 * 24 * 3600.0,
+            doc="Seconds a completed or failed key is kept (7 days): duplicates within it are skipped.",
+            check=_seconds,
+            scopes=frozenset({TASK, APP}),
+        ),
+        Option(
+            name="atomic",
+            default=False,
+            doc="Django store: run the body in transaction.atomic() and commit the completion mark in the "
+            "same transaction as the effect (exactly once for database effects).",
+            check=_boolean,
+            scopes=frozenset({TASK, APP}),
+        ),
+        Option(
+            name="dedupe_on_publish",
+            default=False,
+            doc="An optimisation, not the guarantee: do not publish a message whose key was published within "
+            "dedupe_ttl; return the first one's AsyncResult instead.",
+            check=_boolean,
+            scopes=frozenset({CALL, TASK}),
+        ),
+        Option(
+            name="dedupe_ttl",
+            default=3600.0,
+            doc="Seconds dedupe_on_publish remembers a published key.",
+            check=_seconds,
             scopes=frozenset({TASK, APP}),
         ),
         Option(

@@ -66,6 +66,10 @@ def republish(
     returned exception so Celery records RETRY and acks the current delivery after the publish.
     """
     request = task.request
+    # Guardrails that hold something for this delivery (an idempotency claim) give it up first, so the new
+    # delivery never finds it held by the old one.
+    for give_up in getattr(request, "guardrails_before_republish", ()):
+        give_up()
     request.guardrails_republishing = True
     message_headers = {**(request.headers or {}), headers.HEADER: header}
     # max_retries: the guardrails count attempts themselves; Celery's own limit must not interfere.

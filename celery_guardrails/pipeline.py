@@ -61,3 +61,19 @@ class Guardrail:
 
     def on_retry(self, task: GuardedTask, exc: BaseException, einfo: Any) -> None:
         """Called on the worker after a retry was published (Celery's ``on_retry``)."""
+
+
+class SkipBody(Exception):
+    """Raised by a ``before_run`` hook: do not run the body; the task returns ``result`` (a success)."""
+
+    def __init__(self, result: Any) -> None:
+        super().__init__(result)
+        self.result = result
+
+
+class SkipPublish(Exception):
+    """Raised by an ``on_publish`` hook: do not publish; ``apply_async`` returns the result of ``task_id``."""
+
+    def __init__(self, task_id: str) -> None:
+        super().__init__(task_id)
+        self.task_id = task_id

@@ -31,6 +31,10 @@ budget_exhausted
     A dependency's retry budget refused a retry, sent once per window. Arguments: ``dependency``,
     ``window_end`` (epoch seconds), ``status`` (as :func:`~celery_guardrails.budget_status` reports it).
 
+duplicate_skipped
+    A delivery found its idempotency key done before and did not run the body. Arguments: ``task_id``,
+    ``key`` (scoped), ``state`` (``"completed"``: the task returned ``summary``; ``"failed"``: ignored).
+
 circuit_opened
     A dependency's circuit opened after consecutive transient failures. Arguments: ``dependency``,
     ``until`` (epoch seconds).
@@ -46,3 +50,4 @@ retry_deferred = Signal(name="retry_deferred")
 final_failure = Signal(name="final_failure")
 budget_exhausted = Signal(name="budget_exhausted")
 circuit_opened = Signal(name="circuit_opened")
+duplicate_skipped = Signal(name="duplicate_skipped")

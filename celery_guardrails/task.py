@@ -12,15 +12,17 @@ from contextlib import ExitStack
 from typing import Any, ClassVar
 
 from celery import Task
+from celery.utils import uuid
 
 from celery_guardrails import headers
 from celery_guardrails.guardrails.budget import RetryBudget
 from celery_guardrails.guardrails.context import ContextPropagation
+from celery_guardrails.guardrails.idempotency import Idempotency
 from celery_guardrails.guardrails.retries import Retries
 from celery_guardrails.guardrails.tenancy import TenantGuard
 from celery_guardrails.install import install
 from celery_guardrails.options import OPTIONS, check_call_options
-from celery_guardrails.pipeline import Guardrail, Publication
+from celery_guardrails.pipeline import Guardrail, Publication, SkipBody, SkipPublish
 
 #: Per-call keyword arguments of ``apply_async`` that set the message's context rather than an option.
 CONTEXT_OVERRIDES = frozenset({"tenant", "correlation_id"})
@@ -30,8 +32,16 @@ class GuardedTask(Task):  # type: ignore[misc]
     """Base class for guarded tasks: ``@shared_task(base=GuardedTask, bind=True, tenant_required=True)``."""
 
     #: The guardrails, in pipeline order. Extend with ``guardrails = (*GuardedTask.guardrails, Mine())``.
-    #: Retries runs before RetryBudget (which needs the attempt number) and wraps the body innermost.
-    guardrails: ClassVar[tuple[Guardrail, ...]] = (ContextPropagation(), TenantGuard(), Retries(), RetryBudget())
+    #: Retries sets the attempt number RetryBudget needs; Idempotency claims last (nothing is claimed for
+    #: a delivery the budget defers) and wraps the body innermost, inside Retries, so that a transaction it
+    #: opens is rolled back before a retry is published.
+    guardrails: ClassVar[tuple[Guardrail, ...]] = (
+        ContextPropagation(),
+        TenantGuard(),
+        Retries(),
+        RetryBudget(),
+        Idempotency(),
+    )
 
     #: The ack is sacred: a message is acked only after the task finished, its retry was published or its
     #: final failure was handed over; a worker that dies mid-task leaves it to be delivered again.
@@ -41,6 +51,12 @@ class GuardedTask(Task):  # type: ignore[misc]
     tenant_required: bool | None = None
     tenant_activator: Any = None
     idempotent: bool | None = None
+    idempotency_key: Any = None
+    idempotency_lease: float | None = None
+    idempotency_retention: float | None = None
+    atomic: bool | None = None
+    dedupe_on_publish: bool | None = None
+    dedupe_ttl: float | None = None
     max_attempts: int | None = None
     transient_errors: Any = None
     permanent_errors: Any = None
@@ -88,6 +104,7 @@ class GuardedTask(Task):  # type: ignore[misc]
         call = {**headers.call_options(header), **given}
         if call:
             header[headers.OPTIONS] = call
+        task_id = task_id or uuid()  # known before publishing, for guardrails that record it
         publication = Publication(
             task_id=task_id,
             args=tuple(args or ()),
@@ -96,8 +113,11 @@ class GuardedTask(Task):  # type: ignore[misc]
             call=call,
             overrides=overrides,
         )
-        for guardrail in self.guardrails:
-            guardrail.on_publish(self, publication)
+        try:
+            for guardrail in self.guardrails:
+                guardrail.on_publish(self, publication)
+        except SkipPublish as skip:
+            return self.AsyncResult(skip.task_id)
         message_headers[headers.HEADER] = publication.header
         return super().apply_async(
             args, kwargs, task_id, producer, link, link_error, shadow, headers=message_headers, **options
@@ -108,12 +128,17 @@ class GuardedTask(Task):  # type: ignore[misc]
         return headers.call_options(headers.from_request(self.request))
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        for guardrail in self.guardrails:
-            guardrail.before_run(self, args, kwargs)
+        try:
+            for guardrail in self.guardrails:
+                guardrail.before_run(self, args, kwargs)
+        except SkipBody as skip:
+            return skip.result
         with ExitStack() as stack:
             for guardrail in self.guardrails:
                 stack.enter_context(guardrail.body_context(self))
-            return super().__call__(*args, **kwargs)
+            retval = super().__call__(*args, **kwargs)
+            self.request.guardrails_retval = retval  # for a body context that commits with the result
+            return retval
 
     def on_success(self, retval: Any, task_id: str, args: Any, kwargs: Any) -> None:
         for guardrail in reversed(self.guardrails):

@@ -10,14 +10,20 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import fields
+from datetime import UTC, datetime, timedelta
 from typing import Any, TypeVar
 
-from django.db import DatabaseError, transaction
+from django.db import DatabaseError, IntegrityError, connection, transaction
 
 from celery_guardrails.exceptions import StoreError
 from celery_guardrails.stores.base import (
+    ACQUIRED,
+    BUSY,
+    COMPLETED,
+    FAILED,
     Admission,
     BudgetPolicy,
+    Claim,
     DependencyState,
     decide_admission,
     decide_outcome,
@@ -25,9 +31,14 @@ from celery_guardrails.stores.base import (
 )
 
 from .models import DependencyState as Row
+from .models import IdempotencyKey
 
 _FIELDS = [f.name for f in fields(DependencyState)]
 T = TypeVar("T")
+
+
+def _moment(seconds: float) -> datetime:
+    return datetime.fromtimestamp(seconds, UTC)
 
 
 def _state(row: Row) -> DependencyState:
@@ -67,3 +78,83 @@ class DjangoStore:
 
     def reset(self, dependency: str) -> None:
         Row.objects.filter(dependency=dependency).delete()
+
+    def close_thread(self) -> None:
+        """A helper thread (the heartbeat) is done: close its own database connection."""
+        connection.close()
+
+    # Idempotency keys: a claim is an INSERT the unique constraint refuses on conflict; every later change
+    # is a conditional UPDATE (only the current owner, only from the expected state), so two deliveries
+    # can never both hold a key. Retention is enforced by the prune command, not by the database.
+
+    def claim(self, key: str, *, owner: str, now: float, lease: float, retention: float) -> Claim:
+        until = _moment(now + lease)
+        try:
+            try:
+                with transaction.atomic():
+                    IdempotencyKey.objects.create(key=key, owner=owner, lease_until=until)
+                return Claim(state=ACQUIRED)
+            except IntegrityError:
+                pass
+            taken = IdempotencyKey.objects.filter(key=key, state="claimed", lease_until__lte=_moment(now)).update(
+                owner=owner, lease_until=until
+            )
+            if taken:
+                return Claim(state=ACQUIRED, takeover=True)
+            row = IdempotencyKey.objects.filter(key=key).values("state", "lease_until", "summary", "reason").first()
+        except DatabaseError as exc:
+            raise StoreError(f"Django store failed to claim {key!r}: {exc}") from exc
+        if row is None:  # released between the INSERT and the read: claim again
+            return self.claim(key, owner=owner, now=now, lease=lease, retention=retention)
+        if row["state"] == "completed":
+            return Claim(state=COMPLETED, summary=row["summary"])
+        if row["state"] == "failed":
+            return Claim(state=FAILED, reason=row["reason"])
+        return Claim(state=BUSY, lease_until=row["lease_until"].timestamp())
+
+    def _owned(self, key: str, owner: str) -> Any:
+        return IdempotencyKey.objects.filter(key=key, owner=owner, state="claimed")
+
+    def extend(self, key: str, *, owner: str, now: float, lease: float) -> bool:
+        return bool(self._owned(key, owner).update(lease_until=_moment(now + lease)))
+
+    def complete(self, key: str, *, owner: str, now: float, summary: str, retention: float) -> bool:
+        return bool(
+            self._owned(key, owner).update(
+                state="completed", summary=summary[:200], finished_at=_moment(now), lease_until=None
+            )
+        )
+
+    def fail(self, key: str, *, owner: str, now: float, reason: str, retention: float) -> bool:
+        return bool(
+            self._owned(key, owner).update(
+                state="failed", reason=reason[:200], finished_at=_moment(now), lease_until=None
+            )
+        )
+
+    def release(self, key: str, *, owner: str) -> bool:
+        deleted, _ = self._owned(key, owner).delete()
+        return bool(deleted)
+
+    def reopen(self, key: str) -> bool:
+        deleted, _ = IdempotencyKey.objects.filter(key=key, state="failed").delete()
+        return bool(deleted)
+
+    def inspect(self, key: str) -> dict[str, Any] | None:
+        row: dict[str, Any] | None = IdempotencyKey.objects.filter(key=key).values().first()
+        return row
+
+    def reserve_publish(self, key: str, *, task_id: str, ttl: float) -> str | None:
+        marker, now = f"published:{key}", datetime.now(UTC)
+        try:
+            with transaction.atomic():
+                IdempotencyKey.objects.create(key=marker, state="completed", summary=task_id, finished_at=now)
+            return None
+        except IntegrityError:
+            pass
+        renewed = IdempotencyKey.objects.filter(key=marker, finished_at__lt=now - timedelta(seconds=ttl)).update(
+            summary=task_id, finished_at=now
+        )
+        if renewed:
+            return None
+        return IdempotencyKey.objects.filter(key=marker).values_list("summary", flat=True).first()

@@ -93,7 +93,7 @@ class Retries(Guardrail):
             return None
         header = headers.from_request(request)
         if verdict.kind is Kind.RETRY_LATER:
-            return self._retry_later(task, exc, verdict, header, call)
+            return retry_later(task, exc, delay=verdict.retry_after, rule=verdict.rule)
         attempt = request.attempt
         if verdict.kind is Kind.TRANSIENT and attempt < resolve(task, "max_attempts", call):
             previous = next((r.get("delay") for r in reversed(request.attempt_history) if r.get("delay")), None)
@@ -125,38 +125,37 @@ class Retries(Guardrail):
         fail_finally(task, exc, reason=_reason(verdict), history=[*request.attempt_history, record])
         return None
 
-    def _retry_later(
-        self, task: GuardedTask, exc: Exception, verdict: Verdict, header: dict[str, Any], call: Any
-    ) -> BaseException | None:
-        request = task.request
-        later = headers.counter(header, headers.LATER) + 1
-        if later > resolve(task, "retry_later_max", call):
-            record = attempt_record(task, kind=verdict.kind.value, rule=verdict.rule, exc=exc)
-            fail_finally(task, exc, reason=RETRY_LATER_EXHAUSTED, history=[*request.attempt_history, record])
-            return None
-        asked = verdict.retry_after if verdict.retry_after is not None else resolve(task, "retry_later_delay", call)
-        delay = min(asked, resolve(task, "backoff_max", call))
-        record = attempt_record(task, kind=verdict.kind.value, rule=verdict.rule, exc=exc, delay=delay)
-        logger.info(
-            "Task %s[%s] cannot run yet (%d/%d); again in %.3fs: %s",
-            task.name,
-            request.id,
-            later,
-            resolve(task, "retry_later_max", call),
-            delay,
-            exc,
-        )
-        signals.retry_scheduled.send(
-            sender=task,
-            task_id=request.id,
-            attempt=request.attempt,
-            delay=delay,
-            kind=verdict.kind.value,
-            rule=verdict.rule,
-            exc=exc,
-        )
-        # No attempt consumed: the attempt counter is left as it is.
-        return republish(task, countdown=delay, exc=exc, header=headers.with_record(header, record, later=later))
+
+def retry_later(task: GuardedTask, exc: Exception, *, delay: float | None, rule: str) -> BaseException | None:
+    """Deliver the running message again after ``delay`` (``retry_later_delay`` when None) without consuming
+    an attempt; return Celery's Retry to raise, or None once ``retry_later_max`` is spent (then the final
+    failure ``retry_later_exhausted`` has been handed over and the caller lets ``exc`` fail the task)."""
+    request = task.request
+    call = task.call_options()
+    header = headers.from_request(request)
+    later = headers.counter(header, headers.LATER) + 1
+    kind = Kind.RETRY_LATER.value
+    if later > resolve(task, "retry_later_max", call):
+        record = attempt_record(task, kind=kind, rule=rule, exc=exc)
+        fail_finally(task, exc, reason=RETRY_LATER_EXHAUSTED, history=[*request.attempt_history, record])
+        return None
+    asked = delay if delay is not None else resolve(task, "retry_later_delay", call)
+    delay = min(asked, resolve(task, "backoff_max", call))
+    record = attempt_record(task, kind=kind, rule=rule, exc=exc, delay=delay)
+    logger.info(
+        "Task %s[%s] cannot run yet (%d/%d); again in %.3fs: %s",
+        task.name,
+        request.id,
+        later,
+        resolve(task, "retry_later_max", call),
+        delay,
+        exc,
+    )
+    signals.retry_scheduled.send(
+        sender=task, task_id=request.id, attempt=request.attempt, delay=delay, kind=kind, rule=rule, exc=exc
+    )
+    # No attempt consumed: the attempt counter is left as it is.
+    return republish(task, countdown=delay, exc=exc, header=headers.with_record(header, record, later=later))
 
 
 def _reason(verdict: Verdict) -> str:

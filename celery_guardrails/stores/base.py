@@ -141,8 +141,48 @@ def status(dependency: str, state: DependencyState, policy: BudgetPolicy, now: f
     }
 
 
+ACQUIRED, BUSY, COMPLETED, FAILED = "acquired", "busy", "completed", "failed"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Claim:
+    """The answer to claiming an idempotency key.
+
+    ``state``: ``"acquired"`` (this delivery runs the body; ``takeover`` when it took an expired lease),
+    ``"busy"`` (another delivery holds a live lease until ``lease_until``), ``"completed"`` (done before:
+    ``summary``), ``"failed"`` (failed permanently before: ``reason``; a replay reopens it).
+    """
+
+    state: str
+    takeover: bool = False
+    lease_until: float = 0.0
+    summary: str = ""
+    reason: str = ""
+
+
 class Store(Protocol):
-    """What a guardrails store does (each operation atomic across all workers)."""
+    """What a guardrails store does (each operation atomic across all workers).
+
+    Idempotency keys: ``claim`` inserts the key as claimed by ``owner`` with a lease (or takes over an expired
+    lease); ``extend`` renews the lease (heartbeat); ``complete`` / ``fail`` / ``release`` end the claim and
+    succeed only for the current owner; ``reopen`` deletes a failed key for a deliberate replay.
+    """
+
+    def claim(self, key: str, *, owner: str, now: float, lease: float, retention: float) -> Claim: ...
+
+    def extend(self, key: str, *, owner: str, now: float, lease: float) -> bool: ...
+
+    def complete(self, key: str, *, owner: str, now: float, summary: str, retention: float) -> bool: ...
+
+    def fail(self, key: str, *, owner: str, now: float, reason: str, retention: float) -> bool: ...
+
+    def release(self, key: str, *, owner: str) -> bool: ...
+
+    def reopen(self, key: str) -> bool: ...
+
+    def inspect(self, key: str) -> dict[str, Any] | None: ...
+
+    def reserve_publish(self, key: str, *, task_id: str, ttl: float) -> str | None: ...
 
     def admit(self, dependency: str, policy: BudgetPolicy, *, retry: bool, now: float) -> Admission: ...
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from celery_guardrails.exceptions import StoreError
-from celery_guardrails.stores.base import Admission, BudgetPolicy, DependencyState, status
+from celery_guardrails.stores.base import Admission, BudgetPolicy, Claim, DependencyState, status
 
 KEY_PREFIX = "guardrails:dependency:"
 
@@ -115,6 +115,127 @@ return '0'
 """
 )
 
+IDEM_PREFIX = "guardrails:idem:"
+PUBLISH_PREFIX = "guardrails:published:"
+
+# Idempotency keys: a hash {state, owner, lease_until, summary, reason, completed_at}.
+# ARGV: owner, now, lease, retention
+_CLAIM = """
+local key = KEYS[1]
+local owner, now, lease, retention = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4])
+local state = redis.call('HGET', key, 'state')
+if not state then
+  redis.call('HSET', key, 'state', 'claimed', 'owner', owner, 'lease_until', string.format('%.6f', now + lease))
+  redis.call('EXPIRE', key, retention)
+  return {'acquired', '0', '0', ''}
+end
+if state == 'completed' then return {'completed', '0', '0', redis.call('HGET', key, 'summary') or ''} end
+if state == 'failed' then return {'failed', '0', '0', redis.call('HGET', key, 'reason') or ''} end
+local lease_until = tonumber(redis.call('HGET', key, 'lease_until'))
+if lease_until > now then return {'busy', '0', string.format('%.6f', lease_until), ''} end
+redis.call('HSET', key, 'owner', owner, 'lease_until', string.format('%.6f', now + lease))
+redis.call('EXPIRE', key, retention)
+return {'acquired', '1', '0', ''}
+"""
+
+# ARGV: owner, then the fields to set; succeeds only while ``owner`` holds the claim.
+_IF_OWNER = """
+local key = KEYS[1]
+if redis.call('HGET', key, 'state') ~= 'claimed' or redis.call('HGET', key, 'owner') ~= ARGV[1] then
+  return 0
+end
+local action = ARGV[2]
+if action == 'release' then
+  redis.call('DEL', key)
+  return 1
+end
+if action == 'extend' then
+  redis.call('HSET', key, 'lease_until', ARGV[3])
+  return 1
+end
+-- complete / fail: ARGV[3] state, ARGV[4] field name, ARGV[5] value, ARGV[6] time, ARGV[7] retention
+redis.call('HSET', key, 'state', ARGV[3], ARGV[4], ARGV[5], 'completed_at', ARGV[6])
+redis.call('HDEL', key, 'lease_until')
+redis.call('EXPIRE', key, tonumber(ARGV[7]))
+return 1
+"""
+
+
+_REOPEN = """
+if redis.call('HGET', KEYS[1], 'state') == 'failed' then return redis.call('DEL', KEYS[1]) end
+return 0
+"""
+
+
+class RedisIdempotency:
+    """The idempotency half of :class:`RedisStore` (mixed in)."""
+
+    client: Any
+    url: str
+    _errors: tuple[type[BaseException], ...]
+
+    def _scripts(self) -> tuple[Any, Any]:
+        scripts = getattr(self, "_idem_scripts", None)
+        if scripts is None:
+            scripts = self._idem_scripts = (self.client.register_script(_CLAIM), self.client.register_script(_IF_OWNER))
+        return scripts
+
+    def _run(self, script: Any, key: str, args: list[Any]) -> Any:
+        try:
+            return script(keys=[IDEM_PREFIX + key], args=args)
+        except self._errors as exc:
+            raise StoreError(f"Redis store at {self.url} failed: {exc}") from exc
+
+    def claim(self, key: str, *, owner: str, now: float, lease: float, retention: float) -> Claim:
+        state, takeover, lease_until, text = self._run(
+            self._scripts()[0], key, [owner, repr(now), repr(lease), int(retention)]
+        )
+        state = state.decode()
+        return Claim(
+            state=state,
+            takeover=takeover == b"1",
+            lease_until=float(lease_until),
+            summary=text.decode() if state == "completed" else "",
+            reason=text.decode() if state == "failed" else "",
+        )
+
+    def extend(self, key: str, *, owner: str, now: float, lease: float) -> bool:
+        return bool(self._run(self._scripts()[1], key, [owner, "extend", f"{now + lease:.6f}"]))
+
+    def complete(self, key: str, *, owner: str, now: float, summary: str, retention: float) -> bool:
+        return bool(
+            self._run(
+                self._scripts()[1], key, [owner, "finish", "completed", "summary", summary, repr(now), int(retention)]
+            )
+        )
+
+    def fail(self, key: str, *, owner: str, now: float, reason: str, retention: float) -> bool:
+        return bool(
+            self._run(self._scripts()[1], key, [owner, "finish", "failed", "reason", reason, repr(now), int(retention)])
+        )
+
+    def release(self, key: str, *, owner: str) -> bool:
+        return bool(self._run(self._scripts()[1], key, [owner, "release"]))
+
+    def reopen(self, key: str) -> bool:
+        script = self.client.register_script(_REOPEN)
+        return bool(self._run(script, key, []))
+
+    def inspect(self, key: str) -> dict[str, Any] | None:
+        raw = self.client.hgetall(IDEM_PREFIX + key)
+        return {k.decode(): v.decode() for k, v in raw.items()} or None
+
+    def reserve_publish(self, key: str, *, task_id: str, ttl: float) -> str | None:
+        """Record the first publish of ``key``; return the task id of an earlier one within ``ttl``."""
+        try:
+            if self.client.set(PUBLISH_PREFIX + key, task_id, nx=True, ex=max(1, int(ttl))):
+                return None
+            existing = self.client.get(PUBLISH_PREFIX + key)
+        except self._errors as exc:
+            raise StoreError(f"Redis store at {self.url} failed: {exc}") from exc
+        return existing.decode() if existing else None
+
+
 _INT_FIELDS = (
     "window_index",
     "first_current",
@@ -127,7 +248,7 @@ _INT_FIELDS = (
 )
 
 
-class RedisStore:
+class RedisStore(RedisIdempotency):
     """Store on a Redis server, given by URL (``redis://127.0.0.1:6379/1``)."""
 
     def __init__(self, url: str) -> None:

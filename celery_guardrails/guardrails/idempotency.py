@@ -1,0 +1,267 @@
+"""Idempotency keys, enforced where the effect lands: one claim per key in the store, taken atomically.
+
+* Publish: the key is made from the task's ``idempotency_key`` (a ``str.format`` template over the bound
+  arguments, or a callable taking the arguments; per call, the key itself) and checked (every template
+  field present, 1 to 200 characters, no whitespace or control characters); a bad one raises
+  :class:`~celery_guardrails.exceptions.IdempotencyKeyError` in the caller. It travels in the header, so
+  every redelivery, retry and replay carries the same key. ``dedupe_on_publish`` optionally skips publishing a
+  key seen within ``dedupe_ttl`` (an optimisation: the claim below is the guarantee).
+* Run: the key, scoped by task name and tenant (``self.request.idempotency_key``), is claimed in the store:
+
+  - acquired: the body runs; the claim's lease (``idempotency_lease``) is renewed by a heartbeat every third
+    of it (the claim itself is the first beat); success completes the key with a short result summary, a
+    retry or ``RetryLater`` releases it before the new message is published, a final failure marks it failed;
+  - completed before: the body does not run, ``duplicate_skipped`` fires, the task returns the summary;
+  - failed before: the body does not run, ``duplicate_skipped`` fires, the message is acked as ignored (a
+    replay reopens the key deliberately);
+  - held by a live delivery: this one comes back later through ``RetryLater`` (no attempt consumed);
+  - held by a delivery whose lease ran out (its worker died): this one takes over.
+
+Guarantees. With the Django store and ``atomic=True`` the body runs in ``transaction.atomic()`` and the
+completion mark commits in the same transaction as the database effect: it happens exactly once (a delivery
+that lost its lease rolls back). Otherwise (Redis, or effects outside the database) a worker that dies after
+the effect and before the completion mark leaves a window: the next delivery takes over and runs the body
+again. Close it with a natural key on the effect or the provider's own idempotency key (pass it
+``self.request.idempotency_key``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+import logging
+import os
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
+from string import Formatter
+from typing import TYPE_CHECKING, Any
+
+from celery.exceptions import Ignore
+from celery.utils.saferepr import saferepr
+
+from celery_guardrails import headers, signals
+from celery_guardrails.context import current_tenant
+from celery_guardrails.exceptions import IdempotencyKeyError, RetryLater
+from celery_guardrails.guardrails.retries import retry_later
+from celery_guardrails.options import resolve
+from celery_guardrails.outcomes import attempt_record, fail_finally
+from celery_guardrails.pipeline import Guardrail, Publication, SkipBody, SkipPublish
+from celery_guardrails.stores import get_store
+from celery_guardrails.stores.base import ACQUIRED, COMPLETED, FAILED, Store
+
+if TYPE_CHECKING:
+    from celery_guardrails.task import GuardedTask
+
+logger = logging.getLogger(__name__)
+
+#: Longest key a task may make (before scoping), in characters.
+KEY_MAX_LENGTH = 200
+#: Longest scoped key stored as it is; a longer one is stored as a prefix and a SHA-256.
+STORED_MAX_LENGTH = 255
+SUMMARY_MAX_LENGTH = 200
+
+
+def render_key(task: Any, spec: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
+    """The key ``spec`` makes for these arguments (see the module docstring); raises IdempotencyKeyError."""
+    if callable(spec):
+        try:
+            key = spec(*args, **kwargs)
+        except Exception as exc:
+            raise IdempotencyKeyError(f"{task.name}: idempotency_key callable failed: {exc!r}") from exc
+    else:
+        fields = {name for _, name, _, _ in Formatter().parse(spec) if name}
+        arguments: dict[str, Any] = {}
+        if fields:
+            try:
+                bound = inspect.signature(task.run).bind(*args, **kwargs)
+            except TypeError as exc:
+                raise IdempotencyKeyError(f"{task.name}: arguments do not fit the task: {exc}") from exc
+            bound.apply_defaults()
+            arguments = dict(bound.arguments)
+        try:
+            key = spec.format(**arguments)
+        except (KeyError, IndexError, AttributeError, ValueError) as exc:
+            raise IdempotencyKeyError(
+                f"{task.name}: idempotency_key {spec!r} names {exc}, which is not an argument of the task"
+            ) from exc
+    return validate_key(task.name, key)
+
+
+def validate_key(task_name: str, key: Any) -> str:
+    if not isinstance(key, str) or not key:
+        raise IdempotencyKeyError(f"{task_name}: idempotency key must be a non-empty str, got {key!r:.80}")
+    if len(key) > KEY_MAX_LENGTH:
+        raise IdempotencyKeyError(f"{task_name}: idempotency key is {len(key)} characters, over {KEY_MAX_LENGTH}")
+    if not key.isprintable() or any(c.isspace() for c in key):
+        raise IdempotencyKeyError(f"{task_name}: idempotency key {key!r:.80} has whitespace or control characters")
+    return key
+
+
+def scoped_key(task_name: str, tenant: str | None, key: str) -> str:
+    """``task:tenant:key``; past STORED_MAX_LENGTH, a readable prefix and the SHA-256 of the whole."""
+    scoped = f"{task_name}:{tenant or '-'}:{key}"
+    if len(scoped) <= STORED_MAX_LENGTH:
+        return scoped
+    digest = hashlib.sha256(scoped.encode()).hexdigest()
+    return f"{scoped[: STORED_MAX_LENGTH - 66]}~{digest}"
+
+
+class Heartbeat:
+    """Renews a claim's lease every ``interval`` seconds from a thread until stopped."""
+
+    def __init__(self, store: Store, key: str, owner: str, *, lease: float) -> None:
+        self.store, self.key, self.owner, self.lease = store, key, owner, lease
+        self.interval = lease / 3
+        self.stopped = threading.Event()
+        self.thread = threading.Thread(target=self._beat, name=f"guardrails-heartbeat-{key[:40]}", daemon=True)
+
+    def _beat(self) -> None:
+        try:
+            while not self.stopped.wait(self.interval):
+                if not self.store.extend(self.key, owner=self.owner, now=time.time(), lease=self.lease):
+                    logger.warning("Idempotency key %s: lease lost by %s", self.key, self.owner)
+                    return
+        except Exception:  # a heartbeat must never take the worker down; the lease may lapse
+            logger.exception("Idempotency key %s: heartbeat failed", self.key)
+        finally:
+            close = getattr(self.store, "close_thread", None)
+            if close is not None:
+                close()
+
+    def __enter__(self) -> Heartbeat:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stopped.set()
+        self.thread.join(self.interval + 5)
+
+
+class Idempotency(Guardrail):
+    """Makes, carries and enforces idempotency keys."""
+
+    def on_publish(self, task: GuardedTask, publication: Publication) -> None:
+        header = publication.header
+        if headers.IDEMPOTENCY_KEY not in header:  # a retry or replay keeps the key it was published with
+            spec = resolve(task, "idempotency_key", publication.call)
+            if spec is None:
+                return
+            header[headers.IDEMPOTENCY_KEY] = render_key(task, spec, publication.args, publication.kwargs)
+        if resolve(task, "dedupe_on_publish", publication.call) and publication.task_id:
+            key = scoped_key(task.name, header.get(headers.TENANT), header[headers.IDEMPOTENCY_KEY])
+            earlier = get_store(task.app).reserve_publish(
+                key, task_id=publication.task_id, ttl=resolve(task, "dedupe_ttl", publication.call)
+            )
+            if earlier is not None and earlier != publication.task_id:
+                logger.info("Not publishing %s: key %s was published as %s", task.name, key, earlier)
+                raise SkipPublish(earlier)
+
+    def before_run(self, task: GuardedTask, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        request = task.request
+        request.guardrails_claim = None
+        call = task.call_options()
+        key = headers.from_request(request).get(headers.IDEMPOTENCY_KEY)
+        if key is None:  # published without the extension (send_task, plain Celery): make it here
+            spec = resolve(task, "idempotency_key", call)
+            if spec is None:
+                return
+            try:
+                key = render_key(task, spec, args, kwargs)
+            except IdempotencyKeyError as exc:
+                fail_finally(
+                    task,
+                    exc,
+                    reason="bad_idempotency_key",
+                    history=[attempt_record(task, kind="permanent", rule="idempotency_key", exc=exc)],
+                )
+                raise
+        scoped = scoped_key(task.name, current_tenant(), key)
+        request.idempotency_key = scoped
+        store = get_store(task.app)
+        owner = f"{request.hostname}:{os.getpid()}:{request.id}:{uuid.uuid4().hex[:8]}"
+        now = time.time()
+        lease = resolve(task, "idempotency_lease", call)
+        claim = store.claim(
+            scoped, owner=owner, now=now, lease=lease, retention=resolve(task, "idempotency_retention", call)
+        )
+        if claim.state == ACQUIRED:
+            if claim.takeover:
+                logger.warning(
+                    "Task %s[%s]: took over key %s from a delivery whose lease ran out", task.name, request.id, scoped
+                )
+            request.guardrails_claim = (scoped, owner)
+            request.guardrails_before_republish = [lambda: store.release(scoped, owner=owner)]
+            return
+        if claim.state in (COMPLETED, FAILED):
+            logger.info(
+                "Task %s[%s]: key %s already %s; not running it again", task.name, request.id, scoped, claim.state
+            )
+            signals.duplicate_skipped.send(
+                sender=task, task_id=request.id, key=scoped, state=claim.state, summary=claim.summary
+            )
+            if claim.state == COMPLETED:
+                raise SkipBody(claim.summary)
+            raise Ignore()
+        # Held by a live delivery: come back when its lease would run out (it renews it while alive).
+        wait = RetryLater(f"idempotency key {scoped} is held by another delivery")
+        retry = retry_later(
+            task, wait, delay=max(0.5, min(lease, claim.lease_until - now + 0.5)), rule="idempotency:busy"
+        )
+        raise retry if retry is not None else wait
+
+    def body_context(self, task: GuardedTask) -> AbstractContextManager[Any]:
+        claim = getattr(task.request, "guardrails_claim", None)
+        if claim is None:
+            return nullcontext()
+        return self._claimed(task, *claim)
+
+    @contextmanager
+    def _claimed(self, task: GuardedTask, key: str, owner: str) -> Iterator[None]:
+        call = task.call_options()
+        store = get_store(task.app)
+        with Heartbeat(store, key, owner, lease=resolve(task, "idempotency_lease", call)):
+            if not resolve(task, "atomic", call):
+                yield
+                return
+            from django.db import transaction
+
+            with transaction.atomic():
+                yield
+                # The completion mark commits with the effect, or neither does.
+                if not self._complete(task, key, owner, getattr(task.request, "guardrails_retval", None)):
+                    raise IdempotencyKeyError(f"lost the claim on {key} before committing; rolled back")
+                task.request.guardrails_claim = None
+
+    def _complete(self, task: GuardedTask, key: str, owner: str, retval: Any) -> bool:
+        summary = saferepr(retval, SUMMARY_MAX_LENGTH)[:SUMMARY_MAX_LENGTH]
+        retention = resolve(task, "idempotency_retention", task.call_options())
+        done = get_store(task.app).complete(key, owner=owner, now=time.time(), summary=summary, retention=retention)
+        if not done:
+            logger.warning(
+                "Task %s[%s]: key %s was taken over before completion; the effect may have run twice",
+                task.name,
+                task.request.id,
+                key,
+            )
+        return done
+
+    def on_success(self, task: GuardedTask, retval: Any) -> None:
+        claim = getattr(task.request, "guardrails_claim", None)
+        if claim is not None:
+            key, owner = claim
+            self._complete(task, key, owner, retval)
+
+    def on_failure(self, task: GuardedTask, exc: BaseException, einfo: Any) -> None:
+        claim = getattr(task.request, "guardrails_claim", None)
+        if claim is not None:
+            key, owner = claim
+            get_store(task.app).fail(
+                key,
+                owner=owner,
+                now=time.time(),
+                reason=f"{type(exc).__name__}: {exc}"[:200],
+                retention=resolve(task, "idempotency_retention", task.call_options()),
+            )
