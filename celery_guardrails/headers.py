@@ -38,6 +38,7 @@ Compatibility rules:
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Mapping
 from typing import Any
@@ -77,21 +78,27 @@ def from_message_headers(headers: Mapping[str, Any] | None) -> dict[str, Any]:
 
 
 def from_request(request: Any) -> dict[str, Any]:
-    """The guardrails mapping of the message a task request came from, sanitised.
+    """The guardrails mapping of the message a task request came from, sanitised (a fresh copy).
 
     Celery copies custom message headers onto the request as attributes (worker) or keeps them under
-    ``request.headers`` (eager ``apply``); both are looked at. Malformed fields are dropped with a warning.
+    ``request.headers`` (eager ``apply``); both are looked at. Malformed fields are dropped with a warning,
+    once per delivery: the sanitised mapping is kept on the request, as every guardrail reads it.
     """
+    cached = getattr(request, "_guardrails_header", None)
+    if cached is not None:
+        return dict(cached)
     raw = getattr(request, HEADER, None)
     if raw is None:
         raw = (getattr(request, "headers", None) or {}).get(HEADER)
     task_id = getattr(request, "id", None)
-    if raw is None:
-        return {}
-    if not isinstance(raw, Mapping):
+    clean: dict[str, Any] = {}
+    if isinstance(raw, Mapping):
+        clean = sanitise(raw, task_id=task_id)
+    elif raw is not None:
         logger.warning("Task %s: header %r is a %s, not a mapping; ignored", task_id, HEADER, type(raw).__name__)
-        return {}
-    return sanitise(raw, task_id=task_id)
+    with contextlib.suppress(AttributeError):  # a request object that takes no attributes: no cache
+        request._guardrails_header = clean
+    return dict(clean)
 
 
 def sanitise(raw: Mapping[str, Any], *, task_id: str | None = None) -> dict[str, Any]:

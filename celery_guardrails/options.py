@@ -21,7 +21,9 @@ from __future__ import annotations
 import difflib
 import logging
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
 from importlib import import_module
 from typing import Any
@@ -397,7 +399,7 @@ def _checked(key: str, value: Any) -> Any:
 
 def validate(raw: Any, *, scope: str = APP) -> dict[str, Any]:
     """Check a mapping of options for ``scope``; return the checked values (unset keys are absent)."""
-    if raw is None:
+    if not raw:
         return {}
     if not isinstance(raw, Mapping):
         raise ConfigurationError("guardrails", f"must be a dict, got {type(raw).__name__}")
@@ -412,8 +414,25 @@ def validate(raw: Any, *, scope: str = APP) -> dict[str, Any]:
     return checked
 
 
-def app_settings(app: Any) -> dict[str, Any]:
+_snapshot: ContextVar[tuple[Any, dict[str, Any]] | None] = ContextVar("guardrails_settings", default=None)
+
+
+@contextmanager
+def settings_snapshot(app: Any) -> Iterator[None]:
+    """Read the app config once for a block: a publish, a task run, a hook (Celery's config lookups are
+    slow enough to show in the per-task cost when every option is looked up again)."""
+    token = _snapshot.set((app, app_settings(app, fresh=True)))
+    try:
+        yield
+    finally:
+        _snapshot.reset(token)
+
+
+def app_settings(app: Any, *, fresh: bool = False) -> dict[str, Any]:
     """The validated ``guardrails`` mapping of a Celery app (cached until the mapping is replaced)."""
+    snapshot = None if fresh else _snapshot.get()
+    if snapshot is not None and snapshot[0] is app:
+        return snapshot[1]
     raw = app.conf.get("guardrails")
     cached = getattr(app, "_guardrails_settings", None)
     if cached is not None and cached[0] is raw:

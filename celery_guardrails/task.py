@@ -21,7 +21,7 @@ from celery_guardrails.guardrails.idempotency import Idempotency
 from celery_guardrails.guardrails.retries import Retries
 from celery_guardrails.guardrails.tenancy import TenantGuard
 from celery_guardrails.install import install
-from celery_guardrails.options import OPTIONS, check_call_options
+from celery_guardrails.options import OPTIONS, check_call_options, settings_snapshot
 from celery_guardrails.pipeline import Guardrail, Publication, SkipBody, SkipPublish
 
 #: Per-call keyword arguments of ``apply_async`` that set the message's context rather than an option.
@@ -82,7 +82,11 @@ class GuardedTask(Task):  # type: ignore[misc]
     def on_bound(cls, app: Any) -> None:
         install(app)
 
-    def apply_async(
+    def apply_async(self, *args: Any, **kwargs: Any) -> Any:
+        with settings_snapshot(self.app):
+            return self._publish(*args, **kwargs)
+
+    def _publish(
         self,
         args: Any = None,
         kwargs: Any = None,
@@ -128,29 +132,38 @@ class GuardedTask(Task):  # type: ignore[misc]
         return headers.call_options(headers.from_request(self.request))
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        try:
-            for guardrail in self.guardrails:
-                guardrail.before_run(self, args, kwargs)
-        except SkipBody as skip:
-            return skip.result
-        with ExitStack() as stack:
-            for guardrail in self.guardrails:
-                stack.enter_context(guardrail.body_context(self))
-            retval = super().__call__(*args, **kwargs)
-            self.request.guardrails_retval = retval  # for a body context that commits with the result
-            return retval
+        with settings_snapshot(self.app):
+            try:
+                for guardrail in self.guardrails:
+                    guardrail.before_run(self, args, kwargs)
+            except SkipBody as skip:
+                return skip.result
+            with ExitStack() as stack:
+                for guardrail in self.guardrails:
+                    stack.enter_context(guardrail.body_context(self))
+                if self.request.called_directly:
+                    retval = super().__call__(*args, **kwargs)
+                else:
+                    # Celery's tracer already pushed this request and task; Task.__call__ would push a copy
+                    # of both again (a custom __call__ is run in place of run()), for nothing.
+                    retval = self.run(*args, **kwargs)
+                self.request.guardrails_retval = retval  # for a body context that commits with the result
+                return retval
 
     def on_success(self, retval: Any, task_id: str, args: Any, kwargs: Any) -> None:
-        for guardrail in reversed(self.guardrails):
-            guardrail.on_success(self, retval)
+        with settings_snapshot(self.app):
+            for guardrail in reversed(self.guardrails):
+                guardrail.on_success(self, retval)
         super().on_success(retval, task_id, args, kwargs)
 
     def on_failure(self, exc: BaseException, task_id: str, args: Any, kwargs: Any, einfo: Any) -> None:
-        for guardrail in reversed(self.guardrails):
-            guardrail.on_failure(self, exc, einfo)
+        with settings_snapshot(self.app):
+            for guardrail in reversed(self.guardrails):
+                guardrail.on_failure(self, exc, einfo)
         super().on_failure(exc, task_id, args, kwargs, einfo)
 
     def on_retry(self, exc: BaseException, task_id: str, args: Any, kwargs: Any, einfo: Any) -> None:
-        for guardrail in reversed(self.guardrails):
-            guardrail.on_retry(self, exc, einfo)
+        with settings_snapshot(self.app):
+            for guardrail in reversed(self.guardrails):
+                guardrail.on_retry(self, exc, einfo)
         super().on_retry(exc, task_id, args, kwargs, einfo)

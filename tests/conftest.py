@@ -66,6 +66,18 @@ def celery_app(celery_app: Any) -> Any:
     return celery_app
 
 
+@pytest.fixture
+def celery_worker_pool(request: pytest.FixtureRequest) -> str:
+    """The embedded worker's pool: solo, or what a test asks for with indirect parametrization."""
+    return getattr(request, "param", "solo")
+
+
+@pytest.fixture
+def celery_worker_parameters(request: pytest.FixtureRequest) -> dict[str, Any]:
+    """Extra WorkController arguments (e.g. {"concurrency": 2}), by indirect parametrization."""
+    return getattr(request, "param", {})
+
+
 @pytest.fixture(scope="session")
 def celery_includes() -> list[str]:
     return ["tests.proj.tasks"]

@@ -39,3 +39,9 @@ elif DB == "sqlite":
     }
 else:
     raise RuntimeError(f"GUARDRAILS_TEST_DB must be 'postgres' or 'sqlite', not {DB!r}")
+
+INSTALLED_APPS = [*INSTALLED_APPS, "tests.testapp"]  # noqa: F405
+
+# A worker subprocess started by a test uses the test database itself (its name comes from the test process).
+if os.environ.get("GUARDRAILS_TEST_DB_NAME"):
+    DATABASES["default"]["NAME"] = DATABASES["default"]["TEST"]["NAME"] = os.environ["GUARDRAILS_TEST_DB_NAME"]

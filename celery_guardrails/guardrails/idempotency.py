@@ -76,7 +76,7 @@ def render_key(task: Any, spec: Any, args: tuple[Any, ...], kwargs: dict[str, An
         arguments: dict[str, Any] = {}
         if fields:
             try:
-                bound = inspect.signature(task.run).bind(*args, **kwargs)
+                bound = _signature(task).bind(*args, **kwargs)
             except TypeError as exc:
                 raise IdempotencyKeyError(f"{task.name}: arguments do not fit the task: {exc}") from exc
             bound.apply_defaults()
@@ -88,6 +88,18 @@ def render_key(task: Any, spec: Any, args: tuple[Any, ...], kwargs: dict[str, An
                 f"{task.name}: idempotency_key {spec!r} names {exc}, which is not an argument of the task"
             ) from exc
     return validate_key(task.name, key)
+
+
+_SIGNATURES: dict[type, inspect.Signature] = {}
+
+
+def _signature(task: Any) -> inspect.Signature:
+    """The signature of the task's ``run`` (without ``self`` for bound tasks), computed once per class."""
+    task = task._get_current_object() if hasattr(task, "_get_current_object") else task
+    signature = _SIGNATURES.get(type(task))
+    if signature is None:
+        signature = _SIGNATURES[type(task)] = inspect.signature(task.run)
+    return signature
 
 
 def validate_key(task_name: str, key: Any) -> str:
@@ -109,35 +121,65 @@ def scoped_key(task_name: str, tenant: str | None, key: str) -> str:
     return f"{scoped[: STORED_MAX_LENGTH - 66]}~{digest}"
 
 
-class Heartbeat:
-    """Renews a claim's lease every ``interval`` seconds from a thread until stopped."""
+class Heartbeats:
+    """One thread per worker process renews the leases of every claim running in it.
 
-    def __init__(self, store: Store, key: str, owner: str, *, lease: float) -> None:
-        self.store, self.key, self.owner, self.lease = store, key, owner, lease
-        self.interval = lease / 3
-        self.stopped = threading.Event()
-        self.thread = threading.Thread(target=self._beat, name=f"guardrails-heartbeat-{key[:40]}", daemon=True)
+    A claim's lease is renewed every third of it; the claim itself was the first beat, so a short lease
+    cannot lapse before the first renewal. One shared thread instead of one per task: starting a thread per
+    task would cost more than the task's two store round trips.
+    """
 
-    def _beat(self) -> None:
-        try:
-            while not self.stopped.wait(self.interval):
-                if not self.store.extend(self.key, owner=self.owner, now=time.time(), lease=self.lease):
-                    logger.warning("Idempotency key %s: lease lost by %s", self.key, self.owner)
-                    return
-        except Exception:  # a heartbeat must never take the worker down; the lease may lapse
-            logger.exception("Idempotency key %s: heartbeat failed", self.key)
-        finally:
-            close = getattr(self.store, "close_thread", None)
-            if close is not None:
-                close()
+    def __init__(self) -> None:
+        self.lock = threading.Condition()
+        self.claims: dict[tuple[str, str], tuple[Store, float, float]] = {}  # (key, owner) -> store, lease, due
+        self.pid = 0
 
-    def __enter__(self) -> Heartbeat:
-        self.thread.start()
-        return self
+    def _ensure_thread(self) -> None:
+        if self.pid != os.getpid():  # first use, or a forked pool child: the parent's thread is not here
+            self.pid = os.getpid()
+            self.claims.clear()
+            threading.Thread(target=self._run, name="guardrails-heartbeats", daemon=True).start()
 
-    def __exit__(self, *exc: object) -> None:
-        self.stopped.set()
-        self.thread.join(self.interval + 5)
+    def add(self, store: Store, key: str, owner: str, *, lease: float) -> None:
+        with self.lock:
+            self._ensure_thread()
+            self.claims[(key, owner)] = (store, lease, time.monotonic() + lease / 3)
+            self.lock.notify()
+
+    def remove(self, key: str, owner: str) -> None:
+        with self.lock:
+            self.claims.pop((key, owner), None)
+
+    def _run(self) -> None:
+        while True:
+            with self.lock:
+                now = time.monotonic()
+                due = [(k, v) for k, v in self.claims.items() if v[2] <= now]
+                for (key, owner), (store, lease, _) in due:
+                    self.claims[(key, owner)] = (store, lease, now + lease / 3)
+                upcoming = min((v[2] for v in self.claims.values()), default=now + 60)
+                if not due:
+                    self.lock.wait(max(0.01, upcoming - now))
+                    continue
+            for (key, owner), (store, lease, _) in due:
+                try:
+                    if not store.extend(key, owner=owner, now=time.time(), lease=lease):
+                        logger.warning("Idempotency key %s: lease lost by %s", key, owner)
+                        self.remove(key, owner)
+                except Exception:  # a heartbeat must never take the worker down; the lease may lapse
+                    logger.exception("Idempotency key %s: heartbeat failed", key)
+
+
+HEARTBEATS = Heartbeats()
+
+
+@contextmanager
+def heartbeat(store: Store, key: str, owner: str, *, lease: float) -> Iterator[None]:
+    HEARTBEATS.add(store, key, owner, lease=lease)
+    try:
+        yield
+    finally:
+        HEARTBEATS.remove(key, owner)
 
 
 class Idempotency(Guardrail):
@@ -205,10 +247,12 @@ class Idempotency(Guardrail):
             if claim.state == COMPLETED:
                 raise SkipBody(claim.summary)
             raise Ignore()
-        # Held by a live delivery: come back when its lease would run out (it renews it while alive).
+        # Held by another delivery: look again soon, then less and less often (retry_later_delay doubling),
+        # never later than just after its lease would run out if its worker has died.
         wait = RetryLater(f"idempotency key {scoped} is held by another delivery")
+        soon = resolve(task, "retry_later_delay", call) * 2 ** headers.counter(headers.from_request(request), "later")
         retry = retry_later(
-            task, wait, delay=max(0.5, min(lease, claim.lease_until - now + 0.5)), rule="idempotency:busy"
+            task, wait, delay=max(0.1, min(soon, claim.lease_until - now + 0.5)), rule="idempotency:busy"
         )
         raise retry if retry is not None else wait
 
@@ -222,7 +266,7 @@ class Idempotency(Guardrail):
     def _claimed(self, task: GuardedTask, key: str, owner: str) -> Iterator[None]:
         call = task.call_options()
         store = get_store(task.app)
-        with Heartbeat(store, key, owner, lease=resolve(task, "idempotency_lease", call)):
+        with heartbeat(store, key, owner, lease=resolve(task, "idempotency_lease", call)):
             if not resolve(task, "atomic", call):
                 yield
                 return

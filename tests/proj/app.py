@@ -11,7 +11,10 @@ import os
 from celery import Celery
 
 redis_url = os.environ.get("GUARDRAILS_TEST_REDIS_URL", "redis://127.0.0.1:6379/9")
-app = Celery("guardrails_tests", include=["tests.proj.tasks"])
+includes = ["tests.proj.tasks"]
+if os.environ.get("DJANGO_SETTINGS_MODULE"):  # Celery's Django fixup sets Django up: database tasks too
+    includes.append("tests.proj.django_tasks")
+app = Celery("guardrails_tests", include=includes)
 app.conf.update(
     broker_url=os.environ.get("GUARDRAILS_TEST_BROKER_URL", redis_url),
     result_backend=redis_url,
@@ -19,6 +22,7 @@ app.conf.update(
     broker_connection_retry_on_startup=True,
     result_expires=3600,
     beat_schedule=json.loads(os.environ.get("GUARDRAILS_TEST_BEAT", "{}")),
+    broker_transport_options=json.loads(os.environ.get("GUARDRAILS_TEST_TRANSPORT_OPTIONS", "{}")),
 )
 if "GUARDRAILS_TEST_GUARDRAILS" in os.environ:
     app.conf.guardrails = json.loads(os.environ["GUARDRAILS_TEST_GUARDRAILS"])

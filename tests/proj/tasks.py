@@ -168,3 +168,23 @@ def behave(self: GuardedTask, sink: str, script: list[str]) -> dict[str, Any]:
 @shared_task(base=GuardedTask, bind=True, backoff_base=0.05)
 def behave_not_idempotent(self: GuardedTask, sink: str, script: list[str]) -> dict[str, Any]:
     return _behave(self, sink, script)
+
+
+@shared_task(base=GuardedTask, bind=True, idempotency_key="charge:{order_id}", backoff_base=0.05)
+def charge(self: GuardedTask, order_id: int, sink: str, script: list[str] | None = None, hold: float = 0.0) -> str:
+    """The effect is ``INCR <sink>:effects``; run n does ``script[n-1]`` first; the first run may hold the key."""
+    import time
+
+    client = redis.Redis.from_url(REDIS_URL)
+    runs = client.incr(f"{sink}:runs")
+    seen(self, sink, run=runs, key=self.request.idempotency_key, attempt=self.request.attempt)
+    steps = script or ["ok"]
+    step = steps[min(runs, len(steps)) - 1]
+    if step == "transient":
+        raise TransientError("provider hiccup")
+    if step == "permanent":
+        raise PermanentError("card refused")
+    client.incr(f"{sink}:effects")
+    if hold and runs == 1:
+        time.sleep(hold)
+    return f"charged {order_id}"

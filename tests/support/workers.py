@@ -19,11 +19,23 @@ ROOT = Path(__file__).resolve().parents[2]
 PROJ_APP = "tests.proj.app"
 
 
-def proj_env(*, queue: str, broker: str = "redis", **extra: str) -> dict[str, str]:
-    """Environment for a ``tests.proj.app`` subprocess on ``broker``, consuming/publishing ``queue``."""
+def proj_env(*, queue: str, broker: str = "redis", django: bool = False, **extra: str) -> dict[str, str]:
+    """Environment for a ``tests.proj.app`` subprocess on ``broker``, consuming/publishing ``queue``.
+
+    ``django=True``: the worker runs with the test Django settings, on the test process's test database.
+    """
+    database: dict[str, str] = {}
+    if django:
+        from django.db import connection
+
+        database = {
+            "GUARDRAILS_TEST_DB_NAME": str(connection.settings_dict["NAME"]),
+            "GUARDRAILS_TEST_DB": os.environ.get("GUARDRAILS_TEST_DB", "sqlite"),
+        }
     return {
-        # A plain Celery app: without this, the pytest-django variable would switch on Celery's Django fixup.
-        "DJANGO_SETTINGS_MODULE": "",
+        # Without django=True a plain Celery app: the pytest-django variable would switch on the Django fixup.
+        "DJANGO_SETTINGS_MODULE": "tests.django_settings" if django else "",
+        **database,
         "GUARDRAILS_TEST_BROKER_URL": BROKER_URLS[broker],
         "GUARDRAILS_TEST_REDIS_URL": REDIS_URL,
         "GUARDRAILS_TEST_QUEUE": queue,

@@ -194,11 +194,6 @@ def test_consecutive_tasks_in_one_worker_process_never_share_context(
     assert second["tenant"] is None and second["cid"] not in (None, "req-first")
 
 
-@pytest.fixture
-def celery_worker_pool(request: pytest.FixtureRequest) -> str:
-    return getattr(request, "param", "solo")
-
-
 @pytest.mark.parametrize("celery_worker_pool", ["threads"], indirect=True)
 def test_threads_pool_never_shares_context(celery_worker: Any) -> None:
     with tenant_context("acme"), correlation_context("req-thread-1"):

@@ -1,0 +1,193 @@
+"""Idempotency keys on a real worker over Redis, with the Redis store (the Django store: tests/django_app)."""
+
+from __future__ import annotations
+
+import json
+import random
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import pytest
+from celery.exceptions import TimeoutError as CeleryTimeout
+
+from celery_guardrails import IdempotencyKeyError, PermanentError, signals, tenant_context
+from celery_guardrails.stores import get_store
+from tests.conftest import Sink, waiting_messages
+from tests.proj import tasks
+from tests.support.workers import PROJ_APP, WorkerProcess, proj_env
+
+TIMEOUT = 30
+
+
+@pytest.fixture
+def oid() -> int:
+    """An order id of this test run only (keys live on in Redis for their retention)."""
+    return random.randrange(10**9)
+
+
+def effects(sink: Sink) -> int:
+    return int(sink.client.get(f"{sink.key}:effects") or 0)
+
+
+def test_same_message_twice_and_same_key_twice_make_one_effect(
+    celery_worker: Any, celery_app: Any, sink: Sink, oid: int, received: Any
+) -> None:
+    skipped = received(signals.duplicate_skipped)
+    with tenant_context("acme"):
+        # Given a message delivered twice (same id), and a second message with the same key
+        task_id = str(uuid.uuid4())
+        first = tasks.charge.apply_async((oid, sink.key), task_id=task_id).get(timeout=TIMEOUT)
+        tasks.charge.apply_async((oid, sink.key), task_id=task_id)  # the same message again
+        deadline = time.monotonic() + TIMEOUT
+        while not skipped and time.monotonic() < deadline:
+            time.sleep(0.05)
+        second = tasks.charge.apply_async((oid, sink.key))
+        other = second.get(timeout=TIMEOUT)
+    # Then the body ran once, one effect; the duplicates were skipped, the other message got the summary
+    assert (first, effects(sink), len(sink.items())) == (f"charged {oid}", 1, 1)
+    assert other == f"'charged {oid}'"
+    key = f"tests.proj.tasks.charge:acme:charge:{oid}"
+    assert [(s["task_id"], s["key"], s["state"]) for s in skipped] == [
+        (task_id, key, "completed"),
+        (second.id, key, "completed"),
+    ]
+    assert sink.items()[0]["key"] == key
+    assert get_store(celery_app).inspect(key)["state"] == "completed"
+
+
+def test_keys_are_scoped_by_tenant(celery_worker: Any, celery_app: Any, sink: Sink, oid: int) -> None:
+    for tenant in ("acme", "globex"):
+        with tenant_context(tenant):
+            tasks.charge.delay(oid, sink.key).get(timeout=TIMEOUT)
+    assert effects(sink) == 2
+    assert sorted(r["key"] for r in sink.items()) == [
+        f"tests.proj.tasks.charge:acme:charge:{oid}",
+        f"tests.proj.tasks.charge:globex:charge:{oid}",
+    ]
+
+
+@pytest.mark.parametrize("celery_worker_pool", ["threads"], indirect=True)
+@pytest.mark.parametrize("celery_worker_parameters", [{"concurrency": 2}], indirect=True)
+def test_a_duplicate_waits_for_the_running_delivery(
+    celery_worker: Any, celery_app: Any, sink: Sink, oid: int, received: Any
+) -> None:
+    # Given a delivery holding the key for 1.5 s, and a duplicate arriving meanwhile
+    celery_app.conf.guardrails = {**celery_app.conf.guardrails, "retry_later_delay": 0.3}
+    later = received(signals.retry_scheduled)
+    first = tasks.charge.delay(oid, sink.key, hold=1.5)
+    sink.wait(1)
+    duplicate = tasks.charge.delay(oid, sink.key)
+    # Then the duplicate comes back through RetryLater, and returns the summary once the first completed
+    assert first.get(timeout=TIMEOUT) == f"charged {oid}"
+    assert duplicate.get(timeout=TIMEOUT) == f"'charged {oid}'"
+    assert effects(sink) == 1
+    assert [(s["task_id"], s["kind"], s["rule"]) for s in later][:1] == [
+        (duplicate.id, "retry_later", "idempotency:busy")
+    ]
+
+
+def test_transient_failure_releases_and_the_retry_completes(
+    celery_worker: Any, celery_app: Any, sink: Sink, oid: int
+) -> None:
+    assert tasks.charge.delay(oid, sink.key, ["transient", "ok"]).get(timeout=TIMEOUT) == f"charged {oid}"
+    assert [r["attempt"] for r in sink.items()] == [1, 2]
+    assert get_store(celery_app).inspect(f"tests.proj.tasks.charge:-:charge:{oid}")["state"] == "completed"
+
+
+def test_permanent_failure_marks_the_key_failed_and_duplicates_are_ignored(
+    celery_worker: Any, celery_app: Any, sink: Sink, oid: int, received: Any
+) -> None:
+    skipped = received(signals.duplicate_skipped)
+    with pytest.raises(PermanentError):
+        tasks.charge.delay(oid, sink.key, ["permanent"]).get(timeout=TIMEOUT)
+    store, key = get_store(celery_app), f"tests.proj.tasks.charge:-:charge:{oid}"
+    assert store.inspect(key)["state"] == "failed"
+    duplicate = tasks.charge.delay(oid, sink.key)
+    with pytest.raises(CeleryTimeout):  # ignored: no result is ever stored
+        duplicate.get(timeout=2)
+    assert [s["state"] for s in skipped] == ["failed"]
+    # a deliberate reopen (what a replay does) lets it run again
+    assert store.reopen(key) is True
+    assert tasks.charge.delay(oid, sink.key).get(timeout=TIMEOUT) == f"charged {oid}"
+    assert effects(sink) == 1
+
+
+def test_send_task_without_the_header_is_keyed_on_the_worker(
+    celery_worker: Any, celery_app: Any, sink: Sink, oid: int
+) -> None:
+    celery_app.send_task("tests.proj.tasks.charge", args=(oid, sink.key)).get(timeout=TIMEOUT)
+    assert (
+        celery_app.send_task("tests.proj.tasks.charge", args=(oid, sink.key)).get(timeout=TIMEOUT) == f"'charged {oid}'"
+    )
+    assert effects(sink) == 1
+
+
+@pytest.mark.parametrize(
+    ("call", "message"),
+    [
+        (lambda: tasks.behave.apply_async(("s", []), idempotency_key="x" * 201), "201 characters, over 200"),
+        (lambda: tasks.behave.apply_async(("s", []), idempotency_key="has space"), "whitespace"),
+        (lambda: tasks.charge.apply_async((1, "s"), idempotency_key=""), "must be a str.format template"),
+    ],
+)
+def test_bad_keys_are_refused_at_publish(celery_app: Any, queue_name: str, call: Any, message: str) -> None:
+    with pytest.raises(Exception, match=message):
+        call()
+    assert waiting_messages("redis", queue_name) == 0
+
+
+def test_template_naming_a_missing_argument_is_refused_at_publish(celery_app: Any, queue_name: str) -> None:
+    from celery import shared_task
+
+    from celery_guardrails import GuardedTask
+
+    @shared_task(base=GuardedTask, bind=True, idempotency_key="pay:{order}", name="tests.missing_arg")
+    def pay(self: GuardedTask, order_id: int) -> None: ...
+
+    with pytest.raises(IdempotencyKeyError, match="names 'order', which is not an argument of the task"):
+        pay.delay(1)
+    assert waiting_messages("redis", queue_name) == 0
+
+
+def test_dedupe_on_publish_returns_the_first_result(
+    celery_worker: Any, celery_app: Any, sink: Sink, oid: int, queue_name: str
+) -> None:
+    first = tasks.charge.apply_async((oid, sink.key), dedupe_on_publish=True)
+    second = tasks.charge.apply_async((oid, sink.key), dedupe_on_publish=True)
+    assert second.id == first.id
+    assert first.get(timeout=TIMEOUT) == f"charged {oid}"
+    assert len(sink.items()) == 1
+
+
+def test_sigkill_mid_body_redelivery_takes_over_the_expired_lease(
+    celery_app: Any, queue_name: str, sink: Sink, oid: int, tmp_path: Path
+) -> None:
+    # Given a worker (Redis store, 2 s lease, 3 s visibility timeout) that dies after the effect, before
+    # completing the key
+    config = {"idempotency_lease": 2.0}
+    env = proj_env(
+        queue=queue_name,
+        GUARDRAILS_TEST_GUARDRAILS=json.dumps(config),
+        GUARDRAILS_TEST_TRANSPORT_OPTIONS=json.dumps(
+            # kombu sweeps for expired unacked messages every interval * throttle seconds (10 * 10 by default)
+            {"visibility_timeout": 3, "unacked_restore_interval": 1, "unacked_restore_throttle": 1}
+        ),
+    )
+    result = tasks.charge.delay(oid, sink.key, hold=60)
+    with WorkerProcess(app=PROJ_APP, queue=queue_name, log_path=tmp_path / "first.log", env=env) as first:
+        sink.wait(1)
+        first.kill()
+        first.wait(15)
+    # When another worker starts: the message comes back after the visibility timeout, the lease has expired
+    with WorkerProcess(app=PROJ_APP, queue=queue_name, log_path=tmp_path / "second.log", env=env) as second:
+        assert result.get(timeout=TIMEOUT) == f"charged {oid}"
+        time.sleep(0.5)
+    # Then the new delivery took over and ran the body: with the Redis store the effect ran twice. This is
+    # the documented window (effect done, completion mark not): a natural key or the provider's
+    # idempotency key closes it; the Django store with atomic=True does (tests/django_app/test_store.py).
+    assert [r["run"] for r in sink.items()] == [1, 2]
+    assert effects(sink) == 2
+    assert f"took over key tests.proj.tasks.charge:-:charge:{oid}" in second.log
+    assert get_store(celery_app).inspect(f"tests.proj.tasks.charge:-:charge:{oid}")["state"] == "completed"

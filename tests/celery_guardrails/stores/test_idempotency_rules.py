@@ -1,0 +1,121 @@
+"""Both real stores enforce idempotency keys the same way (Redis Lua scripts; Django unique insert and
+conditional updates), including under a real race between two processes."""
+
+from __future__ import annotations
+
+import multiprocessing
+import time
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from celery_guardrails.stores.redis import RedisStore
+from tests.support.services import REDIS_URL, require
+
+pytestmark = pytest.mark.django_db(transaction=True)
+T0 = 1_800_000_000.0
+
+
+def make_store(kind: str) -> Any:
+    if kind == "redis":
+        return RedisStore(REDIS_URL)
+    from django_celery_guardrails.store import DjangoStore
+
+    return DjangoStore()
+
+
+@pytest.fixture(params=["redis", "django"])
+def kind(request: pytest.FixtureRequest) -> str:
+    if request.param == "redis":
+        require("redis")
+    return str(request.param)
+
+
+@pytest.fixture
+def store(kind: str) -> Any:
+    return make_store(kind)
+
+
+@pytest.fixture
+def key() -> Iterator[str]:
+    yield f"tests.rules:-:{uuid.uuid4().hex}"
+
+
+def test_claim_lifecycle(store: Any, key: str) -> None:
+    claim = store.claim(key, owner="a", now=T0, lease=10, retention=600)
+    assert (claim.state, claim.takeover) == ("acquired", False)
+    # a second delivery while the lease is live is told to wait until it ends
+    busy = store.claim(key, owner="b", now=T0 + 1, lease=10, retention=600)
+    assert (busy.state, busy.lease_until) == ("busy", T0 + 10)
+    # the heartbeat renews the lease for its owner only
+    assert store.extend(key, owner="b", now=T0 + 5, lease=10) is False
+    assert store.extend(key, owner="a", now=T0 + 5, lease=10) is True
+    assert store.claim(key, owner="b", now=T0 + 12, lease=10, retention=600).state == "busy"
+    # completion by someone else is refused; by the owner it sticks, and duplicates get the summary
+    assert store.complete(key, owner="b", now=T0 + 13, summary="nope", retention=600) is False
+    assert store.complete(key, owner="a", now=T0 + 13, summary="charged", retention=600) is True
+    done = store.claim(key, owner="c", now=T0 + 14, lease=10, retention=600)
+    assert (done.state, done.summary) == ("completed", "charged")
+    assert store.inspect(key)["state"] == "completed"
+    assert store.reopen(key) is False  # only a failed key reopens
+
+
+def test_expired_lease_is_taken_over_once(store: Any, key: str) -> None:
+    store.claim(key, owner="dead", now=T0, lease=5, retention=600)
+    takeover = store.claim(key, owner="b", now=T0 + 6, lease=5, retention=600)
+    assert (takeover.state, takeover.takeover) == ("acquired", True)
+    assert store.claim(key, owner="c", now=T0 + 6.5, lease=5, retention=600).state == "busy"
+    # the dead owner can no longer complete: its late completion is refused
+    assert store.complete(key, owner="dead", now=T0 + 7, summary="late", retention=600) is False
+
+
+def test_release_and_fail_and_reopen(store: Any, key: str) -> None:
+    store.claim(key, owner="a", now=T0, lease=5, retention=600)
+    assert store.release(key, owner="other") is False
+    assert store.release(key, owner="a") is True
+    assert store.claim(key, owner="b", now=T0 + 1, lease=5, retention=600).state == "acquired"
+    assert store.fail(key, owner="b", now=T0 + 2, reason="PermanentError: card refused", retention=600) is True
+    failed = store.claim(key, owner="c", now=T0 + 3, lease=5, retention=600)
+    assert (failed.state, failed.reason) == ("failed", "PermanentError: card refused")
+    assert store.reopen(key) is True
+    assert store.claim(key, owner="d", now=T0 + 4, lease=5, retention=600).state == "acquired"
+
+
+def test_reserve_publish(store: Any, key: str) -> None:
+    assert store.reserve_publish(key, task_id="t1", ttl=60) is None
+    assert store.reserve_publish(key, task_id="t2", ttl=60) == "t1"
+
+
+def _contender(kind: str, keys: list[str], barrier: Any, results: Any, owner: str) -> None:
+    if kind == "django":
+        from django.db import connections
+
+        connections.close_all()  # never share the parent's connection across fork
+    store = make_store(kind)
+    wins = []
+    for key in keys:
+        barrier.wait()
+        wins.append(store.claim(key, owner=owner, now=time.time(), lease=30, retention=600).state == "acquired")
+    results.put((owner, wins))
+
+
+def test_two_processes_claiming_the_same_key_at_the_same_moment_1000_times(kind: str) -> None:
+    # Given 1000 keys and two processes that meet at a barrier before claiming each one
+    keys = [f"tests.race:-:{uuid.uuid4().hex}" for _ in range(1000)]
+    context = multiprocessing.get_context("fork")
+    barrier, results = context.Barrier(2), context.Queue()
+    if kind == "django":
+        from django.db import connections
+
+        connections.close_all()
+    processes = [context.Process(target=_contender, args=(kind, keys, barrier, results, f"p{i}")) for i in (1, 2)]
+    for process in processes:
+        process.start()
+    outcome = dict(results.get(timeout=120) for _ in processes)
+    for process in processes:
+        process.join(30)
+    # Then for every key exactly one of them acquired it
+    assert [a + b for a, b in zip(outcome["p1"], outcome["p2"], strict=True)] == [1] * 1000
+    assert 0 < sum(outcome["p1"]) < 1000  # both won some: they really raced

@@ -1,0 +1,55 @@
+"""Effect-side helpers and the retention of idempotency records."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime, timedelta
+from io import StringIO
+
+import pytest
+from django.core.management import call_command
+from django.db import transaction
+
+from django_celery_guardrails.effects import mark_processed, transition
+from django_celery_guardrails.maintenance import prune
+from django_celery_guardrails.models import IdempotencyKey, ProcessedMessage
+from tests.testapp.models import Order
+
+pytestmark = pytest.mark.django_db
+
+
+def test_transition_changes_once() -> None:
+    order = Order.objects.create(status="pending")
+    orders = Order.objects.filter(pk=order.pk)
+    assert [transition(orders, "status", "pending", "paid") for _ in range(3)] == [True, False, False]
+    assert Order.objects.get(pk=order.pk).status == "paid"
+
+
+def test_mark_processed_inside_the_effects_transaction() -> None:
+    with transaction.atomic():
+        assert mark_processed("msg-1") is True
+        assert mark_processed("msg-1") is False
+    assert ProcessedMessage.objects.filter(key="msg-1").count() == 1
+
+
+def test_prune_deletes_only_what_is_past_retention() -> None:
+    now = datetime.now(UTC)
+    old, fresh = now - timedelta(days=8), now - timedelta(days=1)
+    IdempotencyKey.objects.create(key="old-done", state="completed", finished_at=old)
+    IdempotencyKey.objects.create(key="old-failed", state="failed", finished_at=old)
+    IdempotencyKey.objects.create(key="fresh", state="completed", finished_at=fresh)
+    IdempotencyKey.objects.create(key="running", state="claimed", lease_until=now)
+    ProcessedMessage.objects.create(key="p-old")
+    ProcessedMessage.objects.filter(key="p-old").update(processed_at=old)
+    assert prune(dry_run=True) == {"idempotency_keys": 2, "processed_messages": 1}
+    out = StringIO()
+    call_command("guardrails_prune", stdout=out)
+    assert out.getvalue().strip() == "Deleted 2 idempotency key(s) and 1 processed-message record(s)."
+    assert sorted(IdempotencyKey.objects.values_list("key", flat=True)) == ["fresh", "running"]
+    assert prune(older_than=3600) == {"idempotency_keys": 1, "processed_messages": 0}
+
+
+def test_the_prune_task_for_beat() -> None:
+    from django_celery_guardrails.tasks import prune_task
+
+    IdempotencyKey.objects.create(key="old", state="completed", finished_at=datetime.now(UTC) - timedelta(days=9))
+    assert prune_task.apply().get() == {"idempotency_keys": 1, "processed_messages": 0}

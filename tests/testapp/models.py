@@ -1,0 +1,18 @@
+"""Models the tests write effects to (no migrations: the test database is built from them)."""
+
+from django.db import models
+
+
+class Effect(models.Model):
+    key = models.CharField(max_length=100, verbose_name="key", help_text="What the effect was for.")
+    created_at = models.DateTimeField(auto_now_add=True, verbose_name="created at", help_text="When it landed.")
+
+    def __str__(self) -> str:
+        return self.key
+
+
+class Order(models.Model):
+    status = models.CharField(max_length=20, default="pending", verbose_name="status", help_text="Order state.")
+
+    def __str__(self) -> str:
+        return f"order {self.pk} ({self.status})"
