@@ -1,11 +1,11 @@
 """``make bench``: what the guardrails cost, as ratios against plain Celery measured in the same run.
 
 A real embedded worker (solo pool) on the local Redis runs N no-op tasks of each kind; for each kind the
-publish time (N x delay) and the end-to-end time (publish, then wait for every result) are measured, three
-rounds, best kept. Kinds: plain Celery (early and late acks); GuardedTask; GuardedTask with an idempotency key, on the Redis store
-and on the Django store (SQLite); GuardedTask with a dependency (retry budget, Redis store). For the Redis
-store it also counts, from Redis' own statistics, the extra commands and the extra round trips (script
-calls) per task over plain Celery. Prints; asserts nothing.
+publish time (N x delay) and the end-to-end time (publish, then wait for every result) are measured over
+BENCH_ROUNDS rounds, best kept. Kinds: plain Celery (early and late acks); GuardedTask; GuardedTask with an
+idempotency key, on the Redis store and on the Django store (SQLite); GuardedTask with a dependency (retry
+budget, Redis store). For the Redis store it also counts, from Redis' own statistics, the extra commands and
+the extra round trips (script calls) per task over plain Celery. Prints; asserts nothing.
 """
 
 from __future__ import annotations

@@ -7,7 +7,6 @@ from celery import shared_task
 from .maintenance import prune
 
 
-@shared_task(name="django_celery_guardrails.prune")
 def prune_task() -> dict[str, int]:
     """Delete idempotency keys and processed-message records past their retention.
 
@@ -17,3 +16,6 @@ def prune_task() -> dict[str, int]:
                                                      "schedule": crontab(hour=3, minute=17)}}
     """
     return prune()
+
+
+prune_task = shared_task(name="django_celery_guardrails.prune")(prune_task)

@@ -32,6 +32,8 @@ def redis_answers() -> bool:
 def configure() -> str:
     """Point the example project at a broker and say which."""
     VAR.mkdir(parents=True, exist_ok=True)
+    # A fresh database each run: idempotency keys live 7 days, and the demo charges the same orders again.
+    (VAR / "db.sqlite3").unlink(missing_ok=True)
     os.environ.update(
         {
             "DJANGO_SETTINGS_MODULE": "example_project.settings",
@@ -123,9 +125,9 @@ def main() -> None:
     from example_project.celery_app import app
     from example_project.shop.fake_provider import FlakyProvider
 
-    provider = FlakyProvider(failures=2).__enter__()
+    provider = FlakyProvider(flaky={42: 2}).__enter__()
     os.environ["EXAMPLE_PAYMENTS_URL"] = provider.url  # the worker inherits it
-    print(f"== flaky payments provider at {provider.url}: 503 twice per idempotency key, then 201")
+    print(f"== payments provider stand-in at {provider.url}: order 42 gets two 503s before its 201")
     log_path = VAR / "demo-worker.log"
     worker = start_worker(log_path)
     print(f"== worker started (pid {worker.pid}, solo pool, queue {os.environ['EXAMPLE_QUEUE']}, log {log_path})")
@@ -165,7 +167,7 @@ def main() -> None:
             )
         print(
             f"   attempt {charged['attempt']}: charged, {charged['charge']} "
-            f"(the provider saw {provider.calls['charge:42']} requests)"
+            f"(the provider saw {provider.calls[42]} requests)"
         )
 
         print("\n-- 5. a validation error is permanent: charge order 43 with amount -5")
@@ -175,8 +177,7 @@ def main() -> None:
             failed.get(timeout=30)
         except Exception as exc:
             print(
-                f"   worker: {type(exc).__name__}: {exc}; state {failed.state}, "
-                f"provider requests: {provider.calls['charge:43']}"
+                f"   worker: {type(exc).__name__}: {exc}; state {failed.state}, provider requests: {provider.calls[43]}"
             )
         finals = [
             line
@@ -185,6 +186,26 @@ def main() -> None:
         ]
         for line in finals:
             print(f"   log: {line.split('] ', 1)[-1]}")
+
+        print("\n-- 6. idempotency: the message charging order 77 is delivered three times")
+        from celery_guardrails import tenant_context
+        from example_project.shop.tasks import charge_order
+
+        with tenant_context("acme"):
+            copies = [charge_order.apply_async((77, 2500), task_id=f"demo-charge-77-{os.getpid()}") for _ in range(3)]
+        first = copies[0].get(timeout=60)
+        deadline = time.monotonic() + 30
+        log_text = ""
+        while time.monotonic() < deadline:
+            log_text = log_path.read_text(errors="replace")
+            if log_text.count("charge:77 already completed") >= 2:
+                break
+            time.sleep(0.2)
+        print(f"   deliveries: 3; body ran: {provider.calls[77]} time(s), charge {first['charge']}")
+        print(
+            f"   duplicates skipped: {log_text.count('charge:77 already completed')} "
+            f"(each returned the stored summary); the provider holds {provider.charges[77]} charge for order 77"
+        )
 
         print("\n-- the worker's log lines for request demo-req-42 (tenant and correlation id on each line)")
         for line in log_path.read_text(errors="replace").splitlines():

@@ -1,8 +1,8 @@
 """A stand-in for the external payments provider, for the demo and the tests (the one mocked boundary).
 
-A real HTTP server on 127.0.0.1. ``POST /charges`` fails with 503 (``Retry-After`` absent) the first
-``failures`` times for each Idempotency-Key, then answers 201 with a charge id; the same key never charges
-twice, as a real provider's idempotency keys promise.
+A real HTTP server on 127.0.0.1. ``POST /charges`` for an order listed in ``flaky`` fails with 503 that many
+times, then answers 201 with a charge id; a request repeating an Idempotency-Key gets the same charge back and
+never charges twice, as a real provider's idempotency keys promise. ``calls`` and ``charges`` count by order.
 """
 
 from __future__ import annotations
@@ -15,22 +15,26 @@ from typing import Any
 
 
 class FlakyProvider:
-    def __init__(self, *, failures: int = 2) -> None:
-        self.failures = failures
-        self.calls: Counter[str] = Counter()
-        self.charges: dict[str, dict[str, Any]] = {}
+    def __init__(self, *, flaky: dict[int, int] | None = None) -> None:
+        self.flaky = dict(flaky or {})
+        self.calls: Counter[int] = Counter()
+        self.by_key: dict[str, dict[str, Any]] = {}
+        self.charges: Counter[int] = Counter()
         provider = self
 
         class Handler(BaseHTTPRequestHandler):
             def do_POST(self) -> None:
                 key = self.headers.get("Idempotency-Key", "")
                 body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))) or b"{}")
-                provider.calls[key] += 1
-                if provider.calls[key] <= provider.failures:
+                order = int(body.get("order_id", 0))
+                provider.calls[order] += 1
+                if provider.calls[order] <= provider.flaky.get(order, 0):
                     self._answer(503, {"error": "provider busy"})
                     return
-                charge = provider.charges.setdefault(key, {"id": f"ch_{len(provider.charges) + 1}", **body})
-                self._answer(201, charge)
+                if key not in provider.by_key:
+                    provider.charges[order] += 1
+                    provider.by_key[key] = {"id": f"ch_{len(provider.by_key) + 1}", **body}
+                self._answer(201, provider.by_key[key])
 
             def _answer(self, status: int, payload: dict[str, Any]) -> None:
                 data = json.dumps(payload).encode()

@@ -27,14 +27,16 @@ class InvalidAmount(ValueError):
     """The order's amount cannot be charged: no retry can fix that."""
 
 
-# idempotent=True is honest here: the provider deduplicates by the Idempotency-Key we send, so a second run
-# (a retry, a redelivery) cannot charge twice. The provider's 5xx and 429 are retried with jittered backoff,
-# its other 4xx and InvalidAmount are not; "payments-api" shares one retry budget and circuit breaker.
+# The idempotency key makes the charge run once per order and tenant however often its message is delivered;
+# the same key goes to the provider, which deduplicates by it too (the window a worker crash leaves between
+# the provider's answer and our completion mark is closed there). The provider's 5xx and 429 are retried
+# with jittered backoff, its other 4xx and InvalidAmount are not; "payments-api" shares one retry budget and
+# circuit breaker across workers.
 @shared_task(
     base=GuardedTask,
     bind=True,
     tenant_required=True,
-    idempotent=True,
+    idempotency_key="charge:{order_id}",
     dependency="payments-api",
     permanent_errors=(InvalidAmount,),
     max_attempts=5,
@@ -44,7 +46,7 @@ def charge_order(self: GuardedTask, order_id: int, amount_cents: int) -> dict[st
     """Charge an order through the payments provider; tells how many attempts it took."""
     if amount_cents <= 0:
         raise InvalidAmount(f"order {order_id}: amount must be positive, got {amount_cents}")
-    charge = payments.charge(order_id, amount_cents, idempotency_key=f"charge:{order_id}")
+    charge = payments.charge(order_id, amount_cents, idempotency_key=self.request.idempotency_key)
     logger.info("Charged order %s: %s", order_id, charge["id"])
     return {
         "order_id": order_id,

@@ -38,4 +38,6 @@ def test_demo_prints_the_context_seen_inside_the_worker(tmp_path: Path) -> None:
         "worker: InvalidAmount: order 43: amount must be positive, got -5; state FAILURE, provider requests: 0" in out
     )
     assert "failed finally (permanent) after 1 attempt(s)" in out
+    assert "deliveries: 3; body ran: 1 time(s)" in out
+    assert "duplicates skipped: 2 (each returned the stored summary); the provider holds 1 charge for order 77" in out
     assert "== worker stopped (exit code 0)" in out
