@@ -12,6 +12,8 @@ Every exception the extension raises derives from one root, :class:`GuardrailsEr
     ├── PermanentError          raise from a task: trying again cannot help (never retried)
     ├── RetryLater              raise from a task: "not yet" (re-delivered later, no attempt consumed)
     ├── BudgetExhaustedError    a dependency's retry budget or open circuit kept a message from running
+    ├── PoisonMessageError      a message whose runs kept killing their worker, dead-lettered unrun
+    ├── DeadLetteredError       a message whose dead letter was recorded late (its sinks had been down)
     └── StoreError              the guardrails store (Redis or the Django database) cannot be used
 
 ``ConfigurationError`` and ``ContextError`` are also ``ValueError`` so that code catching bad input the usual
@@ -108,3 +110,25 @@ class BudgetExhaustedError(GuardrailsError):
 
 class IdempotencyKeyError(GuardrailsError, ValueError):
     """An idempotency key could not be made from the task's arguments, or is not acceptable."""
+
+
+class PoisonMessageError(GuardrailsError):
+    """A message was delivered again and again without its run ever finishing (it kills its worker)."""
+
+    def __init__(self, task_name: str, task_id: str, starts: int) -> None:
+        super().__init__(task_name, task_id, starts)
+        self.task_name, self.task_id, self.starts = task_name, task_id, starts
+
+    def __str__(self) -> str:
+        return f"{self.task_name}[{self.task_id}] redelivered {self.starts} times without finishing: poison"
+
+
+class DeadLetteredError(GuardrailsError):
+    """The final failure of a message whose dead letter could only be recorded on a later delivery."""
+
+    def __init__(self, reason: str, exc_type: str, exc_message: str) -> None:
+        super().__init__(reason, exc_type, exc_message)
+        self.reason, self.exc_type, self.exc_message = reason, exc_type, exc_message
+
+    def __str__(self) -> str:
+        return f"dead-lettered ({self.reason}): {self.exc_type}: {self.exc_message}"

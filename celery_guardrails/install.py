@@ -33,6 +33,10 @@ class GuardrailsBootstep(bootsteps.Step):  # type: ignore[misc]
 
         app = parent.app
         settings = options.app_settings(app)
+        # Poison protection, idempotency keys and budgets need a store: no store is a start-up error.
+        from celery_guardrails.stores import store_url
+
+        store_url(app)
         guarded = [task for task in app.tasks.values() if isinstance(task, GuardedTask)]
         for task in guarded:
             options.validate_task(task)

@@ -133,6 +133,22 @@ def _store(value: Any) -> str:
     raise ValueError(f"must be 'django' or a Redis URL such as 'redis://127.0.0.1:6379/1', got {value!r:.80}")
 
 
+def _owners(value: Any) -> dict[str, str]:
+    if not isinstance(value, Mapping) or not all(isinstance(k, str) and isinstance(v, str) for k, v in value.items()):
+        raise ValueError(f"must map task-name patterns to owner names, got {value!r:.80}")
+    return dict(value)
+
+
+def _sinks(value: Any) -> list[str] | None:
+    if value is None:
+        return None
+    names = [value] if isinstance(value, str) else value
+    for name in names:
+        if name not in ("django", "redis") and not str(name).startswith(("redis://", "rediss://")):
+            raise ValueError(f"sinks are 'django', 'redis' or Redis URLs, got {name!r:.80}")
+    return list(names)
+
+
 def _header_names(value: Any) -> tuple[str, ...]:
     if isinstance(value, str) or not all(isinstance(v, str) and v for v in value):
         raise ValueError(f"must be a list of HTTP header names, got {value!r:.80}")
@@ -372,6 +388,57 @@ OPTIONS: Mapping[str, Option] = {
             "Default: 'django' when the Django app is installed, else the broker's Redis.",
             check=_store,
             scopes=frozenset({APP}),
+        ),
+        Option(
+            name="owner",
+            default=None,
+            doc="Who owns the task's dead letters and is alerted about them (a team or person name).",
+            check=_name,
+            scopes=frozenset({TASK}),
+        ),
+        Option(
+            name="owners",
+            default={},
+            doc="App-wide owners by task-name pattern: {'payments.*': 'payments'} (fnmatch, first match).",
+            check=_owners,
+            scopes=frozenset({APP}),
+        ),
+        Option(
+            name="dead_letter_sinks",
+            default=None,
+            doc="Where dead letters are recorded: 'django', 'redis' (the store's Redis stream) or Redis URLs. "
+            "Default: ['django'] with the Django app, else ['redis'].",
+            check=_sinks,
+            scopes=frozenset({APP}),
+        ),
+        Option(
+            name="redact_keys",
+            default=(
+                "password",
+                "passwd",
+                "secret",
+                "token",
+                "authorization",
+                "api_key",
+                "apikey",
+                "card",
+                "cvv",
+                "ssn",
+                "iban",
+                "credential",
+                "private_key",
+            ),
+            doc="Key-name fragments (case-insensitive) whose values are replaced before a dead letter is stored.",
+            check=_header_names,
+            scopes=frozenset({TASK, APP}),
+        ),
+        Option(
+            name="max_deliveries",
+            default=3,
+            doc="Redeliveries of a message that started and never finished (its worker died) before it is "
+            "dead-lettered as poison instead of run again.",
+            check=_positive_int,
+            scopes=frozenset({TASK, APP}),
         ),
         Option(
             name="request_id_headers",

@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
+import traceback as traceback_module
+from dataclasses import asdict, dataclass, field, fields
 from datetime import UTC, datetime
+from fnmatch import fnmatchcase
 from typing import Any
 
 from celery_guardrails import headers, signals
@@ -25,6 +27,11 @@ RETRY_LATER_EXHAUSTED = "retry_later_exhausted"
 RETRY_BUDGET_EXHAUSTED = "retry_budget_exhausted"
 CIRCUIT_OPEN = "circuit_open"
 MISSING_TENANT = "missing_tenant"
+BAD_IDEMPOTENCY_KEY = "bad_idempotency_key"
+POISON = "poison"
+
+#: Header field of a final failure whose dead letter could not be recorded yet (the message came back).
+PENDING_DEAD_LETTER = "dl"
 
 
 def timestamp(seconds: float | None = None) -> str:
@@ -95,13 +102,47 @@ class FinalFailure:
     args: tuple[Any, ...] = ()
     kwargs: dict[str, Any] = field(default_factory=dict)
     queue: str | None = None
+    owner: str | None = None
+    idempotency_key: str | None = None
+    header: dict[str, Any] = field(default_factory=dict)
+    traceback: str = ""
+    first_failed_at: str = ""
+    last_failed_at: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "args": list(self.args)}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> FinalFailure:
+        known = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in data.items() if k in known})
+
+
+def owner_of(task: Any) -> str | None:
+    """The task's ``owner``, else the first ``owners`` pattern its name matches."""
+    from celery_guardrails.options import app_value, task_attribute
+
+    owner = task_attribute(task, "owner")
+    if owner:
+        return str(owner)
+    for pattern, name in app_value(task.app, "owners").items():
+        if fnmatchcase(task.name, pattern):
+            return str(name)
+    return None
 
 
 def fail_finally(
     task: Any, exc: BaseException, *, reason: str, history: list[dict[str, Any]] | None = None
-) -> FinalFailure:
-    """Log the final failure at ERROR, send ``final_failure`` and hand it to the dead-letter hook."""
+) -> BaseException | None:
+    """Hand over a final failure: record its dead letter durably, log at ERROR, send ``final_failure``.
+
+    Returns None when the dead letter is recorded: the caller lets the task fail (and Celery acks). When no
+    sink can record it, the message is published again carrying the pending dead letter (no body will run
+    for it) and Celery's Retry is returned for the caller to raise: nothing is acked away unrecorded.
+    """
     request = task.request
+    history = list(history or ())
+    header = headers.from_request(request)
     failure = FinalFailure(
         task_name=task.name,
         task_id=request.id,
@@ -111,10 +152,16 @@ def fail_finally(
         tenant=current_tenant(),
         correlation_id=current_correlation_id(),
         attempts=getattr(request, "attempt", 1),
-        history=list(history or ()),
+        history=history,
         args=tuple(request.args or ()),
         kwargs=dict(request.kwargs or {}),
         queue=(request.delivery_info or {}).get("routing_key"),
+        owner=owner_of(task),
+        idempotency_key=getattr(request, "idempotency_key", None),
+        header={k: v for k, v in header.items() if k not in (headers.HISTORY, PENDING_DEAD_LETTER)},
+        traceback="".join(traceback_module.format_exception(exc))[-20000:],
+        first_failed_at=history[0]["start"] if history and history[0].get("start") else timestamp(),
+        last_failed_at=timestamp(),
     )
     logger.error(
         "Task %s[%s] failed finally (%s) after %d attempt(s): %s: %s (tenant %s, correlation id %s)",
@@ -127,16 +174,31 @@ def fail_finally(
         failure.tenant,
         failure.correlation_id,
     )
+    return hand_over(task, failure, exc)
+
+
+def hand_over(task: Any, failure: FinalFailure, exc: BaseException | None = None) -> BaseException | None:
+    """Record ``failure``'s dead letter; on success send the signals, else re-publish it pending."""
+    from celery_guardrails import dead_letters
+    from celery_guardrails.exceptions import StoreError
+
+    try:
+        new = dead_letters.record(task, failure)
+    except StoreError as error:
+        request = task.request
+        header = headers.from_request(request)
+        tries = int(header.get("dl_tries", 0)) + 1
+        delay = min(2.0**tries, 600.0)
+        logger.error(
+            "Task %s[%s]: dead letter not recorded (%s); the message comes back in %.0fs to try again",
+            failure.task_name,
+            failure.task_id,
+            error,
+            delay,
+        )
+        header.update({PENDING_DEAD_LETTER: failure.to_dict(), "dl_tries": tries})
+        return republish(task, countdown=delay, header=header, exc=exc)
     signals.final_failure.send(sender=task, failure=failure)
-    dead_letter(failure)
-    return failure
-
-
-def dead_letter(failure: FinalFailure) -> None:
-    """The dead-letter hook. Records are not stored yet (the dead-letter guardrail will); it logs."""
-    logger.info(
-        "Task %s[%s]: dead letter (%s) not stored: no dead-letter sink yet",
-        failure.task_name,
-        failure.task_id,
-        failure.reason,
-    )
+    if new:
+        signals.dead_lettered.send(sender=task, failure=failure)
+    return None

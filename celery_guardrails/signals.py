@@ -27,6 +27,10 @@ final_failure
     A message will not be tried again. Argument: ``failure``, a
     :class:`~celery_guardrails.outcomes.FinalFailure` with the reason and the whole attempt history.
 
+dead_lettered
+    A final failure was recorded as a new dead letter (sent once per message, after the record is durable).
+    Argument: ``failure``. Owners' alerts hang on it.
+
 budget_exhausted
     A dependency's retry budget refused a retry, sent once per window. Arguments: ``dependency``,
     ``window_end`` (epoch seconds), ``status`` (as :func:`~celery_guardrails.budget_status` reports it).
@@ -51,3 +55,4 @@ final_failure = Signal(name="final_failure")
 budget_exhausted = Signal(name="budget_exhausted")
 circuit_opened = Signal(name="circuit_opened")
 duplicate_skipped = Signal(name="duplicate_skipped")
+dead_lettered = Signal(name="dead_lettered")

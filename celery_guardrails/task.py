@@ -17,7 +17,9 @@ from celery.utils import uuid
 from celery_guardrails import headers
 from celery_guardrails.guardrails.budget import RetryBudget
 from celery_guardrails.guardrails.context import ContextPropagation
+from celery_guardrails.guardrails.dead_letter import PendingDeadLetters
 from celery_guardrails.guardrails.idempotency import Idempotency
+from celery_guardrails.guardrails.poison import PoisonMessages
 from celery_guardrails.guardrails.retries import Retries
 from celery_guardrails.guardrails.tenancy import TenantGuard
 from celery_guardrails.install import install
@@ -37,6 +39,8 @@ class GuardedTask(Task):  # type: ignore[misc]
     #: opens is rolled back before a retry is published.
     guardrails: ClassVar[tuple[Guardrail, ...]] = (
         ContextPropagation(),
+        PendingDeadLetters(),
+        PoisonMessages(),
         TenantGuard(),
         Retries(),
         RetryBudget(),
@@ -46,10 +50,15 @@ class GuardedTask(Task):  # type: ignore[misc]
     #: The ack is sacred: a message is acked only after the task finished, its retry was published or its
     #: final failure was handed over; a worker that dies mid-task leaves it to be delivered again.
     acks_late = True
+    #: A child process that dies mid-task gives its message back (poison protection bounds the loop).
+    reject_on_worker_lost = True
 
     # Guardrail options as task attributes; None means "not set here", so the app config applies.
     tenant_required: bool | None = None
     tenant_activator: Any = None
+    owner: str | None = None
+    redact_keys: Any = None
+    max_deliveries: int | None = None
     idempotent: bool | None = None
     idempotency_key: Any = None
     idempotency_lease: float | None = None

@@ -5,7 +5,12 @@ from __future__ import annotations
 from django.db import models
 from django.utils.translation import gettext_lazy as _
 
-from .querysets import DependencyStateQuerySet, IdempotencyKeyQuerySet, ProcessedMessageQuerySet
+from .querysets import (
+    DeadLetterQuerySet,
+    DependencyStateQuerySet,
+    IdempotencyKeyQuerySet,
+    ProcessedMessageQuerySet,
+)
 
 
 class DependencyState(models.Model):
@@ -159,3 +164,116 @@ class ProcessedMessage(models.Model):
 
     def __str__(self) -> str:
         return self.key
+
+
+class DeadLetter(models.Model):
+    """A message that will not be tried again: what it was, why it failed, every attempt, and who owns it."""
+
+    class Status(models.TextChoices):
+        OPEN = "open", _("open")
+        REPLAYED = "replayed", _("replayed")
+        DISCARDED = "discarded", _("discarded")
+        RESOLVED = "resolved", _("resolved")
+
+    task_name = models.CharField(_("task"), max_length=200, db_index=True, help_text=_("Registered task name."))
+    task_id = models.CharField(
+        _("task id"), max_length=255, unique=True, help_text=_("Id of the message that failed; one record per id.")
+    )
+    queue = models.CharField(_("queue"), max_length=200, blank=True, help_text=_("Queue it was consumed from."))
+    routing_key = models.CharField(
+        _("routing key"), max_length=200, blank=True, help_text=_("Routing key it was delivered with.")
+    )
+    args = models.JSONField(
+        _("arguments"), default=list, blank=True, help_text=_("Positional arguments, with secrets redacted.")
+    )
+    kwargs = models.JSONField(
+        _("keyword arguments"), default=dict, blank=True, help_text=_("Keyword arguments, with secrets redacted.")
+    )
+    arguments_are_repr = models.BooleanField(
+        _("arguments stored as text"),
+        default=False,
+        help_text=_("The arguments could not be stored as JSON: args holds their repr; replay is not possible."),
+    )
+    tenant = models.CharField(_("tenant"), max_length=128, blank=True, db_index=True, help_text=_("Tenant id."))
+    correlation_id = models.CharField(
+        _("correlation id"), max_length=128, blank=True, db_index=True, help_text=_("Request or workflow id.")
+    )
+    idempotency_key = models.CharField(
+        _("idempotency key"), max_length=255, blank=True, db_index=True, help_text=_("Scoped idempotency key.")
+    )
+    header = models.JSONField(
+        _("guardrails header"),
+        default=dict,
+        blank=True,
+        help_text=_("The message's guardrails header (context, per-call options), for replay."),
+    )
+    reason = models.CharField(
+        _("reason"),
+        max_length=40,
+        db_index=True,
+        help_text=_(
+            "permanent, attempts_exhausted, retry_later_exhausted, retry_budget_exhausted, circuit_open, "
+            "not_idempotent, missing_tenant, bad_idempotency_key or poison."
+        ),
+    )
+    exc_type = models.CharField(_("exception type"), max_length=255, blank=True, help_text=_("module.Class"))
+    exc_message = models.TextField(_("exception message"), blank=True, help_text=_("At most 500 characters."))
+    traceback = models.TextField(_("traceback"), blank=True, help_text=_("Of the final failure."))
+    history = models.JSONField(
+        _("attempt history"), default=list, blank=True, help_text=_("Every attempt record, oldest first.")
+    )
+    attempts = models.PositiveIntegerField(_("attempts"), default=1, help_text=_("Attempts consumed."))
+    first_failed_at = models.DateTimeField(_("first failure"), help_text=_("Start of the first attempt."))
+    last_failed_at = models.DateTimeField(_("last failure"), db_index=True, help_text=_("The final failure."))
+    owner = models.CharField(
+        _("owner"), max_length=100, blank=True, db_index=True, help_text=_("Who is alerted and fixes it.")
+    )
+    status = models.CharField(
+        _("status"),
+        max_length=10,
+        choices=Status.choices,
+        default=Status.OPEN,
+        db_index=True,
+        help_text=_("Open until someone replays, discards or resolves it."),
+    )
+    replayed_task_id = models.CharField(
+        _("replayed as"), max_length=255, blank=True, help_text=_("Task id of the replay, when replayed.")
+    )
+    handled_by = models.CharField(
+        _("handled by"), max_length=150, blank=True, help_text=_("User who replayed, discarded or resolved it.")
+    )
+    handled_at = models.DateTimeField(_("handled at"), null=True, blank=True, help_text=_("When that happened."))
+    created_at = models.DateTimeField(_("recorded at"), auto_now_add=True, help_text=_("When it was recorded."))
+
+    objects = DeadLetterQuerySet.as_manager()
+
+    class Meta:
+        verbose_name = _("dead letter")
+        verbose_name_plural = _("dead letters")
+        ordering = ["-last_failed_at"]
+        permissions = [
+            ("replay_deadletter", _("Can replay dead letters")),
+            ("discard_deadletter", _("Can discard dead letters")),
+            ("resolve_deadletter", _("Can mark dead letters resolved")),
+        ]
+        indexes = [models.Index(fields=["status", "-last_failed_at"], name="guardrails_dl_status_last")]
+
+    def __str__(self) -> str:
+        return f"{self.task_name}[{self.task_id}] {self.reason} ({self.status})"
+
+
+class DeliveryCounter(models.Model):
+    """Starts of a redelivered message that never finished (poison-message protection)."""
+
+    message_id = models.CharField(_("message id"), max_length=255, unique=True, help_text=_("The task id."))
+    starts = models.PositiveIntegerField(_("starts"), default=1, help_text=_("Redelivered starts so far."))
+    updated_at = models.DateTimeField(_("updated at"), auto_now=True, help_text=_("Last start."))
+
+    objects: models.Manager[DeliveryCounter] = models.Manager()
+
+    class Meta:
+        verbose_name = _("delivery counter")
+        verbose_name_plural = _("delivery counters")
+
+    def __str__(self) -> str:
+        return f"{self.message_id}: {self.starts}"

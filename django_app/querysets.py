@@ -24,3 +24,12 @@ class IdempotencyKeyQuerySet(models.QuerySet[Any]):
 class ProcessedMessageQuerySet(models.QuerySet[Any]):
     def processed_before(self, moment: datetime) -> models.QuerySet[Any]:
         return self.filter(processed_at__lt=moment)
+
+
+class DeadLetterQuerySet(models.QuerySet[Any]):
+    def open(self) -> models.QuerySet[Any]:
+        return self.filter(status="open")
+
+    def closed_before(self, moment: datetime) -> models.QuerySet[Any]:
+        """Discarded or resolved records handled before ``moment`` (open ones are never pruned)."""
+        return self.filter(status__in=["discarded", "resolved"], handled_at__lt=moment)

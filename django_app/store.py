@@ -14,6 +14,7 @@ from datetime import UTC, datetime, timedelta
 from typing import Any, TypeVar
 
 from django.db import DatabaseError, IntegrityError, connection, transaction
+from django.db.models import F
 
 from celery_guardrails.exceptions import StoreError
 from celery_guardrails.stores.base import (
@@ -30,8 +31,8 @@ from celery_guardrails.stores.base import (
     status,
 )
 
+from .models import DeliveryCounter, IdempotencyKey
 from .models import DependencyState as Row
-from .models import IdempotencyKey
 
 _FIELDS = [f.name for f in fields(DependencyState)]
 T = TypeVar("T")
@@ -158,3 +159,20 @@ class DjangoStore:
         if renewed:
             return None
         return IdempotencyKey.objects.filter(key=marker).values_list("summary", flat=True).first()
+
+    # Poison protection: start counts of redelivered messages.
+
+    def count_delivery(self, message_id: str, *, ttl: float) -> int:
+        try:
+            with transaction.atomic():
+                counter, created = DeliveryCounter.objects.select_for_update().get_or_create(message_id=message_id)
+                if not created:
+                    counter.starts = F("starts") + 1
+                    counter.save(update_fields=["starts", "updated_at"])
+                    counter.refresh_from_db(fields=["starts"])
+        except DatabaseError as exc:
+            raise StoreError(f"Django store failed to count {message_id!r}: {exc}") from exc
+        return int(counter.starts)
+
+    def clear_delivery(self, message_id: str) -> None:
+        DeliveryCounter.objects.filter(message_id=message_id).delete()

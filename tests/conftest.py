@@ -50,7 +50,7 @@ def celery_config(broker: str, queue_name: str) -> Iterator[dict[str, Any]]:
         "worker_hijack_root_logger": False,
         # The Django app is installed in the test process, which would make "django" the default store; the
         # Django store is tested on its own (tests/django_app).
-        "guardrails": {"store": REDIS_URL},
+        "guardrails": {"store": REDIS_URL, "dead_letter_sinks": ["redis"]},
     }
     # Each test has its own queue; drop it so RabbitMQ does not collect empty queues run after run.
     with Connection(BROKER_URLS[broker]) as conn, contextlib.suppress(*conn.channel_errors):  # never declared

@@ -92,8 +92,8 @@ class RetryBudget(Guardrail):
         )
         if give_up:
             record = attempt_record(task, kind=kind, rule=reason, exc=error)
-            fail_finally(task, error, reason=reason, history=[*request.attempt_history, record])
-            return error
+            pending = fail_finally(task, error, reason=reason, history=[*request.attempt_history, record])
+            return pending or error
         wait = max(0.0, admission.retry_at - now)
         delay = wait + random.random() * 0.1 * (policy.window if admission.reason == "budget" else policy.open_seconds)
         record = attempt_record(task, kind=kind, rule=reason, delay=delay)

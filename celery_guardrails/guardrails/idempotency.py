@@ -47,7 +47,7 @@ from celery_guardrails.context import current_tenant
 from celery_guardrails.exceptions import IdempotencyKeyError, RetryLater
 from celery_guardrails.guardrails.retries import retry_later
 from celery_guardrails.options import resolve
-from celery_guardrails.outcomes import attempt_record, fail_finally
+from celery_guardrails.outcomes import BAD_IDEMPOTENCY_KEY, attempt_record, fail_finally
 from celery_guardrails.pipeline import Guardrail, Publication, SkipBody, SkipPublish
 from celery_guardrails.stores import get_store
 from celery_guardrails.stores.base import ACQUIRED, COMPLETED, FAILED, Store
@@ -213,12 +213,14 @@ class Idempotency(Guardrail):
             try:
                 key = render_key(task, spec, args, kwargs)
             except IdempotencyKeyError as exc:
-                fail_finally(
+                pending = fail_finally(
                     task,
                     exc,
-                    reason="bad_idempotency_key",
+                    reason=BAD_IDEMPOTENCY_KEY,
                     history=[attempt_record(task, kind="permanent", rule="idempotency_key", exc=exc)],
                 )
+                if pending is not None:
+                    raise pending from exc
                 raise
         scoped = scoped_key(task.name, current_tenant(), key)
         request.idempotency_key = scoped

@@ -122,8 +122,8 @@ class Retries(Guardrail):
                 task, countdown=delay, exc=exc, header=headers.with_record(header, record, attempt=attempt)
             )
         record = attempt_record(task, kind=verdict.kind.value, rule=verdict.rule, exc=exc)
-        fail_finally(task, exc, reason=_reason(verdict), history=[*request.attempt_history, record])
-        return None
+        # None: recorded, the exception fails the task; else the Retry carrying the pending dead letter.
+        return fail_finally(task, exc, reason=_reason(verdict), history=[*request.attempt_history, record])
 
 
 def retry_later(task: GuardedTask, exc: Exception, *, delay: float | None, rule: str) -> BaseException | None:
@@ -137,8 +137,7 @@ def retry_later(task: GuardedTask, exc: Exception, *, delay: float | None, rule:
     kind = Kind.RETRY_LATER.value
     if later > resolve(task, "retry_later_max", call):
         record = attempt_record(task, kind=kind, rule=rule, exc=exc)
-        fail_finally(task, exc, reason=RETRY_LATER_EXHAUSTED, history=[*request.attempt_history, record])
-        return None
+        return fail_finally(task, exc, reason=RETRY_LATER_EXHAUSTED, history=[*request.attempt_history, record])
     asked = delay if delay is not None else resolve(task, "retry_later_delay", call)
     delay = min(asked, resolve(task, "backoff_max", call))
     record = attempt_record(task, kind=kind, rule=rule, exc=exc, delay=delay)

@@ -22,6 +22,7 @@ from celery_guardrails.context import current_correlation_id, current_tenant
 from celery_guardrails.exceptions import MissingTenantError
 from celery_guardrails.headers import TENANT
 from celery_guardrails.options import load, resolve
+from celery_guardrails.outcomes import MISSING_TENANT, fail_finally
 from celery_guardrails.pipeline import Guardrail, Publication
 
 if TYPE_CHECKING:
@@ -41,22 +42,16 @@ class TenantGuard(Guardrail):
         if current_tenant() is not None or not resolve(task, "tenant_required", task.call_options()):
             return
         error = MissingTenantError(task.name, task.request.id, where="in the message")
-        correlation_id = current_correlation_id()
-        logger.error(
-            "Task %s[%s] refused without running (correlation id %s): %s",
-            task.name,
-            task.request.id,
-            correlation_id,
-            error,
-        )
         signals.missing_tenant.send(
             sender=task,
             task_id=task.request.id,
             task_name=task.name,
             reason=str(error),
-            correlation_id=correlation_id,
+            correlation_id=current_correlation_id(),
         )
-        raise error
+        # The final-failure path logs at ERROR with ids and records the dead letter before the ack.
+        pending = fail_finally(task, error, reason=MISSING_TENANT)
+        raise pending or error
 
     def body_context(self, task: GuardedTask) -> AbstractContextManager[Any]:
         tenant = current_tenant()

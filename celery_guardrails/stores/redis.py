@@ -117,6 +117,7 @@ return '0'
 
 IDEM_PREFIX = "guardrails:idem:"
 PUBLISH_PREFIX = "guardrails:published:"
+DELIVERIES_PREFIX = "guardrails:deliveries:"
 
 # Idempotency keys: a hash {state, owner, lease_until, summary, reason, completed_at}.
 # ARGV: owner, now, lease, retention
@@ -224,6 +225,22 @@ class RedisIdempotency:
     def inspect(self, key: str) -> dict[str, Any] | None:
         raw = self.client.hgetall(IDEM_PREFIX + key)
         return {k.decode(): v.decode() for k, v in raw.items()} or None
+
+    def count_delivery(self, message_id: str, *, ttl: float) -> int:
+        """One more start of a redelivered message; the starts so far (one round trip)."""
+        try:
+            pipe = self.client.pipeline()
+            pipe.incr(DELIVERIES_PREFIX + message_id)
+            pipe.expire(DELIVERIES_PREFIX + message_id, int(ttl))
+            return int(pipe.execute()[0])
+        except self._errors as exc:
+            raise StoreError(f"Redis store at {self.url} failed: {exc}") from exc
+
+    def clear_delivery(self, message_id: str) -> None:
+        try:
+            self.client.delete(DELIVERIES_PREFIX + message_id)
+        except self._errors as exc:
+            raise StoreError(f"Redis store at {self.url} failed: {exc}") from exc
 
     def reserve_publish(self, key: str, *, task_id: str, ttl: float) -> str | None:
         """Record the first publish of ``key``; return the task id of an earlier one within ``ttl``."""

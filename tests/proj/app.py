@@ -24,8 +24,7 @@ app.conf.update(
     beat_schedule=json.loads(os.environ.get("GUARDRAILS_TEST_BEAT", "{}")),
     broker_transport_options=json.loads(os.environ.get("GUARDRAILS_TEST_TRANSPORT_OPTIONS", "{}")),
 )
-if "GUARDRAILS_TEST_GUARDRAILS" in os.environ:
-    app.conf.guardrails = json.loads(os.environ["GUARDRAILS_TEST_GUARDRAILS"])
+app.conf.guardrails = {"store": redis_url, **json.loads(os.environ.get("GUARDRAILS_TEST_GUARDRAILS", "{}"))}
 
 if "GUARDRAILS_TEST_SIGNAL_SINK" in os.environ:
     import redis

@@ -1,0 +1,57 @@
+"""Poison messages: a message that kills its worker again and again is dead-lettered, not looped.
+
+Only a redelivered message (``delivery_info["redelivered"]``: the broker gave it back because its worker
+died holding it; first deliveries cost nothing) counts its starts in the store; the count is cleared when
+the run ends in any way. A message redelivered more than ``max_deliveries`` times without its run ever
+ending is not run again: it is dead-lettered with reason ``poison`` and the worker goes on with the queue.
+
+For the worker to give such a message back, ``GuardedTask`` acks late and rejects on a lost worker
+(``acks_late``, ``reject_on_worker_lost``); with Redis the broker gives it back after the transport's
+``visibility_timeout`` (see the README).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from celery_guardrails.exceptions import PoisonMessageError
+from celery_guardrails.options import resolve
+from celery_guardrails.outcomes import POISON, attempt_record, fail_finally
+from celery_guardrails.pipeline import Guardrail
+from celery_guardrails.stores import get_store
+
+if TYPE_CHECKING:
+    from celery_guardrails.task import GuardedTask
+
+#: Seconds a start count is kept (a message not seen again for a day starts counting afresh).
+COUNT_TTL = 24 * 3600
+
+
+class PoisonMessages(Guardrail):
+    def before_run(self, task: GuardedTask, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        request = task.request
+        request.guardrails_counted = False
+        if not (request.delivery_info or {}).get("redelivered"):
+            return
+        store = get_store(task.app)
+        starts = store.count_delivery(request.id, ttl=COUNT_TTL)
+        request.guardrails_counted = True
+        limit = resolve(task, "max_deliveries", task.call_options())
+        if starts > limit:
+            error = PoisonMessageError(task.name, request.id, starts)
+            record = attempt_record(task, kind="permanent", rule="max_deliveries", exc=error)
+            pending = fail_finally(task, error, reason=POISON, history=[record])
+            raise pending or error
+
+    def _clear(self, task: GuardedTask) -> None:
+        if getattr(task.request, "guardrails_counted", False):
+            get_store(task.app).clear_delivery(task.request.id)
+
+    def on_success(self, task: GuardedTask, retval: Any) -> None:
+        self._clear(task)
+
+    def on_failure(self, task: GuardedTask, exc: BaseException, einfo: Any) -> None:
+        self._clear(task)
+
+    def on_retry(self, task: GuardedTask, exc: BaseException, einfo: Any) -> None:
+        self._clear(task)
