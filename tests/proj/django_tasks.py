@@ -22,3 +22,40 @@ def write_effect(self: GuardedTask, key: str, sink: str, hold: float = 0.0) -> s
     if hold and runs == 1:
         time.sleep(hold)
     return "written"
+
+
+@shared_task(base=GuardedTask, bind=True, owner="payments", backoff_base=0.05, idempotent=True)
+def fail_with(self: GuardedTask, step: str, card_number: str = "", **details: object) -> str:
+    """Fails the way ``step`` says (for dead letters); ``card_number`` and ``details`` carry test secrets."""
+    from celery_guardrails import PermanentError, RetryLater, TransientError
+
+    if step == "permanent":
+        raise PermanentError("card refused")
+    if step == "transient":
+        raise TransientError("provider down")
+    if step == "later":
+        raise RetryLater("not yet", delay=0.05)
+    if step == "unknown":
+        raise LookupError("no idea")
+    return "ok"
+
+
+@shared_task(base=GuardedTask, bind=True, backoff_base=0.05)
+def not_idempotent(self: GuardedTask) -> None:
+    raise LookupError("unknown, and this task is not idempotent")
+
+
+@shared_task(base=GuardedTask, bind=True, tenant_required=True, owner="accounts")
+def needs_tenant(self: GuardedTask) -> str:
+    return "ran"
+
+
+@shared_task(base=GuardedTask, bind=True, owner="ops")
+def kill_my_worker(self: GuardedTask, marker: str) -> str:
+    """SIGKILLs its own worker process, every time (a poison message)."""
+    import os
+    import signal
+
+    redis.Redis.from_url(REDIS_URL).rpush(marker, os.getpid())
+    os.kill(os.getpid(), signal.SIGKILL)
+    return "unreachable"

@@ -1,0 +1,217 @@
+"""Django admin for dead letters: inspect, replay, discard, resolve.
+
+Every action that changes records checks its own permission (``guardrails.replay_deadletter``,
+``discard_deadletter``, ``resolve_deadletter``; 403 without it), asks for confirmation first, writes one
+LogEntry per record and reports with ``message_user``, the way Django's ``delete_selected`` does; the work
+itself lives in :mod:`django_celery_guardrails.replay` and :func:`close_dead_letters`, which tests call
+directly. "Select all N" in the change list applies an action to everything the current filter matches.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from django.contrib import admin, messages
+from django.contrib.admin import helpers
+from django.core.exceptions import PermissionDenied
+from django.core.paginator import Paginator
+from django.db import connection
+from django.db.models import QuerySet
+from django.http import HttpRequest, HttpResponse
+from django.shortcuts import get_object_or_404
+from django.template.response import TemplateResponse
+from django.urls import path, reverse
+from django.utils import timezone
+from django.utils.functional import cached_property
+from django.utils.html import format_html, format_html_join
+
+from .models import DeadLetter, DependencyState, IdempotencyKey
+from .replay import replay_dead_letters
+
+
+class EstimatedCountPaginator(Paginator):  # type: ignore[type-arg]
+    """No full COUNT(*) on a big unfiltered PostgreSQL table: the planner's estimate is enough to page."""
+
+    @cached_property
+    def count(self) -> int:
+        query = getattr(self.object_list, "query", None)
+        if connection.vendor == "postgresql" and query is not None and not query.where:
+            with connection.cursor() as cursor:
+                cursor.execute(
+                    "SELECT reltuples::bigint FROM pg_class WHERE relname = %s", [query.model._meta.db_table]
+                )
+                row = cursor.fetchone()
+            if row and row[0] > 10_000:
+                return int(row[0])
+        return super().count
+
+
+def close_dead_letters(queryset: QuerySet[DeadLetter], status: str, *, user: Any = None) -> int:
+    """Mark open records discarded or resolved (a conditional update: only open ones); how many changed."""
+    return queryset.filter(status=DeadLetter.Status.OPEN).update(
+        status=status, handled_by=getattr(user, "username", "") or "", handled_at=timezone.now()
+    )
+
+
+@admin.register(DeadLetter)
+class DeadLetterAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
+    list_display = ("task_name", "reason", "status", "owner", "tenant", "attempts", "last_failed_at", "task_id")
+    list_filter = ("status", "reason", "task_name", "owner", "tenant", ("last_failed_at", admin.DateFieldListFilter))
+    search_fields = ("=task_id", "=correlation_id", "=idempotency_key")
+    date_hierarchy = None
+    paginator = EstimatedCountPaginator
+    show_full_result_count = False  # no second COUNT(*) of the whole table on a filtered page
+    list_per_page = 50
+    actions = ["replay_selected", "discard_selected", "resolve_selected"]
+    readonly_fields = [f.name for f in DeadLetter._meta.fields] + ["attempt_history", "traceback_text"]
+    exclude = ("history", "traceback")
+    change_form_template = "admin/guardrails/deadletter/change_form.html"
+
+    def has_add_permission(self, request: HttpRequest) -> bool:
+        return False  # dead letters are recorded by workers, never typed in
+
+    def has_replay_permission(self, request: HttpRequest) -> bool:
+        return request.user.has_perm("guardrails.replay_deadletter")
+
+    def has_discard_permission(self, request: HttpRequest) -> bool:
+        return request.user.has_perm("guardrails.discard_deadletter")
+
+    def has_resolve_permission(self, request: HttpRequest) -> bool:
+        return request.user.has_perm("guardrails.resolve_deadletter")
+
+    @admin.display(description="attempt history")
+    def attempt_history(self, obj: DeadLetter) -> str:
+        rows = format_html_join(
+            "",
+            "<tr><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td></tr>",
+            (
+                (
+                    r.get("n"),
+                    r.get("start"),
+                    r.get("end"),
+                    r.get("host"),
+                    r.get("class"),
+                    r.get("rule"),
+                    r.get("exc") or "",
+                    r.get("delay") if r.get("delay") is not None else "",
+                )
+                for r in obj.history
+            ),
+        )
+        return format_html(
+            '<table class="attempt-history"><thead><tr><th>#</th><th>start</th><th>end</th><th>worker</th>'
+            "<th>class</th><th>rule</th><th>exception</th><th>delay s</th></tr></thead><tbody>{}</tbody></table>",
+            rows,
+        )
+
+    @admin.display(description="traceback")
+    def traceback_text(self, obj: DeadLetter) -> str:
+        return format_html("<pre>{}</pre>", obj.traceback)
+
+    # The three actions: confirmation page first, then the work, a LogEntry each, a summary message.
+
+    def _confirm(
+        self, request: HttpRequest, queryset: QuerySet[DeadLetter], action: str, verb: str
+    ) -> HttpResponse | None:
+        if request.POST.get("post"):
+            return None
+        context = {
+            **self.admin_site.each_context(request),
+            "title": f"Are you sure you want to {verb}?",
+            "queryset": queryset,
+            "count": queryset.count(),
+            "action": action,
+            "verb": verb,
+            "opts": self.model._meta,
+            "action_checkbox_name": helpers.ACTION_CHECKBOX_NAME,
+            "select_across": request.POST.get("select_across"),
+        }
+        return TemplateResponse(request, "admin/guardrails/deadletter/confirm_action.html", context)
+
+    @admin.action(description="Replay selected dead letters", permissions=["replay"])
+    def replay_selected(self, request: HttpRequest, queryset: QuerySet[DeadLetter]) -> HttpResponse | None:
+        if not self.has_replay_permission(request):
+            raise PermissionDenied
+        confirm = self._confirm(request, queryset, "replay_selected", "replay these dead letters")
+        if confirm is not None:
+            return confirm
+        self._replay(request, queryset)
+        return None
+
+    def _replay(self, request: HttpRequest, queryset: QuerySet[DeadLetter]) -> None:
+        result = replay_dead_letters(queryset, user=request.user)
+        for record in DeadLetter.objects.filter(pk__in=[pk for pk, _ in result.replayed]):
+            self.log_change(request, record, f"Replayed as task {record.replayed_task_id}")
+        if result.replayed:
+            self.message_user(request, f"Replayed {len(result.replayed)} dead letter(s).", messages.SUCCESS)
+        for pk, why in result.skipped:
+            self.message_user(request, f"Dead letter {pk} not replayed: {why}", messages.WARNING)
+
+    def _close(self, request: HttpRequest, queryset: QuerySet[DeadLetter], status: str, verb: str) -> None:
+        ids = list(queryset.filter(status=DeadLetter.Status.OPEN).values_list("pk", flat=True))
+        changed = close_dead_letters(DeadLetter.objects.filter(pk__in=ids), status, user=request.user)
+        for record in DeadLetter.objects.filter(pk__in=ids, status=status):
+            self.log_change(request, record, f"Marked {status}")
+        self.message_user(request, f"{verb} {changed} dead letter(s).", messages.SUCCESS)
+
+    @admin.action(description="Discard selected dead letters", permissions=["discard"])
+    def discard_selected(self, request: HttpRequest, queryset: QuerySet[DeadLetter]) -> HttpResponse | None:
+        if not self.has_discard_permission(request):
+            raise PermissionDenied
+        confirm = self._confirm(request, queryset, "discard_selected", "discard these dead letters")
+        if confirm is None:
+            self._close(request, queryset, DeadLetter.Status.DISCARDED, "Discarded")
+        return confirm
+
+    @admin.action(description="Mark selected dead letters resolved", permissions=["resolve"])
+    def resolve_selected(self, request: HttpRequest, queryset: QuerySet[DeadLetter]) -> HttpResponse | None:
+        if not self.has_resolve_permission(request):
+            raise PermissionDenied
+        confirm = self._confirm(request, queryset, "resolve_selected", "mark these dead letters resolved")
+        if confirm is None:
+            self._close(request, queryset, DeadLetter.Status.RESOLVED, "Resolved")
+        return confirm
+
+    # One record: a replay page reachable from its detail page (403 without the permission).
+
+    def get_urls(self) -> list[Any]:
+        replay = self.admin_site.admin_view(self.replay_view)
+        return [path("<int:pk>/replay/", replay, name="guardrails_deadletter_replay"), *super().get_urls()]
+
+    def replay_view(self, request: HttpRequest, pk: int) -> HttpResponse:
+        if not self.has_replay_permission(request):
+            raise PermissionDenied
+        record = get_object_or_404(DeadLetter, pk=pk)
+        queryset = DeadLetter.objects.filter(pk=pk)
+        if request.method == "POST" and request.POST.get("post"):
+            self._replay(request, queryset)
+            from django.shortcuts import redirect
+
+            return redirect(reverse("admin:guardrails_deadletter_change", args=[pk]))
+        context = {
+            **self.admin_site.each_context(request),
+            "title": "Are you sure you want to replay this dead letter?",
+            "queryset": queryset,
+            "count": 1,
+            "action": "",
+            "verb": "replay this dead letter",
+            "record": record,
+            "opts": self.model._meta,
+        }
+        return TemplateResponse(request, "admin/guardrails/deadletter/confirm_action.html", context)
+
+
+@admin.register(IdempotencyKey)
+class IdempotencyKeyAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
+    list_display = ("key", "state", "lease_until", "finished_at")
+    list_filter = ("state",)
+    search_fields = ("=key",)
+    readonly_fields = [f.name for f in IdempotencyKey._meta.fields]
+    show_full_result_count = False
+    paginator = EstimatedCountPaginator
+
+
+@admin.register(DependencyState)
+class DependencyStateAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
+    list_display = ("dependency", "circuit", "failures", "retries_current", "first_current", "updated_at")
+    readonly_fields = [f.name for f in DependencyState._meta.fields]

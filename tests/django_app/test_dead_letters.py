@@ -1,0 +1,157 @@
+"""Dead letters on a real worker, recorded in the Django database (PostgreSQL or SQLite)."""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import pytest
+from django.db import connection
+
+from celery_guardrails import signals, tenant_context
+from django_celery_guardrails.models import DeadLetter
+from tests.conftest import Sink, waiting_messages
+from tests.proj import django_tasks, tasks
+from tests.support.workers import PROJ_APP, WorkerProcess, proj_env
+
+pytestmark = pytest.mark.django_db(transaction=True)
+TIMEOUT = 30
+
+
+@pytest.fixture
+def celery_app(celery_app: Any) -> Any:
+    celery_app.conf.guardrails = {
+        **celery_app.conf.guardrails,
+        "dead_letter_sinks": ["django"],
+        "owners": {"tests.proj.tasks.*": "platform"},
+    }
+    return celery_app
+
+
+def run_to_failure(result: Any) -> None:
+    with pytest.raises(Exception):  # noqa: B017 (each case fails with its own exception)
+        result.get(timeout=TIMEOUT)
+
+
+@pytest.mark.parametrize(
+    ("publish", "reason", "owner", "attempts"),
+    [
+        (
+            lambda: django_tasks.fail_with.delay("permanent", card_number="4111 1111 1111 1111", api_token="s3cr3t"),
+            "permanent",
+            "payments",
+            1,
+        ),
+        (
+            lambda: django_tasks.fail_with.apply_async(("transient",), max_attempts=3),
+            "attempts_exhausted",
+            "payments",
+            3,
+        ),
+        (
+            lambda: django_tasks.fail_with.apply_async(("later",), retry_later_max=2),
+            "retry_later_exhausted",
+            "payments",
+            1,
+        ),
+        (lambda: django_tasks.not_idempotent.delay(), "not_idempotent", "", 1),
+        (
+            lambda: tasks.behave.apply_async(
+                (f"dl-{uuid.uuid4().hex}", ["transient"]), dependency=f"d-{uuid.uuid4().hex[:6]}", max_attempts=5
+            ),
+            "retry_budget_exhausted",
+            "platform",
+            2,
+        ),
+    ],
+)
+def test_each_reason_makes_exactly_one_record(
+    celery_worker: Any, celery_app: Any, publish: Any, reason: str, owner: str, attempts: int
+) -> None:
+    if reason == "retry_budget_exhausted":
+        celery_app.conf.guardrails = {
+            **celery_app.conf.guardrails,
+            "retry_budget_floor": 0,
+            "retry_budget_ratio": 0,
+            "retry_budget_policy": "fail",
+        }
+    recorded = []
+    signals.dead_lettered.connect(
+        lambda sender, failure, **_: recorded.append(failure), weak=False, dispatch_uid="test-dead-lettered"
+    )
+    try:
+        with tenant_context("acme"):
+            result = publish()
+        run_to_failure(result)
+    finally:
+        signals.dead_lettered.disconnect(dispatch_uid="test-dead-lettered")
+    (record,) = DeadLetter.objects.filter(task_id=result.id)
+    assert (record.reason, record.owner, record.status, record.tenant) == (reason, owner, "open", "acme")
+    assert record.attempts == attempts and len(record.correlation_id) == 32
+    assert record.exc_type and record.exc_message and record.exc_message in record.traceback
+    assert record.history and record.history[-1]["class"] in (
+        "permanent",
+        "transient",
+        "retry_later",
+        "deferred_budget",
+    )
+    assert record.first_failed_at <= record.last_failed_at
+    assert [f.task_id for f in recorded] == [result.id]
+
+
+def test_a_secret_never_reaches_the_database(celery_worker: Any) -> None:
+    with tenant_context("acme"):
+        result = django_tasks.fail_with.delay(
+            "permanent",
+            card_number="4111111111111111",
+            customer={"name": "Ada", "password": "hunter2"},
+            api_token="s3cr3t",
+        )
+    run_to_failure(result)
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT args, kwargs, header FROM guardrails_deadletter WHERE task_id = %s", [result.id])
+        raw = " ".join(str(column) for column in cursor.fetchone())
+    for secret in ("4111111111111111", "hunter2", "s3cr3t"):
+        assert secret not in raw
+    record = DeadLetter.objects.get(task_id=result.id)
+    assert record.kwargs == {
+        "card_number": "[redacted]",
+        "customer": {"name": "Ada", "password": "[redacted]"},
+        "api_token": "[redacted]",
+    }
+
+
+def test_missing_tenant_is_dead_lettered(celery_worker: Any, celery_app: Any) -> None:
+    result = celery_app.send_task("tests.proj.django_tasks.needs_tenant")
+    run_to_failure(result)
+    record = DeadLetter.objects.get(task_id=result.id)
+    assert (record.reason, record.owner, record.tenant) == ("missing_tenant", "accounts", "")
+
+
+def test_poison_message_is_dead_lettered_and_the_queue_goes_on(
+    celery_app: Any, queue_name: str, sink: Sink, tmp_path: Path
+) -> None:
+    # Given a message that SIGKILLs its worker process, queued before three ordinary ones
+    env = proj_env(
+        queue=queue_name,
+        django=True,
+        GUARDRAILS_TEST_GUARDRAILS=json.dumps({"dead_letter_sinks": ["django"], "max_deliveries": 2}),
+    )
+    poison = django_tasks.kill_my_worker.delay(f"{sink.key}:pids")
+    behind = [tasks.observe.delay() for _ in range(3)]
+    with WorkerProcess(app=PROJ_APP, queue=queue_name, log_path=tmp_path / "worker.log", env=env):
+        # Then the ordinary ones are processed...
+        for result in behind:
+            result.get(timeout=60)
+        deadline = time.monotonic() + 60
+        while not DeadLetter.objects.filter(task_id=poison.id).exists() and time.monotonic() < deadline:
+            time.sleep(0.2)
+    # ...the poison one ran 3 times (first delivery and 2 redeliveries), then was dead-lettered unrun
+    assert sink.client.llen(f"{sink.key}:pids") == 3
+    record = DeadLetter.objects.get(task_id=poison.id)
+    assert (record.reason, record.owner) == ("poison", "ops")
+    assert "redelivered 3 times without finishing" in record.exc_message
+    assert waiting_messages("redis", queue_name) == 0

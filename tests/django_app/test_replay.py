@@ -1,0 +1,157 @@
+"""Replay and the admin: permissions, confirmation, LogEntry, one publish per record however many replays."""
+
+from __future__ import annotations
+
+import threading
+import uuid
+from io import StringIO
+from typing import Any
+
+import pytest
+from django.contrib.admin.models import LogEntry
+from django.contrib.auth.models import Permission, User
+from django.core.exceptions import PermissionDenied
+from django.core.management import call_command
+from django.test import Client
+from django.urls import reverse
+
+from celery_guardrails import tenant_context
+from django_celery_guardrails.models import DeadLetter
+from django_celery_guardrails.replay import replay_dead_letters
+from tests.conftest import Sink
+from tests.proj import tasks
+
+pytestmark = pytest.mark.django_db(transaction=True)
+TIMEOUT = 30
+
+
+@pytest.fixture
+def celery_app(celery_app: Any) -> Any:
+    celery_app.conf.guardrails = {**celery_app.conf.guardrails, "dead_letter_sinks": ["django"]}
+    return celery_app
+
+
+def dead_letter(sink: Sink, oid: int) -> DeadLetter:
+    """A real dead letter: charge fails permanently on its first run (the script), for tenant acme."""
+    with tenant_context("acme"):
+        result = tasks.charge.apply_async((oid, sink.key, ["permanent", "ok"]), correlation_id="req-replay-1")
+    with pytest.raises(Exception, match="card refused"):
+        result.get(timeout=TIMEOUT)
+    return DeadLetter.objects.get(task_id=result.id)
+
+
+@pytest.fixture
+def oid() -> int:
+    return uuid.uuid4().int % 10**9
+
+
+def user_with(*codenames: str) -> User:
+    user = User.objects.create_user(f"u{uuid.uuid4().hex[:8]}", password="pw", is_staff=True)
+    user.user_permissions.add(
+        *Permission.objects.filter(content_type__app_label="guardrails", codename__in=["view_deadletter", *codenames])
+    )
+    return User.objects.get(pk=user.pk)
+
+
+def test_replay_after_the_fix_keeps_tenant_correlation_and_key(
+    celery_worker: Any, celery_app: Any, sink: Sink, oid: int
+) -> None:
+    record = dead_letter(sink, oid)
+    assert record.idempotency_key == f"tests.proj.tasks.charge:acme:charge:{oid}"
+    # the cause is "fixed": the script's second run succeeds
+    result = replay_dead_letters(DeadLetter.objects.filter(pk=record.pk), user=user_with("replay_deadletter"))
+    ((pk, task_id),) = result.replayed
+    assert celery_app.AsyncResult(task_id).get(timeout=TIMEOUT) == f"charged {oid}"
+    second = sink.items()[-1]
+    assert (second["tenant"], second["cid"], second["attempt"], second["key"]) == (
+        "acme",
+        "req-replay-1",
+        1,
+        record.idempotency_key,
+    )
+    record.refresh_from_db()
+    assert (record.status, record.replayed_task_id) == ("replayed", task_id)
+
+
+def test_two_replays_in_parallel_publish_once(celery_worker: Any, celery_app: Any, sink: Sink, oid: int) -> None:
+    record = dead_letter(sink, oid)
+    results: list[Any] = []
+    barrier = threading.Barrier(2)
+
+    def replay() -> None:
+        barrier.wait()
+        results.append(replay_dead_letters([record.pk]))
+        from django.db import connection
+
+        connection.close()
+
+    threads = [threading.Thread(target=replay) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert sorted(len(r.replayed) for r in results) == [0, 1]
+    assert [why for r in results for _, why in r.skipped] in (
+        ["already handled by someone else"],
+        ["status is replayed"],
+    )
+
+
+def test_replay_refused_without_permission_and_for_unknown_tasks(celery_worker: Any, sink: Sink, oid: int) -> None:
+    record = dead_letter(sink, oid)
+    with pytest.raises(PermissionDenied):
+        replay_dead_letters([record.pk], user=user_with())
+    DeadLetter.objects.filter(pk=record.pk).update(task_name="tests.proj.tasks.gone")
+    result = replay_dead_letters([record.pk])
+    assert result.skipped == [
+        (record.pk, "task 'tests.proj.tasks.gone' is no longer registered; the record stays open")
+    ]
+    assert DeadLetter.objects.get(pk=record.pk).status == "open"
+
+
+def test_admin_replay_needs_permission_confirms_logs_and_reports(celery_worker: Any, sink: Sink, oid: int) -> None:
+    record = dead_letter(sink, oid)
+    url = reverse("admin:guardrails_deadletter_replay", args=[record.pk])
+    client = Client()
+    # without the permission: 403
+    client.force_login(user_with())
+    assert client.get(url).status_code == 403
+    # with it: a confirmation page, then the replay, a LogEntry and a message
+    user = user_with("replay_deadletter")
+    client.force_login(user)
+    page = client.get(url)
+    assert page.status_code == 200 and b"Are you sure you want to replay" in page.content
+    done = client.post(url, {"post": "yes"}, follow=True)
+    assert b"Replayed 1 dead letter(s)." in done.content
+    record.refresh_from_db()
+    assert record.status == "replayed" and record.handled_by == user.username
+    (entry,) = LogEntry.objects.filter(object_id=str(record.pk))
+    assert entry.change_message == f"Replayed as task {record.replayed_task_id}"
+
+
+def test_admin_discard_action_confirms_first(celery_worker: Any, sink: Sink, oid: int) -> None:
+    record = dead_letter(sink, oid)
+    client = Client()
+    client.force_login(user_with("discard_deadletter"))
+    changelist = reverse("admin:guardrails_deadletter_changelist")
+    listing = client.get(changelist, {"reason": "permanent", "status": "open"})
+    assert listing.status_code == 200 and record.task_id.encode() in listing.content
+    form = {"action": "discard_selected", "_selected_action": [record.pk]}
+    confirm = client.post(changelist, form)
+    assert b"Are you sure you want to discard" in confirm.content
+    assert DeadLetter.objects.get(pk=record.pk).status == "open"
+    client.post(changelist, {**form, "post": "yes"})
+    assert DeadLetter.objects.get(pk=record.pk).status == "discarded"
+    detail = client.get(reverse("admin:guardrails_deadletter_change", args=[record.pk]))
+    assert b"attempt-history" in detail.content and b"card refused" in detail.content
+
+
+def test_replay_command(celery_worker: Any, sink: Sink, oid: int) -> None:
+    record = dead_letter(sink, oid)
+    out = StringIO()
+    call_command("guardrails_replay", "--reason", "permanent", "--since", "1h", "--dry-run", stdout=out)
+    assert f"would replay {record.pk}: tests.proj.tasks.charge[{record.task_id}] permanent" in out.getvalue()
+    out = StringIO()
+    call_command("guardrails_replay", "--task", "tests.proj.tasks.charge", "--since", "1h", stdout=out)
+    assert "Replayed 1 dead letter(s); skipped 0." in out.getvalue()
+    assert DeadLetter.objects.get(pk=record.pk).status == "replayed"
