@@ -60,7 +60,8 @@ def test_replay_after_the_fix_keeps_tenant_correlation_and_key(
     assert record.idempotency_key == f"tests.proj.tasks.charge:acme:charge:{oid}"
     # the cause is "fixed": the script's second run succeeds
     result = replay_dead_letters(DeadLetter.objects.filter(pk=record.pk), user=user_with("replay_deadletter"))
-    ((pk, task_id),) = result.replayed
+    ((replayed_pk, task_id),) = result.replayed
+    assert replayed_pk == record.pk
     assert celery_app.AsyncResult(task_id).get(timeout=TIMEOUT) == f"charged {oid}"
     second = sink.items()[-1]
     assert (second["tenant"], second["cid"], second["attempt"], second["key"]) == (
