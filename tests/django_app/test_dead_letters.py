@@ -155,3 +155,39 @@ def test_poison_message_is_dead_lettered_and_the_queue_goes_on(
     assert (record.reason, record.owner) == ("poison", "ops")
     assert "redelivered 3 times without finishing" in record.exc_message
     assert waiting_messages("redis", queue_name) == 0
+
+
+def test_database_down_at_the_final_failure_loses_nothing(celery_app: Any, queue_name: str, tmp_path: Path) -> None:
+    # Given a worker whose database connection goes through a proxy the test controls (PostgreSQL only: an
+    # SQLite file cannot be taken away)
+    if connection.vendor != "postgresql":
+        pytest.skip("needs a database server to take away (runs in the PostgreSQL pass)")
+    from tests.support.proxy import TcpProxy
+
+    proxy = TcpProxy(5432)
+    env = proj_env(
+        queue=queue_name,
+        django=True,
+        GUARDRAILS_TEST_DB_PORT=str(proxy.port),
+        GUARDRAILS_TEST_GUARDRAILS=json.dumps({"dead_letter_sinks": ["django"]}),
+    )
+    try:
+        with WorkerProcess(app=PROJ_APP, queue=queue_name, log_path=tmp_path / "worker.log", env=env) as worker:
+            # When the database is down while a task fails finally
+            proxy.cut()
+            result = django_tasks.fail_with.delay("permanent")
+            deadline = time.monotonic() + 30
+            while "dead letter not recorded" not in worker.log and time.monotonic() < deadline:
+                time.sleep(0.1)
+            assert "dead letter not recorded" in worker.log
+            assert not DeadLetter.objects.filter(task_id=result.id).exists()
+            # Then, once it is back, the message comes back and is recorded, once
+            proxy.restore()
+            deadline = time.monotonic() + 30
+            while not DeadLetter.objects.filter(task_id=result.id).exists() and time.monotonic() < deadline:
+                time.sleep(0.2)
+    finally:
+        proxy.close()
+    record = DeadLetter.objects.get(task_id=result.id)
+    assert (record.reason, record.exc_message) == ("permanent", "card refused")
+    assert worker.log.count("Traceback") >= 1 and waiting_messages("redis", queue_name) == 0

@@ -1,0 +1,72 @@
+"""A TCP forwarder on loopback, to take a real service away from a worker and give it back."""
+
+from __future__ import annotations
+
+import socket
+import threading
+
+
+class TcpProxy:
+    """Forwards 127.0.0.1:<port> to 127.0.0.1:<target>. ``cut()`` drops every connection and refuses new ones;
+    ``restore()`` accepts again."""
+
+    def __init__(self, target: int) -> None:
+        self.target = target
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self.listener.getsockname()[1]
+        self.open = threading.Event()
+        self.open.set()
+        self.connections: list[socket.socket] = []
+        self.lock = threading.Lock()
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self.listener.accept()
+            except OSError:
+                return
+            if not self.open.is_set():
+                client.close()
+                continue
+            try:
+                upstream = socket.create_connection(("127.0.0.1", self.target))
+            except OSError:
+                client.close()
+                continue
+            with self.lock:
+                self.connections += [client, upstream]
+            for a, b in ((client, upstream), (upstream, client)):
+                threading.Thread(target=self._pipe, args=(a, b), daemon=True).start()
+
+    @staticmethod
+    def _pipe(source: socket.socket, sink: socket.socket) -> None:
+        try:
+            while data := source.recv(65536):
+                sink.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for s in (source, sink):
+                try:
+                    s.close()
+                except OSError:
+                    pass
+
+    def cut(self) -> None:
+        self.open.clear()
+        with self.lock:
+            for connection in self.connections:
+                try:
+                    connection.shutdown(socket.SHUT_RDWR)
+                    connection.close()
+                except OSError:
+                    pass
+            self.connections.clear()
+
+    def restore(self) -> None:
+        self.open.set()
+
+    def close(self) -> None:
+        self.cut()
+        self.listener.close()
