@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import threading
 
@@ -47,21 +48,17 @@ class TcpProxy:
         except OSError:
             pass
         finally:
-            for s in (source, sink):
-                try:
-                    s.close()
-                except OSError:
-                    pass
+            for end in (source, sink):
+                with contextlib.suppress(OSError):
+                    end.close()
 
     def cut(self) -> None:
         self.open.clear()
         with self.lock:
             for connection in self.connections:
-                try:
+                with contextlib.suppress(OSError):
                     connection.shutdown(socket.SHUT_RDWR)
                     connection.close()
-                except OSError:
-                    pass
             self.connections.clear()
 
     def restore(self) -> None:
