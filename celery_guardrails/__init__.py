@@ -4,6 +4,7 @@ Switch a task's base class to :class:`GuardedTask`; publish inside :func:`tenant
 :func:`correlation_context`; read :func:`current_tenant` / :func:`current_correlation_id` anywhere.
 """
 
+from celery_guardrails import alerts  # noqa: F401  (connects the owners' alerts)
 from celery_guardrails.context import (
     correlation_context,
     current_correlation_id,

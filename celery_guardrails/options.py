@@ -433,6 +433,41 @@ OPTIONS: Mapping[str, Option] = {
             scopes=frozenset({TASK, APP}),
         ),
         Option(
+            name="alert_channels",
+            default=("log", "mail"),
+            doc="How owners hear of dead letters: 'log', 'mail' (Django), 'webhook' (alert_webhooks).",
+            check=_header_names,
+            scopes=frozenset({APP}),
+        ),
+        Option(
+            name="alert_webhooks",
+            default=(),
+            doc="URLs that receive each alert as a JSON POST.",
+            check=lambda value: tuple(value) if not isinstance(value, str) else (value,),
+            scopes=frozenset({APP}),
+        ),
+        Option(
+            name="alert_timeout",
+            default=5.0,
+            doc="Seconds a webhook may take.",
+            check=_seconds,
+            scopes=frozenset({APP}),
+        ),
+        Option(
+            name="alert_throttle",
+            default=300.0,
+            doc="Seconds of a throttle window per (owner, task, reason): one alert, then one summary.",
+            check=_seconds,
+            scopes=frozenset({APP}),
+        ),
+        Option(
+            name="owner_emails",
+            default={},
+            doc="Mail addresses per owner: {'payments': ['pay-oncall@example.com']} (else ADMINS).",
+            check=lambda value: {str(k): tuple(v) for k, v in dict(value).items()},
+            scopes=frozenset({APP}),
+        ),
+        Option(
             name="max_deliveries",
             default=3,
             doc="Redeliveries of a message that started and never finished (its worker died) before it is "

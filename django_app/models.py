@@ -277,3 +277,22 @@ class DeliveryCounter(models.Model):
 
     def __str__(self) -> str:
         return f"{self.message_id}: {self.starts}"
+
+
+class AlertThrottle(models.Model):
+    """The alert throttle window of one (owner, task, reason) group."""
+
+    group = models.CharField(_("group"), max_length=255, unique=True, help_text=_("owner|task|reason"))
+    until = models.FloatField(_("window ends"), default=0.0, help_text=_("Epoch seconds the window ends."))
+    suppressed = models.PositiveIntegerField(
+        _("suppressed"), default=0, help_text=_("Dead letters in the window not alerted one by one yet.")
+    )
+
+    objects: models.Manager[AlertThrottle] = models.Manager()
+
+    class Meta:
+        verbose_name = _("alert throttle")
+        verbose_name_plural = _("alert throttles")
+
+    def __str__(self) -> str:
+        return self.group

@@ -31,7 +31,7 @@ from celery_guardrails.stores.base import (
     status,
 )
 
-from .models import DeliveryCounter, IdempotencyKey
+from .models import AlertThrottle, DeliveryCounter, IdempotencyKey
 from .models import DependencyState as Row
 
 _FIELDS = [f.name for f in fields(DependencyState)]
@@ -176,3 +176,25 @@ class DjangoStore:
 
     def clear_delivery(self, message_id: str) -> None:
         DeliveryCounter.objects.filter(message_id=message_id).delete()
+
+    # Alert throttling: one row per (owner, task, reason) group.
+
+    def throttle(self, group: str, *, window: float, now: float) -> bool:
+        with transaction.atomic():
+            row, _ = AlertThrottle.objects.select_for_update().get_or_create(group=group)
+            if row.until > now:
+                row.suppressed = F("suppressed") + 1
+                row.save(update_fields=["suppressed"])
+                return False
+            row.until = now + window
+            row.save(update_fields=["until"])
+            return True
+
+    def due_summaries(self, *, now: float) -> list[tuple[str, int]]:
+        due = []
+        with transaction.atomic():
+            for row in AlertThrottle.objects.select_for_update().filter(until__lte=now, suppressed__gt=0):
+                due.append((row.group, row.suppressed))
+                row.suppressed = 0
+                row.save(update_fields=["suppressed"])
+        return due

@@ -168,6 +168,40 @@ return 0
 """
 
 
+_THROTTLE = """
+local key, pending, group = KEYS[1], KEYS[2], ARGV[1]
+local now, window = tonumber(ARGV[2]), tonumber(ARGV[3])
+local untill = tonumber(redis.call('HGET', key, 'until') or '0')
+if untill > now then
+  redis.call('HINCRBY', key, 'suppressed', 1)
+  redis.call('SADD', pending, group)
+  return 0
+end
+redis.call('HSET', key, 'until', string.format('%.6f', now + window))
+redis.call('EXPIRE', key, math.floor(window * 10) + 60)
+return 1
+"""
+
+_DUE = """
+local pending, prefix, now = KEYS[1], ARGV[1], tonumber(ARGV[2])
+local due = {}
+for _, group in ipairs(redis.call('SMEMBERS', pending)) do
+  local key = prefix .. group
+  local untill = tonumber(redis.call('HGET', key, 'until') or '0')
+  if untill <= now then
+    local count = tonumber(redis.call('HGET', key, 'suppressed') or '0')
+    redis.call('HSET', key, 'suppressed', 0)
+    redis.call('SREM', pending, group)
+    if count > 0 then table.insert(due, group); table.insert(due, tostring(count)) end
+  end
+end
+return due
+"""
+
+ALERT_PREFIX = "guardrails:alert:"
+ALERT_PENDING = "guardrails:alert-pending"
+
+
 class RedisIdempotency:
     """The idempotency half of :class:`RedisStore` (mixed in)."""
 
@@ -225,6 +259,23 @@ class RedisIdempotency:
     def inspect(self, key: str) -> dict[str, Any] | None:
         raw = self.client.hgetall(IDEM_PREFIX + key)
         return {k.decode(): v.decode() for k, v in raw.items()} or None
+
+    def throttle(self, group: str, *, window: float, now: float) -> bool:
+        """True: alert now (first of a window); False: counted for the window's summary."""
+        script = self.client.register_script(_THROTTLE)
+        try:
+            return bool(script(keys=[ALERT_PREFIX + group, ALERT_PENDING], args=[group, repr(now), repr(window)]))
+        except self._errors as exc:
+            raise StoreError(f"Redis store at {self.url} failed: {exc}") from exc
+
+    def due_summaries(self, *, now: float) -> list[tuple[str, int]]:
+        """(group, count) of finished windows with suppressed alerts, each handed out once."""
+        script = self.client.register_script(_DUE)
+        try:
+            flat = script(keys=[ALERT_PENDING], args=[ALERT_PREFIX, repr(now)])
+        except self._errors as exc:
+            raise StoreError(f"Redis store at {self.url} failed: {exc}") from exc
+        return [(flat[i].decode(), int(flat[i + 1])) for i in range(0, len(flat), 2)]
 
     def count_delivery(self, message_id: str, *, ttl: float) -> int:
         """One more start of a redelivered message; the starts so far (one round trip)."""

@@ -1,0 +1,81 @@
+"""Owners hear of dead letters once, then in a summary: mail (locmem) and a webhook to a local server."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+import pytest
+import redis
+from celery import group
+from django.core import mail
+
+from celery_guardrails.alerts import flush_alert_summaries
+from celery_guardrails.stores.redis import ALERT_PENDING, ALERT_PREFIX
+from tests.proj import django_tasks
+from tests.support.services import REDIS_URL
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+@pytest.fixture
+def webhook() -> Iterator[tuple[str, list[dict[str, Any]]]]:
+    received: list[dict[str, Any]] = []
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_POST(self) -> None:
+            received.append(json.loads(self.rfile.read(int(self.headers["Content-Length"]))))
+            self.send_response(204)
+            self.end_headers()
+
+        def log_message(self, format: str, *args: Any) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{server.server_address[1]}/hooks/dead-letters", received
+    server.shutdown()
+
+
+@pytest.mark.parametrize("store", ["redis", "django"])
+def test_first_dead_letter_alerts_then_a_flood_makes_one_summary(
+    celery_worker: Any, celery_app: Any, webhook: tuple[str, list[dict[str, Any]]], store: str
+) -> None:
+    url, posted = webhook
+    celery_app.conf.guardrails = {
+        **celery_app.conf.guardrails,
+        "dead_letter_sinks": ["django"],
+        "alert_channels": ["log", "mail", "webhook"],
+        "alert_webhooks": [url],
+        "alert_throttle": 4.0,
+        "owner_emails": {"payments": ["pay@example.com"]},
+        **({"store": "django"} if store == "django" else {}),
+    }
+    # A fresh throttle window for this group (other tests dead-letter the same task, and Redis outlives runs)
+    group_key = "payments|tests.proj.django_tasks.fail_with|permanent"
+    client = redis.Redis.from_url(REDIS_URL)
+    client.delete(ALERT_PREFIX + group_key)
+    client.srem(ALERT_PENDING, group_key)
+    flush_alert_summaries(celery_app)
+    mail.outbox.clear()
+    # Given the first dead letter of owner "payments"
+    first = django_tasks.fail_with.delay("permanent")
+    with pytest.raises(Exception, match="card refused"):
+        first.get(timeout=30)
+    # Then one mail and one webhook
+    assert [m.to for m in mail.outbox] == [["pay@example.com"]]
+    assert "Dead letter: tests.proj.django_tasks.fail_with (permanent)" in mail.outbox[0].subject
+    assert [p["dead_letter"]["task_id"] for p in posted] == [first.id]
+    # When 500 more fail within the throttle window
+    group(django_tasks.fail_with.s("permanent") for _ in range(500)).delay().join(timeout=120, propagate=False)
+    assert len(mail.outbox) == 1 and len(posted) == 1
+    # Then, once the window is over, one summary with the count
+    time.sleep(4.2)
+    assert flush_alert_summaries(celery_app) == 1
+    assert len(mail.outbox) == 2 and "500 more dead letter(s)" in mail.outbox[1].subject
+    assert posted[-1]["summary"]["count"] == 500 and len(posted) == 2
+    assert flush_alert_summaries(celery_app) == 0
