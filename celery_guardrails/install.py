@@ -41,7 +41,40 @@ class GuardrailsBootstep(bootsteps.Step):  # type: ignore[misc]
         for task in guarded:
             options.validate_task(task)
         logger.info("celery-guardrails: %d guarded task(s), app settings %s", len(guarded), sorted(settings))
+        warn_about(app, guarded)
         super().__init__(parent, **kwargs)
+
+
+def warn_about(app: Any, guarded: list[Any]) -> None:
+    """Start-up warnings: settings that make a guardrail weaker than it looks."""
+    from celery_guardrails.outcomes import owner_of
+
+    unowned = sorted(task.name for task in guarded if owner_of(task) is None)
+    if unowned:
+        logger.warning(
+            "celery-guardrails: %d task(s) can dead-letter with no owner to alert (set owner= or the "
+            "owners setting): %s",
+            len(unowned),
+            ", ".join(unowned),
+        )
+    early = sorted(task.name for task in guarded if not task.acks_late or not task.reject_on_worker_lost)
+    if early:
+        logger.warning(
+            "celery-guardrails: %s ack early or do not reject on a lost worker: a message whose worker "
+            "dies is lost instead of redelivered (and poison protection cannot see it)",
+            ", ".join(early),
+        )
+    broker = str(app.conf.broker_url or "")
+    if broker.startswith(("redis://", "rediss://")):
+        visibility = float((app.conf.broker_transport_options or {}).get("visibility_timeout", 3600))
+        longest = max([options.resolve(task, "backoff_max", {}) for task in guarded] or [0.0])
+        if longest >= visibility:
+            logger.warning(
+                "celery-guardrails: backoff_max %.0fs is not below the Redis visibility_timeout %.0fs: a "
+                "retry waiting that long is delivered twice (kombu hands it to another worker)",
+                longest,
+                visibility,
+            )
 
 
 def install(app: Any) -> None:

@@ -468,6 +468,13 @@ OPTIONS: Mapping[str, Option] = {
             scopes=frozenset({APP}),
         ),
         Option(
+            name="dead_letter_retention",
+            default=90 * 24 * 3600.0,
+            doc="Seconds a discarded or resolved dead letter is kept (90 days); open ones are never pruned.",
+            check=_seconds,
+            scopes=frozenset({APP}),
+        ),
+        Option(
             name="max_deliveries",
             default=3,
             doc="Redeliveries of a message that started and never finished (its worker died) before it is "

@@ -6,22 +6,26 @@ from datetime import UTC, datetime, timedelta
 
 from celery_guardrails.options import OPTIONS, django_settings
 
-from .models import IdempotencyKey, ProcessedMessage
+from .models import DeadLetter, IdempotencyKey, ProcessedMessage
+
+
+def _setting(name: str) -> float:
+    return float(django_settings().get(name, OPTIONS[name].default))
 
 
 def prune(*, older_than: float | None = None, now: datetime | None = None, dry_run: bool = False) -> dict[str, int]:
-    """Delete completed or failed idempotency keys, and processed-message records, older than the retention.
-
-    ``older_than`` (seconds) defaults to ``idempotency_retention`` (7 days). Returns counts by table.
+    """Delete what is past its retention: completed or failed idempotency keys and processed-message records
+    (``idempotency_retention``, 7 days), discarded or resolved dead letters (``dead_letter_retention``, 90
+    days). Open dead letters are never pruned. ``older_than`` (seconds) overrides both. Counts by table.
     """
-    seconds = (
-        older_than
-        if older_than is not None
-        else django_settings().get("idempotency_retention", OPTIONS["idempotency_retention"].default)
-    )
-    cutoff = (now or datetime.now(UTC)) - timedelta(seconds=seconds)
-    keys = IdempotencyKey.objects.finished_before(cutoff)
-    messages = ProcessedMessage.objects.processed_before(cutoff)
+    moment = now or datetime.now(UTC)
+    keys_age = older_than if older_than is not None else _setting("idempotency_retention")
+    letters_age = older_than if older_than is not None else _setting("dead_letter_retention")
+    found = {
+        "idempotency_keys": IdempotencyKey.objects.finished_before(moment - timedelta(seconds=keys_age)),
+        "processed_messages": ProcessedMessage.objects.processed_before(moment - timedelta(seconds=keys_age)),
+        "dead_letters": DeadLetter.objects.closed_before(moment - timedelta(seconds=letters_age)),
+    }
     if dry_run:
-        return {"idempotency_keys": keys.count(), "processed_messages": messages.count()}
-    return {"idempotency_keys": keys.delete()[0], "processed_messages": messages.delete()[0]}
+        return {name: queryset.count() for name, queryset in found.items()}
+    return {name: queryset.delete()[0] for name, queryset in found.items()}

@@ -11,7 +11,7 @@ from django.db import transaction
 
 from django_celery_guardrails.effects import mark_processed, transition
 from django_celery_guardrails.maintenance import prune
-from django_celery_guardrails.models import IdempotencyKey, ProcessedMessage
+from django_celery_guardrails.models import DeadLetter, IdempotencyKey, ProcessedMessage
 from tests.testapp.models import Order
 
 pytestmark = pytest.mark.django_db
@@ -40,16 +40,31 @@ def test_prune_deletes_only_what_is_past_retention() -> None:
     IdempotencyKey.objects.create(key="running", state="claimed", lease_until=now)
     ProcessedMessage.objects.create(key="p-old")
     ProcessedMessage.objects.filter(key="p-old").update(processed_at=old)
-    assert prune(dry_run=True) == {"idempotency_keys": 2, "processed_messages": 1}
+    letters = {
+        status: DeadLetter.objects.create(
+            task_name="t",
+            task_id=f"dl-{status}",
+            reason="permanent",
+            first_failed_at=now,
+            last_failed_at=now,
+            status=status,
+            handled_at=now - timedelta(days=100),
+        )
+        for status in ("open", "resolved", "discarded")
+    }
+    assert prune(dry_run=True) == {"idempotency_keys": 2, "processed_messages": 1, "dead_letters": 2}
     out = StringIO()
     call_command("guardrails_prune", stdout=out)
-    assert out.getvalue().strip() == "Deleted 2 idempotency key(s) and 1 processed-message record(s)."
+    assert out.getvalue().strip() == (
+        "Deleted 2 idempotency key(s), 1 processed-message record(s) and 2 closed dead letter(s)."
+    )
     assert sorted(IdempotencyKey.objects.values_list("key", flat=True)) == ["fresh", "running"]
-    assert prune(older_than=3600) == {"idempotency_keys": 1, "processed_messages": 0}
+    assert list(DeadLetter.objects.values_list("pk", flat=True)) == [letters["open"].pk]  # open: never pruned
+    assert prune(older_than=3600) == {"idempotency_keys": 1, "processed_messages": 0, "dead_letters": 0}
 
 
 def test_the_prune_task_for_beat() -> None:
     from django_celery_guardrails.tasks import prune_task
 
     IdempotencyKey.objects.create(key="old", state="completed", finished_at=datetime.now(UTC) - timedelta(days=9))
-    assert prune_task.apply().get() == {"idempotency_keys": 1, "processed_messages": 0}
+    assert prune_task.apply().get() == {"idempotency_keys": 1, "processed_messages": 0, "dead_letters": 0}

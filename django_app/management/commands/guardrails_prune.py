@@ -10,14 +10,14 @@ from ...maintenance import prune
 
 
 class Command(BaseCommand):
-    help = "Delete completed or failed idempotency keys and processed-message records past their retention."
+    help = "Delete idempotency records and closed dead letters past their retention (never open dead letters)."
 
     def add_arguments(self, parser: CommandParser) -> None:
         parser.add_argument(
             "--older-than",
             type=float,
             default=None,
-            help="Seconds (default: the idempotency_retention setting, 7 days).",
+            help="Seconds, for every table (default: idempotency_retention, 7 days; dead_letter_retention, 90 days).",
         )
         parser.add_argument("--dry-run", action="store_true", help="Count what would be deleted; delete nothing.")
 
@@ -25,6 +25,6 @@ class Command(BaseCommand):
         counts = prune(older_than=older_than, dry_run=dry_run)
         verb = "Would delete" if dry_run else "Deleted"
         self.stdout.write(
-            f"{verb} {counts['idempotency_keys']} idempotency key(s) and "
-            f"{counts['processed_messages']} processed-message record(s)."
+            f"{verb} {counts['idempotency_keys']} idempotency key(s), {counts['processed_messages']} "
+            f"processed-message record(s) and {counts['dead_letters']} closed dead letter(s)."
         )
