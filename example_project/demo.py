@@ -8,6 +8,7 @@ everything it started.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -205,6 +206,34 @@ def main() -> None:
         print(
             f"   duplicates skipped: {log_text.count('charge:77 already completed')} "
             f"(each returned the stored summary); the provider holds {provider.charges[77]} charge for order 77"
+        )
+
+        print("\n-- 7. dead letters: the provider declines order 88's card (HTTP 402: permanent)")
+        from django_celery_guardrails.models import DeadLetter
+        from django_celery_guardrails.replay import replay_dead_letters
+
+        provider.declined.add(88)
+        response = client.post("/orders/88/charge?amount=4200", headers={"X-Tenant": "acme"})
+        declined = app.AsyncResult(response.json()["task_id"])
+        with contextlib.suppress(Exception):  # the failure itself; the record says what it was
+            declined.get(timeout=30)
+        record = DeadLetter.objects.get(task_id=declined.id)
+        print(f"   worker: {record.exc_type}: {record.exc_message}")
+        print(
+            f"   dead letter #{record.pk}: reason {record.reason}, owner {record.owner}, tenant {record.tenant}, "
+            f"status {record.status}, {len(record.history)} attempt record(s)"
+        )
+        print(
+            f"   admin: http://127.0.0.1:8000/admin/guardrails/deadletter/{record.pk}/change/ "
+            "(python example_project/manage.py runserver, after createsuperuser)"
+        )
+        provider.declined.discard(88)  # the customer updated their card: the cause is fixed
+        replayed = replay_dead_letters([record.pk], app=app)
+        ((_, new_task_id),) = replayed.replayed
+        recharged = app.AsyncResult(new_task_id).get(timeout=60)
+        record.refresh_from_db()
+        print(
+            f"   fixed and replayed as {new_task_id}: charged {recharged['charge']}; dead letter status {record.status}"
         )
 
         print("\n-- the worker's log lines for request demo-req-42 (tenant and correlation id on each line)")

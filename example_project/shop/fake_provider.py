@@ -17,6 +17,7 @@ from typing import Any
 class FlakyProvider:
     def __init__(self, *, flaky: dict[int, int] | None = None) -> None:
         self.flaky = dict(flaky or {})
+        self.declined: set[int] = set()  # orders whose card the provider declines (402, permanent)
         self.calls: Counter[int] = Counter()
         self.by_key: dict[str, dict[str, Any]] = {}
         self.charges: Counter[int] = Counter()
@@ -28,6 +29,9 @@ class FlakyProvider:
                 body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))) or b"{}")
                 order = int(body.get("order_id", 0))
                 provider.calls[order] += 1
+                if order in provider.declined:
+                    self._answer(402, {"error": "card declined"})
+                    return
                 if provider.calls[order] <= provider.flaky.get(order, 0):
                     self._answer(503, {"error": "provider busy"})
                     return

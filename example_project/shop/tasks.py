@@ -38,6 +38,7 @@ class InvalidAmount(ValueError):
     tenant_required=True,
     idempotency_key="charge:{order_id}",
     dependency="payments-api",
+    owner="payments",
     permanent_errors=(InvalidAmount,),
     max_attempts=5,
     backoff_base=0.3,

@@ -40,4 +40,8 @@ def test_demo_prints_the_context_seen_inside_the_worker(tmp_path: Path) -> None:
     assert "failed finally (permanent) after 1 attempt(s)" in out
     assert "deliveries: 3; body ran: 1 time(s)" in out
     assert "duplicates skipped: 2 (each returned the stored summary); the provider holds 1 charge for order 77" in out
+    assert "worker: urllib.error.HTTPError: HTTP Error 402: Payment Required" in out
+    assert "reason permanent, owner payments, tenant acme, status open" in out
+    assert "admin: http://127.0.0.1:8000/admin/guardrails/deadletter/" in out
+    assert "charged ch_3; dead letter status replayed" in out
     assert "== worker stopped (exit code 0)" in out
