@@ -18,6 +18,7 @@ demo: $(INSTALLED)
 
 services:
 	bash scripts/services.sh
+	bash scripts/browser.sh
 
 lint: $(INSTALLED)
 	$(VENV)/bin/ruff check .

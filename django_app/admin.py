@@ -63,7 +63,11 @@ class DeadLetterAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
     show_full_result_count = False  # no second COUNT(*) of the whole table on a filtered page
     list_per_page = 50
     actions = ["replay_selected", "discard_selected", "resolve_selected"]
-    readonly_fields = [f.name for f in DeadLetter._meta.fields] + ["attempt_history", "traceback_text"]
+    # The raw history and traceback are shown formatted (a table, a <pre>) instead.
+    readonly_fields = [f.name for f in DeadLetter._meta.fields if f.name not in ("history", "traceback")] + [
+        "attempt_history",
+        "traceback_text",
+    ]
     exclude = ("history", "traceback")
     change_form_template = "admin/guardrails/deadletter/change_form.html"
 

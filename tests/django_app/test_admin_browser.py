@@ -1,0 +1,110 @@
+"""The dead-letter admin in a real headless Chromium (Debian's, driven by Playwright; no browser download).
+
+Log in, filter by reason, open a record, replay it through the confirmation page, see its status change.
+Screenshots of each step are kept in test-artifacts/admin/.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from django.contrib.auth.models import User
+
+from celery_guardrails import tenant_context
+from django_celery_guardrails.models import DeadLetter
+from tests.conftest import Sink
+from tests.proj import tasks
+
+pytestmark = pytest.mark.django_db(transaction=True)
+CHROMIUM = "/usr/bin/chromium"
+ARTIFACTS = Path(__file__).resolve().parents[2] / "test-artifacts" / "admin"
+
+
+@pytest.fixture
+def browser(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
+    if not os.path.exists(CHROMIUM):
+        message = f"{CHROMIUM} is missing; `make services` installs it (Debian's chromium)"
+        if os.environ.get("CI"):
+            pytest.fail(message, pytrace=False)
+        pytest.skip(message)
+    from playwright.sync_api import sync_playwright
+
+    # Playwright's sync API runs an event loop in this thread; Django then refuses ORM calls from it unless told
+    # that this (test) code knows what it does.
+    monkeypatch.setenv("DJANGO_ALLOW_ASYNC_UNSAFE", "true")
+
+    with sync_playwright() as playwright:
+        chromium = playwright.chromium.launch(
+            executable_path=CHROMIUM,
+            headless=True,
+            args=[
+                "--no-sandbox",
+                "--disable-gpu",
+                "--disable-quic",
+                "--no-first-run",
+                "--disable-background-networking",
+                "--disable-component-update",
+                "--disable-sync",
+            ],
+        )
+        try:
+            yield chromium
+        finally:
+            chromium.close()
+
+
+@pytest.fixture
+def celery_app(celery_app: Any) -> Any:
+    celery_app.conf.guardrails = {**celery_app.conf.guardrails, "dead_letter_sinks": ["django"]}
+    return celery_app
+
+
+def test_replay_a_dead_letter_in_the_admin(celery_worker: Any, live_server: Any, browser: Any, sink: Sink) -> None:
+    # Given a real dead letter and an admin user
+    order = uuid.uuid4().int % 10**9
+    with tenant_context("acme"):
+        failed = tasks.charge.apply_async((order, sink.key, ["permanent", "ok"]))
+    with pytest.raises(Exception, match="card refused"):
+        failed.get(timeout=30)
+    record = DeadLetter.objects.get(task_id=failed.id)
+    User.objects.create_superuser("admin", "admin@example.com", "pw-for-tests")
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    page = browser.new_page()
+
+    def shot(name: str) -> None:
+        page.screenshot(path=str(ARTIFACTS / f"{name}.png"), full_page=True)
+
+    # When an operator logs in
+    page.goto(f"{live_server.url}/admin/login/?next=/admin/guardrails/deadletter/")
+    page.fill("#id_username", "admin")
+    page.fill("#id_password", "pw-for-tests")
+    page.click("input[type=submit]")
+    page.wait_for_url("**/admin/guardrails/deadletter/")
+    shot("1-changelist")
+    # filters by reason
+    page.click("#changelist-filter a[href*='reason=permanent']")
+    page.wait_for_url("**reason=permanent**")
+    assert page.locator(f"text={record.task_id}").count() == 1
+    shot("2-filtered")
+    # opens the record: the attempt history is a table, the traceback is there
+    page.click(f"a[href*='/deadletter/{record.pk}/change/']")
+    page.wait_for_selector("table.attempt-history")
+    assert "card refused" in page.content()
+    shot("3-record")
+    # replays it through the confirmation page
+    page.click("a.replay-link")
+    page.wait_for_selector("#confirm")
+    shot("4-confirm")
+    page.click("#confirm")
+    page.wait_for_selector("ul.messagelist")
+    shot("5-replayed")
+    # Then its status is replayed, on the page and in the database
+    assert "Replayed 1 dead letter(s)." in page.inner_text("ul.messagelist")
+    assert "replayed" in page.inner_text("div.field-status")
+    record.refresh_from_db()
+    assert record.status == "replayed" and record.handled_by == "admin"
