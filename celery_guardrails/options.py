@@ -29,6 +29,7 @@ from importlib import import_module
 from typing import Any
 
 from celery_guardrails.exceptions import ConfigurationError
+from celery_guardrails.redaction import DEFAULT_REDACT_KEYS
 
 logger = logging.getLogger(__name__)
 
@@ -413,21 +414,7 @@ OPTIONS: Mapping[str, Option] = {
         ),
         Option(
             name="redact_keys",
-            default=(
-                "password",
-                "passwd",
-                "secret",
-                "token",
-                "authorization",
-                "api_key",
-                "apikey",
-                "card",
-                "cvv",
-                "ssn",
-                "iban",
-                "credential",
-                "private_key",
-            ),
+            default=DEFAULT_REDACT_KEYS,
             doc="Key-name fragments (case-insensitive) whose values are replaced before a dead letter is stored.",
             check=_header_names,
             scopes=frozenset({TASK, APP}),
