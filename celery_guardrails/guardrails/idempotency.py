@@ -168,6 +168,12 @@ class Heartbeats:
                         self.remove(key, owner)
                 except Exception:  # a heartbeat must never take the worker down; the lease may lapse
                     logger.exception("Idempotency key %s: heartbeat failed", key)
+            # Beats are rare (a third of a lease): do not keep a database connection open between them.
+            stores = {id(store): store for _, (store, _, _) in due}
+            for store in stores.values():
+                close = getattr(store, "close_thread", None)
+                if close is not None:
+                    close()
 
 
 HEARTBEATS = Heartbeats()
