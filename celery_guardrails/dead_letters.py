@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import json
 import logging
-from datetime import UTC, datetime
+from datetime import datetime
 from typing import TYPE_CHECKING, Any, Protocol
 
 from celery_guardrails.exceptions import StoreError
@@ -118,7 +118,3 @@ def record(task: Any, failure: FinalFailure) -> bool:
     fields = record_fields(task, failure)
     new = [sink.record(fields) for sink in sinks_for(task.app)]
     return any(new)
-
-
-def now_iso() -> str:
-    return datetime.now(UTC).isoformat()
