@@ -38,6 +38,8 @@ class PoisonMessages(Guardrail):
         request.guardrails_counted = True
         limit = resolve(task, "max_deliveries", task.call_options())
         if starts > limit:
+            # The count stays: should this message come back once more (its ack lost), it is refused at once.
+            request.guardrails_counted = False
             error = PoisonMessageError(task.name, request.id, starts)
             record = attempt_record(task, kind="permanent", rule="max_deliveries", exc=error)
             pending = fail_finally(task, error, reason=POISON, history=[record])
