@@ -196,3 +196,17 @@ def test_database_down_at_the_final_failure_loses_nothing(celery_app: Any, queue
     record = DeadLetter.objects.get(task_id=result.id)
     assert (record.reason, record.exc_message) == ("permanent", "card refused")
     assert worker.log.count("Traceback") >= 1 and waiting_messages("redis", queue_name) == 0
+
+
+def test_a_key_that_cannot_be_made_on_the_worker_is_dead_lettered(celery_worker: Any, celery_app: Any) -> None:
+    # Given a message sent by name without the argument the key template needs (published without the
+    # extension, so nothing checked it at publish)
+    result = celery_app.send_task("tests.proj.tasks.charge", kwargs={"sink": "s"})
+    with pytest.raises(Exception, match="arguments do not fit the task"):
+        result.get(timeout=TIMEOUT)
+    record = DeadLetter.objects.get(task_id=result.id)
+    assert (record.reason, record.owner, record.exc_type) == (
+        "bad_idempotency_key",
+        "platform",
+        "celery_guardrails.exceptions.IdempotencyKeyError",
+    )
