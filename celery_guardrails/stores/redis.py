@@ -208,12 +208,11 @@ class RedisIdempotency:
     client: Any
     url: str
     _errors: tuple[type[BaseException], ...]
-
-    def _scripts(self) -> tuple[Any, Any]:
-        scripts = getattr(self, "_idem_scripts", None)
-        if scripts is None:
-            scripts = self._idem_scripts = (self.client.register_script(_CLAIM), self.client.register_script(_IF_OWNER))
-        return scripts
+    _claim: Any
+    _if_owner: Any
+    _reopen: Any
+    _throttle: Any
+    _due: Any
 
     def _run(self, script: Any, key: str, args: list[Any]) -> Any:
         try:
@@ -223,7 +222,7 @@ class RedisIdempotency:
 
     def claim(self, key: str, *, owner: str, now: float, lease: float, retention: float) -> Claim:
         state, takeover, lease_until, text = self._run(
-            self._scripts()[0], key, [owner, repr(now), repr(lease), int(retention)]
+            self._claim, key, [owner, repr(now), repr(lease), int(retention)]
         )
         state = state.decode()
         return Claim(
@@ -235,26 +234,25 @@ class RedisIdempotency:
         )
 
     def extend(self, key: str, *, owner: str, now: float, lease: float) -> bool:
-        return bool(self._run(self._scripts()[1], key, [owner, "extend", f"{now + lease:.6f}"]))
+        return bool(self._run(self._if_owner, key, [owner, "extend", f"{now + lease:.6f}"]))
 
     def complete(self, key: str, *, owner: str, now: float, summary: str, retention: float) -> bool:
         return bool(
             self._run(
-                self._scripts()[1], key, [owner, "finish", "completed", "summary", summary, repr(now), int(retention)]
+                self._if_owner, key, [owner, "finish", "completed", "summary", summary, repr(now), int(retention)]
             )
         )
 
     def fail(self, key: str, *, owner: str, now: float, reason: str, retention: float) -> bool:
         return bool(
-            self._run(self._scripts()[1], key, [owner, "finish", "failed", "reason", reason, repr(now), int(retention)])
+            self._run(self._if_owner, key, [owner, "finish", "failed", "reason", reason, repr(now), int(retention)])
         )
 
     def release(self, key: str, *, owner: str) -> bool:
-        return bool(self._run(self._scripts()[1], key, [owner, "release"]))
+        return bool(self._run(self._if_owner, key, [owner, "release"]))
 
     def reopen(self, key: str) -> bool:
-        script = self.client.register_script(_REOPEN)
-        return bool(self._run(script, key, []))
+        return bool(self._run(self._reopen, key, []))
 
     def inspect(self, key: str) -> dict[str, Any] | None:
         raw = self.client.hgetall(IDEM_PREFIX + key)
@@ -262,17 +260,17 @@ class RedisIdempotency:
 
     def throttle(self, group: str, *, window: float, now: float) -> bool:
         """True: alert now (first of a window); False: counted for the window's summary."""
-        script = self.client.register_script(_THROTTLE)
         try:
-            return bool(script(keys=[ALERT_PREFIX + group, ALERT_PENDING], args=[group, repr(now), repr(window)]))
+            return bool(
+                self._throttle(keys=[ALERT_PREFIX + group, ALERT_PENDING], args=[group, repr(now), repr(window)])
+            )
         except self._errors as exc:
             raise StoreError(f"Redis store at {self.url} failed: {exc}") from exc
 
     def due_summaries(self, *, now: float) -> list[tuple[str, int]]:
         """(group, count) of finished windows with suppressed alerts, each handed out once."""
-        script = self.client.register_script(_DUE)
         try:
-            flat = script(keys=[ALERT_PENDING], args=[ALERT_PREFIX, repr(now)])
+            flat = self._due(keys=[ALERT_PENDING], args=[ALERT_PREFIX, repr(now)])
         except self._errors as exc:
             raise StoreError(f"Redis store at {self.url} failed: {exc}") from exc
         return [(flat[i].decode(), int(flat[i + 1])) for i in range(0, len(flat), 2)]
@@ -326,8 +324,14 @@ class RedisStore(RedisIdempotency):
             raise StoreError("the Redis store needs the redis package: pip install 'celery-guardrails[redis]'") from exc
         self.url = url
         self.client = redis.Redis.from_url(url)
+        # Registered once: each is loaded on the server at its first call, then called by its SHA.
         self._admit = self.client.register_script(_ADMIT)
         self._outcome = self.client.register_script(_OUTCOME)
+        self._claim = self.client.register_script(_CLAIM)
+        self._if_owner = self.client.register_script(_IF_OWNER)
+        self._reopen = self.client.register_script(_REOPEN)
+        self._throttle = self.client.register_script(_THROTTLE)
+        self._due = self.client.register_script(_DUE)
         self._errors: tuple[type[BaseException], ...] = (redis.RedisError,)
 
     @staticmethod
