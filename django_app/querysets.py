@@ -7,6 +7,8 @@ from typing import Any
 
 from django.db import models
 
+from celery_guardrails.ledger import OPEN
+
 
 class DependencyStateQuerySet(models.QuerySet[Any]):
     def locked(self, dependency: str) -> Any:
@@ -33,3 +35,18 @@ class DeadLetterQuerySet(models.QuerySet[Any]):
     def closed_before(self, moment: datetime) -> models.QuerySet[Any]:
         """Discarded or resolved records handled before ``moment`` (open ones are never pruned)."""
         return self.filter(status__in=["discarded", "resolved"], handled_at__lt=moment)
+
+
+class ScheduledRunQuerySet(models.QuerySet[Any]):
+    def of(self, schedule: str) -> models.QuerySet[Any]:
+        """Records of one schedule (newest period first, by the model's ordering)."""
+        return self.filter(schedule=schedule)
+
+    def open(self) -> models.QuerySet[Any]:
+        """Records whose run has not ended: dispatched, running or overdue."""
+        return self.filter(status__in=OPEN)
+
+    def newest_per_schedule(self) -> models.QuerySet[Any]:
+        """The primary keys of each schedule's newest record (its horizon)."""
+        newest = self.model.objects.filter(schedule=models.OuterRef("schedule")).order_by("-period").values("pk")[:1]
+        return self.filter(pk=models.Subquery(newest)).values("pk")

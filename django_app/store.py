@@ -4,6 +4,7 @@ Each operation is one transaction that locks the dependency's row (``SELECT ... 
 PostgreSQL; SQLite serialises writers) and applies the rules of :mod:`celery_guardrails.stores.base`
 as they are. On SQLite with several worker processes, set ``"OPTIONS": {"transaction_mode": "IMMEDIATE"}``
 (Django 5.1+) so concurrent transactions wait for the lock instead of failing with "database is locked".
+Idempotency keys and the run ledger take no lock: a unique INSERT and conditional UPDATEs (see below).
 """
 
 from __future__ import annotations
@@ -14,9 +15,11 @@ from datetime import UTC, datetime, timedelta
 from typing import Any, TypeVar
 
 from django.db import DatabaseError, IntegrityError, connection, transaction
-from django.db.models import F
+from django.db.models import F, QuerySet
+from django.utils import timezone
 
 from celery_guardrails.exceptions import StoreError
+from celery_guardrails.ledger import DISPATCHED, MISSED, REASON_MAX_LENGTH, RUNNING, Run
 from celery_guardrails.stores.base import (
     ACQUIRED,
     BUSY,
@@ -31,7 +34,7 @@ from celery_guardrails.stores.base import (
     status,
 )
 
-from .models import AlertThrottle, DeliveryCounter, IdempotencyKey
+from .models import AlertThrottle, DeliveryCounter, IdempotencyKey, ScheduledRun
 from .models import DependencyState as Row
 
 _FIELDS = [f.name for f in fields(DependencyState)]
@@ -40,6 +43,28 @@ T = TypeVar("T")
 
 def _moment(seconds: float) -> datetime:
     return datetime.fromtimestamp(seconds, UTC)
+
+
+def _period(seconds: float) -> datetime:
+    """A period's due instant, in whole seconds: the Redis store keys periods the same way."""
+    return _moment(round(seconds))
+
+
+def _seconds(moment: datetime | None) -> float | None:
+    return None if moment is None else moment.timestamp()
+
+
+def _run(row: ScheduledRun) -> Run:
+    return Run(
+        schedule=row.schedule,
+        period=row.period.timestamp(),
+        status=row.status,
+        task_id=row.task_id,
+        dispatched_at=_seconds(row.dispatched_at),
+        started_at=_seconds(row.started_at),
+        finished_at=_seconds(row.finished_at),
+        reason=row.reason,
+    )
 
 
 def _state(row: Row) -> DependencyState:
@@ -198,3 +223,98 @@ class DjangoStore:
                 row.suppressed = 0
                 row.save(update_fields=["suppressed"])
         return due
+
+    # The run ledger: one row per (schedule, period), unique on the pair. Every change is an INSERT the
+    # constraint refuses on conflict or one conditional UPDATE, so concurrent beats and workers need no lock;
+    # each INSERT runs in a savepoint, so a refused one leaves the caller's transaction usable. Field by field
+    # the rules are those of the Redis store's script (celery_guardrails.stores.redis_ledger).
+
+    @staticmethod
+    def _ledger(what: str, operation: Callable[[], T]) -> T:
+        try:
+            return operation()
+        except DatabaseError as exc:
+            raise StoreError(f"Django store failed to {what}: {exc}") from exc
+
+    @staticmethod
+    def _record(schedule: str, period: float) -> QuerySet[ScheduledRun]:
+        return ScheduledRun.objects.filter(schedule=schedule, period=_period(period))
+
+    @staticmethod
+    def _insert(schedule: str, period: float, **values: Any) -> bool:
+        """Insert the period's record; False when it has one already."""
+        try:
+            with transaction.atomic():
+                ScheduledRun.objects.create(schedule=schedule, period=_period(period), **values)
+        except IntegrityError:
+            return False
+        return True
+
+    @staticmethod
+    def _update(records: QuerySet[ScheduledRun], **values: Any) -> bool:
+        # QuerySet.update() does not apply auto_now: updated_at is set here.
+        return bool(records.update(updated_at=timezone.now(), **values))
+
+    def _upsert(self, schedule: str, period: float, **values: Any) -> None:
+        """Update the period's record, else insert it, else (a concurrent insert won) update it after all."""
+        records = self._record(schedule, period)
+        if not self._update(records, **values) and not self._insert(schedule, period, **values):
+            self._update(records, **values)
+
+    def run_dispatch(self, schedule: str, period: float, *, task_id: str, now: float) -> bool:
+        values = {"status": DISPATCHED, "task_id": task_id, "dispatched_at": _moment(now)}
+
+        def dispatch() -> bool:
+            if self._insert(schedule, period, **values):
+                return True
+            # A missed period that no message was sent for may be dispatched once (a catch-up): it is open again
+            # (no end); the reason it was missed is kept.
+            missed = self._record(schedule, period).filter(status=MISSED, task_id="")
+            return self._update(missed, finished_at=None, **values)
+
+        return self._ledger(f"dispatch {schedule!r} @ {period}", dispatch)
+
+    def run_record(self, schedule: str, period: float, *, status: str, now: float, reason: str) -> bool:
+        return self._ledger(
+            f"record {schedule!r} @ {period}",
+            lambda: self._insert(
+                schedule, period, status=status, reason=reason[:REASON_MAX_LENGTH], finished_at=_moment(now)
+            ),
+        )
+
+    def run_transition(
+        self, schedule: str, period: float, *, from_: tuple[str, ...], to: str, now: float, reason: str
+    ) -> bool:
+        records = self._record(schedule, period).filter(status__in=from_)
+        return self._ledger(
+            f"move {schedule!r} @ {period} to {to}",
+            lambda: self._update(records, status=to, reason=reason[:REASON_MAX_LENGTH]),
+        )
+
+    def run_start(self, schedule: str, period: float, *, task_id: str, now: float) -> None:
+        # dispatched_at and reason are kept; a start after an end (a redelivered message) clears the end.
+        values = {"status": RUNNING, "task_id": task_id, "started_at": _moment(now), "finished_at": None}
+        self._ledger(f"start {schedule!r} @ {period}", lambda: self._upsert(schedule, period, **values))
+
+    def run_finish(self, schedule: str, period: float, *, status: str, now: float, reason: str = "") -> None:
+        values: dict[str, Any] = {"status": status, "finished_at": _moment(now)}
+        if reason:  # no reason keeps the one the record has (why it was overdue, say)
+            values["reason"] = reason[:REASON_MAX_LENGTH]
+        self._ledger(f"finish {schedule!r} @ {period}", lambda: self._upsert(schedule, period, **values))
+
+    def run_list(
+        self,
+        schedule: str,
+        *,
+        statuses: tuple[str, ...] | None = None,
+        before: float | None = None,
+        limit: int = 100,
+    ) -> list[Run]:
+        records = ScheduledRun.objects.of(schedule)
+        if statuses is not None:
+            records = records.filter(status__in=statuses)
+        if before is not None:
+            records = records.filter(period__lt=_period(before))
+        return self._ledger(
+            f"list the runs of {schedule!r}", lambda: [_run(row) for row in records.order_by("-period")[:limit]]
+        )

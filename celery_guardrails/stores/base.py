@@ -21,6 +21,8 @@ import math
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from celery_guardrails.ledger import RunLedger
+
 CLOSED, OPEN, HALF_OPEN = "closed", "open", "half_open"
 
 
@@ -160,7 +162,7 @@ class Claim:
     reason: str = ""
 
 
-class Store(Protocol):
+class Store(RunLedger, Protocol):
     """What a guardrails store does (each operation atomic across all workers).
 
     Idempotency keys: ``claim`` inserts the key as claimed by ``owner`` with a lease (or takes over an expired

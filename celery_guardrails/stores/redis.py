@@ -12,6 +12,7 @@ from typing import Any
 
 from celery_guardrails.exceptions import StoreError
 from celery_guardrails.stores.base import Admission, BudgetPolicy, Claim, DependencyState, status
+from celery_guardrails.stores.redis_ledger import LEDGER_SCRIPT, RedisRunLedger
 
 KEY_PREFIX = "guardrails:dependency:"
 
@@ -314,7 +315,7 @@ _INT_FIELDS = (
 )
 
 
-class RedisStore(RedisIdempotency):
+class RedisStore(RedisIdempotency, RedisRunLedger):
     """Store on a Redis server, given by URL (``redis://127.0.0.1:6379/1``)."""
 
     def __init__(self, url: str) -> None:
@@ -332,6 +333,7 @@ class RedisStore(RedisIdempotency):
         self._reopen = self.client.register_script(_REOPEN)
         self._throttle = self.client.register_script(_THROTTLE)
         self._due = self.client.register_script(_DUE)
+        self._ledger = self.client.register_script(LEDGER_SCRIPT)
         self._errors: tuple[type[BaseException], ...] = (redis.RedisError,)
 
     @staticmethod

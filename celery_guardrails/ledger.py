@@ -1,0 +1,108 @@
+"""The run ledger: one durable record per (schedule, period) of scheduled work.
+
+A *period* is named by its due instant (epoch seconds, UTC): the run due at 02:30 covers the period that
+ends at 02:30. The store keeps one record per ``(schedule, period)`` and refuses a second one, so two beat
+processes, a manual re-run and a catch-up cannot dispatch the same period twice. The Django store keeps
+records in the ``guardrails.ScheduledRun`` table (unique on the pair); the Redis store keeps them in one
+hash per schedule, changed by Lua scripts (see :mod:`celery_guardrails.stores.redis`).
+
+Statuses and who sets them::
+
+    dispatched       beat published the period's message (run_dispatch)
+    running          a worker started it (run_start)
+    ok / failed      it finished (run_finish)
+    skipped_overlap  its predecessor was still running and overlap="skip" (run_finish)
+    missed           beat did not dispatch it within grace, or it was not started within grace
+                     (the watchdog, or beat's catch-up: run_record / run_transition)
+    overdue          it started and ran past max_runtime (the watchdog: run_transition)
+
+A record moves on only through these operations, each atomic in the store. A ``missed`` record that no
+message was sent for (``task_id`` empty) may still be dispatched once by a catch-up policy.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+from urllib.parse import quote
+
+DISPATCHED = "dispatched"
+RUNNING = "running"
+OK = "ok"
+FAILED = "failed"
+SKIPPED_OVERLAP = "skipped_overlap"
+MISSED = "missed"
+OVERDUE = "overdue"
+
+#: Every status, in the order the admin lists them.
+STATUSES = (DISPATCHED, RUNNING, OK, FAILED, SKIPPED_OVERLAP, MISSED, OVERDUE)
+#: Statuses of a record whose run has not ended.
+OPEN = (DISPATCHED, RUNNING, OVERDUE)
+#: Longest reason kept on a record.
+REASON_MAX_LENGTH = 500
+#: Seconds a record is kept (90 days): the Redis store drops older ones as it writes, the Django app's
+#: prune command deletes them.
+RETENTION = 90 * 24 * 3600.0
+#: Longest schedule name (a django-celery-beat PeriodicTask name is at most 200 characters).
+NAME_MAX_LENGTH = 200
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Run:
+    """One ledger record. Times are epoch seconds (None: not yet)."""
+
+    schedule: str
+    period: float
+    status: str
+    task_id: str = ""
+    dispatched_at: float | None = None
+    started_at: float | None = None
+    finished_at: float | None = None
+    reason: str = ""
+
+
+def period_key(schedule: str, period: float) -> str:
+    """The idempotency key of one period: ``<schedule, percent-quoted>@<due instant, epoch seconds>``.
+
+    Quoted so that a name with spaces (common for django-celery-beat rows) still makes a valid key.
+    """
+    return f"{quote(schedule, safe='')}@{period:.0f}"
+
+
+class RunLedger(Protocol):
+    """The ledger operations every store provides (each atomic; ``now`` is epoch seconds)."""
+
+    def run_dispatch(self, schedule: str, period: float, *, task_id: str, now: float) -> bool:
+        """Record the period as dispatched with ``task_id``; False when it is recorded already (another
+        beat, an earlier dispatch). A ``missed`` record without a task id is taken (a catch-up)."""
+        ...
+
+    def run_record(self, schedule: str, period: float, *, status: str, now: float, reason: str) -> bool:
+        """Insert a record with ``status`` (missed, skipped_overlap) unless the period has one; whether it did.
+        Its ``finished_at`` is ``now``: when the decision was recorded."""
+        ...
+
+    def run_transition(
+        self, schedule: str, period: float, *, from_: tuple[str, ...], to: str, now: float, reason: str
+    ) -> bool:
+        """Move the record from one of ``from_`` to ``to``; whether this call moved it."""
+        ...
+
+    def run_start(self, schedule: str, period: float, *, task_id: str, now: float) -> None:
+        """Mark the period running (creating its record if a message arrived without one)."""
+        ...
+
+    def run_finish(self, schedule: str, period: float, *, status: str, now: float, reason: str = "") -> None:
+        """Mark the period finished with ``status`` (ok, failed, skipped_overlap)."""
+        ...
+
+    def run_list(
+        self,
+        schedule: str,
+        *,
+        statuses: tuple[str, ...] | None = None,
+        before: float | None = None,
+        limit: int = 100,
+    ) -> list[Run]:
+        """Records of ``schedule``, newest period first: only ``statuses`` if given, periods < ``before``."""
+        ...

@@ -1,0 +1,164 @@
+"""The run ledger on Redis (the :class:`~celery_guardrails.ledger.RunLedger` half of the Redis store).
+
+Per schedule, one hash ``guardrails:runs:<schedule>`` maps a period (epoch seconds, as an integer string) to
+its record (a JSON object, times as strings), and one sorted set ``guardrails:runs-index:<schedule>`` orders
+the periods. Every change is one Lua script, so "insert unless present" and "move from status A to B" are
+atomic across beat processes and workers. Records older than :data:`~celery_guardrails.ledger.RETENTION`
+are dropped as new ones are written; both keys expire when a schedule has been quiet that long.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from celery_guardrails.exceptions import StoreError
+from celery_guardrails.ledger import REASON_MAX_LENGTH, RETENTION, Run
+
+RUNS_PREFIX = "guardrails:runs:"
+INDEX_PREFIX = "guardrails:runs-index:"
+
+# KEYS: hash, index. ARGV: op, schedule, period field, now, retention, then per op:
+#   dispatch: task_id           record: status, reason          transition: to, reason, from...
+#   start: task_id              finish: status, reason
+LEDGER_SCRIPT = """
+local runs, index = KEYS[1], KEYS[2]
+local op, schedule, field, now, retention = ARGV[1], ARGV[2], ARGV[3], ARGV[4], tonumber(ARGV[5])
+local raw = redis.call('HGET', runs, field)
+local r = nil
+if raw then r = cjson.decode(raw) end
+local function save(rec)
+  redis.call('HSET', runs, field, cjson.encode(rec))
+  redis.call('ZADD', index, tonumber(field), field)
+  local horizon = tonumber(now) - retention
+  local old = redis.call('ZRANGEBYSCORE', index, '-inf', '(' .. horizon)
+  for _, f in ipairs(old) do redis.call('HDEL', runs, f) end
+  redis.call('ZREMRANGEBYSCORE', index, '-inf', '(' .. horizon)
+  redis.call('EXPIRE', runs, retention)
+  redis.call('EXPIRE', index, retention)
+end
+local function fresh(status)
+  return {schedule = schedule, period = field, status = status, task_id = '', reason = ''}
+end
+if op == 'dispatch' then
+  if r then
+    if r.status ~= 'missed' or r.task_id ~= '' then return 0 end
+  else
+    r = fresh('dispatched')
+  end
+  r.status, r.task_id, r.dispatched_at, r.finished_at = 'dispatched', ARGV[6], now, nil
+  save(r)
+  return 1
+elseif op == 'record' then
+  if r then return 0 end
+  r = fresh(ARGV[6])
+  r.reason, r.finished_at = ARGV[7], now
+  save(r)
+  return 1
+elseif op == 'transition' then
+  if not r then return 0 end
+  local allowed = false
+  for i = 8, #ARGV do if r.status == ARGV[i] then allowed = true end end
+  if not allowed then return 0 end
+  r.status, r.reason = ARGV[6], ARGV[7]
+  save(r)
+  return 1
+elseif op == 'start' then
+  r = r or fresh('running')
+  r.status, r.task_id, r.started_at, r.finished_at = 'running', ARGV[6], now, nil
+  save(r)
+  return 1
+elseif op == 'finish' then
+  r = r or fresh(ARGV[6])
+  r.status, r.finished_at = ARGV[6], now
+  if ARGV[7] ~= '' then r.reason = ARGV[7] end
+  save(r)
+  return 1
+end
+return redis.error_reply('unknown ledger operation ' .. op)
+"""
+
+
+def _field(period: float) -> str:
+    return str(round(period))
+
+
+def _time(value: Any) -> float | None:
+    return None if value in (None, "") else float(value)
+
+
+def _run(raw: bytes | str) -> Run:
+    record = json.loads(raw)
+    return Run(
+        schedule=record["schedule"],
+        period=float(record["period"]),
+        status=record["status"],
+        task_id=record.get("task_id") or "",
+        dispatched_at=_time(record.get("dispatched_at")),
+        started_at=_time(record.get("started_at")),
+        finished_at=_time(record.get("finished_at")),
+        reason=record.get("reason") or "",
+    )
+
+
+class RedisRunLedger:
+    """The run-ledger operations of :class:`~celery_guardrails.stores.redis.RedisStore` (mixed in)."""
+
+    client: Any
+    url: str
+    _errors: tuple[type[BaseException], ...]
+    _ledger: Any
+
+    def _change(self, op: str, schedule: str, period: float, now: float, *args: str) -> bool:
+        try:
+            changed = self._ledger(
+                keys=[RUNS_PREFIX + schedule, INDEX_PREFIX + schedule],
+                args=[op, schedule, _field(period), f"{now:.6f}", int(RETENTION), *args],
+            )
+        except self._errors as exc:
+            raise StoreError(f"Redis store at {self.url} failed: {exc}") from exc
+        return bool(changed)
+
+    def run_dispatch(self, schedule: str, period: float, *, task_id: str, now: float) -> bool:
+        return self._change("dispatch", schedule, period, now, task_id)
+
+    def run_record(self, schedule: str, period: float, *, status: str, now: float, reason: str) -> bool:
+        return self._change("record", schedule, period, now, status, reason[:REASON_MAX_LENGTH])
+
+    def run_transition(
+        self, schedule: str, period: float, *, from_: tuple[str, ...], to: str, now: float, reason: str
+    ) -> bool:
+        return self._change("transition", schedule, period, now, to, reason[:REASON_MAX_LENGTH], *from_)
+
+    def run_start(self, schedule: str, period: float, *, task_id: str, now: float) -> None:
+        self._change("start", schedule, period, now, task_id)
+
+    def run_finish(self, schedule: str, period: float, *, status: str, now: float, reason: str = "") -> None:
+        self._change("finish", schedule, period, now, status, reason[:REASON_MAX_LENGTH])
+
+    def run_list(
+        self,
+        schedule: str,
+        *,
+        statuses: tuple[str, ...] | None = None,
+        before: float | None = None,
+        limit: int = 100,
+    ) -> list[Run]:
+        top = "+inf" if before is None else f"({_field(before)}"
+        found: list[Run] = []
+        offset, page = 0, max(limit, 100)
+        try:
+            while len(found) < limit:
+                fields = self.client.zrevrangebyscore(INDEX_PREFIX + schedule, top, "-inf", start=offset, num=page)
+                if not fields:
+                    break
+                offset += len(fields)
+                for raw in self.client.hmget(RUNS_PREFIX + schedule, fields):
+                    if raw is None:
+                        continue
+                    run = _run(raw)
+                    if statuses is None or run.status in statuses:
+                        found.append(run)
+        except self._errors as exc:
+            raise StoreError(f"Redis store at {self.url} failed: {exc}") from exc
+        return found[:limit]
