@@ -62,9 +62,20 @@ def flush_alert_summaries(app: Any) -> int:
     return len(due)
 
 
-def send(app: Any, *, subject: str, failure: FinalFailure | None = None, summary: dict[str, Any] | None = None) -> None:
-    owner = failure.owner if failure else (summary or {}).get("owner")
+def send(
+    app: Any,
+    *,
+    subject: str,
+    failure: FinalFailure | None = None,
+    summary: dict[str, Any] | None = None,
+    run: dict[str, Any] | None = None,
+    owner: str | None = None,
+) -> None:
+    """Alert through every ``alert_channels``: about a dead letter, a throttle summary or a scheduled run."""
+    owner = failure.owner if failure else (summary or {}).get("owner", owner)
     payload: dict[str, Any] = {"subject": subject, "owner": owner}
+    if run is not None:
+        payload["run"] = run
     if failure is not None:
         payload["dead_letter"] = {
             k: getattr(failure, k)

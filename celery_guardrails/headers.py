@@ -14,6 +14,8 @@ is a flat mapping (an AMQP table on RabbitMQ, a JSON object on Redis)::
         "deferred": 0,          # retry-budget / circuit-breaker deferrals so far (absent: 0)
         "hist": [{...}],        # the last HISTORY_LIMIT attempt records, oldest first (see below)
         "hist_n": 3,            # how many records were ever written (the list keeps the last 20)
+        "sched": "nightly",     # scheduled work: the beat entry (schedule) this message runs a period of
+        "period": 1796000000,   # ... and that period's due instant, epoch seconds (see celery_guardrails.beat)
     }
 
 An attempt record: ``{"n": 1, "start": "2026-11-30T08:00:00.123+00:00", "end": "...", "host": "celery@web1",
@@ -25,6 +27,8 @@ Version history:
 
 * ``1`` (0.1): ``tenant``, ``cid``, ``opts``, ``idem``, ``attempt``, ``later``, ``deferred``, ``hist``,
   ``hist_n``.
+* ``1`` (0.2): ``sched`` and ``period`` added (a release that does not know them runs the message as a
+  plain one; the idempotency key ``idem`` of a scheduled message is its period key).
 
 Compatibility rules:
 
@@ -63,6 +67,8 @@ LATER = "later"
 DEFERRED = "deferred"
 HISTORY = "hist"
 HISTORY_TOTAL = "hist_n"
+SCHEDULE = "sched"
+PERIOD = "period"
 
 #: Attempt records carried in a message at most (the oldest are dropped; HISTORY_TOTAL keeps counting).
 HISTORY_LIMIT = 20
@@ -121,6 +127,11 @@ def sanitise(raw: Mapping[str, Any], *, task_id: str | None = None) -> dict[str,
         _drop(clean, OPTIONS, task_id)
     if IDEMPOTENCY_KEY in clean and not isinstance(clean[IDEMPOTENCY_KEY], str):
         _drop(clean, IDEMPOTENCY_KEY, task_id)
+    if SCHEDULE in clean and not (isinstance(clean[SCHEDULE], str) and 0 < len(clean[SCHEDULE]) <= 200):
+        _drop(clean, SCHEDULE, task_id)
+    period = clean.get(PERIOD)
+    if PERIOD in clean and (isinstance(period, bool) or not isinstance(period, int) or period < 0):
+        _drop(clean, PERIOD, task_id)
     history = clean.get(HISTORY)
     if HISTORY in clean and not (isinstance(history, list) and all(isinstance(r, Mapping) for r in history)):
         _drop(clean, HISTORY, task_id)

@@ -40,6 +40,10 @@ class GuardrailsBootstep(bootsteps.Step):  # type: ignore[misc]
         guarded = [task for task in app.tasks.values() if isinstance(task, GuardedTask)]
         for task in guarded:
             options.validate_task(task)
+        # A policy for an entry that does not exist, or a schedule that cannot be read, stops the worker too.
+        from celery_guardrails.beat import configured_entries
+
+        configured_entries(app)
         logger.info("celery-guardrails: %d guarded task(s), app settings %s", len(guarded), sorted(settings))
         warn_about(app, guarded)
         super().__init__(parent, **kwargs)
@@ -83,6 +87,9 @@ def install(app: Any) -> None:
         return
     app._guardrails_installed = True
     app.steps["worker"].add(GuardrailsBootstep)
+    from celery_guardrails.watchdog import WatchdogStep
+
+    app.steps["worker"].add(WatchdogStep)
 
 
 def _add_context_filter(logger: logging.Logger | None = None, **_: Any) -> None:

@@ -27,6 +27,7 @@ from contextvars import ContextVar
 from dataclasses import dataclass
 from importlib import import_module
 from typing import Any
+from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
 from celery_guardrails.exceptions import ConfigurationError
 from celery_guardrails.redaction import DEFAULT_REDACT_KEYS
@@ -154,6 +155,79 @@ def _header_names(value: Any) -> tuple[str, ...]:
     if isinstance(value, str) or not all(isinstance(v, str) and v for v in value):
         raise ValueError(f"must be a list of HTTP header names, got {value!r:.80}")
     return tuple(value)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SchedulePolicy:
+    """The guardrails of one beat entry (``schedules["<entry name>"]``); defaults documented here."""
+
+    #: IANA zone the entry's crontab is read in; None: the crontab's own zone, else the app's ``timezone``
+    #: (a crontab entry without one gets a start-up warning that names it).
+    timezone: ZoneInfo | None = None
+    #: A period due while the previous run still goes: "skip" it (recorded skipped_overlap), "queue" it
+    #: (it waits, through RetryLater), or "allow" both to run.
+    overlap: str = "skip"
+    #: Periods beat missed (down longer than grace): "skip" (record them missed, run none), "latest" (run
+    #: the most recent once, as Celery beat does), or "all" (run each, oldest first, the newest
+    #: catch_up_limit of them).
+    catch_up: str = "latest"
+    catch_up_limit: int = 10
+    #: Seconds a run may start late before its period counts as missed.
+    grace: float = 60.0
+    #: Seconds a started run may take before it counts as overdue (None: never).
+    max_runtime: float | None = None
+    #: Give the task the end of the last successful period (``self.request.since``, and ``since=`` when
+    #: the task takes that argument).
+    since: bool = False
+    #: A fixed local time that happens twice (fall back) runs at the "first" occurrence, or at "both".
+    fall_back: str = "first"
+    #: Who hears of missed and overdue runs (else the task's owner).
+    owner: str | None = None
+
+
+def _zone(value: Any) -> ZoneInfo | None:
+    if value is None:
+        return None
+    try:
+        return ZoneInfo(str(value))
+    except (ZoneInfoNotFoundError, ValueError):
+        raise ValueError(f"unknown time zone {value!r:.80} (an IANA name such as 'Europe/Berlin')") from None
+
+
+_POLICY_CHECKS: Mapping[str, Callable[[Any], Any]] = {
+    "timezone": _zone,
+    "overlap": _choice("skip", "queue", "allow"),
+    "catch_up": _choice("skip", "latest", "all"),
+    "catch_up_limit": _positive_int,
+    "grace": _seconds,
+    "max_runtime": lambda value: None if value is None else _seconds(value),
+    "since": _boolean,
+    "fall_back": _choice("first", "both"),
+    "owner": _name,
+}
+
+
+def _schedules(value: Any) -> dict[str, SchedulePolicy]:
+    if not isinstance(value, Mapping):
+        raise ValueError(f"must map beat entry names to policy dicts, got {value!r:.80}")
+    policies = {}
+    for entry, raw in value.items():
+        if not isinstance(entry, str) or not entry or len(entry) > 200:
+            raise ValueError(f"entry names are strings of 1 to 200 characters, got {entry!r:.80}")
+        if not isinstance(raw, Mapping):
+            raise ValueError(f"entry {entry!r}: the policy must be a dict, got {raw!r:.80}")
+        checked = {}
+        for key, item in raw.items():
+            if key not in _POLICY_CHECKS:
+                close = difflib.get_close_matches(str(key), list(_POLICY_CHECKS), n=1)
+                hint = f"; did you mean {close[0]!r}?" if close else f"; known: {', '.join(_POLICY_CHECKS)}"
+                raise ValueError(f"entry {entry!r}: unknown policy key {key!r}{hint}")
+            try:
+                checked[key] = _POLICY_CHECKS[key](item)
+            except (TypeError, ValueError) as exc:
+                raise ValueError(f"entry {entry!r}, {key}: {exc}") from None
+        policies[entry] = SchedulePolicy(**checked)
+    return policies
 
 
 OPTIONS: Mapping[str, Option] = {
@@ -468,6 +542,39 @@ OPTIONS: Mapping[str, Option] = {
             "dead-lettered as poison instead of run again.",
             check=_positive_int,
             scopes=frozenset({TASK, APP}),
+        ),
+        Option(
+            name="schedules",
+            default={},
+            doc="Policies of beat entries (CELERY_BEAT_SCHEDULE names or django-celery-beat PeriodicTask "
+            "names): {'nightly-report': {'timezone': 'Europe/Berlin', 'overlap': 'skip', 'catch_up': "
+            "'latest', 'grace': 300, 'max_runtime': 3600}}. See SchedulePolicy for every key.",
+            check=_schedules,
+            scopes=frozenset({APP}),
+        ),
+        Option(
+            name="watchdog",
+            default=True,
+            doc="Workers check the scheduled runs against the ledger (one worker at a time, see "
+            "watchdog_interval); turn off when a cron job or Kubernetes CronJob runs guardrails_watchdog.",
+            check=_boolean,
+            scopes=frozenset({APP}),
+        ),
+        Option(
+            name="watchdog_interval",
+            default=30.0,
+            doc="Seconds between two watchdog checks in the cluster (a run is reported missed at most "
+            "grace plus this late).",
+            check=_seconds,
+            scopes=frozenset({APP}),
+        ),
+        Option(
+            name="clock",
+            default=None,
+            doc="Callable (or dotted path) returning the current time as epoch seconds, for the schedule "
+            "guardrails (beat, ledger, watchdog); default time.time. For simulations and tests.",
+            check=_callable_or_path,
+            scopes=frozenset({APP}),
         ),
         Option(
             name="request_id_headers",

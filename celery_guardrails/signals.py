@@ -42,6 +42,17 @@ duplicate_skipped
 circuit_opened
     A dependency's circuit opened after consecutive transient failures. Arguments: ``dependency``,
     ``until`` (epoch seconds).
+
+run_missed
+    A scheduled period was recorded missed: beat did not dispatch it, or no worker started it, within the
+    entry's ``grace`` (sent once per period, by the beat or watchdog that recorded it). ``sender`` is the
+    Celery app. Arguments: ``schedule`` (entry name), ``task``, ``period`` (its due instant, an aware UTC
+    datetime), ``reason``, ``owner``.
+
+run_overdue
+    A started scheduled run went past the entry's ``max_runtime`` (once per period). ``sender`` is the
+    Celery app. Arguments: ``schedule``, ``task``, ``period``, ``reason``, ``owner``, ``task_id``,
+    ``started_at``.
 """
 
 from __future__ import annotations
@@ -56,3 +67,5 @@ budget_exhausted = Signal(name="budget_exhausted")
 circuit_opened = Signal(name="circuit_opened")
 duplicate_skipped = Signal(name="duplicate_skipped")
 dead_lettered = Signal(name="dead_lettered")
+run_missed = Signal(name="run_missed")
+run_overdue = Signal(name="run_overdue")

@@ -21,6 +21,7 @@ from celery_guardrails.guardrails.dead_letter import PendingDeadLetters
 from celery_guardrails.guardrails.idempotency import Idempotency
 from celery_guardrails.guardrails.poison import PoisonMessages
 from celery_guardrails.guardrails.retries import Retries
+from celery_guardrails.guardrails.scheduled_runs import ScheduledRuns
 from celery_guardrails.guardrails.tenancy import TenantGuard
 from celery_guardrails.install import install
 from celery_guardrails.options import OPTIONS, check_call_options, settings_snapshot
@@ -35,8 +36,9 @@ class GuardedTask(Task):  # type: ignore[misc]
 
     #: The guardrails, in pipeline order. Extend with ``guardrails = (*GuardedTask.guardrails, Mine())``.
     #: Retries sets the attempt number RetryBudget needs; Idempotency claims last (nothing is claimed for
-    #: a delivery the budget defers) and wraps the body innermost, inside Retries, so that a transaction it
-    #: opens is rolled back before a retry is published.
+    #: a delivery the budget defers) and wraps the body inside Retries, so that a transaction it opens is
+    #: rolled back before a retry is published. ScheduledRuns comes after it: a period that ran before is
+    #: skipped as a duplicate before it could take the schedule's run slot.
     guardrails: ClassVar[tuple[Guardrail, ...]] = (
         ContextPropagation(),
         PendingDeadLetters(),
@@ -45,6 +47,7 @@ class GuardedTask(Task):  # type: ignore[misc]
         Retries(),
         RetryBudget(),
         Idempotency(),
+        ScheduledRuns(),
     )
 
     #: The ack is sacred: a message is acked only after the task finished, its retry was published or its

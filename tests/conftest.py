@@ -169,3 +169,23 @@ def received() -> Iterator[Callable[..., list[dict[str, Any]]]]:
     yield listen
     for signal, receiver in connected:
         signal.disconnect(receiver)
+
+
+@pytest.fixture
+def webhook() -> Iterator[tuple[str, list[dict[str, Any]]]]:
+    """A real HTTP server on loopback that keeps the JSON of every POST (alert webhooks)."""
+    received: list[dict[str, Any]] = []
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_POST(self) -> None:
+            received.append(json.loads(self.rfile.read(int(self.headers["Content-Length"]))))
+            self.send_response(204)
+            self.end_headers()
+
+        def log_message(self, format: str, *args: Any) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{server.server_address[1]}/hooks/dead-letters", received
+    server.shutdown()

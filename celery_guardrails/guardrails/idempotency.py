@@ -46,6 +46,7 @@ from celery_guardrails import headers, signals
 from celery_guardrails.context import current_tenant
 from celery_guardrails.exceptions import IdempotencyKeyError, RetryLater
 from celery_guardrails.guardrails.retries import retry_later
+from celery_guardrails.ledger import period_key
 from celery_guardrails.options import resolve
 from celery_guardrails.outcomes import BAD_IDEMPOTENCY_KEY, attempt_record, fail_finally
 from celery_guardrails.pipeline import Guardrail, Publication, SkipBody, SkipPublish
@@ -211,7 +212,10 @@ class Idempotency(Guardrail):
         request = task.request
         request.guardrails_claim = None
         call = task.call_options()
-        key = headers.from_request(request).get(headers.IDEMPOTENCY_KEY)
+        header = headers.from_request(request)
+        key = header.get(headers.IDEMPOTENCY_KEY)
+        if key is None and headers.SCHEDULE in header and headers.PERIOD in header:
+            key = period_key(header[headers.SCHEDULE], header[headers.PERIOD])  # scheduled work: one run a period
         if key is None:  # published without the extension (send_task, plain Celery): make it here
             spec = resolve(task, "idempotency_key", call)
             if spec is None:

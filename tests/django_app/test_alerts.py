@@ -2,11 +2,7 @@
 
 from __future__ import annotations
 
-import json
-import threading
 import time
-from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 import pytest
@@ -21,25 +17,6 @@ from tests.support.services import REDIS_URL
 
 pytestmark = pytest.mark.django_db(transaction=True)
 WINDOW = 10.0  # seconds: long enough for the flood to fit in it (about 5 s on PostgreSQL here)
-
-
-@pytest.fixture
-def webhook() -> Iterator[tuple[str, list[dict[str, Any]]]]:
-    received: list[dict[str, Any]] = []
-
-    class Handler(BaseHTTPRequestHandler):
-        def do_POST(self) -> None:
-            received.append(json.loads(self.rfile.read(int(self.headers["Content-Length"]))))
-            self.send_response(204)
-            self.end_headers()
-
-        def log_message(self, format: str, *args: Any) -> None:
-            pass
-
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    yield f"http://127.0.0.1:{server.server_address[1]}/hooks/dead-letters", received
-    server.shutdown()
 
 
 @pytest.mark.parametrize(("store", "flood"), [("redis", 500), ("django", 50)])

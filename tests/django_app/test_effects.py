@@ -11,7 +11,7 @@ from django.db import transaction
 
 from django_celery_guardrails.effects import mark_processed, transition
 from django_celery_guardrails.maintenance import prune
-from django_celery_guardrails.models import DeadLetter, IdempotencyKey, ProcessedMessage
+from django_celery_guardrails.models import DeadLetter, IdempotencyKey, ProcessedMessage, ScheduledRun
 from tests.testapp.models import Order
 
 pytestmark = pytest.mark.django_db
@@ -52,19 +52,40 @@ def test_prune_deletes_only_what_is_past_retention() -> None:
         )
         for status in ("open", "resolved", "discarded")
     }
-    assert prune(dry_run=True) == {"idempotency_keys": 2, "processed_messages": 1, "dead_letters": 2}
+    # scheduled runs: two old records and a fresh one of one schedule; the only (old) record of another
+    # schedule is its horizon and stays
+    for schedule, age in (("nightly", 100), ("nightly", 95), ("nightly", 1), ("quarterly", 120)):
+        ScheduledRun.objects.create(schedule=schedule, period=now - timedelta(days=age), status="ok")
+    assert prune(dry_run=True) == {
+        "idempotency_keys": 2,
+        "processed_messages": 1,
+        "dead_letters": 2,
+        "scheduled_runs": 2,
+    }
     out = StringIO()
     call_command("guardrails_prune", stdout=out)
     assert out.getvalue().strip() == (
-        "Deleted 2 idempotency key(s), 1 processed-message record(s) and 2 closed dead letter(s)."
+        "Deleted 2 idempotency key(s), 1 processed-message record(s), 2 closed dead letter(s) and 2 "
+        "scheduled-run record(s)."
     )
+    assert sorted(ScheduledRun.objects.values_list("schedule", flat=True)) == ["nightly", "quarterly"]
     assert sorted(IdempotencyKey.objects.values_list("key", flat=True)) == ["fresh", "running"]
     assert list(DeadLetter.objects.values_list("pk", flat=True)) == [letters["open"].pk]  # open: never pruned
-    assert prune(older_than=3600) == {"idempotency_keys": 1, "processed_messages": 0, "dead_letters": 0}
+    assert prune(older_than=3600) == {
+        "idempotency_keys": 1,
+        "processed_messages": 0,
+        "dead_letters": 0,
+        "scheduled_runs": 0,
+    }
 
 
 def test_the_prune_task_for_beat() -> None:
     from django_celery_guardrails.tasks import prune_task
 
     IdempotencyKey.objects.create(key="old", state="completed", finished_at=datetime.now(UTC) - timedelta(days=9))
-    assert prune_task.apply().get() == {"idempotency_keys": 1, "processed_messages": 0, "dead_letters": 0}
+    assert prune_task.apply().get() == {
+        "idempotency_keys": 1,
+        "processed_messages": 0,
+        "dead_letters": 0,
+        "scheduled_runs": 0,
+    }

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import threading
+import time
 from datetime import UTC, datetime
 from typing import Any
 
@@ -188,3 +189,23 @@ def charge(self: GuardedTask, order_id: int, sink: str, script: list[str] | None
     if hold and runs == 1:
         time.sleep(hold)
     return f"charged {order_id}"
+
+
+@shared_task(base=GuardedTask, bind=True)
+def scheduled_job(self: GuardedTask, sink: str, hold: float = 0.0, since: datetime | None = None) -> dict[str, Any]:
+    """A scheduled job: reports its period, the horizon it was given, and when it ran (real time)."""
+    request = self.request
+    started = time.time()
+    time.sleep(hold)
+    return seen(
+        self,
+        sink,
+        schedule=getattr(request, "schedule_name", None),
+        period=request.period.timestamp() if getattr(request, "period", None) else None,
+        period_key=getattr(request, "period_key", None),
+        idempotency_key=getattr(request, "idempotency_key", None),
+        since=since.timestamp() if since else None,
+        request_since=request.since.timestamp() if getattr(request, "since", None) else None,
+        real_start=started,
+        real_end=time.time(),
+    )

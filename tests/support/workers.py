@@ -154,9 +154,18 @@ class WorkerProcess(CeleryProcess):
 class BeatProcess(CeleryProcess):
     """``celery -A <app> beat`` with its schedule file in a temporary folder."""
 
-    def __init__(self, *, app: str, workdir: Path, env: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        app: str,
+        workdir: Path,
+        env: dict[str, str] | None = None,
+        scheduler: str | None = None,
+        name: str = "beat",
+    ) -> None:
+        chosen = ["-S", scheduler] if scheduler else []
         super().__init__(
-            ["-A", app, "beat", "-l", "INFO", "-s", str(workdir / "beat-schedule"), "--pidfile="],
-            log_path=workdir / "beat.log",
+            ["-A", app, "beat", "-l", "INFO", "-s", str(workdir / f"{name}-schedule"), "--pidfile=", *chosen],
+            log_path=workdir / f"{name}.log",
             env=env,
         )

@@ -10,7 +10,10 @@ from ...maintenance import prune
 
 
 class Command(BaseCommand):
-    help = "Delete idempotency records and closed dead letters past their retention (never open dead letters)."
+    help = (
+        "Delete idempotency records, closed dead letters and old scheduled-run records past their retention "
+        "(never open dead letters)."
+    )
 
     def add_arguments(self, parser: CommandParser) -> None:
         parser.add_argument(
@@ -26,5 +29,6 @@ class Command(BaseCommand):
         verb = "Would delete" if dry_run else "Deleted"
         self.stdout.write(
             f"{verb} {counts['idempotency_keys']} idempotency key(s), {counts['processed_messages']} "
-            f"processed-message record(s) and {counts['dead_letters']} closed dead letter(s)."
+            f"processed-message record(s), {counts['dead_letters']} closed dead letter(s) and "
+            f"{counts['scheduled_runs']} scheduled-run record(s)."
         )

@@ -1,0 +1,380 @@
+"""Scheduled work with stated guardrails: beat entries with a policy dispatch through the run ledger.
+
+Give an entry of ``CELERY_BEAT_SCHEDULE`` (or a django-celery-beat ``PeriodicTask``, by name) a policy in
+``CELERY_GUARDRAILS["schedules"]`` (see :class:`~celery_guardrails.options.SchedulePolicy`) and run beat
+with a guarded scheduler::
+
+    celery -A proj beat -S celery_guardrails.beat:GuardedScheduler
+    celery -A proj beat -S django_celery_guardrails.schedulers:GuardedDatabaseScheduler
+
+For those entries the scheduler does not use Celery's own "is it due" arithmetic. On every tick (at most a
+second apart) it reads each entry's timetable (:mod:`celery_guardrails.schedules`: its time zone and DST
+rules) from the entry's *horizon*, the newest period the ledger says was handled, to now:
+
+* a period due within ``grace`` is dispatched: its ledger record is inserted first (unique per schedule and
+  period, so a second beat process dispatching the same period gets ``False`` and publishes nothing), then
+  the message is published with the period in its ``guardrails`` header and the period key as its
+  idempotency key (a manual re-run of that period is a duplicate, skipped by the worker);
+* periods older than ``grace`` (beat was down) are handled by ``catch_up``: ``skip`` records them missed,
+  ``latest`` dispatches the newest one, ``all`` dispatches each, oldest first (the newest ``catch_up_limit``;
+  older ones are recorded missed). At most :data:`LOOKBACK` seconds are looked back at.
+
+The horizon is read from the ledger when beat starts, so a restart neither repeats nor forgets a period
+(django-celery-beat #634 is the bug this avoids). Entries without a policy are left to Celery as they are.
+An entry may also give its schedule as a 5-field crontab string (``"30 2 * * *"``).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+import uuid
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any
+from zoneinfo import ZoneInfo
+
+from celery.beat import PersistentScheduler
+from celery.schedules import crontab
+
+from celery_guardrails import headers, signals
+from celery_guardrails.exceptions import ConfigurationError
+from celery_guardrails.ledger import MISSED, period_key
+from celery_guardrails.options import SchedulePolicy, app_value, load
+from celery_guardrails.schedules import parse_crontab, periods_between, timetable
+from celery_guardrails.stores import get_store
+
+logger = logging.getLogger(__name__)
+
+#: Seconds beat and the watchdog look back from now at most (7 days): older unhandled periods are not
+#: recorded one by one.
+LOOKBACK = 7 * 24 * 3600.0
+#: Periods recorded or dispatched per entry in one pass at most.
+MAX_PERIODS = 2000
+#: Seconds a guarded scheduler sleeps at most between two looks at its entries.
+TICK = 1.0
+#: The environment variable of :func:`accelerated_clock`.
+CLOCK_ENV = "GUARDRAILS_CLOCK"
+
+
+def now(app: Any) -> float:
+    """The current time for the schedule guardrails: the ``clock`` option, else ``time.time()``."""
+    clock = app_value(app, "clock")
+    return float(load(clock)()) if clock is not None else time.time()
+
+
+def accelerated_clock() -> float:
+    """A clock for demos and simulations: set the ``clock`` option to ``"celery_guardrails.beat.accelerated_clock"``
+    and ``GUARDRAILS_CLOCK="<t0>:<speed>"`` in the environment of beat, workers and the watchdog: from the real
+    instant ``t0`` on, time runs ``speed`` times faster, the same in every process. Unset: the real time."""
+    real = time.time()
+    value = os.environ.get(CLOCK_ENV)
+    if not value:
+        return real
+    t0, speed = (float(part) for part in value.split(":"))
+    return t0 + (real - t0) * speed
+
+
+@dataclass(slots=True, kw_only=True)
+class Entry:
+    """One beat entry with a policy: what to send and when."""
+
+    name: str
+    task: str
+    schedule: Any
+    policy: SchedulePolicy
+    zone: ZoneInfo
+    args: tuple[Any, ...] = ()
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    options: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def timetable(self) -> Any:
+        return timetable(self.schedule, zone=self.zone, fall_back=self.policy.fall_back)
+
+    def periods(self, after: float, until: float, *, limit: int = MAX_PERIODS) -> list[float]:
+        """Due instants in (after, until], epoch seconds, oldest first (the newest ``limit``)."""
+        after = max(after, until - LOOKBACK)
+        found: list[float] = []
+        start = datetime.fromtimestamp(after, UTC)
+        end = datetime.fromtimestamp(until, UTC)
+        table = self.timetable
+        while True:
+            batch = periods_between(table, start, end, limit=limit)
+            found.extend(moment.timestamp() for moment in batch)
+            found = found[-limit:]
+            if len(batch) < limit:
+                return found
+            start = batch[-1]
+
+    def next_due(self, after: float) -> float:
+        return float(self.timetable.next_after(datetime.fromtimestamp(after, UTC)).timestamp())
+
+
+def _zone(app: Any, name: str, schedule: Any, policy: SchedulePolicy, warned: set[str]) -> ZoneInfo:
+    if policy.timezone is not None:
+        return policy.timezone
+    # A django-celery-beat crontab row states its zone (an instance attribute; on a plain Celery crontab,
+    # ``tz`` is a property that answers the app's zone, which says nothing about the entry).
+    own = getattr(schedule, "__dict__", {}).get("tz")
+    if own is not None:
+        return ZoneInfo(str(own))
+    if isinstance(schedule, crontab | str) and name not in warned:
+        warned.add(name)
+        logger.warning(
+            "celery-guardrails: beat entry %r is a crontab without a timezone in its policy; it is read in %s",
+            name,
+            app.conf.timezone or "UTC",
+        )
+    return ZoneInfo(str(app.conf.timezone or "UTC"))
+
+
+def build_entries(
+    app: Any, raw: Mapping[str, Any], *, known: Iterable[str] | None = None, warned: set[str] | None = None
+) -> dict[str, Entry]:
+    """The guarded entries among ``raw`` (name -> beat entry dict or Celery ScheduleEntry).
+
+    Raises :class:`ConfigurationError` naming the entry for a policy whose entry does not exist (among
+    ``known`` names, default the keys of ``raw``), a crontab that does not parse, or a schedule kind the
+    guardrails cannot read (solar).
+    """
+    policies: dict[str, SchedulePolicy] = app_value(app, "schedules")
+    names = set(raw if known is None else known)
+    missing = sorted(set(policies) - names)
+    if missing:
+        raise ConfigurationError(
+            "schedules",
+            f"policy for {', '.join(map(repr, missing))}, but there is no such beat entry or PeriodicTask "
+            f"(known: {', '.join(sorted(names)) or 'none'})",
+        )
+    entries = {}
+    for name, policy in policies.items():
+        if name not in raw:
+            continue  # a disabled PeriodicTask: known, not scheduled now
+        item = raw[name]
+        get = (
+            item.get if isinstance(item, Mapping) else lambda key, default=None, item=item: getattr(item, key, default)
+        )
+        schedule = get("schedule")
+        error = getattr(schedule, "error", None)  # a django-celery-beat row that cannot be read
+        if isinstance(error, str):
+            raise ConfigurationError("schedules", f"beat entry {name!r}: {error}")
+        try:
+            if isinstance(schedule, str):
+                schedule = parse_crontab(schedule)
+            entry = Entry(
+                name=name,
+                task=str(get("task")),
+                schedule=schedule,
+                policy=policy,
+                zone=_zone(app, name, schedule, policy, warned if warned is not None else set()),
+                args=tuple(get("args") or ()),
+                kwargs=dict(get("kwargs") or {}),
+                options=dict(get("options") or {}),
+            )
+            entry.timetable  # noqa: B018  (checks the schedule kind now, not at the first tick)
+        except (ValueError, TypeError) as exc:
+            raise ConfigurationError("schedules", f"beat entry {name!r}: {exc}") from None
+        entries[name] = entry
+    return entries
+
+
+def configured_entries(app: Any, *, warned: set[str] | None = None) -> dict[str, Entry]:
+    """The guarded entries of the app: ``beat_schedule``, and django-celery-beat rows when installed."""
+    if not app_value(app, "schedules"):
+        return {}
+    raw: dict[str, Any] = dict(app.conf.beat_schedule or {})
+    known = set(raw)
+    if _django_beat_installed():
+        from django_celery_guardrails.schedulers import periodic_tasks
+
+        rows, names = periodic_tasks(app, names=set(app_value(app, "schedules")) - known)
+        raw.update(rows)
+        known |= names
+    return build_entries(app, raw, known=known, warned=warned)
+
+
+def _django_beat_installed() -> bool:
+    try:
+        from django.apps import apps
+    except ImportError:
+        return False
+    return apps.ready and apps.is_installed("django_celery_beat") and apps.is_installed("django_celery_guardrails")
+
+
+def owner_of_entry(app: Any, entry: Entry) -> str | None:
+    """Who hears of the entry's missed and overdue runs: its policy's owner, else its task's."""
+    if entry.policy.owner:
+        return entry.policy.owner
+    task = app.tasks.get(entry.task)
+    if task is not None:
+        from celery_guardrails.outcomes import owner_of
+
+        return owner_of(task)
+    return None
+
+
+def moment(seconds: float | None) -> datetime | None:
+    return None if seconds is None else datetime.fromtimestamp(seconds, UTC)
+
+
+def report(app: Any, entry: Entry, period: float, *, kind: str, reason: str, **extra: Any) -> None:
+    """A missed or overdue period was recorded (once, by whoever recorded it): signal and alert."""
+    from celery_guardrails.alerts import send
+
+    owner = owner_of_entry(app, entry)
+    details = {"schedule": entry.name, "task": entry.task, "period": moment(period), "reason": reason, **extra}
+    logger.warning("Scheduled run %s of %r %s: %s", moment(period), entry.name, kind, reason)
+    signal = signals.run_missed if kind == "missed" else signals.run_overdue
+    try:
+        signal.send(sender=app, owner=owner, **details)
+        send(app, subject=f"Run {kind}: {entry.name} at {moment(period):%Y-%m-%d %H:%M:%S}Z", run=details, owner=owner)
+    except Exception:  # an alert must never stop beat or the watchdog
+        logger.exception("Alert for the %s run %s of %r could not be sent", kind, moment(period), entry.name)
+
+
+def horizon(app: Any, name: str) -> float | None:
+    """The newest period of ``name`` the ledger says was handled (a missed record no message was sent for
+    does not count: a catch-up may still take it); None when the schedule has no record."""
+    runs = get_store(app).run_list(name, limit=200)
+    for run in runs:
+        if run.status != MISSED or run.task_id:
+            return run.period
+    return runs[-1].period - 1 if runs else None
+
+
+def plan(entry: Entry, periods: list[float], current: float) -> tuple[list[float], list[float]]:
+    """(periods to dispatch, periods to record missed), each oldest first, for due ``periods``."""
+    grace = entry.policy.grace
+    late = [p for p in periods if current - p > grace]
+    on_time = [p for p in periods if current - p <= grace]
+    if entry.policy.catch_up == "skip" or not late:
+        return on_time, late
+    keep = 1 if entry.policy.catch_up == "latest" else entry.policy.catch_up_limit
+    return late[-keep:] + on_time, late[:-keep]
+
+
+def dispatch(app: Any, entry: Entry, period: float, *, current: float, catch_up: bool = False) -> str | None:
+    """Dispatch one period of ``entry`` once: record it, then publish. The task id, or None when the period
+    was recorded already (another beat, an earlier dispatch)."""
+    task_id = str(uuid.uuid4())
+    if not get_store(app).run_dispatch(entry.name, period, task_id=task_id, now=current):
+        return None
+    options = dict(entry.options)
+    message_headers = dict(options.pop("headers", None) or {})
+    guardrails = headers.from_message_headers(message_headers)
+    guardrails.update(
+        {
+            headers.SCHEDULE: entry.name,
+            headers.PERIOD: round(period),
+            headers.IDEMPOTENCY_KEY: period_key(entry.name, period),
+        }
+    )
+    message_headers[headers.HEADER] = guardrails
+    logger.info(
+        "Dispatching %r period %s as %s%s", entry.name, moment(period), task_id, " (catch-up)" if catch_up else ""
+    )
+    task = app.tasks.get(entry.task)
+    try:
+        if task is not None:
+            task.apply_async(entry.args, entry.kwargs, task_id=task_id, headers=message_headers, **options)
+        else:
+            app.send_task(entry.task, entry.args, entry.kwargs, task_id=task_id, headers=message_headers, **options)
+    except Exception:
+        # The record stays "dispatched" without a run: the watchdog reports it missed after grace.
+        logger.exception("Publishing %r period %s failed", entry.name, moment(period))
+    return task_id
+
+
+class GuardedSchedulerMixin:
+    """Beat scheduler behaviour for entries with a policy (mixed into a Celery scheduler class)."""
+
+    app: Any
+    schedule: Any
+    _heap: Any
+    _guardrails_horizons: dict[str, float]
+    _guardrails_warned: set[str]
+    _guardrails_entries: dict[str, Entry]
+
+    def setup_schedule(self) -> None:
+        self._guardrails_horizons = {}
+        self._guardrails_warned = set()
+        # Crontab strings become Celery crontabs before Celery reads the entries (it cannot read strings).
+        for name, item in (self.app.conf.beat_schedule or {}).items():
+            if isinstance(item, dict) and isinstance(item.get("schedule"), str):
+                try:
+                    item["schedule"] = parse_crontab(item["schedule"])
+                except ValueError as exc:
+                    raise ConfigurationError("beat_schedule", f"entry {name!r}: {exc}") from None
+        super().setup_schedule()  # type: ignore[misc]
+        entries = self._guardrails_entries = self.guarded_entries()  # a bad policy stops beat, naming the entry
+        for entry in entries.values():
+            task = self.app.tasks.get(entry.task)
+            if task is not None and not hasattr(task, "guardrails"):
+                raise ConfigurationError(
+                    "schedules", f"beat entry {entry.name!r}: task {entry.task!r} is not a GuardedTask"
+                )
+        logger.info("celery-guardrails: guarded beat entries: %s", ", ".join(sorted(entries)) or "none")
+
+    def known_entry_names(self) -> set[str]:
+        return set(self.schedule)
+
+    def guarded_entries(self) -> dict[str, Entry]:
+        return build_entries(self.app, self.schedule, known=self.known_entry_names(), warned=self._guardrails_warned)
+
+    def populate_heap(self, *args: Any, **kwargs: Any) -> None:
+        super().populate_heap(*args, **kwargs)  # type: ignore[misc]
+        # Guarded entries are dispatched by tick_guarded, never by Celery's heap.
+        policies = app_value(self.app, "schedules")
+        self._heap = [event for event in self._heap if event[2].name not in policies]
+        import heapq
+
+        heapq.heapify(self._heap)
+
+    def tick(self, *args: Any, **kwargs: Any) -> float:
+        wait = self.tick_guarded()
+        return float(min(wait, super().tick(*args, **kwargs)))  # type: ignore[misc]
+
+    def tick_guarded(self) -> float:
+        """Dispatch or record every due period of the guarded entries; seconds until the next look."""
+        current = now(self.app)
+        wait = TICK
+        try:
+            self._guardrails_entries = self.guarded_entries()
+        except ConfigurationError:  # changed while beat runs (a PeriodicTask renamed): keep the last good ones
+            logger.exception("celery-guardrails: guarded beat entries not reloaded")
+        for entry in self._guardrails_entries.values():
+            try:
+                wait = min(wait, self._tick_entry(entry, current))
+            except Exception:  # one broken entry (or a store outage) must not stop the others
+                logger.exception("Guarded beat entry %r: tick failed", entry.name)
+        return max(wait, 0.05)
+
+    def _tick_entry(self, entry: Entry, current: float) -> float:
+        seen = self._guardrails_horizons.get(entry.name)
+        if seen is None:
+            seen = horizon(self.app, entry.name)
+            if seen is None:  # never run: start now, nothing to catch up
+                seen = current
+        periods = entry.periods(seen, current)
+        if periods:
+            to_dispatch, to_record = plan(entry, periods, current)
+            store = get_store(self.app)
+            for period in to_record:
+                reason = f"beat did not dispatch it within {entry.policy.grace:g}s (catch_up={entry.policy.catch_up})"
+                if store.run_record(entry.name, period, status=MISSED, now=current, reason=reason):
+                    report(self.app, entry, period, kind="missed", reason=reason)
+            for period in to_dispatch:
+                dispatch(self.app, entry, period, current=current, catch_up=current - period > entry.policy.grace)
+            seen = periods[-1]
+        self._guardrails_horizons[entry.name] = seen
+        return entry.next_due(max(seen, current)) - current
+
+
+class GuardedScheduler(GuardedSchedulerMixin, PersistentScheduler):  # type: ignore[misc]
+    """Celery's default (shelve-file) scheduler with the schedule guardrails."""
+
+
+__all__ = ["GuardedScheduler", "GuardedSchedulerMixin", "configured_entries", "dispatch", "plan"]

@@ -1,0 +1,125 @@
+"""Scheduled runs on the worker: the ledger record, the overlap policy and the horizon of one period.
+
+A message a guarded beat dispatched carries its schedule and period in the ``guardrails`` header (see
+:mod:`celery_guardrails.beat`) and the period key as its idempotency key, so the idempotency guardrail has
+already skipped a period that ran before. Then, for the entry's policy:
+
+* overlap: ``skip`` and ``queue`` take the schedule's *run slot*, a claim in the store renewed by the same
+  heartbeat as idempotency keys (so a run whose worker died frees it when its lease runs out). Held by
+  another run, ``skip`` records the period ``skipped_overlap`` and returns without running the body;
+  ``queue`` comes back later through ``RetryLater``. ``allow`` takes no slot.
+* the ledger record goes to ``running``, then ``ok`` or ``failed``;
+* ``since=True``: ``self.request.since`` is the end of the last successful period, read from the ledger
+  (None before the first success), and is passed as ``since=`` when the task takes that argument.
+
+The task sees ``self.request.schedule_name``, ``self.request.period`` (the due instant, an aware UTC
+datetime) and ``self.request.period_key``.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import os
+import time
+import uuid
+from contextlib import AbstractContextManager, nullcontext
+from typing import TYPE_CHECKING, Any
+
+from celery_guardrails import headers
+from celery_guardrails.beat import moment, now
+from celery_guardrails.exceptions import RetryLater
+from celery_guardrails.guardrails.idempotency import heartbeat
+from celery_guardrails.guardrails.retries import retry_later
+from celery_guardrails.ledger import FAILED, OK, SKIPPED_OVERLAP, period_key
+from celery_guardrails.options import SchedulePolicy, app_value, resolve
+from celery_guardrails.pipeline import Guardrail, Publication, SkipBody
+from celery_guardrails.stores import get_store
+from celery_guardrails.stores.base import ACQUIRED
+
+if TYPE_CHECKING:
+    from celery_guardrails.task import GuardedTask
+
+logger = logging.getLogger(__name__)
+
+#: A policy-less period (its entry lost its policy after dispatch) is still recorded, and may overlap.
+NO_POLICY = SchedulePolicy(overlap="allow")
+
+
+def slot_key(schedule: str) -> str:
+    return f"guardrails:schedule-slot:{schedule}"
+
+
+class ScheduledRuns(Guardrail):
+    """Ledger, overlap and horizon of a scheduled period."""
+
+    def on_publish(self, task: GuardedTask, publication: Publication) -> None:
+        header = publication.header
+        period = header.get(headers.PERIOD)
+        if isinstance(header.get(headers.SCHEDULE), str) and isinstance(period, int):
+            # The period key is the idempotency key of scheduled work, whatever key the task makes itself.
+            header[headers.IDEMPOTENCY_KEY] = period_key(header[headers.SCHEDULE], period)
+
+    def before_run(self, task: GuardedTask, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        request = task.request
+        request.guardrails_period = request.guardrails_slot = None
+        header = headers.from_request(request)
+        name, period = header.get(headers.SCHEDULE), header.get(headers.PERIOD)
+        if name is None or period is None:
+            return
+        policy = app_value(task.app, "schedules").get(name) or NO_POLICY
+        request.schedule_name, request.period = name, moment(period)
+        request.period_key = period_key(name, period)
+        store = get_store(task.app)
+        if policy.overlap != "allow":
+            owner = f"{request.hostname}:{os.getpid()}:{request.id}:{uuid.uuid4().hex[:8]}"
+            lease = resolve(task, "idempotency_lease", task.call_options())
+            # Leases are real time (the heartbeat renews them with time.time()), whatever the clock option.
+            claim = store.claim(slot_key(name), owner=owner, now=time.time(), lease=lease, retention=lease)
+            if claim.state != ACQUIRED:
+                self._overlapping(task, name, period, policy, claim.lease_until)
+            request.guardrails_slot = (slot_key(name), owner, lease)
+            release = getattr(request, "guardrails_before_republish", None) or []
+            request.guardrails_before_republish = [*release, lambda: store.release(slot_key(name), owner=owner)]
+        store.run_start(name, period, task_id=request.id, now=now(task.app))
+        request.guardrails_period = (name, period)
+        if policy.since:
+            last = store.run_list(name, statuses=(OK,), before=period, limit=1)
+            request.since = moment(last[0].period) if last else None
+            if "since" in inspect.signature(task.run).parameters:
+                kwargs["since"] = request.since
+
+    def _overlapping(self, task: GuardedTask, name: str, period: int, policy: SchedulePolicy, until: float) -> None:
+        if policy.overlap == "skip":
+            reason = "the previous run was still going (overlap=skip)"
+            logger.warning("Scheduled run %s of %r skipped: %s", moment(period), name, reason)
+            get_store(task.app).run_finish(name, period, status=SKIPPED_OVERLAP, now=now(task.app), reason=reason)
+            raise SkipBody(None)  # a success: the period key is completed, a re-dispatch is a duplicate
+        wait = RetryLater(f"scheduled run {name!r}: the previous run is still going (overlap=queue)")
+        delay = max(0.5, min(until - time.time() + 0.5, resolve(task, "retry_later_delay", task.call_options())))
+        retry = retry_later(task, wait, delay=delay, rule="schedule:overlap")
+        raise retry if retry is not None else wait
+
+    def body_context(self, task: GuardedTask) -> AbstractContextManager[Any]:
+        slot = getattr(task.request, "guardrails_slot", None)
+        if slot is None or task.request.guardrails_period is None:
+            return nullcontext()
+        key, owner, lease = slot
+        return heartbeat(get_store(task.app), key, owner, lease=lease)
+
+    def _finish(self, task: GuardedTask, status: str, reason: str = "") -> None:
+        request = task.request
+        period = getattr(request, "guardrails_period", None)
+        if period is None:
+            return
+        store = get_store(task.app)
+        store.run_finish(*period, status=status, now=now(task.app), reason=reason)
+        slot = getattr(request, "guardrails_slot", None)
+        if slot is not None:
+            store.release(slot[0], owner=slot[1])
+
+    def on_success(self, task: GuardedTask, retval: Any) -> None:
+        self._finish(task, OK)
+
+    def on_failure(self, task: GuardedTask, exc: BaseException, einfo: Any) -> None:
+        self._finish(task, FAILED, f"{type(exc).__name__}: {exc}")

@@ -1,0 +1,149 @@
+"""Missed-run detection that does not depend on beat: compare each guarded schedule with the ledger.
+
+One check (:func:`check`), for every beat entry with a policy whose schedule has a ledger record:
+
+* each period due more than ``grace`` ago with no record (beat is down, or stuck) is recorded ``missed``;
+* a record still ``dispatched`` more than ``grace`` after its period (no worker started it: the message is
+  stuck in a queue or was lost) moves to ``missed``;
+* a record ``running`` longer than ``max_runtime`` moves to ``overdue``.
+
+Each of these is one atomic insert or conditional update in the store, and only the check that made it
+sends ``run_missed`` / ``run_overdue`` and alerts the entry's owner through ``alert_channels``: once per
+period, however many watchdogs run. A schedule with no record yet (beat never dispatched it) is not checked.
+
+Where it runs:
+
+* in every worker, as a bootstep thread (:class:`WatchdogStep`) that checks every ``watchdog_interval``
+  seconds; a claim in the store with a lease of one interval lets one worker in the cluster check per
+  interval. It also sends the dead-letter alert summaries that are due. ``watchdog=False`` turns it off.
+* as ``python manage.py guardrails_watchdog`` (Django), for cron or a Kubernetes CronJob.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from celery import bootsteps
+
+from celery_guardrails.beat import Entry, configured_entries, moment, now, report
+from celery_guardrails.ledger import DISPATCHED, MISSED, OVERDUE, RUNNING
+from celery_guardrails.options import app_value
+from celery_guardrails.stores import get_store
+from celery_guardrails.stores.base import ACQUIRED
+
+logger = logging.getLogger(__name__)
+
+LOCK_KEY = "guardrails:watchdog"
+
+
+@dataclass(slots=True)
+class Findings:
+    """What one check recorded: (schedule, period) pairs, newly missed and newly overdue."""
+
+    missed: list[tuple[str, float]] = field(default_factory=list)
+    overdue: list[tuple[str, float]] = field(default_factory=list)
+
+
+def check(app: Any, *, entries: dict[str, Entry] | None = None, current: float | None = None) -> Findings:
+    """Check every guarded schedule against the ledger once (see the module docstring)."""
+    entries = configured_entries(app) if entries is None else entries
+    current = now(app) if current is None else current
+    findings = Findings()
+    for entry in entries.values():
+        try:
+            _check_entry(app, entry, current, findings)
+        except Exception:  # one schedule (or a store hiccup) must not hide the others
+            logger.exception("Watchdog: checking %r failed", entry.name)
+    return findings
+
+
+def _check_entry(app: Any, entry: Entry, current: float, findings: Findings) -> None:
+    store = get_store(app)
+    grace = entry.policy.grace
+    newest = store.run_list(entry.name, limit=1)
+    if not newest:
+        return
+    for period in entry.periods(newest[0].period, current - grace - 1e-6):  # late: more than grace
+        reason = f"not dispatched within {grace:g}s of its due time (is beat running?)"
+        if store.run_record(entry.name, period, status=MISSED, now=current, reason=reason):
+            findings.missed.append((entry.name, period))
+            report(app, entry, period, kind="missed", reason=reason)
+    for run in store.run_list(entry.name, statuses=(DISPATCHED, RUNNING), limit=500):
+        if run.status == DISPATCHED and current - run.period > grace:
+            reason = f"dispatched as {run.task_id} but not started within {grace:g}s (queue backlog or lost message)"
+            if store.run_transition(entry.name, run.period, from_=(DISPATCHED,), to=MISSED, now=current, reason=reason):
+                findings.missed.append((entry.name, run.period))
+                report(app, entry, run.period, kind="missed", reason=reason, task_id=run.task_id)
+        limit = entry.policy.max_runtime
+        if run.status == RUNNING and limit is not None and run.started_at and current - run.started_at > limit:
+            reason = f"running for {current - run.started_at:.0f}s, past max_runtime {limit:g}s"
+            if store.run_transition(entry.name, run.period, from_=(RUNNING,), to=OVERDUE, now=current, reason=reason):
+                findings.overdue.append((entry.name, run.period))
+                report(
+                    app,
+                    entry,
+                    run.period,
+                    kind="overdue",
+                    reason=reason,
+                    task_id=run.task_id,
+                    started_at=moment(run.started_at),
+                )
+
+
+def check_if_my_turn(app: Any, *, owner: str) -> Findings | None:
+    """Check unless another process checked within the last ``watchdog_interval``; None when it did."""
+    interval = app_value(app, "watchdog_interval")
+    claim = get_store(app).claim(LOCK_KEY, owner=owner, now=time.time(), lease=interval * 0.9, retention=interval)
+    if claim.state != ACQUIRED:
+        return None
+    return check(app)
+
+
+class WatchdogStep(bootsteps.StartStopStep):  # type: ignore[misc]
+    """Worker bootstep: a daemon thread that runs the watchdog (and due alert summaries) every interval."""
+
+    label = "Guardrails watchdog"
+
+    def __init__(self, parent: Any, **kwargs: Any) -> None:
+        self.stopping = threading.Event()
+        self.thread: threading.Thread | None = None
+        super().__init__(parent, **kwargs)
+
+    def start(self, parent: Any) -> None:
+        app = parent.app
+        if not app_value(app, "watchdog"):
+            return
+        owner = f"{getattr(parent, 'hostname', None) or socket.gethostname()}:{os.getpid()}"
+        self.thread = threading.Thread(target=self._loop, args=(app, owner), name="guardrails-watchdog", daemon=True)
+        self.thread.start()
+
+    def _loop(self, app: Any, owner: str) -> None:
+        interval = app_value(app, "watchdog_interval")
+        while not self.stopping.wait(interval):
+            self.tick(app, owner)
+
+    def tick(self, app: Any, owner: str) -> None:
+        from celery_guardrails.alerts import flush_alert_summaries
+
+        try:
+            flush_alert_summaries(app)
+            if app_value(app, "schedules"):
+                check_if_my_turn(app, owner=owner)
+        except Exception:  # the watchdog must never take the worker down
+            logger.exception("Watchdog check failed")
+        finally:
+            close = getattr(get_store(app), "close_thread", None)
+            if close is not None:
+                close()  # Django store: no connection held open between checks
+
+    def stop(self, parent: Any) -> None:
+        self.stopping.set()
+
+    def shutdown(self, parent: Any) -> None:
+        self.stopping.set()

@@ -1,0 +1,38 @@
+"""``manage.py guardrails_watchdog``: check scheduled runs against the ledger (cron, Kubernetes CronJob).
+
+The same check the workers' watchdog runs (see :mod:`celery_guardrails.watchdog`): periods not dispatched
+or not started within their grace are recorded missed, runs past max_runtime overdue, and each is alerted
+once. Safe to run next to the workers' watchdog: each finding is recorded (and alerted) once.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from celery import current_app
+from django.core.management.base import BaseCommand, CommandParser
+
+from celery_guardrails.beat import moment
+from celery_guardrails.watchdog import check
+
+
+class Command(BaseCommand):
+    help = "Record and alert missed and overdue scheduled runs (the watchdog, once or every --loop seconds)."
+
+    def add_arguments(self, parser: CommandParser) -> None:
+        parser.add_argument(
+            "--loop", type=float, default=None, metavar="SECONDS", help="Check again every SECONDS until stopped."
+        )
+
+    def handle(self, *args: Any, loop: float | None, **options: Any) -> None:
+        app = current_app._get_current_object()
+        while True:
+            findings = check(app)
+            for kind, found in (("missed", findings.missed), ("overdue", findings.overdue)):
+                for schedule, period in found:
+                    self.stdout.write(f"{kind}: {schedule} {moment(period):%Y-%m-%d %H:%M:%S}Z")
+            self.stdout.write(f"Recorded {len(findings.missed)} missed and {len(findings.overdue)} overdue run(s).")
+            if loop is None:
+                return
+            time.sleep(loop)

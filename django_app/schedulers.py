@@ -1,0 +1,55 @@
+"""django-celery-beat with the schedule guardrails.
+
+Run beat with ``-S django_celery_guardrails.schedulers:GuardedDatabaseScheduler``: ``PeriodicTask`` rows
+whose name has a policy in ``CELERY_GUARDRAILS["schedules"]`` are dispatched through the run ledger (see
+:mod:`celery_guardrails.beat`); every other row is left to django-celery-beat as it is. A row's crontab
+time zone is used when its policy states none.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+from celery import current_app
+from django_celery_beat.models import PeriodicTask
+from django_celery_beat.schedulers import DatabaseScheduler, ModelEntry
+
+from celery_guardrails.beat import Entry, GuardedSchedulerMixin, build_entries
+from celery_guardrails.options import app_value
+
+
+class Unparsable:
+    """Stands for the schedule of a row that cannot be read (a crontab field out of range)."""
+
+    def __init__(self, error: str) -> None:
+        self.error = error
+
+
+def periodic_tasks(app: Any = None, *, names: Iterable[str]) -> tuple[dict[str, Any], set[str]]:
+    """Rows named ``names``: (the enabled ones as beat entries, by name; the names of all, disabled included).
+
+    A row whose schedule cannot be read is kept, standing for its error (django-celery-beat itself skips
+    it with a log line, so a guarded entry would silently never run).
+    """
+    entries: dict[str, Any] = {}
+    found = set()
+    for row in PeriodicTask.objects.filter(name__in=list(names)):
+        found.add(row.name)
+        if not row.enabled:
+            continue
+        try:
+            entries[row.name] = ModelEntry(row, app=app or current_app)
+        except (ValueError, TypeError) as exc:
+            entries[row.name] = {"task": row.task, "schedule": Unparsable(f"its schedule does not parse: {exc}")}
+    return entries, found
+
+
+class GuardedDatabaseScheduler(GuardedSchedulerMixin, DatabaseScheduler):  # type: ignore[misc]
+    """django-celery-beat's DatabaseScheduler with the schedule guardrails."""
+
+    def guarded_entries(self) -> dict[str, Entry]:
+        # Straight from the rows with a policy (one query a tick), not from self.schedule: a row
+        # django-celery-beat cannot read is missing there, and must stop beat instead.
+        rows, names = periodic_tasks(self.app, names=app_value(self.app, "schedules"))
+        return build_entries(self.app, rows, known=names, warned=self._guardrails_warned)

@@ -1,0 +1,110 @@
+"""django-celery-beat rows with a policy, dispatched by a real ``celery beat`` running the guarded
+DatabaseScheduler against the test database, and the ``guardrails_watchdog`` command."""
+
+from __future__ import annotations
+
+import json
+import uuid
+from io import StringIO
+from pathlib import Path
+from typing import Any
+
+import pytest
+from django.core.management import call_command
+from django_celery_beat.models import CrontabSchedule, IntervalSchedule, PeriodicTask
+
+from celery_guardrails.ledger import MISSED, OK
+from tests.conftest import Sink
+from tests.support.scheduling import Rig
+from tests.support.services import require
+from tests.support.workers import proj_env
+
+pytestmark = pytest.mark.django_db(transaction=True)
+TASK = "tests.proj.tasks.scheduled_job"
+SCHEDULER = "django_celery_guardrails.schedulers:GuardedDatabaseScheduler"
+
+
+def database_rig(tmp_path: Path, policies: dict[str, Any]) -> Rig:
+    rig = Rig(tmp_path, entries={}, policies=policies)
+    # The beat and worker subprocesses run with the test Django settings, on this test's database.
+    rig.env.update(proj_env(queue=rig.queue, django=True))
+    return rig
+
+
+def periodic_task(name: str, sink: Sink, **schedule: Any) -> PeriodicTask:
+    return PeriodicTask.objects.create(name=name, task=TASK, kwargs=json.dumps({"sink": sink.key}), **schedule)
+
+
+def test_periodic_task_rows_with_a_policy_run_once_per_period(tmp_path: Path, sink: Sink) -> None:
+    require("redis")
+    name = f"db every 10s {uuid.uuid4().hex[:6]}"
+    # Given a django-celery-beat row every 10 (clock) seconds, with a policy, and a plain row without one
+    every = IntervalSchedule.objects.create(every=10, period=IntervalSchedule.SECONDS)
+    periodic_task(name, sink, interval=every)
+    rig = database_rig(tmp_path, {name: {"grace": 30}})
+    try:
+        rig.worker()
+        # When two guarded database schedulers run side by side
+        rig.beat(name="beat-one", scheduler=SCHEDULER)
+        rig.beat(name="beat-two", scheduler=SCHEDULER)
+        rig.wait("6 ok periods", lambda: len([r for r in rig.runs(name) if r.status == OK]) >= 6, timeout=60)
+    finally:
+        rig.stop()
+    # Then each period ran once, through the ledger, in order
+    periods = [item["period"] for item in sink.items()]
+    assert len(periods) == len(set(periods)) >= 6
+    assert periods == sorted(periods)
+    assert {item["period_key"].split("@")[0] for item in sink.items()} == {name.replace(" ", "%20")}
+
+
+def test_a_policy_for_a_row_whose_crontab_does_not_parse_stops_beat(tmp_path: Path, sink: Sink) -> None:
+    require("redis")
+    name = f"broken {uuid.uuid4().hex[:6]}"
+    # Given a row whose crontab was saved with a minute out of range (the admin would refuse it; SQL did not)
+    broken = CrontabSchedule.objects.create(minute="75", hour="*", timezone="Europe/Berlin")
+    periodic_task(name, sink, crontab=broken)
+    rig = database_rig(tmp_path, {name: {"grace": 30}})
+    # When beat starts, Then it exits with an error naming the entry
+    beat = rig.beat(scheduler=SCHEDULER)
+    try:
+        assert beat.wait(timeout=60) != 0
+    finally:
+        rig.stop()
+    assert f"beat entry {name!r}" in beat.log
+    assert "does not parse" in beat.log
+
+
+def test_the_watchdog_command_records_missed_runs_of_rows(settings: Any, sink: Sink) -> None:
+    require("redis")
+    from celery import current_app
+
+    name = f"db nightly {uuid.uuid4().hex[:6]}"
+    # Given a row every minute with a policy, whose last period ran an hour ago
+    every = IntervalSchedule.objects.create(every=60, period=IntervalSchedule.SECONDS)
+    periodic_task(name, sink, interval=every)
+    app = current_app._get_current_object()
+    before = app.conf.guardrails
+    app.conf.guardrails = {**(before or {}), "schedules": {name: {"grace": 60}}, "alert_channels": ["log"]}
+    try:
+        _watch(app, name)
+    finally:
+        app.conf.guardrails = before
+
+
+def _watch(app: Any, name: str) -> None:
+    from celery_guardrails.stores import get_store
+
+    store = get_store(app)
+    import time
+
+    last = (time.time() // 60 - 60) * 60
+    store.run_dispatch(name, last, task_id="t", now=last)
+    store.run_finish(name, last, status=OK, now=last + 1)
+    # When the command runs
+    out = StringIO()
+    call_command("guardrails_watchdog", stdout=out)
+    # Then every minute since, but the last one (within grace), is recorded missed and printed
+    missed = [r for r in store.run_list(name, limit=100) if r.status == MISSED]
+    assert 58 <= len(missed) <= 59
+    assert out.getvalue().count("missed: ") == len(missed)
+    assert f"Recorded {len(missed)} missed and 0 overdue run(s)." in out.getvalue()
