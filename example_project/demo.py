@@ -17,9 +17,11 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 VAR = Path(os.environ.get("EXAMPLE_VAR_DIR", ROOT / "example_project" / "var"))
+CLOCK_SPEED = 20
 
 
 def redis_answers() -> bool:
@@ -40,12 +42,16 @@ def configure() -> str:
             "DJANGO_SETTINGS_MODULE": "example_project.settings",
             "EXAMPLE_QUEUE": f"demo-{os.getpid()}",
             "EXAMPLE_SQLITE_PATH": str(VAR / "db.sqlite3"),
+            # Scheduled work at 20x speed (a minute in 3 s; see celery_guardrails.beat.accelerated_clock),
+            # the watchdog looking every second.
+            "GUARDRAILS_CLOCK": f"{time.time()}:{CLOCK_SPEED}",
+            "EXAMPLE_WATCHDOG_INTERVAL": "1",
         }
     )
     if os.environ.get("DEMO_BROKER") != "filesystem" and redis_answers():
         os.environ["EXAMPLE_BROKER_URL"] = os.environ["EXAMPLE_RESULT_BACKEND"] = "redis://127.0.0.1:6379/14"
         return "Redis on 127.0.0.1:6379 (db 14)"
-    folders = {name: VAR / "broker" / name for name in ("messages", "processed", "results")}
+    folders = {name: VAR / "broker" / name for name in ("messages", "processed", "results", "control")}
     for folder in folders.values():
         folder.mkdir(parents=True, exist_ok=True)
     os.environ["EXAMPLE_BROKER_URL"] = "filesystem://"
@@ -55,6 +61,8 @@ def configure() -> str:
             "data_folder_out": str(folders["messages"]),
             "processed_folder": str(folders["processed"]),
             "store_processed": False,
+            # Fanout exchanges (beat's and the worker's broadcasts): here, not in a "control" folder of the cwd.
+            "control_folder": str(folders["control"]),
         }
     )
     os.environ["EXAMPLE_RESULT_BACKEND"] = f"file://{folders['results']}"
@@ -95,6 +103,30 @@ def start_worker(log_path: Path) -> subprocess.Popen[bytes]:
             raise SystemExit(f"the worker did not start:\n{log_path.read_text(errors='replace')}")
         time.sleep(0.2)
     return worker
+
+
+def start_beat(log_path: Path) -> subprocess.Popen[bytes]:
+    """``celery beat`` with the guarded django-celery-beat scheduler."""
+    scheduler = "django_celery_guardrails.schedulers:GuardedDatabaseScheduler"
+    with log_path.open("wb") as log:
+        beat = subprocess.Popen(
+            [sys.executable, "-m", "celery", "-A", "example_project", "beat", "-S", scheduler, "-l", "INFO"],
+            cwd=ROOT,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+    return beat
+
+
+def wait_for(what: str, probe: Any, timeout: float = 60) -> Any:
+    deadline = time.monotonic() + timeout
+    while not (found := probe()):
+        if time.monotonic() > deadline:
+            raise SystemExit(f"the demo waited {timeout}s for {what}")
+        time.sleep(0.2)
+    return found
 
 
 def stop(worker: subprocess.Popen[bytes]) -> None:
@@ -236,6 +268,8 @@ def main() -> None:
             f"   fixed and replayed as {new_task_id}: charged {recharged['charge']}; dead letter status {record.status}"
         )
 
+        scheduled_work(app, log_path)
+
         print("\n-- the worker's log lines for request demo-req-42 (tenant and correlation id on each line)")
         for line in log_path.read_text(errors="replace").splitlines():
             if "demo-req-42" in line:
@@ -244,6 +278,59 @@ def main() -> None:
         stop(worker)
         provider.__exit__()
         print(f"\n== worker stopped (exit code {worker.returncode})")
+
+
+def scheduled_work(app: Any, worker_log: Path) -> None:
+    from celery_guardrails.beat import moment
+    from celery_guardrails.ledger import MISSED, OK
+    from celery_guardrails.stores import get_store
+
+    name = "settle-payments"
+    print(f"\n-- 8. scheduled work: {name!r} every minute, Europe/Berlin, overlap skip, catch_up latest, since=True")
+    print(f"   (the demo's clock runs {CLOCK_SPEED}x faster: a minute passes in {60 / CLOCK_SPEED:g} s)")
+    store = get_store(app)
+    beat_log = VAR / "demo-beat.log"
+    beat = start_beat(beat_log)
+    try:
+        first = wait_for("a settlement", lambda: [r for r in store.run_list(name) if r.status == OK])[-1]
+    finally:
+        stop(beat)
+    settled = app.AsyncResult(first.task_id).get(timeout=30)
+    print(f"   beat dispatched period {moment(first.period):%H:%M}Z; it ran ok, since={settled['since']}")
+    print("   beat stopped")
+
+    def missed_runs() -> list[Any]:
+        runs = store.run_list(name, statuses=(MISSED,))  # newest first
+        return runs if len(runs) >= 2 else []
+
+    missed = wait_for("two missed periods", missed_runs)
+
+    def alert_lines() -> list[str]:
+        lines = [line for line in worker_log.read_text(errors="replace").splitlines() if "ALERT" in line]
+        found = [line for line in lines if name in line]
+        return found if len(found) >= len(missed) else []
+
+    alerts = wait_for("the alerts", alert_lines)
+    for run in reversed(missed):
+        print(f"   watchdog (in the worker): period {moment(run.period):%H:%M}Z {run.status}: {run.reason}")
+    for line in alerts:
+        print(f"   alert{line.split('ALERT', 1)[1][:90]}")
+    beat = start_beat(beat_log)
+    try:
+        caught = wait_for(
+            "the catch-up",
+            lambda: [r for r in store.run_list(name) if r.status == OK and r.period >= missed[0].period],
+        )[-1]
+    finally:
+        stop(beat)
+    result = app.AsyncResult(caught.task_id).get(timeout=30)
+    late = [r for r in store.run_list(name) if first.period < r.period <= caught.period]
+    print(
+        f"   beat restarted: caught up the latest missed period, {moment(caught.period):%H:%M}Z, once "
+        f"(since={result['since']}, the end of the last settlement, read from the run ledger)"
+    )
+    for run in reversed(late):
+        print(f"   ledger: {moment(run.period):%H:%M}Z {run.status}")
 
 
 if __name__ == "__main__":

@@ -5,6 +5,8 @@ import os
 from pathlib import Path
 from typing import Any
 
+from celery.schedules import crontab
+
 BASE_DIR = Path(__file__).resolve().parent
 VAR_DIR = Path(os.environ.get("EXAMPLE_VAR_DIR", BASE_DIR / "var"))
 
@@ -54,6 +56,8 @@ DATABASES: dict[str, dict[str, Any]] = {
     "default": {
         "ENGINE": "django.db.backends.sqlite3",
         "NAME": os.environ.get("EXAMPLE_SQLITE_PATH", str(VAR_DIR / "db.sqlite3")),
+        # Web, worker and beat write to one SQLite file: writers wait for the lock instead of failing.
+        "OPTIONS": {"transaction_mode": "IMMEDIATE", "timeout": 20},
     }
 }
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
@@ -73,9 +77,32 @@ CELERY_WORKER_HIJACK_ROOT_LOGGER = False
 # The external payments provider (the demo starts a flaky stand-in and points this at it).
 PAYMENTS_URL = os.environ.get("EXAMPLE_PAYMENTS_URL", "http://127.0.0.1:8765")
 
-CELERY_GUARDRAILS = {
-    "tenant_resolver": "example_project.shop.tenants.tenant_from_header",
+# Scheduled work: run beat with -S django_celery_guardrails.schedulers:GuardedDatabaseScheduler.
+CELERY_BEAT_SCHEDULE = {
+    "settle-payments": {"task": "example_project.shop.tasks.settle_payments", "schedule": crontab(minute="*")},
 }
+
+CELERY_GUARDRAILS: dict[str, Any] = {
+    "tenant_resolver": "example_project.shop.tenants.tenant_from_header",
+    "schedules": {
+        # Every minute, Berlin time; never two settlements at once; after beat downtime settle once for all
+        # the missed minutes, from the end of the last successful settlement (read from the run ledger).
+        "settle-payments": {
+            "timezone": "Europe/Berlin",
+            "overlap": "skip",
+            "catch_up": "latest",
+            "grace": 30,
+            "max_runtime": 300,
+            "since": True,
+            "owner": "payments",
+        },
+    },
+}
+# The demo runs a minute in a few seconds (see celery_guardrails.beat.accelerated_clock) and checks often.
+if os.environ.get("GUARDRAILS_CLOCK"):
+    CELERY_GUARDRAILS["clock"] = "celery_guardrails.beat.accelerated_clock"
+if os.environ.get("EXAMPLE_WATCHDOG_INTERVAL"):
+    CELERY_GUARDRAILS["watchdog_interval"] = float(os.environ["EXAMPLE_WATCHDOG_INTERVAL"])
 
 LOGGING = {
     "version": 1,

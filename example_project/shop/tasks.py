@@ -1,6 +1,7 @@
 """The shop's background work, every task guarded."""
 
 import logging
+from datetime import datetime
 from typing import Any
 
 from celery import shared_task
@@ -54,4 +55,16 @@ def charge_order(self: GuardedTask, order_id: int, amount_cents: int) -> dict[st
         "charge": charge["id"],
         "attempt": self.request.attempt,
         "history": self.request.attempt_history,
+    }
+
+
+# Scheduled every minute by beat (CELERY_BEAT_SCHEDULE) with the policy in CELERY_GUARDRAILS["schedules"]:
+# the period key is its idempotency key, and since=True hands it the end of the last successful period.
+@shared_task(base=GuardedTask, bind=True, owner="payments")
+def settle_payments(self: GuardedTask, since: datetime | None = None) -> dict[str, Any]:
+    """Settle the payments captured from ``since`` (the last settlement) to this period's due time."""
+    logger.info("Settling payments from %s to %s", since, self.request.period)
+    return {
+        "period": self.request.period.isoformat() if self.request.period else None,
+        "since": since.isoformat() if since else None,
     }

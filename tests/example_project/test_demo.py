@@ -44,4 +44,10 @@ def test_demo_prints_the_context_seen_inside_the_worker(tmp_path: Path) -> None:
     assert "reason permanent, owner payments, tenant acme, status open" in out
     assert "admin: http://127.0.0.1:8000/admin/guardrails/deadletter/" in out
     assert "charged ch_3; dead letter status replayed" in out
+    assert "8. scheduled work: 'settle-payments' every minute, Europe/Berlin" in out
+    assert "it ran ok, since=None" in out
+    assert out.count("missed: not dispatched within 30s of its due time") == 2
+    assert out.count("alert for payments: Run missed: settle-payments at") == 2
+    assert "beat restarted: caught up the latest missed period" in out
+    assert "the end of the last settlement, read from the run ledger" in out
     assert "== worker stopped (exit code 0)" in out
