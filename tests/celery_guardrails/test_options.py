@@ -90,6 +90,26 @@ def test_settings_are_revalidated_when_replaced() -> None:
             {"GUARDRAILS_TEST_GUARDRAILS": json.dumps({"tenant_required": 1})},
             "setting 'tenant_required': must be True or False",
         ),
+        (
+            {"GUARDRAILS_TEST_GUARDRAILS": json.dumps({"schedules": {"nightly": {"timezone": "Mars/Olympus"}}})},
+            "setting 'schedules': entry 'nightly', timezone: unknown time zone 'Mars/Olympus'",
+        ),
+        (
+            {
+                "GUARDRAILS_TEST_GUARDRAILS": json.dumps({"schedules": {"nightly": {"grace": 30}}}),
+                "GUARDRAILS_TEST_BEAT": json.dumps({"hourly": {"task": "tests.proj.tasks.observe", "schedule": 60}}),
+            },
+            "setting 'schedules': policy for 'nightly', but there is no such beat entry or PeriodicTask (known: hourly)",
+        ),
+        (
+            {
+                "GUARDRAILS_TEST_GUARDRAILS": json.dumps({"schedules": {"nightly": {"grace": 30}}}),
+                "GUARDRAILS_TEST_BEAT": json.dumps(
+                    {"nightly": {"task": "tests.proj.tasks.observe", "schedule": "0 25 * * *"}}
+                ),
+            },
+            "setting 'schedules': beat entry 'nightly': bad crontab string '0 25 * * *': hour field '25'",
+        ),
     ],
 )
 def test_worker_refuses_to_start_on_a_bad_setting(

@@ -115,3 +115,24 @@ def test_the_period_key_makes_a_rerun_of_the_same_period_a_duplicate(
     time.sleep(0.5)
     assert len(sink.items()) == 1
     assert rig.runs(name)[0] == first
+
+
+def test_overlap_allow_runs_both(tmp_path: Path, rigs: list[Rig], sink: Sink) -> None:
+    name = f"allowed-{uuid.uuid4().hex[:6]}"
+    rig = Rig(
+        tmp_path,
+        entries={name: {"task": TASK, "schedule": PERIOD, "kwargs": {"sink": sink.key, "hold": 2.5}}},
+        policies={name: {"overlap": "allow", "grace": 30}},
+    )
+    rigs.append(rig)
+    # Given the same slow task with overlap="allow", and a worker that can run four at once
+    rig.worker(concurrency=4)
+    beat = rig.beat()
+    # When beat dispatches six periods
+    rig.wait("6 dispatched periods", lambda: len(rig.runs(name)) >= 6, timeout=60)
+    beat.stop()
+    rig.wait("every period ran", lambda: all(r.status == OK for r in rig.runs(name)), timeout=30)
+    # Then every period ran, and runs did overlap
+    items = sink.items()
+    assert sorted(item["period"] for item in items) == [r.period for r in rig.runs(name)]
+    assert overlapping(items)
