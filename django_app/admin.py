@@ -1,4 +1,5 @@
-"""Django admin for dead letters: inspect, replay, discard, resolve.
+"""Django admin: dead letters (inspect, replay, discard, resolve) and the run ledger (read only, with the
+schedule-health page, see :mod:`django_celery_guardrails.health`).
 
 Every action that changes records checks its own permission (``guardrails.replay_deadletter``,
 ``discard_deadletter``, ``resolve_deadletter``; 403 without it), asks for confirmation first, writes one
@@ -9,6 +10,7 @@ directly. "Select all N" in the change list applies an action to everything the 
 
 from __future__ import annotations
 
+from datetime import timedelta
 from typing import Any
 
 from django.contrib import admin, messages
@@ -24,8 +26,13 @@ from django.urls import path, reverse
 from django.utils import timezone
 from django.utils.functional import cached_property
 from django.utils.html import format_html, format_html_join
+from django.utils.http import urlencode
 
-from .models import DeadLetter, DependencyState, IdempotencyKey
+from celery_guardrails.exceptions import ConfigurationError
+from celery_guardrails.stores import store_url
+
+from . import health
+from .models import DeadLetter, DependencyState, IdempotencyKey, ScheduledRun
 from .replay import replay_dead_letters
 
 
@@ -219,3 +226,73 @@ class IdempotencyKeyAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
 class DependencyStateAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
     list_display = ("dependency", "circuit", "failures", "retries_current", "first_current", "updated_at")
     readonly_fields = [f.name for f in DependencyState._meta.fields]
+
+
+@admin.register(ScheduledRun)
+class ScheduledRunAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
+    """The run ledger, to look at only: records are written by beat, workers and the watchdog, and a changed or
+    deleted record would let a period be dispatched twice (or hide that it was missed)."""
+
+    list_display = (
+        "schedule",
+        "period",
+        "status",
+        "task_id",
+        "dispatched_at",
+        "started_at",
+        "finished_at",
+        "run_duration",
+    )
+    list_filter = ("status", "schedule", ("period", admin.DateFieldListFilter))
+    search_fields = ("=task_id", "schedule")
+    date_hierarchy = "period"
+    readonly_fields = [f.name for f in ScheduledRun._meta.fields]
+    paginator = EstimatedCountPaginator
+    show_full_result_count = False
+    list_per_page = 50
+    change_list_template = "admin/guardrails/scheduledrun/change_list.html"  # adds the "Schedule health" link
+
+    def has_add_permission(self, request: HttpRequest) -> bool:
+        return False
+
+    def has_change_permission(self, request: HttpRequest, obj: ScheduledRun | None = None) -> bool:
+        return False
+
+    def has_delete_permission(self, request: HttpRequest, obj: ScheduledRun | None = None) -> bool:
+        return False
+
+    @admin.display(description="duration")
+    def run_duration(self, obj: ScheduledRun) -> timedelta | None:
+        return obj.duration  # None (not started or not ended) shows as the admin's empty value
+
+    # The schedule-health page (django_celery_guardrails.health), linked from the change list.
+
+    def get_urls(self) -> list[Any]:
+        view = self.admin_site.admin_view(self.health_view)
+        return [path("health/", view, name="guardrails_scheduledrun_health"), *super().get_urls()]
+
+    def health_view(self, request: HttpRequest) -> HttpResponse:
+        if not self.has_view_permission(request):
+            raise PermissionDenied
+        app = health.celery_app()
+        items: list[health.ScheduleHealth] = []
+        error = ""
+        other_store = False
+        try:
+            # The page reads the ledger table: with a Redis store the ledger is elsewhere, and the page says so.
+            other_store = store_url(app) != "django"
+            items = health.schedule_health(app)
+        except ConfigurationError as exc:  # a bad schedules setting: show it, as beat would refuse to start
+            error = str(exc)
+        changelist = reverse("admin:guardrails_scheduledrun_changelist")
+        context = {
+            **self.admin_site.each_context(request),
+            "title": "Schedule health",
+            "opts": self.model._meta,
+            "rows": [(item, f"{changelist}?{urlencode({'schedule': item.schedule})}") for item in items],
+            "states": health.STATES,
+            "window_days": health.DEFAULT_WINDOW.days,
+            "error": error,
+            "other_store": other_store,
+        }
+        return TemplateResponse(request, "admin/guardrails/scheduledrun/health.html", context)

@@ -28,9 +28,9 @@ def prune(*, older_than: float | None = None, now: datetime | None = None, dry_r
         "idempotency_keys": IdempotencyKey.objects.finished_before(moment - timedelta(seconds=keys_age)),
         "processed_messages": ProcessedMessage.objects.processed_before(moment - timedelta(seconds=keys_age)),
         "dead_letters": DeadLetter.objects.closed_before(moment - timedelta(seconds=letters_age)),
-        "scheduled_runs": ScheduledRun.objects.filter(
+        "scheduled_runs": ScheduledRun.objects.superseded().filter(
             period__lt=moment - timedelta(seconds=older_than if older_than is not None else RETENTION)
-        ).exclude(pk__in=ScheduledRun.objects.newest_per_schedule()),
+        ),
     }
     if dry_run:
         return {name: queryset.count() for name, queryset in found.items()}

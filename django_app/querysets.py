@@ -46,7 +46,8 @@ class ScheduledRunQuerySet(models.QuerySet[Any]):
         """Records whose run has not ended: dispatched, running or overdue."""
         return self.filter(status__in=OPEN)
 
-    def newest_per_schedule(self) -> models.QuerySet[Any]:
-        """The primary keys of each schedule's newest record (its horizon)."""
-        newest = self.model.objects.filter(schedule=models.OuterRef("schedule")).order_by("-period").values("pk")[:1]
-        return self.filter(pk=models.Subquery(newest)).values("pk")
+    def superseded(self) -> models.QuerySet[Any]:
+        """Records that are not their schedule's newest (the newest is the schedule's horizon): an index
+        probe on (schedule, period) per record, not a scan."""
+        newer = self.model.objects.filter(schedule=models.OuterRef("schedule"), period__gt=models.OuterRef("period"))
+        return self.filter(models.Exists(newer))

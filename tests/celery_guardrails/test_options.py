@@ -99,7 +99,8 @@ def test_settings_are_revalidated_when_replaced() -> None:
                 "GUARDRAILS_TEST_GUARDRAILS": json.dumps({"schedules": {"nightly": {"grace": 30}}}),
                 "GUARDRAILS_TEST_BEAT": json.dumps({"hourly": {"task": "tests.proj.tasks.observe", "schedule": 60}}),
             },
-            "setting 'schedules': policy for 'nightly', but there is no such beat entry or PeriodicTask (known: hourly)",
+            "setting 'schedules': policy for 'nightly', but there is no such beat entry or PeriodicTask "
+            "(known: hourly)",
         ),
         (
             {

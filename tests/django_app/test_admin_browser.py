@@ -1,7 +1,7 @@
 """The dead-letter admin in a real headless Chromium (Debian's, driven by Playwright; no browser download).
 
-Log in, filter by reason, open a record, replay it through the confirmation page, see its status change.
-Screenshots of each step are kept in test-artifacts/admin/.
+Log in, filter by reason, open a record, replay it through the confirmation page, see its status change; open
+the schedule-health page from the run ledger. Screenshots of each step are kept in test-artifacts/admin/.
 """
 
 from __future__ import annotations
@@ -14,10 +14,12 @@ from typing import Any
 
 import pytest
 from django.contrib.auth.models import User
+from django.db import connection
 
 from celery_guardrails import tenant_context
 from django_celery_guardrails.models import DeadLetter
 from tests.conftest import Sink
+from tests.django_app.test_health import fill_ledger, use_app
 from tests.proj import tasks
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -107,4 +109,36 @@ def test_replay_a_dead_letter_in_the_admin(celery_worker: Any, live_server: Any,
     assert "Replayed 1 dead letter(s)." in page.inner_text("ul.messagelist")
     assert "replayed" in page.inner_text("div.field-status")
     record.refresh_from_db()
+    # Once Playwright's sync API runs, the ORM works on a connection of its own: close it, or PostgreSQL
+    # cannot drop the test database at the end ("being accessed by other users").
+    connection.close()
     assert record.status == "replayed" and record.handled_by == "admin"
+
+
+@pytest.fixture
+def schedules(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Schedules in every state (tests/django_app/test_health.py) and an admin user.
+
+    Written before the browser starts: ORM calls in the test body, once Playwright's sync API runs, got a
+    database connection of their own that nothing closed (PostgreSQL then could not drop the test database)."""
+    use_app(monkeypatch)
+    fill_ledger()
+    User.objects.create_superuser("admin", "admin@example.com", "pw-for-tests")
+
+
+def test_the_schedule_health_page(schedules: None, live_server: Any, browser: Any) -> None:
+    # Given schedules in every state and an admin user
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    page = browser.new_page()
+    # When an operator logs in to the run ledger and follows its "Schedule health" link
+    page.goto(f"{live_server.url}/admin/login/?next=/admin/guardrails/scheduledrun/")
+    page.fill("#id_username", "admin")
+    page.fill("#id_password", "pw-for-tests")
+    page.click("input[type=submit]")
+    page.wait_for_url("**/admin/guardrails/scheduledrun/")
+    page.click("a.health-link")
+    page.wait_for_selector("table#schedule-health")
+    page.screenshot(path=str(ARTIFACTS / "6-schedule-health.png"), full_page=True)
+    # Then each schedule is a row with its state as a word
+    states = page.locator("table#schedule-health tbody .health-state").all_inner_texts()
+    assert states == ["ok", "missed", "failing", "overdue", "running", "never run", "missed", "no policy"]
