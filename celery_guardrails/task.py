@@ -7,6 +7,7 @@ to Celery.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Mapping
 from contextlib import ExitStack
 from typing import Any, ClassVar
@@ -141,7 +142,14 @@ class GuardedTask(Task):  # type: ignore[misc]
 
     def call_options(self) -> Mapping[str, Any]:
         """The per-call guardrail options of the message being executed (empty outside a task run)."""
-        return headers.call_options(headers.from_request(self.request))
+        request = self.request
+        # Every guardrail asks, several times per delivery: read the header once per request.
+        cached = getattr(request, "_guardrails_call", None)
+        if cached is None:
+            cached = headers.call_options(headers.from_request(request))
+            with contextlib.suppress(AttributeError):  # a request object that takes no attributes
+                request._guardrails_call = cached
+        return cached
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         with settings_snapshot(self.app):

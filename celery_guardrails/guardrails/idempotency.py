@@ -134,18 +134,24 @@ class Heartbeats:
         self.lock = threading.Condition()
         self.claims: dict[tuple[str, str], tuple[Store, float, float]] = {}  # (key, owner) -> store, lease, due
         self.pid = 0
+        self.wakes_at = 0.0  # monotonic time the thread wakes up next (0: it is not waiting)
 
     def _ensure_thread(self) -> None:
         if self.pid != os.getpid():  # first use, or a forked pool child: the parent's thread is not here
             self.pid = os.getpid()
             self.claims.clear()
+            self.wakes_at = 0.0
             threading.Thread(target=self._run, name="guardrails-heartbeats", daemon=True).start()
 
     def add(self, store: Store, key: str, owner: str, *, lease: float) -> None:
         with self.lock:
             self._ensure_thread()
-            self.claims[(key, owner)] = (store, lease, time.monotonic() + lease / 3)
-            self.lock.notify()
+            due = time.monotonic() + lease / 3
+            self.claims[(key, owner)] = (store, lease, due)
+            # Wake the thread only when this beat is due before it would wake anyway: with one lease for all
+            # tasks that is only the first claim after a quiet spell, not a thread switch per task.
+            if due < self.wakes_at:
+                self.lock.notify()
 
     def remove(self, key: str, owner: str) -> None:
         with self.lock:
@@ -160,7 +166,9 @@ class Heartbeats:
                     self.claims[(key, owner)] = (store, lease, now + lease / 3)
                 upcoming = min((v[2] for v in self.claims.values()), default=now + 60)
                 if not due:
+                    self.wakes_at = upcoming
                     self.lock.wait(max(0.01, upcoming - now))
+                    self.wakes_at = 0.0
                     continue
             for (key, owner), (store, lease, _) in due:
                 try:
