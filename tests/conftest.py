@@ -189,3 +189,13 @@ def webhook() -> Iterator[tuple[str, list[dict[str, Any]]]]:
     threading.Thread(target=server.serve_forever, daemon=True).start()
     yield f"http://127.0.0.1:{server.server_address[1]}/hooks/dead-letters", received
     server.shutdown()
+
+
+@pytest.fixture
+def rigs() -> Iterator[list[Any]]:
+    """Scheduled-work rigs (tests/support/scheduling.py) a test makes; their processes stop afterwards."""
+    require("redis")
+    made: list[Any] = []
+    yield made
+    for rig in made:
+        rig.stop()

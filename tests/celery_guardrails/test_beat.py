@@ -7,7 +7,6 @@ from __future__ import annotations
 import itertools
 import uuid
 from collections import Counter
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -18,20 +17,10 @@ from celery_guardrails.ledger import MISSED, OK
 from celery_guardrails.options import SchedulePolicy
 from tests.conftest import Sink
 from tests.support.scheduling import Rig
-from tests.support.services import require
 
 MINUTE = 60.0
 GRACE = 20.0  # clock seconds (2 real seconds): beat looks at its entries at least every real second
 TASK = "tests.proj.tasks.scheduled_job"
-
-
-@pytest.fixture
-def rigs() -> Iterator[list[Rig]]:
-    require("redis")
-    made: list[Rig] = []
-    yield made
-    for rig in made:
-        rig.stop()
 
 
 def entry(sink: Sink, schedule: Any = MINUTE, **kwargs: Any) -> dict[str, Any]:

@@ -20,6 +20,22 @@ def test_sanitise_drops_only_the_malformed_fields(caplog: pytest.LogCaptureFixtu
     assert all("t-1" in r.getMessage() for r in caplog.records) and len(caplog.records) == 3
 
 
+@pytest.mark.parametrize(
+    ("sched", "period", "kept"),
+    [
+        ("nightly", 1_800_000_000, {"sched": "nightly", "period": 1_800_000_000}),
+        ("", 1_800_000_000, {"period": 1_800_000_000}),
+        ("x" * 201, 1_800_000_000, {"period": 1_800_000_000}),
+        (["nightly"], "1800000000", {}),
+        ("nightly", -5, {"sched": "nightly"}),
+        ("nightly", True, {"sched": "nightly"}),
+    ],
+)
+def test_a_malformed_schedule_or_period_is_dropped(sched: Any, period: Any, kept: dict[str, Any]) -> None:
+    # A scheduled message with a bad schedule name or period runs as a plain message (no ledger record)
+    assert headers.sanitise({"v": 1, "sched": sched, "period": period}) == {"v": 1, **kept}
+
+
 def test_message_without_header_reads_as_empty() -> None:
     class Request:
         id = "t-2"

@@ -1,4 +1,4 @@
-"""Scheduled runs on a real worker: overlap policies, the period key as idempotency key, bad headers.
+"""Scheduled runs on a real worker: the overlap policies, and the period key as idempotency key.
 Real ``celery beat`` (guarded scheduler) and ``celery worker`` processes on a fast clock (see tests/support)."""
 
 from __future__ import annotations
@@ -6,28 +6,15 @@ from __future__ import annotations
 import itertools
 import time
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
-
-import pytest
 
 from celery_guardrails.ledger import OK, SKIPPED_OVERLAP, period_key
 from tests.conftest import Sink
 from tests.support.scheduling import Rig
-from tests.support.services import require
 
 TASK = "tests.proj.tasks.scheduled_job"
 PERIOD = 10.0  # clock seconds: one real second at speed 10
-
-
-@pytest.fixture
-def rigs() -> Iterator[list[Rig]]:
-    require("redis")
-    made: list[Rig] = []
-    yield made
-    for rig in made:
-        rig.stop()
 
 
 def overlapping(items: list[dict[str, Any]]) -> list[tuple[float, float]]:
@@ -36,20 +23,30 @@ def overlapping(items: list[dict[str, Any]]) -> list[tuple[float, float]]:
     return [(a[0], b[0]) for a, b in itertools.pairwise(spans) if b[0] < a[1]]
 
 
-def test_overlap_skip_never_runs_two_at_once(tmp_path: Path, rigs: list[Rig], sink: Sink) -> None:
-    name = f"slow-{uuid.uuid4().hex[:6]}"
+def slow_schedule(
+    tmp_path: Path, rigs: list[Rig], sink: Sink, *, overlap: str, hold: float, periods: int, **settings: Any
+) -> tuple[Rig, str]:
+    """A task that holds ``hold`` real seconds, every PERIOD, with ``overlap``, on a worker that could run four
+    at once; beat stopped once it has handled ``periods`` periods. (rig, entry name)"""
+    name = f"{overlap}-{uuid.uuid4().hex[:6]}"
     rig = Rig(
         tmp_path,
-        entries={name: {"task": TASK, "schedule": PERIOD, "kwargs": {"sink": sink.key, "hold": 2.5}}},
-        policies={name: {"overlap": "skip", "grace": 30}},
+        entries={name: {"task": TASK, "schedule": PERIOD, "kwargs": {"sink": sink.key, "hold": hold}}},
+        policies={name: {"overlap": overlap, "grace": 60}},
+        settings=settings,
     )
     rigs.append(rig)
-    # Given a task slower than its period (2.5 periods) and a worker that could run four at once
     rig.worker(concurrency=4)
     beat = rig.beat()
-    # When beat dispatches a dozen periods
-    rig.wait("12 handled periods", lambda: len(rig.runs(name)) >= 12, timeout=60)
+    rig.wait(f"{periods} handled periods", lambda: len(rig.runs(name)) >= periods, timeout=60)
     beat.stop()
+    return rig, name
+
+
+def test_overlap_skip_never_runs_two_at_once(tmp_path: Path, rigs: list[Rig], sink: Sink) -> None:
+    # Given a task slower than its period (2.5 periods) and a worker that could run four at once
+    # When beat dispatches a dozen periods
+    rig, name = slow_schedule(tmp_path, rigs, sink, overlap="skip", hold=2.5, periods=12)
     rig.wait("every run finished", lambda: all(r.status in (OK, SKIPPED_OVERLAP) for r in rig.runs(name)), timeout=30)
     # Then the periods that came while one ran are recorded skipped_overlap and did not run the body,
     # and no two runs were ever under way at the same time
@@ -64,20 +61,11 @@ def test_overlap_skip_never_runs_two_at_once(tmp_path: Path, rigs: list[Rig], si
 
 
 def test_overlap_queue_waits_for_the_previous_run(tmp_path: Path, rigs: list[Rig], sink: Sink) -> None:
-    name = f"queued-{uuid.uuid4().hex[:6]}"
-    rig = Rig(
-        tmp_path,
-        entries={name: {"task": TASK, "schedule": PERIOD, "kwargs": {"sink": sink.key, "hold": 1.6}}},
-        policies={name: {"overlap": "queue", "grace": 60}},
-        settings={"retry_later_delay": 0.3, "retry_later_max": 50},
-    )
-    rigs.append(rig)
     # Given a task a little slower than its period and a worker that could run four at once
-    rig.worker(concurrency=4)
-    beat = rig.beat()
     # When beat dispatches five periods
-    rig.wait("5 dispatched periods", lambda: len(rig.runs(name)) >= 5, timeout=60)
-    beat.stop()
+    rig, name = slow_schedule(
+        tmp_path, rigs, sink, overlap="queue", hold=1.6, periods=5, retry_later_delay=0.3, retry_later_max=50
+    )
     # Then every period runs, none is skipped, and never two at once
     rig.wait("every period ran", lambda: all(r.status == OK for r in rig.runs(name)), timeout=60)
     items = sink.items()
@@ -118,19 +106,9 @@ def test_the_period_key_makes_a_rerun_of_the_same_period_a_duplicate(
 
 
 def test_overlap_allow_runs_both(tmp_path: Path, rigs: list[Rig], sink: Sink) -> None:
-    name = f"allowed-{uuid.uuid4().hex[:6]}"
-    rig = Rig(
-        tmp_path,
-        entries={name: {"task": TASK, "schedule": PERIOD, "kwargs": {"sink": sink.key, "hold": 2.5}}},
-        policies={name: {"overlap": "allow", "grace": 30}},
-    )
-    rigs.append(rig)
     # Given the same slow task with overlap="allow", and a worker that can run four at once
-    rig.worker(concurrency=4)
-    beat = rig.beat()
     # When beat dispatches six periods
-    rig.wait("6 dispatched periods", lambda: len(rig.runs(name)) >= 6, timeout=60)
-    beat.stop()
+    rig, name = slow_schedule(tmp_path, rigs, sink, overlap="allow", hold=2.5, periods=6)
     rig.wait("every period ran", lambda: all(r.status == OK for r in rig.runs(name)), timeout=30)
     # Then every period ran, and runs did overlap
     items = sink.items()

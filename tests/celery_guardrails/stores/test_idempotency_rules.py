@@ -11,31 +11,10 @@ from typing import Any
 
 import pytest
 
-from celery_guardrails.stores.redis import RedisStore
-from tests.support.services import REDIS_URL, require
+from tests.support.stores import make_store
 
 pytestmark = pytest.mark.django_db(transaction=True)
 T0 = 1_800_000_000.0
-
-
-def make_store(kind: str) -> Any:
-    if kind == "redis":
-        return RedisStore(REDIS_URL)
-    from django_celery_guardrails.store import DjangoStore
-
-    return DjangoStore()
-
-
-@pytest.fixture(params=["redis", "django"])
-def kind(request: pytest.FixtureRequest) -> str:
-    if request.param == "redis":
-        require("redis")
-    return str(request.param)
-
-
-@pytest.fixture
-def store(kind: str) -> Any:
-    return make_store(kind)
 
 
 @pytest.fixture

@@ -29,33 +29,13 @@ from celery_guardrails.ledger import (
     SKIPPED_OVERLAP,
     Run,
 )
-from celery_guardrails.stores.redis import RedisStore
-from tests.support.services import REDIS_URL, require
+from tests.support.services import REDIS_URL
+from tests.support.stores import make_store
 
 # The race test forks processes that use the Django store: committed transactions, a real test database.
 pytestmark = pytest.mark.django_db(transaction=True)
 T0 = 1_800_000_000.0
 MINUTE = 60.0
-
-
-def make_store(kind: str) -> Any:
-    if kind == "redis":
-        return RedisStore(REDIS_URL)
-    from django_celery_guardrails.store import DjangoStore
-
-    return DjangoStore()
-
-
-@pytest.fixture(params=["redis", "django"])
-def kind(request: pytest.FixtureRequest) -> str:
-    if request.param == "redis":
-        require("redis")
-    return str(request.param)
-
-
-@pytest.fixture
-def store(kind: str) -> Any:
-    return make_store(kind)
 
 
 def _forget(kind: str, name: str) -> None:
