@@ -125,3 +125,20 @@ def _forget_lock(app: Any) -> None:
         from django_celery_guardrails.models import IdempotencyKey
 
         IdempotencyKey.objects.filter(key=LOCK_KEY).delete()
+
+
+def test_the_watchdog_thread_ends_with_its_worker(celery_app: Any) -> None:
+    import threading
+
+    from celery.contrib.testing.worker import start_worker
+
+    def watchdogs() -> int:
+        return sum(thread.name == "guardrails-watchdog" and thread.is_alive() for thread in threading.enumerate())
+
+    before = watchdogs()
+    # Given a worker started in this process (as tests and embedding projects do), When it stops, Then its
+    # watchdog thread is gone: stale threads would go on checking and flushing for an app nobody uses
+    for _ in range(2):
+        with start_worker(celery_app, pool="solo", perform_ping_check=False):
+            assert watchdogs() == before + 1
+        assert watchdogs() == before
