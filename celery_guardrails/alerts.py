@@ -107,6 +107,10 @@ def send(
 
 
 def _mail(app: Any, owner: str | None, subject: str, payload: dict[str, Any]) -> None:
+    if not _django_configured():
+        # The default channels include mail; a deployment without Django has nothing to send it with.
+        logger.warning("No Django settings: alert '%s' not mailed (remove 'mail' from alert_channels)", subject)
+        return
     from django.conf import settings
     from django.core.mail import send_mail
 
@@ -121,6 +125,14 @@ def _mail(app: Any, owner: str | None, subject: str, payload: dict[str, Any]) ->
         getattr(settings, "SERVER_EMAIL", None),
         recipients,
     )
+
+
+def _django_configured() -> bool:
+    try:
+        from django.conf import settings
+    except ImportError:
+        return False
+    return bool(settings.configured)
 
 
 def _post(url: str, payload: dict[str, Any], *, timeout: float) -> None:
