@@ -324,6 +324,9 @@ class GuardedSchedulerMixin:
     def guarded_entries(self) -> dict[str, Entry]:
         return build_entries(self.app, self.schedule, known=self.known_entry_names(), warned=self._guardrails_warned)
 
+    def dispatched(self, entry: Entry, period: float, task_id: str) -> None:
+        """Called after this scheduler dispatched a period (a hook for the scheduler's own bookkeeping)."""
+
     def populate_heap(self, *args: Any, **kwargs: Any) -> None:
         super().populate_heap(*args, **kwargs)  # type: ignore[misc]
         # Guarded entries are dispatched by tick_guarded, never by Celery's heap.
@@ -367,7 +370,11 @@ class GuardedSchedulerMixin:
                 if store.run_record(entry.name, period, status=MISSED, now=current, reason=reason):
                     report(self.app, entry, period, kind="missed", reason=reason)
             for period in to_dispatch:
-                dispatch(self.app, entry, period, current=current, catch_up=current - period > entry.policy.grace)
+                task_id = dispatch(
+                    self.app, entry, period, current=current, catch_up=current - period > entry.policy.grace
+                )
+                if task_id is not None:
+                    self.dispatched(entry, period, task_id)
             seen = periods[-1]
         self._guardrails_horizons[entry.name] = seen
         return entry.next_due(max(seen, current)) - current

@@ -55,6 +55,10 @@ def test_periodic_task_rows_with_a_policy_run_once_per_period(tmp_path: Path, si
     assert len(periods) == len(set(periods)) >= 6
     assert periods == sorted(periods)
     assert {item["period_key"].split("@")[0] for item in sink.items()} == {name.replace(" ", "%20")}
+    # And django-celery-beat's own bookkeeping of the row counts each dispatch once
+    row = PeriodicTask.objects.get(name=name)
+    assert row.total_run_count == len(rig.runs(name))
+    assert row.last_run_at is not None
 
 
 def test_a_policy_for_a_row_whose_crontab_does_not_parse_stops_beat(tmp_path: Path, sink: Sink) -> None:
