@@ -9,6 +9,7 @@ import pytest
 import redis
 from celery import group
 from django.core import mail
+from django.db import connection
 
 from celery_guardrails.alerts import flush_alert_summaries
 from celery_guardrails.stores.redis import ALERT_PENDING, ALERT_PREFIX
@@ -20,7 +21,7 @@ pytestmark = pytest.mark.django_db(transaction=True)
 
 # The throttle window must hold the whole flood: 500 dead letters took 5 s alone and over 10 s late in a busy
 # full run on this 2-core machine; 50 on the Django store take about 2 s.
-@pytest.mark.parametrize(("store", "flood", "window"), [("redis", 500, 20.0), ("django", 50, 10.0)])
+@pytest.mark.parametrize(("store", "flood", "window"), [("redis", 500, 20.0), ("django", 50, 8.0)])
 def test_first_dead_letter_alerts_then_a_flood_makes_one_summary(
     celery_worker: Any,
     celery_app: Any,
@@ -29,6 +30,8 @@ def test_first_dead_letter_alerts_then_a_flood_makes_one_summary(
     flood: int,
     window: float,
 ) -> None:
+    if store == "redis" and connection.vendor == "sqlite":
+        pytest.skip("the Redis store's flood, once is enough (runs in the PostgreSQL pass)")
     url, posted = webhook
     celery_app.conf.guardrails = {
         **celery_app.conf.guardrails,
