@@ -196,6 +196,16 @@ def configured_entries(app: Any, *, warned: set[str] | None = None) -> dict[str,
     return build_entries(app, raw, known=known, warned=warned)
 
 
+def check_tasks(app: Any, entries: Mapping[str, Entry]) -> None:
+    """A guarded entry's task must be a GuardedTask where it is registered (only it keeps the ledger)."""
+    for entry in entries.values():
+        task = app.tasks.get(entry.task)
+        if task is not None and not hasattr(task, "guardrails"):
+            raise ConfigurationError(
+                "schedules", f"beat entry {entry.name!r}: task {entry.task!r} is not a GuardedTask"
+            )
+
+
 def _django_beat_installed() -> bool:
     try:
         from django.apps import apps
@@ -310,12 +320,7 @@ class GuardedSchedulerMixin:
                     raise ConfigurationError("beat_schedule", f"entry {name!r}: {exc}") from None
         super().setup_schedule()  # type: ignore[misc]
         entries = self._guardrails_entries = self.guarded_entries()  # a bad policy stops beat, naming the entry
-        for entry in entries.values():
-            task = self.app.tasks.get(entry.task)
-            if task is not None and not hasattr(task, "guardrails"):
-                raise ConfigurationError(
-                    "schedules", f"beat entry {entry.name!r}: task {entry.task!r} is not a GuardedTask"
-                )
+        check_tasks(self.app, entries)
         logger.info("celery-guardrails: guarded beat entries: %s", ", ".join(sorted(entries)) or "none")
 
     def known_entry_names(self) -> set[str]:

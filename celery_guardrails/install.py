@@ -41,9 +41,9 @@ class GuardrailsBootstep(bootsteps.Step):  # type: ignore[misc]
         for task in guarded:
             options.validate_task(task)
         # A policy for an entry that does not exist, or a schedule that cannot be read, stops the worker too.
-        from celery_guardrails.beat import configured_entries
+        from celery_guardrails.beat import check_tasks, configured_entries
 
-        configured_entries(app)
+        check_tasks(app, configured_entries(app))
         logger.info("celery-guardrails: %d guarded task(s), app settings %s", len(guarded), sorted(settings))
         warn_about(app, guarded)
         super().__init__(parent, **kwargs)

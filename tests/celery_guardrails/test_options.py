@@ -111,6 +111,13 @@ def test_settings_are_revalidated_when_replaced() -> None:
             },
             "setting 'schedules': beat entry 'nightly': bad crontab string '0 25 * * *': hour field '25'",
         ),
+        (
+            {
+                "GUARDRAILS_TEST_GUARDRAILS": json.dumps({"schedules": {"nightly": {}}}),
+                "GUARDRAILS_TEST_BEAT": json.dumps({"nightly": {"task": "tests.proj.tasks.plain_add", "schedule": 60}}),
+            },
+            "setting 'schedules': beat entry 'nightly': task 'tests.proj.tasks.plain_add' is not a GuardedTask",
+        ),
     ],
 )
 def test_worker_refuses_to_start_on_a_bad_setting(

@@ -209,3 +209,9 @@ def scheduled_job(self: GuardedTask, sink: str, hold: float = 0.0, since: dateti
         real_start=started,
         real_end=time.time(),
     )
+
+
+@shared_task
+def plain_add(x: int, y: int) -> int:
+    """A plain Celery task (no guardrails), for what must refuse one."""
+    return x + y
