@@ -32,7 +32,7 @@ import time
 import uuid
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from typing import Any
 from zoneinfo import ZoneInfo
 
@@ -43,7 +43,7 @@ from celery_guardrails import headers, signals
 from celery_guardrails.exceptions import ConfigurationError
 from celery_guardrails.ledger import MISSED, period_key
 from celery_guardrails.options import SchedulePolicy, app_value, load
-from celery_guardrails.schedules import parse_crontab, periods_between, timetable
+from celery_guardrails.schedules import Every, parse_crontab, periods_between, timetable
 from celery_guardrails.stores import get_store
 
 logger = logging.getLogger(__name__)
@@ -174,7 +174,12 @@ def build_entries(
                 kwargs=dict(get("kwargs") or {}),
                 options=dict(get("options") or {}),
             )
-            entry.timetable  # noqa: B018  (checks the schedule kind now, not at the first tick)
+            table = entry.timetable  # checks the schedule kind now, not at the first tick
+            if isinstance(table, Every) and (
+                table.interval.total_seconds() % 1 or table.interval < timedelta(seconds=1)
+            ):
+                # Periods are named by whole seconds (the period key): shorter or fractional ones would collide.
+                raise ValueError(f"an interval of a policy must be whole seconds, at least 1, got {table.interval}")
         except (ValueError, TypeError) as exc:
             raise ConfigurationError("schedules", f"beat entry {name!r}: {exc}") from None
         entries[name] = entry

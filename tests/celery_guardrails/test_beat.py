@@ -184,6 +184,7 @@ def test_two_beats_at_once_run_each_period_once(tmp_path: Path, rigs: list[Rig],
             {"nightly": "61 * * * *"},
             "entry 'nightly': bad crontab string '61 * * * *': minute",
         ),
+        ({"often": {}}, {"often": 0.5}, "beat entry 'often': an interval of a policy must be whole seconds"),
     ],
 )
 def test_beat_refuses_to_start_on_a_bad_policy_naming_the_entry(
