@@ -26,6 +26,7 @@ An entry may also give its schedule as a 5-field crontab string (``"30 2 * * *"`
 
 from __future__ import annotations
 
+import heapq
 import logging
 import os
 import time
@@ -44,7 +45,7 @@ from celery_guardrails.exceptions import ConfigurationError
 from celery_guardrails.ledger import MISSED, period_key
 from celery_guardrails.options import SchedulePolicy, app_value, load
 from celery_guardrails.schedules import Every, parse_crontab, periods_between, timetable
-from celery_guardrails.stores import get_store
+from celery_guardrails.stores import django_apps_installed, get_store
 
 logger = logging.getLogger(__name__)
 
@@ -89,10 +90,11 @@ class Entry:
     args: tuple[Any, ...] = ()
     kwargs: dict[str, Any] = field(default_factory=dict)
     options: dict[str, Any] = field(default_factory=dict)
+    #: Read from ``schedule`` once, when the entry is made (raises ValueError for a schedule it cannot read).
+    timetable: Any = field(init=False)
 
-    @property
-    def timetable(self) -> Any:
-        return timetable(self.schedule, zone=self.zone, fall_back=self.policy.fall_back)
+    def __post_init__(self) -> None:
+        self.timetable = timetable(self.schedule, zone=self.zone, fall_back=self.policy.fall_back)
 
     def periods(self, after: float, until: float, *, limit: int = MAX_PERIODS) -> list[float]:
         """Due instants in (after, until], epoch seconds, oldest first (the newest ``limit``)."""
@@ -100,9 +102,8 @@ class Entry:
         found: list[float] = []
         start = datetime.fromtimestamp(after, UTC)
         end = datetime.fromtimestamp(until, UTC)
-        table = self.timetable
         while True:
-            batch = periods_between(table, start, end, limit=limit)
+            batch = periods_between(self.timetable, start, end, limit=limit)
             found.extend(moment.timestamp() for moment in batch)
             found = found[-limit:]
             if len(batch) < limit:
@@ -174,7 +175,7 @@ def build_entries(
                 kwargs=dict(get("kwargs") or {}),
                 options=dict(get("options") or {}),
             )
-            table = entry.timetable  # checks the schedule kind now, not at the first tick
+            table = entry.timetable
             if isinstance(table, Every) and (
                 table.interval.total_seconds() % 1 or table.interval < timedelta(seconds=1)
             ):
@@ -192,7 +193,7 @@ def configured_entries(app: Any, *, warned: set[str] | None = None) -> dict[str,
         return {}
     raw: dict[str, Any] = dict(app.conf.beat_schedule or {})
     known = set(raw)
-    if _django_beat_installed():
+    if django_apps_installed("django_celery_beat"):
         from django_celery_guardrails.schedulers import periodic_tasks
 
         rows, names = periodic_tasks(app, names=set(app_value(app, "schedules")) - known)
@@ -209,14 +210,6 @@ def check_tasks(app: Any, entries: Mapping[str, Entry]) -> None:
             raise ConfigurationError(
                 "schedules", f"beat entry {entry.name!r}: task {entry.task!r} is not a GuardedTask"
             )
-
-
-def _django_beat_installed() -> bool:
-    try:
-        from django.apps import apps
-    except ImportError:
-        return False
-    return apps.ready and apps.is_installed("django_celery_beat") and apps.is_installed("django_celery_guardrails")
 
 
 def owner_of_entry(app: Any, entry: Entry) -> str | None:
@@ -334,6 +327,11 @@ class GuardedSchedulerMixin:
     def guarded_entries(self) -> dict[str, Entry]:
         return build_entries(self.app, self.schedule, known=self.known_entry_names(), warned=self._guardrails_warned)
 
+    def current_entries(self) -> dict[str, Entry]:
+        """The guarded entries for this tick: the ones read at start-up (a scheduler whose entries can change
+        while it runs re-reads them here)."""
+        return self._guardrails_entries
+
     def dispatched(self, entry: Entry, period: float, task_id: str) -> None:
         """Called after this scheduler dispatched a period (a hook for the scheduler's own bookkeeping)."""
 
@@ -342,8 +340,6 @@ class GuardedSchedulerMixin:
         # Guarded entries are dispatched by tick_guarded, never by Celery's heap.
         policies = app_value(self.app, "schedules")
         self._heap = [event for event in self._heap if event[2].name not in policies]
-        import heapq
-
         heapq.heapify(self._heap)
 
     def tick(self, *args: Any, **kwargs: Any) -> float:
@@ -354,11 +350,7 @@ class GuardedSchedulerMixin:
         """Dispatch or record every due period of the guarded entries; seconds until the next look."""
         current = now(self.app)
         wait = TICK
-        try:
-            self._guardrails_entries = self.guarded_entries()
-        except ConfigurationError:  # changed while beat runs (a PeriodicTask renamed): keep the last good ones
-            logger.exception("celery-guardrails: guarded beat entries not reloaded")
-        for entry in self._guardrails_entries.values():
+        for entry in self.current_entries().values():
             try:
                 wait = min(wait, self._tick_entry(entry, current))
             except Exception:  # one broken entry (or a store outage) must not stop the others

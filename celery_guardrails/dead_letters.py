@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from celery_guardrails.exceptions import StoreError
 from celery_guardrails.options import app_value, resolve
 from celery_guardrails.redaction import redact, redact_arguments
-from celery_guardrails.stores import _django_app_installed, store_url
+from celery_guardrails.stores import django_apps_installed, store_url
 
 if TYPE_CHECKING:
     from celery_guardrails.outcomes import FinalFailure
@@ -103,7 +103,7 @@ class RedisStreamSink:
 def sinks_for(app: Any) -> list[Sink]:
     names = app_value(app, "dead_letter_sinks")
     if names is None:
-        names = ["django"] if _django_app_installed() else ["redis"]
+        names = ["django"] if django_apps_installed() else ["redis"]
     sinks: list[Sink] = []
     for name in names:
         if name == "django":

@@ -8,6 +8,7 @@ time zone is used when its policy states none.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable
 from typing import Any
 
@@ -18,7 +19,10 @@ from django_celery_beat.models import PeriodicTask
 from django_celery_beat.schedulers import DatabaseScheduler, ModelEntry
 
 from celery_guardrails.beat import Entry, GuardedSchedulerMixin, build_entries
+from celery_guardrails.exceptions import ConfigurationError
 from celery_guardrails.options import app_value
+
+logger = logging.getLogger(__name__)
 
 
 class Unparsable:
@@ -56,6 +60,14 @@ class GuardedDatabaseScheduler(GuardedSchedulerMixin, DatabaseScheduler):  # typ
         PeriodicTask.objects.filter(name=entry.name).update(
             last_run_at=timezone.now(), total_run_count=F("total_run_count") + 1
         )
+
+    def current_entries(self) -> dict[str, Entry]:
+        # Rows can be added, changed or renamed while beat runs: read them again on every tick.
+        try:
+            self._guardrails_entries = self.guarded_entries()
+        except ConfigurationError:  # a policy's row renamed or broken meanwhile: keep the last good entries
+            logger.exception("celery-guardrails: guarded beat entries not reloaded")
+        return self._guardrails_entries
 
     def guarded_entries(self) -> dict[str, Entry]:
         # Straight from the rows with a policy (one query a tick), not from self.schedule: a row

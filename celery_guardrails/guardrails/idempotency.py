@@ -77,7 +77,7 @@ def render_key(task: Any, spec: Any, args: tuple[Any, ...], kwargs: dict[str, An
         arguments: dict[str, Any] = {}
         if fields:
             try:
-                bound = _signature(task).bind(*args, **kwargs)
+                bound = task_signature(task).bind(*args, **kwargs)
             except TypeError as exc:
                 raise IdempotencyKeyError(f"{task.name}: arguments do not fit the task: {exc}") from exc
             bound.apply_defaults()
@@ -94,7 +94,7 @@ def render_key(task: Any, spec: Any, args: tuple[Any, ...], kwargs: dict[str, An
 _SIGNATURES: dict[type, inspect.Signature] = {}
 
 
-def _signature(task: Any) -> inspect.Signature:
+def task_signature(task: Any) -> inspect.Signature:
     """The signature of the task's ``run`` (without ``self`` for bound tasks), computed once per class."""
     task = task._get_current_object() if hasattr(task, "_get_current_object") else task
     signature = _SIGNATURES.get(type(task))
@@ -120,6 +120,11 @@ def scoped_key(task_name: str, tenant: str | None, key: str) -> str:
         return scoped
     digest = hashlib.sha256(scoped.encode()).hexdigest()
     return f"{scoped[: STORED_MAX_LENGTH - 66]}~{digest}"
+
+
+def delivery_owner(request: Any) -> str:
+    """Who holds a claim: this delivery of this message in this worker process (unique per delivery)."""
+    return f"{request.hostname}:{os.getpid()}:{request.id}:{uuid.uuid4().hex[:8]}"
 
 
 class Heartbeats:
@@ -243,7 +248,7 @@ class Idempotency(Guardrail):
         scoped = scoped_key(task.name, current_tenant(), key)
         request.idempotency_key = scoped
         store = get_store(task.app)
-        owner = f"{request.hostname}:{os.getpid()}:{request.id}:{uuid.uuid4().hex[:8]}"
+        owner = delivery_owner(request)
         now = time.time()
         lease = resolve(task, "idempotency_lease", call)
         claim = store.claim(

@@ -18,18 +18,15 @@ datetime) and ``self.request.period_key``.
 
 from __future__ import annotations
 
-import inspect
 import logging
-import os
 import time
-import uuid
 from contextlib import AbstractContextManager, nullcontext
 from typing import TYPE_CHECKING, Any
 
 from celery_guardrails import headers
 from celery_guardrails.beat import moment, now
 from celery_guardrails.exceptions import RetryLater
-from celery_guardrails.guardrails.idempotency import heartbeat
+from celery_guardrails.guardrails.idempotency import delivery_owner, heartbeat, task_signature
 from celery_guardrails.guardrails.retries import retry_later
 from celery_guardrails.ledger import FAILED, OK, SKIPPED_OVERLAP, period_key
 from celery_guardrails.options import SchedulePolicy, app_value, resolve
@@ -72,7 +69,7 @@ class ScheduledRuns(Guardrail):
         request.period_key = period_key(name, period)
         store = get_store(task.app)
         if policy.overlap != "allow":
-            owner = f"{request.hostname}:{os.getpid()}:{request.id}:{uuid.uuid4().hex[:8]}"
+            owner = delivery_owner(request)
             lease = resolve(task, "idempotency_lease", task.call_options())
             # Leases are real time (the heartbeat renews them with time.time()), whatever the clock option.
             claim = store.claim(slot_key(name), owner=owner, now=time.time(), lease=lease, retention=lease)
@@ -86,7 +83,7 @@ class ScheduledRuns(Guardrail):
         if policy.since:
             last = store.run_list(name, statuses=(OK,), before=period, limit=1)
             request.since = moment(last[0].period) if last else None
-            if "since" in inspect.signature(task.run).parameters:
+            if "since" in task_signature(task).parameters:
                 kwargs["since"] = request.since
 
     def _overlapping(self, task: GuardedTask, name: str, period: int, policy: SchedulePolicy, until: float) -> None:

@@ -14,12 +14,13 @@ from celery_guardrails.options import app_settings
 from celery_guardrails.stores.base import Store
 
 
-def _django_app_installed() -> bool:
+def django_apps_installed(*names: str) -> bool:
+    """Whether Django is set up with the guardrails app and every app in ``names`` installed."""
     try:
         from django.apps import apps
     except ImportError:
         return False
-    return apps.ready and apps.is_installed("django_celery_guardrails")
+    return apps.ready and all(apps.is_installed(name) for name in ("django_celery_guardrails", *names))
 
 
 def store_url(app: Any) -> str:
@@ -27,7 +28,7 @@ def store_url(app: Any) -> str:
     configured = app_settings(app).get("store")
     if configured:
         return str(configured)
-    if _django_app_installed():
+    if django_apps_installed():
         return "django"
     broker = str(app.conf.broker_url or "")
     if broker.startswith(("redis://", "rediss://")):
