@@ -144,19 +144,22 @@ class DjangoStore:
     def extend(self, key: str, *, owner: str, now: float, lease: float) -> bool:
         return bool(self._owned(key, owner).update(lease_until=_moment(now + lease)))
 
+    def _finish(self, key: str, owner: str, state: str, **values: Any) -> bool:
+        if self._owned(key, owner).update(state=state, lease_until=None, **values):
+            return True
+        # A finish repeated by the owner that made it (its first answer was lost) succeeds again.
+        return bool(IdempotencyKey.objects.filter(key=key, owner=owner, state=state).exists())
+
     def complete(self, key: str, *, owner: str, now: float, summary: str, retention: float) -> bool:
-        return bool(
-            self._owned(key, owner).update(
-                state="completed", summary=summary[:200], finished_at=_moment(now), lease_until=None
-            )
-        )
+        return self._finish(key, owner, "completed", summary=summary[:200], finished_at=_moment(now))
+
+    def begin_complete(self, key: str, *, owner: str, now: float, summary: str, retention: float) -> Callable[[], bool]:
+        # A database round trip cannot be left in flight: complete now, answer when asked.
+        done = self.complete(key, owner=owner, now=now, summary=summary, retention=retention)
+        return lambda: done
 
     def fail(self, key: str, *, owner: str, now: float, reason: str, retention: float) -> bool:
-        return bool(
-            self._owned(key, owner).update(
-                state="failed", reason=reason[:200], finished_at=_moment(now), lease_until=None
-            )
-        )
+        return self._finish(key, owner, "failed", reason=reason[:200], finished_at=_moment(now))
 
     def release(self, key: str, *, owner: str) -> bool:
         deleted, _ = self._owned(key, owner).delete()

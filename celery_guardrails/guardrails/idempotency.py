@@ -9,8 +9,10 @@
 * Run: the key, scoped by task name and tenant (``self.request.idempotency_key``), is claimed in the store:
 
   - acquired: the body runs; the claim's lease (``idempotency_lease``) is renewed by a heartbeat every third
-    of it (the claim itself is the first beat); success completes the key with a short result summary, a
-    retry or ``RetryLater`` releases it before the new message is published, a final failure marks it failed;
+    of it (the claim itself is the first beat); when the body returns, the key is completed with a short
+    result summary (sent at once, its answer read before the ack: the round trip overlaps Celery storing the
+    result), a retry or ``RetryLater`` releases it before the new message is published, a final failure
+    marks it failed;
   - completed before: the body does not run, ``duplicate_skipped`` fires, the task returns the summary;
   - failed before: the body does not run, ``duplicate_skipped`` fires, the message is acked as ignored (a
     replay reopens the key deliberately);
@@ -35,7 +37,7 @@ import threading
 import time
 import uuid
 from collections.abc import Iterator
-from contextlib import AbstractContextManager, contextmanager, nullcontext
+from contextlib import AbstractContextManager, contextmanager
 from string import Formatter
 from typing import TYPE_CHECKING, Any
 
@@ -140,6 +142,7 @@ class Heartbeats:
         self.claims: dict[tuple[str, str], tuple[Store, float, float]] = {}  # (key, owner) -> store, lease, due
         self.pid = 0
         self.wakes_at = 0.0  # monotonic time the thread wakes up next (0: it is not waiting)
+        self.idle = 60.0  # how long the thread sleeps holding no claim: the shortest beat interval seen
 
     def _ensure_thread(self) -> None:
         if self.pid != os.getpid():  # first use, or a forked pool child: the parent's thread is not here
@@ -153,10 +156,16 @@ class Heartbeats:
             self._ensure_thread()
             due = time.monotonic() + lease / 3
             self.claims[(key, owner)] = (store, lease, due)
-            # Wake the thread only when this beat is due before it would wake anyway: with one lease for all
-            # tasks that is only the first claim after a quiet spell, not a thread switch per task.
+            # Wake the thread only when this beat is due before it would wake anyway. Holding no claim, it
+            # sleeps the shortest beat interval seen, so with one lease for all tasks a new claim never wakes
+            # it: a thread switch per task cost a solo worker more than its guardrails' Python.
+            self.idle = min(self.idle, lease / 3)
             if due < self.wakes_at:
                 self.lock.notify()
+
+    def holds(self, key: str, owner: str) -> bool:
+        with self.lock:
+            return (key, owner) in self.claims
 
     def remove(self, key: str, owner: str) -> None:
         with self.lock:
@@ -169,7 +178,7 @@ class Heartbeats:
                 due = [(k, v) for k, v in self.claims.items() if v[2] <= now]
                 for (key, owner), (store, lease, _) in due:
                     self.claims[(key, owner)] = (store, lease, now + lease / 3)
-                upcoming = min((v[2] for v in self.claims.values()), default=now + 60)
+                upcoming = min((v[2] for v in self.claims.values()), default=now + self.idle)
                 if not due:
                     self.wakes_at = upcoming
                     self.lock.wait(max(0.01, upcoming - now))
@@ -177,7 +186,8 @@ class Heartbeats:
                     continue
             for (key, owner), (store, lease, _) in due:
                 try:
-                    if not store.extend(key, owner=owner, now=time.time(), lease=lease):
+                    if not store.extend(key, owner=owner, now=time.time(), lease=lease) and self.holds(key, owner):
+                        # (Not when the task finished meanwhile: a completed key has no lease to renew.)
                         logger.warning("Idempotency key %s: lease lost by %s", key, owner)
                         self.remove(key, owner)
                 except Exception:  # a heartbeat must never take the worker down; the lease may lapse
@@ -202,6 +212,20 @@ def heartbeat(store: Store, key: str, owner: str, *, lease: float) -> Iterator[N
         HEARTBEATS.remove(key, owner)
 
 
+def _summary(request: Any) -> str:
+    summary: str = saferepr(getattr(request, "guardrails_retval", None), SUMMARY_MAX_LENGTH)
+    return summary[:SUMMARY_MAX_LENGTH]
+
+
+def _taken_over(task: GuardedTask, key: str) -> None:
+    logger.warning(
+        "Task %s[%s]: key %s was taken over before completion; the effect may have run twice",
+        task.name,
+        task.request.id,
+        key,
+    )
+
+
 class Idempotency(Guardrail):
     """Makes, carries and enforces idempotency keys."""
 
@@ -223,7 +247,7 @@ class Idempotency(Guardrail):
 
     def before_run(self, task: GuardedTask, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         request = task.request
-        request.guardrails_claim = None
+        request.guardrails_claim = request.guardrails_completion = None
         call = task.call_options()
         header = headers.from_request(request)
         key = header.get(headers.IDEMPOTENCY_KEY)
@@ -281,49 +305,59 @@ class Idempotency(Guardrail):
         )
         raise retry if retry is not None else wait
 
-    def body_context(self, task: GuardedTask) -> AbstractContextManager[Any]:
+    def body_context(self, task: GuardedTask) -> AbstractContextManager[Any] | None:
         claim = getattr(task.request, "guardrails_claim", None)
         if claim is None:
-            return nullcontext()
+            return None
         return self._claimed(task, *claim)
 
     @contextmanager
     def _claimed(self, task: GuardedTask, key: str, owner: str) -> Iterator[None]:
         call = task.call_options()
         store = get_store(task.app)
-        with heartbeat(store, key, owner, lease=resolve(task, "idempotency_lease", call)):
-            if not resolve(task, "atomic", call):
+        request = task.request
+        retention = resolve(task, "idempotency_retention", call)
+        lease = resolve(task, "idempotency_lease", call)
+        if not resolve(task, "atomic", call):
+            with heartbeat(store, key, owner, lease=lease):
                 yield
-                return
+            # The body returned: its effect happened, so the key is completed now, whatever Celery does with
+            # the result. The answer is read in on_success / on_failure, before the ack.
+            request.guardrails_completion = (
+                key,
+                store.begin_complete(key, owner=owner, now=time.time(), summary=_summary(request), retention=retention),
+            )
+            request.guardrails_claim = None
+            return
+        with heartbeat(store, key, owner, lease=lease):
             from django.db import transaction
 
             with transaction.atomic():
                 yield
                 # The completion mark commits with the effect, or neither does.
-                if not self._complete(task, key, owner, getattr(task.request, "guardrails_retval", None)):
+                done = store.complete(key, owner=owner, now=time.time(), summary=_summary(request), retention=retention)
+                if not done:
+                    _taken_over(task, key)
                     raise IdempotencyKeyError(f"lost the claim on {key} before committing; rolled back")
-                task.request.guardrails_claim = None
+                request.guardrails_claim = None
 
-    def _complete(self, task: GuardedTask, key: str, owner: str, retval: Any) -> bool:
-        summary = saferepr(retval, SUMMARY_MAX_LENGTH)[:SUMMARY_MAX_LENGTH]
-        retention = resolve(task, "idempotency_retention", task.call_options())
-        done = get_store(task.app).complete(key, owner=owner, now=time.time(), summary=summary, retention=retention)
-        if not done:
-            logger.warning(
-                "Task %s[%s]: key %s was taken over before completion; the effect may have run twice",
-                task.name,
-                task.request.id,
-                key,
-            )
-        return done
+    def _completed(self, task: GuardedTask) -> None:
+        """Wait for the completion started as the body returned (it must be durable before the ack)."""
+        pending = getattr(task.request, "guardrails_completion", None)
+        if pending is None:
+            return
+        task.request.guardrails_completion = None
+        key, wait = pending
+        if not wait():
+            _taken_over(task, key)
 
     def on_success(self, task: GuardedTask, retval: Any) -> None:
-        claim = getattr(task.request, "guardrails_claim", None)
-        if claim is not None:
-            key, owner = claim
-            self._complete(task, key, owner, retval)
+        self._completed(task)
 
     def on_failure(self, task: GuardedTask, exc: BaseException, einfo: Any) -> None:
+        # The body returned but Celery failed afterwards (its result could not be stored): the key stays
+        # completed, since the effect happened and running it again would repeat it.
+        self._completed(task)
         claim = getattr(task.request, "guardrails_claim", None)
         if claim is not None:
             key, owner = claim

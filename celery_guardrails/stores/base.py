@@ -18,6 +18,7 @@ transient failures (new first attempts are deferred until it ends); then ``half_
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -167,7 +168,10 @@ class Store(RunLedger, Protocol):
 
     Idempotency keys: ``claim`` inserts the key as claimed by ``owner`` with a lease (or takes over an expired
     lease); ``extend`` renews the lease (heartbeat); ``complete`` / ``fail`` / ``release`` end the claim and
-    succeed only for the current owner; ``reopen`` deletes a failed key for a deliberate replay.
+    succeed only for the current owner (a ``complete`` or ``fail`` repeated by the owner that made it succeeds
+    again: a retry after a lost answer is safe); ``begin_complete`` starts a ``complete`` and returns the
+    callable that waits for its answer (a store that cannot overlap the two does it all at once);
+    ``reopen`` deletes a failed key for a deliberate replay.
     """
 
     def claim(self, key: str, *, owner: str, now: float, lease: float, retention: float) -> Claim: ...
@@ -175,6 +179,10 @@ class Store(RunLedger, Protocol):
     def extend(self, key: str, *, owner: str, now: float, lease: float) -> bool: ...
 
     def complete(self, key: str, *, owner: str, now: float, summary: str, retention: float) -> bool: ...
+
+    def begin_complete(
+        self, key: str, *, owner: str, now: float, summary: str, retention: float
+    ) -> Callable[[], bool]: ...
 
     def fail(self, key: str, *, owner: str, now: float, reason: str, retention: float) -> bool: ...
 

@@ -8,6 +8,7 @@ Lua float to an integer reply). Each hash expires when its dependency has been q
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from celery_guardrails.exceptions import StoreError
@@ -140,13 +141,17 @@ redis.call('EXPIRE', key, retention)
 return {'acquired', '1', '0', ''}
 """
 
-# ARGV: owner, then the fields to set; succeeds only while ``owner`` holds the claim.
+# ARGV: owner, then the fields to set; succeeds only while ``owner`` holds the claim. A finish repeated by the
+# owner that made it (its first answer was lost with the connection) succeeds again and changes nothing.
 _IF_OWNER = """
 local key = KEYS[1]
-if redis.call('HGET', key, 'state') ~= 'claimed' or redis.call('HGET', key, 'owner') ~= ARGV[1] then
+local fields = redis.call('HMGET', key, 'state', 'owner')
+local action = ARGV[2]
+if fields[2] ~= ARGV[1] then return 0 end
+if fields[1] ~= 'claimed' then
+  if action == 'finish' and fields[1] == ARGV[3] then return 1 end
   return 0
 end
-local action = ARGV[2]
 if action == 'release' then
   redis.call('DEL', key)
   return 1
@@ -243,6 +248,37 @@ class RedisIdempotency:
                 self._if_owner, key, [owner, "finish", "completed", "summary", summary, repr(now), int(retention)]
             )
         )
+
+    def begin_complete(self, key: str, *, owner: str, now: float, summary: str, retention: float) -> Callable[[], bool]:
+        """Send the completion on a connection of its own; the callable reads its answer (once).
+
+        The worker sends it as the body returns and reads it just before the ack, so this round trip overlaps
+        Celery storing the result. Any doubt (the script not loaded yet, a broken connection) is settled by
+        the plain ``complete``, which a repeated finish by the same owner makes safe.
+        """
+        args = [owner, "finish", "completed", "summary", summary, repr(now), int(retention)]
+        pool = self.client.connection_pool
+        try:
+            connection = pool.get_connection()
+        except self._errors:
+            return lambda: self.complete(key, owner=owner, now=now, summary=summary, retention=retention)
+        try:
+            connection.send_command("EVALSHA", self._if_owner.sha, 1, IDEM_PREFIX + key, *args)
+        except self._errors:
+            pool.release(connection)
+            return lambda: self.complete(key, owner=owner, now=now, summary=summary, retention=retention)
+
+        def wait() -> bool:
+            try:
+                reply = connection.read_response()
+            except self._errors:  # NOSCRIPT (nothing ran), or the connection broke (it may have run)
+                connection.disconnect()
+                return self.complete(key, owner=owner, now=now, summary=summary, retention=retention)
+            finally:
+                pool.release(connection)
+            return bool(reply)
+
+        return wait
 
     def fail(self, key: str, *, owner: str, now: float, reason: str, retention: float) -> bool:
         return bool(

@@ -41,6 +41,31 @@ def test_claim_lifecycle(store: Any, key: str) -> None:
     assert store.reopen(key) is False  # only a failed key reopens
 
 
+def test_a_finish_repeated_by_its_owner_succeeds_again_and_changes_nothing(store: Any, key: str) -> None:
+    # Given a key completed by "a" (say its answer was lost with the connection)
+    store.claim(key, owner="a", now=T0, lease=10, retention=600)
+    assert store.complete(key, owner="a", now=T0 + 1, summary="charged", retention=600) is True
+    # When "a" completes it again, and "b" tries
+    again = store.complete(key, owner="a", now=T0 + 2, summary="other", retention=600)
+    stranger = store.complete(key, owner="b", now=T0 + 2, summary="other", retention=600)
+    # Then the owner is told it is done, the stranger is refused, and the first summary stays
+    assert (again, stranger) == (True, False)
+    assert store.claim(key, owner="c", now=T0 + 3, lease=10, retention=600).summary == "charged"
+    # and a completed key cannot be failed, even by its owner
+    assert store.fail(key, owner="a", now=T0 + 4, reason="late", retention=600) is False
+
+
+def test_begin_complete_completes_once_its_answer_is_read(store: Any, key: str) -> None:
+    # Given a claimed key
+    store.claim(key, owner="a", now=T0, lease=10, retention=600)
+    # When its completion is started and its answer read
+    wait = store.begin_complete(key, owner="a", now=T0 + 1, summary="charged", retention=600)
+    # Then it is completed, and a stranger's started completion is refused
+    assert wait() is True
+    assert store.inspect(key)["state"] == "completed"
+    assert store.begin_complete(key, owner="b", now=T0 + 2, summary="x", retention=600)() is False
+
+
 def test_expired_lease_is_taken_over_once(store: Any, key: str) -> None:
     store.claim(key, owner="dead", now=T0, lease=5, retention=600)
     takeover = store.claim(key, owner="b", now=T0 + 6, lease=5, retention=600)
