@@ -8,6 +8,9 @@ are written). ``GuardedTask.guardrails`` is the ordered tuple of guardrail insta
 * ``on_success``, ``on_failure``, ``on_retry``: in reverse order (the first guardrail sees the outcome last,
   like unwinding a stack).
 
+A hook a guardrail does not override is not called at all (:func:`overriding`): every task pays only for
+the hooks that do something.
+
 Before any ``before_run`` hook runs, the worker has already restored the message's tenant and correlation
 id (see :mod:`celery_guardrails.guardrails.context`), so every hook reads stores as the right tenant.
 A ``before_run`` hook refuses a message by raising; the body then does not run.
@@ -15,7 +18,8 @@ A ``before_run`` hook refuses a message by raising; the body then does not run.
 
 from __future__ import annotations
 
-from contextlib import AbstractContextManager, nullcontext
+import functools
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -49,9 +53,9 @@ class Guardrail:
     def before_run(self, task: GuardedTask, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         """Called on the worker before the body; raise to refuse the message."""
 
-    def body_context(self, task: GuardedTask) -> AbstractContextManager[Any]:
-        """A context manager entered around the task body (after every ``before_run``)."""
-        return nullcontext()
+    def body_context(self, task: GuardedTask) -> AbstractContextManager[Any] | None:
+        """A context manager entered around the task body (after every ``before_run``); None: nothing."""
+        return None
 
     def on_success(self, task: GuardedTask, retval: Any) -> None:
         """Called on the worker after the body returned."""
@@ -61,6 +65,12 @@ class Guardrail:
 
     def on_retry(self, task: GuardedTask, exc: BaseException, einfo: Any) -> None:
         """Called on the worker after a retry was published (Celery's ``on_retry``)."""
+
+
+@functools.cache
+def overriding(guardrails: tuple[Guardrail, ...], hook: str) -> tuple[Guardrail, ...]:
+    """The guardrails whose class overrides ``hook``, in pipeline order (computed once per tuple)."""
+    return tuple(g for g in guardrails if getattr(type(g), hook) is not getattr(Guardrail, hook))
 
 
 class SkipBody(Exception):

@@ -26,7 +26,7 @@ from celery_guardrails.guardrails.scheduled_runs import ScheduledRuns
 from celery_guardrails.guardrails.tenancy import TenantGuard
 from celery_guardrails.install import install
 from celery_guardrails.options import OPTIONS, check_call_options, settings_snapshot
-from celery_guardrails.pipeline import Guardrail, Publication, SkipBody, SkipPublish
+from celery_guardrails.pipeline import Guardrail, Publication, SkipBody, SkipPublish, overriding
 
 #: Per-call keyword arguments of ``apply_async`` that set the message's context rather than an option.
 CONTEXT_OVERRIDES = frozenset({"tenant", "correlation_id"})
@@ -131,7 +131,7 @@ class GuardedTask(Task):  # type: ignore[misc]
             overrides=overrides,
         )
         try:
-            for guardrail in self.guardrails:
+            for guardrail in overriding(self.guardrails, "on_publish"):
                 guardrail.on_publish(self, publication)
         except SkipPublish as skip:
             return self.AsyncResult(skip.task_id)
@@ -154,36 +154,37 @@ class GuardedTask(Task):  # type: ignore[misc]
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         with settings_snapshot(self.app):
             try:
-                for guardrail in self.guardrails:
+                for guardrail in overriding(self.guardrails, "before_run"):
                     guardrail.before_run(self, args, kwargs)
             except SkipBody as skip:
                 return skip.result
             with ExitStack() as stack:
-                for guardrail in self.guardrails:
-                    stack.enter_context(guardrail.body_context(self))
-                if self.request.called_directly:
-                    retval = super().__call__(*args, **kwargs)
-                else:
-                    # Celery's tracer already pushed this request and task; Task.__call__ would push a copy
-                    # of both again (a custom __call__ is run in place of run()), for nothing.
-                    retval = self.run(*args, **kwargs)
-                self.request.guardrails_retval = retval  # for a body context that commits with the result
+                for guardrail in overriding(self.guardrails, "body_context"):
+                    context = guardrail.body_context(self)
+                    if context is not None:
+                        stack.enter_context(context)
+                request = self.request
+                # Celery's tracer already pushed this request and task; Task.__call__ would push a copy of
+                # both again (a custom __call__ is run in place of run()), for nothing.
+                body = super().__call__ if request.called_directly else self.run
+                retval = body(*args, **kwargs)
+                request.guardrails_retval = retval  # for a body context that completes with the result
                 return retval
 
     def on_success(self, retval: Any, task_id: str, args: Any, kwargs: Any) -> None:
         with settings_snapshot(self.app):
-            for guardrail in reversed(self.guardrails):
+            for guardrail in reversed(overriding(self.guardrails, "on_success")):
                 guardrail.on_success(self, retval)
         super().on_success(retval, task_id, args, kwargs)
 
     def on_failure(self, exc: BaseException, task_id: str, args: Any, kwargs: Any, einfo: Any) -> None:
         with settings_snapshot(self.app):
-            for guardrail in reversed(self.guardrails):
+            for guardrail in reversed(overriding(self.guardrails, "on_failure")):
                 guardrail.on_failure(self, exc, einfo)
         super().on_failure(exc, task_id, args, kwargs, einfo)
 
     def on_retry(self, exc: BaseException, task_id: str, args: Any, kwargs: Any, einfo: Any) -> None:
         with settings_snapshot(self.app):
-            for guardrail in reversed(self.guardrails):
+            for guardrail in reversed(overriding(self.guardrails, "on_retry")):
                 guardrail.on_retry(self, exc, einfo)
         super().on_retry(exc, task_id, args, kwargs, einfo)

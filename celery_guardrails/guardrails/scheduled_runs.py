@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import logging
 import time
-from contextlib import AbstractContextManager, nullcontext
+from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any
 
 from celery_guardrails import headers
@@ -97,10 +97,10 @@ class ScheduledRuns(Guardrail):
         retry = retry_later(task, wait, delay=delay, rule="schedule:overlap")
         raise retry if retry is not None else wait
 
-    def body_context(self, task: GuardedTask) -> AbstractContextManager[Any]:
+    def body_context(self, task: GuardedTask) -> AbstractContextManager[Any] | None:
         slot = getattr(task.request, "guardrails_slot", None)
         if slot is None or task.request.guardrails_period is None:
-            return nullcontext()
+            return None
         key, owner, lease = slot
         return heartbeat(get_store(task.app), key, owner, lease=lease)
 

@@ -14,7 +14,7 @@
 from __future__ import annotations
 
 import logging
-from contextlib import AbstractContextManager, nullcontext
+from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any
 
 from celery_guardrails import signals
@@ -53,10 +53,10 @@ class TenantGuard(Guardrail):
         pending = fail_finally(task, error, reason=MISSING_TENANT)
         raise pending or error
 
-    def body_context(self, task: GuardedTask) -> AbstractContextManager[Any]:
+    def body_context(self, task: GuardedTask) -> AbstractContextManager[Any] | None:
         tenant = current_tenant()
         activator = resolve(task, "tenant_activator", task.call_options())
         if tenant is None or activator is None:
-            return nullcontext()
+            return None
         manager: AbstractContextManager[Any] = load(activator)(tenant)
         return manager
