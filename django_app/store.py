@@ -122,6 +122,8 @@ class DjangoStore:
                 return Claim(state=ACQUIRED)
             except IntegrityError:
                 pass
+            if self._owned(key, owner).update(lease_until=until):  # this delivery asking again: it holds it
+                return Claim(state=ACQUIRED)
             taken = IdempotencyKey.objects.filter(key=key, state="claimed", lease_until__lte=_moment(now)).update(
                 owner=owner, lease_until=until
             )

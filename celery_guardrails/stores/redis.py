@@ -13,6 +13,7 @@ from typing import Any
 
 from celery_guardrails.exceptions import StoreError
 from celery_guardrails.stores.base import Admission, BudgetPolicy, Claim, DependencyState, status
+from celery_guardrails.stores.redis_lane import Lane
 from celery_guardrails.stores.redis_ledger import LEDGER_SCRIPT, RedisRunLedger
 
 KEY_PREFIX = "guardrails:dependency:"
@@ -134,7 +135,13 @@ if not state then
 end
 if state == 'completed' then return {'completed', '0', '0', redis.call('HGET', key, 'summary') or ''} end
 if state == 'failed' then return {'failed', '0', '0', redis.call('HGET', key, 'reason') or ''} end
-local lease_until = tonumber(redis.call('HGET', key, 'lease_until'))
+local fields = redis.call('HMGET', key, 'lease_until', 'owner')
+local lease_until = tonumber(fields[1])
+if fields[2] == owner then
+  -- this delivery asking again (its first answer was lost): it holds the claim
+  redis.call('HSET', key, 'lease_until', string.format('%.6f', now + lease))
+  return {'acquired', '0', '0', ''}
+end
 if lease_until > now then return {'busy', '0', string.format('%.6f', lease_until), ''} end
 redis.call('HSET', key, 'owner', owner, 'lease_until', string.format('%.6f', now + lease))
 redis.call('EXPIRE', key, retention)
@@ -213,6 +220,7 @@ class RedisIdempotency:
 
     client: Any
     url: str
+    _lane: Lane
     _errors: tuple[type[BaseException], ...]
     _claim: Any
     _if_owner: Any
@@ -220,11 +228,18 @@ class RedisIdempotency:
     _throttle: Any
     _due: Any
 
-    def _run(self, script: Any, key: str, args: list[Any]) -> Any:
+    def _eval(self, script: Any, key: str, args: list[Any]) -> Any:
+        """Run a registered script on this thread's lane (see :mod:`~celery_guardrails.stores.redis_lane`)."""
         try:
-            return script(keys=[IDEM_PREFIX + key], args=args)
+            try:
+                return self._lane.call("EVALSHA", script.sha, 1, key, *args)
+            except self._errors:  # NOSCRIPT (nothing ran) or a broken connection: the client loads and retries
+                return script(keys=[key], args=args)
         except self._errors as exc:
             raise StoreError(f"Redis store at {self.url} failed: {exc}") from exc
+
+    def _run(self, script: Any, key: str, args: list[Any]) -> Any:
+        return self._eval(script, IDEM_PREFIX + key, args)
 
     def claim(self, key: str, *, owner: str, now: float, lease: float, retention: float) -> Claim:
         state, takeover, lease_until, text = self._run(
@@ -250,33 +265,26 @@ class RedisIdempotency:
         )
 
     def begin_complete(self, key: str, *, owner: str, now: float, summary: str, retention: float) -> Callable[[], bool]:
-        """Send the completion on a connection of its own; the callable reads its answer (once).
+        """Send the completion; the callable reads its answer (once, from the same thread).
 
         The worker sends it as the body returns and reads it just before the ack, so this round trip overlaps
         Celery storing the result. Any doubt (the script not loaded yet, a broken connection) is settled by
         the plain ``complete``, which a repeated finish by the same owner makes safe.
         """
         args = [owner, "finish", "completed", "summary", summary, repr(now), int(retention)]
-        pool = self.client.connection_pool
+        read: Callable[[], Any] | None
         try:
-            connection = pool.get_connection()
+            read = self._lane.send("EVALSHA", self._if_owner.sha, 1, IDEM_PREFIX + key, *args)
         except self._errors:
-            return lambda: self.complete(key, owner=owner, now=now, summary=summary, retention=retention)
-        try:
-            connection.send_command("EVALSHA", self._if_owner.sha, 1, IDEM_PREFIX + key, *args)
-        except self._errors:
-            pool.release(connection)
-            return lambda: self.complete(key, owner=owner, now=now, summary=summary, retention=retention)
+            read = None
 
         def wait() -> bool:
-            try:
-                reply = connection.read_response()
-            except self._errors:  # NOSCRIPT (nothing ran), or the connection broke (it may have run)
-                connection.disconnect()
-                return self.complete(key, owner=owner, now=now, summary=summary, retention=retention)
-            finally:
-                pool.release(connection)
-            return bool(reply)
+            if read is not None:
+                try:
+                    return bool(read())
+                except self._errors:
+                    pass
+            return self.complete(key, owner=owner, now=now, summary=summary, retention=retention)
 
         return wait
 
@@ -370,6 +378,7 @@ class RedisStore(RedisIdempotency, RedisRunLedger):
         self._throttle = self.client.register_script(_THROTTLE)
         self._due = self.client.register_script(_DUE)
         self._ledger = self.client.register_script(LEDGER_SCRIPT)
+        self._lane = Lane(self.client.connection_pool)
         self._errors: tuple[type[BaseException], ...] = (redis.RedisError,)
 
     @staticmethod
@@ -377,10 +386,7 @@ class RedisStore(RedisIdempotency, RedisRunLedger):
         return int(3 * policy.window + 2 * policy.open_seconds) + 60
 
     def _call(self, script: Any, dependency: str, args: list[Any]) -> Any:
-        try:
-            return script(keys=[KEY_PREFIX + dependency], args=args)
-        except self._errors as exc:
-            raise StoreError(f"Redis store at {self.url} failed: {exc}") from exc
+        return self._eval(script, KEY_PREFIX + dependency, args)
 
     def admit(self, dependency: str, policy: BudgetPolicy, *, retry: bool, now: float) -> Admission:
         allowed, reason, retry_at, first_denial = self._call(

@@ -55,6 +55,17 @@ def test_a_finish_repeated_by_its_owner_succeeds_again_and_changes_nothing(store
     assert store.fail(key, owner="a", now=T0 + 4, reason="late", retention=600) is False
 
 
+def test_a_claim_repeated_by_its_owner_is_acquired_again(store: Any, key: str) -> None:
+    # Given a key claimed by "a" until T0 + 10 (say its answer was lost with the connection)
+    store.claim(key, owner="a", now=T0, lease=10, retention=600)
+    # When "a" claims it again, and "b" tries
+    again = store.claim(key, owner="a", now=T0 + 1, lease=10, retention=600)
+    other = store.claim(key, owner="b", now=T0 + 2, lease=10, retention=600)
+    # Then "a" holds it (no takeover, its lease renewed) and "b" waits for the renewed lease
+    assert (again.state, again.takeover) == ("acquired", False)
+    assert (other.state, other.lease_until) == ("busy", T0 + 11)
+
+
 def test_begin_complete_completes_once_its_answer_is_read(store: Any, key: str) -> None:
     # Given a claimed key
     store.claim(key, owner="a", now=T0, lease=10, retention=600)

@@ -58,3 +58,17 @@ def test_a_completion_whose_connection_broke_before_its_answer_is_completed_agai
     assert admin.hget(IDEM_PREFIX + key, "state") == b"claimed"
     assert wait() is True
     assert store.inspect(key)["summary"] == "charged"
+
+
+def test_a_command_sent_while_a_completion_is_in_flight_gets_its_own_answer(store: RedisStore, key: str) -> None:
+    # Given a completion sent and not read yet, on this thread's connection
+    other = f"{key}-other"
+    store.claim(key, owner="a", now=T0, lease=10, retention=600)
+    wait = store.begin_complete(key, owner="a", now=T0 + 1, summary="charged", retention=600)
+    # When another key is claimed, and then found busy, before that answer is read
+    first = store.claim(other, owner="b", now=T0 + 2, lease=10, retention=600)
+    second = store.claim(other, owner="c", now=T0 + 3, lease=10, retention=600)
+    # Then each command got its own answer, and the completion's answer is still there for its waiter
+    assert (first.state, second.state, second.lease_until) == ("acquired", "busy", T0 + 12)
+    assert wait() is True
+    assert store.inspect(key)["state"] == "completed"
