@@ -29,8 +29,10 @@ again. Close it with a natural key on the effect or the provider's own idempoten
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import inspect
+import itertools
 import logging
 import os
 import threading
@@ -75,9 +77,8 @@ def render_key(task: Any, spec: Any, args: tuple[Any, ...], kwargs: dict[str, An
         except Exception as exc:
             raise IdempotencyKeyError(f"{task.name}: idempotency_key callable failed: {exc!r}") from exc
     else:
-        fields = {name for _, name, _, _ in Formatter().parse(spec) if name}
         arguments: dict[str, Any] = {}
-        if fields:
+        if _template_fields(spec):
             try:
                 bound = task_signature(task).bind(*args, **kwargs)
             except TypeError as exc:
@@ -91,6 +92,12 @@ def render_key(task: Any, spec: Any, args: tuple[Any, ...], kwargs: dict[str, An
                 f"{task.name}: idempotency_key {spec!r} names {exc}, which is not an argument of the task"
             ) from exc
     return validate_key(task.name, key)
+
+
+@functools.lru_cache(maxsize=1024)
+def _template_fields(spec: str) -> bool:
+    """Whether a key template names any field (parsed once per template: keys are made on every publish)."""
+    return any(name for _, name, _, _ in Formatter().parse(spec))
 
 
 _SIGNATURES: dict[type, inspect.Signature] = {}
@@ -110,7 +117,7 @@ def validate_key(task_name: str, key: Any) -> str:
         raise IdempotencyKeyError(f"{task_name}: idempotency key must be a non-empty str, got {key!r:.80}")
     if len(key) > KEY_MAX_LENGTH:
         raise IdempotencyKeyError(f"{task_name}: idempotency key is {len(key)} characters, over {KEY_MAX_LENGTH}")
-    if not key.isprintable() or any(c.isspace() for c in key):
+    if not key.isprintable() or key.split() != [key]:  # split() cuts at every whitespace character
         raise IdempotencyKeyError(f"{task_name}: idempotency key {key!r:.80} has whitespace or control characters")
     return key
 
@@ -124,9 +131,27 @@ def scoped_key(task_name: str, tenant: str | None, key: str) -> str:
     return f"{scoped[: STORED_MAX_LENGTH - 66]}~{digest}"
 
 
+class _Deliveries:
+    """Numbers the deliveries of this process: a random prefix per process (made again after a fork) and a
+    counter. Unique per delivery like a fresh UUID, without a call to the OS per task."""
+
+    def __init__(self) -> None:
+        self.pid = 0
+        self.prefix = ""
+        self.numbers = itertools.count()
+
+    def next(self) -> str:
+        if self.pid != os.getpid():
+            self.pid, self.prefix = os.getpid(), uuid.uuid4().hex[:8]
+        return f"{self.prefix}.{next(self.numbers)}"
+
+
+_DELIVERIES = _Deliveries()
+
+
 def delivery_owner(request: Any) -> str:
     """Who holds a claim: this delivery of this message in this worker process (unique per delivery)."""
-    return f"{request.hostname}:{os.getpid()}:{request.id}:{uuid.uuid4().hex[:8]}"
+    return f"{request.hostname}:{os.getpid()}:{request.id}:{_DELIVERIES.next()}"
 
 
 class Heartbeats:
@@ -213,7 +238,10 @@ def heartbeat(store: Store, key: str, owner: str, *, lease: float) -> Iterator[N
 
 
 def _summary(request: Any) -> str:
-    summary: str = saferepr(getattr(request, "guardrails_retval", None), SUMMARY_MAX_LENGTH)
+    retval = getattr(request, "guardrails_retval", None)
+    if retval is None or type(retval) in (int, bool, float):  # most tasks: saferepr's walk would cost more
+        return repr(retval)[:SUMMARY_MAX_LENGTH]
+    summary: str = saferepr(retval, SUMMARY_MAX_LENGTH)
     return summary[:SUMMARY_MAX_LENGTH]
 
 
