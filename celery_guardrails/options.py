@@ -21,13 +21,14 @@ from __future__ import annotations
 import difflib
 import logging
 import re
-from collections.abc import Callable, Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Callable, Mapping
 from contextvars import ContextVar
 from dataclasses import dataclass
 from importlib import import_module
 from typing import Any
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
+
+from celery.local import Proxy
 
 from celery_guardrails.exceptions import ConfigurationError
 from celery_guardrails.redaction import DEFAULT_REDACT_KEYS
@@ -620,15 +621,21 @@ def validate(raw: Any, *, scope: str = APP) -> dict[str, Any]:
 _snapshot: ContextVar[tuple[Any, dict[str, Any]] | None] = ContextVar("guardrails_settings", default=None)
 
 
-@contextmanager
-def settings_snapshot(app: Any) -> Iterator[None]:
+class settings_snapshot:  # lower case: used like the function it replaced, ``with settings_snapshot(app):``
     """Read the app config once for a block: a publish, a task run, a hook (Celery's config lookups are
-    slow enough to show in the per-task cost when every option is looked up again)."""
-    token = _snapshot.set((app, app_settings(app, fresh=True)))
-    try:
-        yield
-    finally:
-        _snapshot.reset(token)
+    slow enough to show in the per-task cost when every option is looked up again). A class rather than a
+    generator: it is entered several times per task."""
+
+    __slots__ = ("app", "token")
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    def __enter__(self) -> None:
+        self.token = _snapshot.set((self.app, app_settings(self.app, fresh=True)))
+
+    def __exit__(self, *exc_info: object) -> None:
+        _snapshot.reset(self.token)
 
 
 def app_settings(app: Any, *, fresh: bool = False) -> dict[str, Any]:
@@ -675,7 +682,8 @@ def task_attribute(task: Any, name: str) -> Any:
     """Attribute ``name`` of the task's class (None when unset)."""
     # Read from the class: a function given as a decorator kwarg must not become a bound method. A task
     # from @app.task before the app is finalised is a proxy: look through it.
-    task = task._get_current_object() if hasattr(task, "_get_current_object") else task
+    if isinstance(task, Proxy):
+        task = task._get_current_object()
     return getattr(type(task), name, None)
 
 
