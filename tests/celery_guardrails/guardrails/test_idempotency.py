@@ -13,6 +13,7 @@ import pytest
 from celery.exceptions import TimeoutError as CeleryTimeout
 
 from celery_guardrails import IdempotencyKeyError, PermanentError, signals, tenant_context
+from celery_guardrails.guardrails.idempotency import Heartbeats
 from celery_guardrails.stores import get_store
 from tests.conftest import Sink, waiting_messages
 from tests.proj import tasks
@@ -112,6 +113,44 @@ def test_permanent_failure_marks_the_key_failed_and_duplicates_are_ignored(
     assert store.reopen(key) is True
     assert tasks.charge.delay(oid, sink.key).get(timeout=TIMEOUT) == f"charged {oid}"
     assert effects(sink) == 1
+
+
+def test_a_result_celery_cannot_store_leaves_the_key_completed(
+    celery_worker: Any, celery_app: Any, sink: Sink, oid: int
+) -> None:
+    # Given a charge whose body makes its effect, then returns what the JSON result serializer refuses
+    result = tasks.charge.delay(oid, sink.key, ["unencodable"])
+    # When Celery fails to store that result (the task ends FAILED, through on_failure)
+    with pytest.raises(Exception) as failed:
+        result.get(timeout=TIMEOUT)
+    assert type(failed.value).__name__ == "EncodeError"
+    # Then the key is completed, not failed: a second message with the key is a duplicate, one effect in all
+    key = f"tests.proj.tasks.charge:-:charge:{oid}"
+    assert get_store(celery_app).inspect(key)["state"] == "completed"
+    assert tasks.charge.delay(oid, sink.key).get(timeout=TIMEOUT).startswith("{'order': ")
+    assert effects(sink) == 1
+
+
+def test_the_heartbeat_keeps_a_short_lease_alive_after_a_long_one_let_its_thread_sleep(celery_app: Any) -> None:
+    # Given a heartbeat thread that last held a 60 s claim (so it sleeps 20 s between looks), then a claim
+    # with a 1.5 s lease on the real Redis store
+    store, beats = get_store(celery_app), Heartbeats()
+    key, other = f"tests.heartbeat:-:{uuid.uuid4().hex}", f"tests.heartbeat:-:{uuid.uuid4().hex}"
+    beats.add(store, other, "long", lease=60)
+    beats.remove(other, "long")
+    assert store.claim(key, owner="a", now=time.time(), lease=1.5, retention=600).state == "acquired"
+    beats.add(store, key, "a", lease=1.5)
+    # When another delivery tries to take it for 4 s (over two leases)
+    answers = set()
+    deadline = time.monotonic() + 4
+    while time.monotonic() < deadline:
+        answers.add(store.claim(key, owner="b", now=time.time(), lease=1.5, retention=600).state)
+        time.sleep(0.25)
+    # Then it was held all along; once the beats stop, the lease runs out and the other takes over
+    assert answers == {"busy"}
+    beats.remove(key, "a")
+    time.sleep(2)
+    assert store.claim(key, owner="b", now=time.time(), lease=1.5, retention=600).takeover is True
 
 
 def test_send_task_without_the_header_is_keyed_on_the_worker(
