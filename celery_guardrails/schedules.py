@@ -116,6 +116,7 @@ class DailyAt:
         return instants
 
     def next_after(self, instant: datetime) -> datetime:
+        instant = _aware(instant)
         day = instant.astimezone(self.zone).date() - timedelta(days=1)
         while True:
             for run in self.runs_on(day):
@@ -134,7 +135,7 @@ class Every:
     def next_after(self, instant: datetime) -> datetime:
         # In UTC: arithmetic between datetimes of one ZoneInfo is wall-clock arithmetic, DST ignored.
         anchor = self.anchor.astimezone(UTC)
-        elapsed = (instant.astimezone(UTC) - anchor) // self.interval
+        elapsed = (_aware(instant).astimezone(UTC) - anchor) // self.interval
         return anchor + (elapsed + 1) * self.interval
 
 

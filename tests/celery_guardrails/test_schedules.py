@@ -483,8 +483,10 @@ def test_timetable_and_cron_refuse_bad_arguments() -> None:
         Cron(frozenset({0}), frozenset(), frozenset({0}), frozenset({1}), frozenset({1}), zone)
     with pytest.raises(ValueError, match=r"no day of the month in \[30, 31\] occurs in the months \[2\]"):
         Cron(frozenset({0}), frozenset({0}), frozenset({0}), frozenset({30, 31}), frozenset({2}), zone)
-    with pytest.raises(ValueError, match="timezone-aware instant"):
-        cron_of(crontab(), zone).next_after(datetime(2026, 1, 1))
+    # a naive instant: every timetable refuses it (an interval would have read it as the machine's local time)
+    for table in (cron_of(crontab(), zone), DailyAt(time(2, 30), zone), Every(HOUR, EPOCH)):
+        with pytest.raises(ValueError, match="timezone-aware instant, got the naive 2026-01-01T00:00:00"):
+            table.next_after(datetime(2026, 1, 1))
 
 
 # periods_between ---------------------------------------------------------------------------------------------------
