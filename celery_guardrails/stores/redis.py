@@ -8,6 +8,7 @@ Lua float to an integer reply). Each hash expires when its dependency has been q
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from typing import Any
 
@@ -231,10 +232,12 @@ class RedisIdempotency:
     def _eval(self, script: Any, key: str, args: list[Any]) -> Any:
         """Run a registered script on this thread's lane (see :mod:`~celery_guardrails.stores.redis_lane`)."""
         try:
-            try:
-                return self._lane.call("EVALSHA", script.sha, 1, key, *args)
-            except self._errors:  # NOSCRIPT (nothing ran) or a broken connection: the client loads and retries
-                return script(keys=[key], args=args)
+            if self._lane.available:
+                try:
+                    return self._lane.call("EVALSHA", script.sha, 1, key, *args)
+                except self._errors:  # NOSCRIPT (nothing ran) or a broken connection: the client loads, retries
+                    pass
+            return script(keys=[key], args=args)
         except self._errors as exc:
             raise StoreError(f"Redis store at {self.url} failed: {exc}") from exc
 
@@ -272,11 +275,10 @@ class RedisIdempotency:
         the plain ``complete``, which a repeated finish by the same owner makes safe.
         """
         args = [owner, "finish", "completed", "summary", summary, repr(now), int(retention)]
-        read: Callable[[], Any] | None
-        try:
-            read = self._lane.send("EVALSHA", self._if_owner.sha, 1, IDEM_PREFIX + key, *args)
-        except self._errors:
-            read = None
+        read: Callable[[], Any] | None = None
+        if self._lane.available:
+            with contextlib.suppress(*self._errors):
+                read = self._lane.send("EVALSHA", self._if_owner.sha, 1, IDEM_PREFIX + key, *args)
 
         def wait() -> bool:
             if read is not None:

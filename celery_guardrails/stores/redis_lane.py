@@ -11,10 +11,15 @@ command on the same thread reads it first, so answers are never mixed up; its wa
 that was read for it. Any error is the caller's to settle through the pooled client, which loads missing
 scripts and retries broken connections, as redis-py retries its own: every idempotency transition is safe to
 repeat for its owner (a budget count may count twice, as with redis-py's own retry).
+
+Not under green threads: gevent and eventlet make ``threading.local`` local to a greenlet, and Celery's green
+pools run each task in a new greenlet, so a lane there would open a connection per task. There
+``Lane.available`` is False and the store uses its pooled client.
 """
 
 from __future__ import annotations
 
+import _thread
 import os
 import threading
 from collections.abc import Callable
@@ -53,6 +58,8 @@ class Lane:
     def __init__(self, pool: Any) -> None:
         self.pool = pool
         self.local = threading.local()
+        #: False when ``threading.local`` was patched for green threads (see the module docstring).
+        self.available = threading.local is _thread._local
 
     def _ready(self) -> Any:
         local = self.local

@@ -3,6 +3,7 @@ answer (real Redis: a flushed script cache, a connection killed by the server)."
 
 from __future__ import annotations
 
+import threading
 import uuid
 
 import pytest
@@ -72,3 +73,25 @@ def test_a_command_sent_while_a_completion_is_in_flight_gets_its_own_answer(stor
     assert (first.state, second.state, second.lease_until) == ("acquired", "busy", T0 + 12)
     assert wait() is True
     assert store.inspect(key)["state"] == "completed"
+
+
+def test_under_green_threads_the_store_keeps_to_its_pool(monkeypatch: pytest.MonkeyPatch, key: str) -> None:
+    # Given threading.local patched as gevent and eventlet patch it (a local per greenlet: a lane there would
+    # be a connection per task)
+    require("redis")
+
+    class GreenLocal(threading.local):
+        pass
+
+    monkeypatch.setattr(threading, "local", GreenLocal)
+    name = f"tests-{uuid.uuid4().hex[:8]}"
+    store = RedisStore(f"{REDIS_URL}?client_name={name}")
+    # When a key is claimed and completed
+    assert store.claim(key, owner="a", now=T0, lease=10, retention=600).state == "acquired"
+    assert store.begin_complete(key, owner="a", now=T0 + 1, summary="charged", retention=600)() is True
+    # Then that went through the pool: no lane connection, one pooled connection to the server
+    assert store._lane.available is False
+    assert getattr(store._lane.local, "connection", None) is None
+    admin = redis.Redis.from_url(REDIS_URL)
+    assert [c["name"] for c in admin.client_list()].count(name) == 1
+    assert store.inspect(key)["summary"] == "charged"
