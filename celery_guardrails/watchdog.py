@@ -15,12 +15,14 @@ Where it runs:
 
 * in every worker, as a bootstep thread (:class:`WatchdogStep`) that checks every ``watchdog_interval``
   seconds; a claim in the store with a lease of one interval lets one worker in the cluster check per
-  interval. It also sends the dead-letter alert summaries that are due. ``watchdog=False`` turns it off.
+  interval (one claim per set of guarded schedules: see :func:`lock_key`). It also sends the dead-letter
+  alert summaries that are due. ``watchdog=False`` turns it off.
 * as ``python manage.py guardrails_watchdog`` (Django), for cron or a Kubernetes CronJob.
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import socket
@@ -96,10 +98,21 @@ def _check_entry(app: Any, entry: Entry, current: float, findings: Findings) -> 
                 )
 
 
+def lock_key(app: Any) -> str:
+    """The watchdog claim of the app's guarded schedules (named by their sorted names).
+
+    The workers of one app share it. Another app on the same store, guarding other schedules, has its own:
+    with one claim for all, the app that checked first in each interval could keep the others from ever
+    checking theirs.
+    """
+    names = "\n".join(sorted(app_value(app, "schedules")))
+    return f"{LOCK_KEY}:{hashlib.sha256(names.encode()).hexdigest()[:16]}"
+
+
 def check_if_my_turn(app: Any, *, owner: str) -> Findings | None:
     """Check unless another process checked within the last ``watchdog_interval``; None when it did."""
     interval = app_value(app, "watchdog_interval")
-    claim = get_store(app).claim(LOCK_KEY, owner=owner, now=time.time(), lease=interval * 0.9, retention=interval)
+    claim = get_store(app).claim(lock_key(app), owner=owner, now=time.time(), lease=interval * 0.9, retention=interval)
     if claim.state != ACQUIRED:
         return None
     return check(app)

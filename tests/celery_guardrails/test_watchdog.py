@@ -14,7 +14,7 @@ from celery_guardrails import signals
 from celery_guardrails.beat import Entry
 from celery_guardrails.ledger import DISPATCHED, MISSED, OK, OVERDUE, RUNNING
 from celery_guardrails.options import SchedulePolicy
-from celery_guardrails.watchdog import LOCK_KEY, check, check_if_my_turn
+from celery_guardrails.watchdog import check, check_if_my_turn, lock_key
 from tests.support.services import REDIS_URL, require
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -120,11 +120,27 @@ def _forget_lock(app: Any) -> None:
 
     store = get_store(app)
     if isinstance(store, RedisStore):
-        store.client.delete(IDEM_PREFIX + LOCK_KEY)
+        store.client.delete(IDEM_PREFIX + lock_key(app))
     else:
         from django_celery_guardrails.models import IdempotencyKey
 
-        IdempotencyKey.objects.filter(key=LOCK_KEY).delete()
+        IdempotencyKey.objects.filter(key=lock_key(app)).delete()
+
+
+def test_apps_guarding_other_schedules_on_one_store_each_get_their_turn(app: Any) -> None:
+    # Given two apps on one store, each guarding a schedule of its own, and a second worker of the first app
+    def guarding(name: str) -> Any:
+        other = Celery(f"watchdog-{uuid.uuid4().hex[:6]}", set_as_current=False)
+        other.conf.beat_schedule = {name: {"task": "tests.proj.tasks.scheduled_job", "schedule": 60.0}}
+        other.conf.guardrails = {**app.conf.guardrails, "schedules": {name: {}}, "watchdog_interval": 30.0}
+        return other
+
+    first, second = (f"job-{uuid.uuid4().hex[:8]}" for _ in range(2))
+    apps = [guarding(first), guarding(second), guarding(first)]
+    # When each checks in the same interval
+    turns = [check_if_my_turn(a, owner=f"w{i}-{uuid.uuid4().hex[:6]}") for i, a in enumerate(apps)]
+    # Then both apps checked their schedules, and the first app's second worker left it to its first
+    assert [turn is not None for turn in turns] == [True, True, False]
 
 
 def test_the_watchdog_thread_ends_with_its_worker(celery_app: Any) -> None:
