@@ -18,7 +18,6 @@ A ``before_run`` hook refuses a message by raising; the body then does not run.
 
 from __future__ import annotations
 
-import functools
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -67,10 +66,23 @@ class Guardrail:
         """Called on the worker after a retry was published (Celery's ``on_retry``)."""
 
 
-@functools.cache
+_OVERRIDING: dict[tuple[int, str], tuple[tuple[Guardrail, ...], tuple[Guardrail, ...]]] = {}
+
+
 def overriding(guardrails: tuple[Guardrail, ...], hook: str) -> tuple[Guardrail, ...]:
-    """The guardrails whose class overrides ``hook``, in pipeline order (computed once per tuple)."""
-    return tuple(g for g in guardrails if getattr(type(g), hook) is not getattr(Guardrail, hook))
+    """The guardrails whose class overrides ``hook``, in pipeline order.
+
+    Computed once per tuple, found by identity: a guardrail need not be hashable (a plain ``@dataclass`` is
+    not). A ``guardrails`` made anew on every access is computed every time (the cache stays small).
+    """
+    cached = _OVERRIDING.get((id(guardrails), hook))
+    if cached is not None and cached[0] is guardrails:
+        return cached[1]
+    found = tuple(g for g in guardrails if getattr(type(g), hook) is not getattr(Guardrail, hook))
+    if len(_OVERRIDING) > 256:
+        _OVERRIDING.clear()
+    _OVERRIDING[(id(guardrails), hook)] = (guardrails, found)
+    return found
 
 
 class SkipBody(Exception):

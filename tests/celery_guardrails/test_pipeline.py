@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any
 
 import pytest
@@ -59,6 +60,25 @@ def recorded(self: GuardedTask, outcome: str) -> str:
     return "done"
 
 
+@dataclass
+class OnlyOnSuccess(Guardrail):
+    """A plain dataclass (so not hashable) that overrides one hook."""
+
+    name: str
+
+    def on_success(self, task: GuardedTask, retval: Any) -> None:
+        CALLS.append((self.name, "success", retval))
+
+
+class SparseTask(GuardedTask):
+    guardrails = (*GuardedTask.guardrails, OnlyOnSuccess(name="s"))
+
+
+@shared_task(base=SparseTask)
+def sparse() -> str:
+    return "done"
+
+
 @pytest.fixture(autouse=True)
 def _clear_calls() -> None:
     CALLS.clear()
@@ -97,3 +117,11 @@ def test_retry_publishes_again_and_runs_retry_hooks(celery_worker: Any) -> None:
     assert steps.index(("b", "retry")) < steps.index(("a", "retry"))
     assert [value for name, hook, value in CALLS if hook == "publish"] == ["acme"] * 4
     assert steps[-2:] == [("b", "success"), ("a", "success")]
+
+
+def test_a_guardrail_may_be_an_unhashable_dataclass_with_one_hook(celery_worker: Any) -> None:
+    # Given a task whose extra guardrail is a plain dataclass overriding only on_success
+    # When it runs
+    assert sparse.delay().get(timeout=30) == "done"
+    # Then that hook ran, once, with the result
+    assert CALLS == [("s", "success", "done")]
