@@ -216,6 +216,12 @@ ALERT_PREFIX = "guardrails:alert:"
 ALERT_PENDING = "guardrails:alert-pending"
 
 
+def _finish(owner: str, state: str, text: str, now: float, retention: float) -> list[Any]:
+    """The _IF_OWNER arguments that end a claim: completed with a summary, or failed with a reason."""
+    field = "summary" if state == "completed" else "reason"
+    return [owner, "finish", state, field, text, repr(now), int(retention)]
+
+
 class RedisIdempotency:
     """The idempotency half of :class:`RedisStore` (mixed in)."""
 
@@ -261,11 +267,7 @@ class RedisIdempotency:
         return bool(self._run(self._if_owner, key, [owner, "extend", f"{now + lease:.6f}"]))
 
     def complete(self, key: str, *, owner: str, now: float, summary: str, retention: float) -> bool:
-        return bool(
-            self._run(
-                self._if_owner, key, [owner, "finish", "completed", "summary", summary, repr(now), int(retention)]
-            )
-        )
+        return bool(self._run(self._if_owner, key, _finish(owner, "completed", summary, now, retention)))
 
     def begin_complete(self, key: str, *, owner: str, now: float, summary: str, retention: float) -> Callable[[], bool]:
         """Send the completion; the callable reads its answer (once, from the same thread).
@@ -274,7 +276,7 @@ class RedisIdempotency:
         Celery storing the result. Any doubt (the script not loaded yet, a broken connection) is settled by
         the plain ``complete``, which a repeated finish by the same owner makes safe.
         """
-        args = [owner, "finish", "completed", "summary", summary, repr(now), int(retention)]
+        args = _finish(owner, "completed", summary, now, retention)
         read: Callable[[], Any] | None = None
         if self._lane.available:
             with contextlib.suppress(*self._errors):
@@ -291,9 +293,7 @@ class RedisIdempotency:
         return wait
 
     def fail(self, key: str, *, owner: str, now: float, reason: str, retention: float) -> bool:
-        return bool(
-            self._run(self._if_owner, key, [owner, "finish", "failed", "reason", reason, repr(now), int(retention)])
-        )
+        return bool(self._run(self._if_owner, key, _finish(owner, "failed", reason, now, retention)))
 
     def release(self, key: str, *, owner: str) -> bool:
         return bool(self._run(self._if_owner, key, [owner, "release"]))
