@@ -15,11 +15,10 @@ from __future__ import annotations
 
 import json
 import logging
-import time
 import urllib.request
 from typing import Any
 
-from celery_guardrails import signals
+from celery_guardrails import clock, signals
 from celery_guardrails.options import app_value
 from celery_guardrails.outcomes import FinalFailure
 from celery_guardrails.stores import get_store
@@ -37,7 +36,7 @@ def _on_dead_lettered(sender: Any = None, failure: FinalFailure | None = None, *
     try:
         app = sender.app
         flush_alert_summaries(app)
-        if get_store(app).throttle(group_of(failure), window=app_value(app, "alert_throttle"), now=time.time()):
+        if get_store(app).throttle(group_of(failure), window=app_value(app, "alert_throttle"), now=clock.now(app)):
             send(app, subject=f"Dead letter: {failure.task_name} ({failure.reason})", failure=failure)
     except Exception:  # an alert must never fail the task or lose the ack
         logger.exception("Alert for dead letter %s could not be sent", getattr(failure, "task_id", None))
@@ -45,7 +44,7 @@ def _on_dead_lettered(sender: Any = None, failure: FinalFailure | None = None, *
 
 def flush_alert_summaries(app: Any) -> int:
     """Send the summaries of throttle windows that are over; how many were sent."""
-    due = get_store(app).due_summaries(now=time.time())
+    due = get_store(app).due_summaries(now=clock.now(app))
     for group, count in due:
         owner, task_name, reason = group.split("|", 2)
         send(

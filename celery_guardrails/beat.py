@@ -28,8 +28,6 @@ from __future__ import annotations
 
 import heapq
 import logging
-import os
-import time
 import uuid
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -41,9 +39,12 @@ from celery.beat import PersistentScheduler
 from celery.schedules import crontab
 
 from celery_guardrails import headers, signals
+
+# accelerated_clock stays importable from here: settings name it as celery_guardrails.beat.accelerated_clock.
+from celery_guardrails.clock import accelerated_clock, now
 from celery_guardrails.exceptions import ConfigurationError
 from celery_guardrails.ledger import MISSED, period_key
-from celery_guardrails.options import SchedulePolicy, app_value, load
+from celery_guardrails.options import SchedulePolicy, app_value
 from celery_guardrails.schedules import Every, parse_crontab, periods_between, timetable
 from celery_guardrails.stores import django_apps_installed, get_store
 
@@ -56,26 +57,6 @@ LOOKBACK = 7 * 24 * 3600.0
 MAX_PERIODS = 2000
 #: Seconds a guarded scheduler sleeps at most between two looks at its entries.
 TICK = 1.0
-#: The environment variable of :func:`accelerated_clock`.
-CLOCK_ENV = "GUARDRAILS_CLOCK"
-
-
-def now(app: Any) -> float:
-    """The current time for the schedule guardrails: the ``clock`` option, else ``time.time()``."""
-    clock = app_value(app, "clock")
-    return float(load(clock)()) if clock is not None else time.time()
-
-
-def accelerated_clock() -> float:
-    """A clock for demos and simulations: set the ``clock`` option to ``"celery_guardrails.beat.accelerated_clock"``
-    and ``GUARDRAILS_CLOCK="<t0>:<speed>"`` in the environment of beat, workers and the watchdog: from the real
-    instant ``t0`` on, time runs ``speed`` times faster, the same in every process. Unset: the real time."""
-    real = time.time()
-    value = os.environ.get(CLOCK_ENV)
-    if not value:
-        return real
-    t0, speed = (float(part) for part in value.split(":"))
-    return t0 + (real - t0) * speed
 
 
 @dataclass(slots=True, kw_only=True)
@@ -360,9 +341,14 @@ class GuardedSchedulerMixin:
     def _tick_entry(self, entry: Entry, current: float) -> float:
         seen = self._guardrails_horizons.get(entry.name)
         if seen is None:
-            seen = horizon(self.app, entry.name)
-            if seen is None:  # never run: start now, nothing to catch up
-                seen = current
+            found = horizon(self.app, entry.name)
+            seen = current if found is None else found  # never run: start now, nothing to catch up
+            logger.info(
+                "Guarded beat entry %r: periods after %s are due (%s)",
+                entry.name,
+                moment(seen),
+                "no ledger record yet: from now on" if found is None else "the ledger's newest handled period",
+            )
         periods = entry.periods(seen, current)
         if periods:
             to_dispatch, to_record = plan(entry, periods, current)
@@ -386,4 +372,12 @@ class GuardedScheduler(GuardedSchedulerMixin, PersistentScheduler):  # type: ign
     """Celery's default (shelve-file) scheduler with the schedule guardrails."""
 
 
-__all__ = ["GuardedScheduler", "GuardedSchedulerMixin", "configured_entries", "dispatch", "plan"]
+__all__ = [
+    "GuardedScheduler",
+    "GuardedSchedulerMixin",
+    "accelerated_clock",
+    "configured_entries",
+    "dispatch",
+    "now",
+    "plan",
+]

@@ -572,8 +572,9 @@ OPTIONS: Mapping[str, Option] = {
         Option(
             name="clock",
             default=None,
-            doc="Callable (or dotted path) returning the current time as epoch seconds, for the schedule "
-            "guardrails (beat, ledger, watchdog); default time.time. For simulations and tests.",
+            doc="Callable (or dotted path) returning the current time as epoch seconds, read by the schedule "
+            "guardrails (beat, ledger, watchdog), retry budgets and circuit breakers, and alert throttles; leases "
+            "stay in real time. Default time.time. For demos, simulations and tests: see celery_guardrails.clock.",
             check=_callable_or_path,
             scopes=frozenset({APP}),
         ),

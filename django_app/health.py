@@ -32,7 +32,7 @@ from typing import Any
 from django.db.models import Count, Max, OuterRef, Q, Subquery
 
 from celery_guardrails.beat import Entry, configured_entries, owner_of_entry
-from celery_guardrails.beat import now as current_time
+from celery_guardrails.clock import now as current_time
 from celery_guardrails.ledger import DISPATCHED, FAILED, MISSED, OK, OVERDUE, RUNNING
 
 from .models import ScheduledRun

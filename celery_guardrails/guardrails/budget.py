@@ -17,11 +17,10 @@ from __future__ import annotations
 
 import logging
 import random
-import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from celery_guardrails import headers, signals
+from celery_guardrails import clock, headers, signals
 from celery_guardrails.classification import Kind
 from celery_guardrails.exceptions import BudgetExhaustedError
 from celery_guardrails.options import app_value, resolve
@@ -63,7 +62,7 @@ class RetryBudget(Guardrail):
             return
         policy = policy_for(task, call)
         store = get_store(task.app)
-        now = time.time()
+        now = clock.now(task.app)
         admission = store.admit(dependency, policy, retry=request.attempt > 1, now=now)
         if admission.first_denial:
             logger.warning("Retry budget of %s exhausted until %.0f", dependency, admission.retry_at)
@@ -117,7 +116,7 @@ class RetryBudget(Guardrail):
             return
         call = task.call_options()
         policy = policy_for(task, call)
-        now = time.time()
+        now = clock.now(task.app)
         if get_store(task.app).record_outcome(dependency, policy, failed=failed, now=now):
             logger.warning("Circuit of %s opened for %.1fs", dependency, policy.open_seconds)
             signals.circuit_opened.send(sender=task, dependency=dependency, until=now + policy.open_seconds)
@@ -144,4 +143,4 @@ def budget_status(dependency: str, *, app: Any = None) -> dict[str, Any]:
 
     app = app or current_app
     policy = policy_from(lambda name: app_value(app, name))
-    return get_store(app).budget_status(dependency, policy, now=time.time())
+    return get_store(app).budget_status(dependency, policy, now=clock.now(app))

@@ -24,7 +24,8 @@ from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any
 
 from celery_guardrails import headers
-from celery_guardrails.beat import moment, now
+from celery_guardrails.beat import moment
+from celery_guardrails.clock import now
 from celery_guardrails.exceptions import RetryLater
 from celery_guardrails.guardrails.idempotency import delivery_owner, heartbeat, task_signature
 from celery_guardrails.guardrails.retries import retry_later
