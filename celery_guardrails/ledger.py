@@ -18,6 +18,11 @@ Statuses and who sets them::
 
 A record moves on only through these operations, each atomic in the store. A ``missed`` record that no
 message was sent for (``task_id`` empty) may still be dispatched once by a catch-up policy.
+
+A period is reported missed once (``run_missed`` and the owner's alert), by whichever beat, watchdog or
+command made the change that first set its ``missed_at``: the insert of a missed record, or the conditional
+update that moved it to missed. A catch-up dispatch of a missed period that is then lost too moves the
+record to missed again, without a second report (the owner already knows the period did not run).
 """
 
 from __future__ import annotations
@@ -59,6 +64,8 @@ class Run:
     started_at: float | None = None
     finished_at: float | None = None
     reason: str = ""
+    #: When the period was first recorded missed (it stays set through a catch-up and its run).
+    missed_at: float | None = None
 
 
 def period_key(schedule: str, period: float) -> str:
@@ -79,13 +86,16 @@ class RunLedger(Protocol):
 
     def run_record(self, schedule: str, period: float, *, status: str, now: float, reason: str) -> bool:
         """Insert a record with ``status`` (missed, skipped_overlap) unless the period has one; whether it did.
-        Its ``finished_at`` is ``now``: when the decision was recorded."""
+        Its ``finished_at`` is ``now``: when the decision was recorded (and its ``missed_at``, if missed)."""
         ...
 
     def run_transition(
         self, schedule: str, period: float, *, from_: tuple[str, ...], to: str, now: float, reason: str
     ) -> bool:
-        """Move the record from one of ``from_`` to ``to``; whether this call moved it."""
+        """Move the record from one of ``from_`` to ``to``; whether this call moved it.
+
+        Moving to ``missed`` sets ``missed_at`` unless the period was missed before; True only when it was
+        not (the call that may report the period missed): a period moved to missed again answers False."""
         ...
 
     def run_start(self, schedule: str, period: float, *, task_id: str, now: float) -> None:

@@ -3,13 +3,14 @@
 One check (:func:`check`), for every beat entry with a policy whose schedule has a ledger record:
 
 * each period due more than ``grace`` ago with no record (beat is down, or stuck) is recorded ``missed``;
-* a record still ``dispatched`` more than ``grace`` after its period (no worker started it: the message is
-  stuck in a queue or was lost) moves to ``missed``;
+* a record still ``dispatched`` more than ``grace`` after its period, or after its dispatch for a catch-up
+  (no worker started it: the message is stuck in a queue or was lost) moves to ``missed``;
 * a record ``running`` longer than ``max_runtime`` moves to ``overdue``.
 
 Each of these is one atomic insert or conditional update in the store, and only the check that made it
 sends ``run_missed`` / ``run_overdue`` and alerts the entry's owner through ``alert_channels``: once per
-period, however many watchdogs run. A schedule with no record yet (beat never dispatched it) is not checked.
+period, however many watchdogs and beats run (a period already reported missed is not reported again; see
+:mod:`celery_guardrails.ledger`). A schedule with no record yet (beat never dispatched it) is not checked.
 
 Where it runs:
 
@@ -33,7 +34,8 @@ from typing import Any
 
 from celery import bootsteps
 
-from celery_guardrails.beat import Entry, configured_entries, moment, now, report
+from celery_guardrails.beat import Entry, configured_entries, moment, report
+from celery_guardrails.clock import now
 from celery_guardrails.ledger import DISPATCHED, MISSED, OVERDUE, RUNNING
 from celery_guardrails.options import app_value
 from celery_guardrails.stores import get_store
@@ -77,7 +79,10 @@ def _check_entry(app: Any, entry: Entry, current: float, findings: Findings) -> 
             findings.missed.append((entry.name, period))
             report(app, entry, period, kind="missed", reason=reason)
     for run in store.run_list(entry.name, statuses=(DISPATCHED, RUNNING), limit=500):
-        if run.status == DISPATCHED and current - run.period > grace:
+        # Late from its dispatch, not its due time: a catch-up dispatched after its period's grace is not
+        # lost the moment it is sent (seen as a second missed alert when the worker was slower than a check).
+        sent = max(run.period, run.dispatched_at or run.period)
+        if run.status == DISPATCHED and current - sent > grace:
             reason = f"dispatched as {run.task_id} but not started within {grace:g}s (queue backlog or lost message)"
             if store.run_transition(entry.name, run.period, from_=(DISPATCHED,), to=MISSED, now=current, reason=reason):
                 findings.missed.append((entry.name, run.period))

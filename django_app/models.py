@@ -357,6 +357,15 @@ class ScheduledRun(models.Model):
         default="",
         help_text=_("Why it was missed, skipped, overdue or failed (at most 500 characters)."),
     )
+    missed_at = models.DateTimeField(
+        _("missed at"),
+        null=True,
+        blank=True,
+        help_text=_(
+            "When the period was first recorded missed, and its owner alerted (once). Kept when a catch-up "
+            "runs it later."
+        ),
+    )
     updated_at = models.DateTimeField(_("updated at"), auto_now=True, help_text=_("Last change of this record."))
 
     objects = ScheduledRunQuerySet.as_manager()

@@ -64,6 +64,7 @@ def _run(row: ScheduledRun) -> Run:
         started_at=_seconds(row.started_at),
         finished_at=_seconds(row.finished_at),
         reason=row.reason,
+        missed_at=_seconds(row.missed_at),
     )
 
 
@@ -280,21 +281,29 @@ class DjangoStore:
         return self._ledger(f"dispatch {schedule!r} @ {period}", dispatch)
 
     def run_record(self, schedule: str, period: float, *, status: str, now: float, reason: str) -> bool:
-        return self._ledger(
-            f"record {schedule!r} @ {period}",
-            lambda: self._insert(
-                schedule, period, status=status, reason=reason[:REASON_MAX_LENGTH], finished_at=_moment(now)
-            ),
-        )
+        values = {"status": status, "reason": reason[:REASON_MAX_LENGTH], "finished_at": _moment(now)}
+        if status == MISSED:
+            values["missed_at"] = values["finished_at"]
+        return self._ledger(f"record {schedule!r} @ {period}", lambda: self._insert(schedule, period, **values))
 
     def run_transition(
         self, schedule: str, period: float, *, from_: tuple[str, ...], to: str, now: float, reason: str
     ) -> bool:
         records = self._record(schedule, period).filter(status__in=from_)
-        return self._ledger(
-            f"move {schedule!r} @ {period} to {to}",
-            lambda: self._update(records, status=to, reason=reason[:REASON_MAX_LENGTH]),
-        )
+        values = {"status": to, "reason": reason[:REASON_MAX_LENGTH]}
+
+        def move() -> bool:
+            if to != MISSED:
+                return self._update(records, **values)
+            # Reported once: only the update that first sets missed_at answers True; one that moves a period
+            # missed before (a lost catch-up) answers False. Each UPDATE is atomic, so of two racing
+            # watchdogs one moves the record and the other finds it moved already.
+            if self._update(records.filter(missed_at__isnull=True), missed_at=_moment(now), **values):
+                return True
+            self._update(records, **values)
+            return False
+
+        return self._ledger(f"move {schedule!r} @ {period} to {to}", move)
 
     def run_start(self, schedule: str, period: float, *, task_id: str, now: float) -> None:
         # dispatched_at and reason are kept; a start after an end (a redelivered message) clears the end.

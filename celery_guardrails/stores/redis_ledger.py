@@ -53,6 +53,7 @@ elseif op == 'record' then
   if r then return 0 end
   r = fresh(ARGV[6])
   r.reason, r.finished_at = ARGV[7], now
+  if ARGV[6] == 'missed' then r.missed_at = now end
   save(r)
   return 1
 elseif op == 'transition' then
@@ -61,8 +62,13 @@ elseif op == 'transition' then
   for i = 8, #ARGV do if r.status == ARGV[i] then allowed = true end end
   if not allowed then return 0 end
   r.status, r.reason = ARGV[6], ARGV[7]
+  local first = 1
+  if ARGV[6] == 'missed' then
+    -- A period is reported missed once: moved to missed again (a lost catch-up), it answers 0.
+    if r.missed_at then first = 0 else r.missed_at = now end
+  end
   save(r)
-  return 1
+  return first
 elseif op == 'start' then
   r = r or fresh('running')
   r.status, r.task_id, r.started_at, r.finished_at = 'running', ARGV[6], now, nil
@@ -98,6 +104,7 @@ def _run(raw: bytes | str) -> Run:
         started_at=_time(record.get("started_at")),
         finished_at=_time(record.get("finished_at")),
         reason=record.get("reason") or "",
+        missed_at=_time(record.get("missed_at")),
     )
 
 

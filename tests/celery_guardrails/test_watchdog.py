@@ -4,6 +4,8 @@ dispatches and overdue runs are recorded and reported once each, however many ch
 from __future__ import annotations
 
 import uuid
+from collections import Counter
+from pathlib import Path
 from typing import Any
 from zoneinfo import ZoneInfo
 
@@ -15,7 +17,9 @@ from celery_guardrails.beat import Entry
 from celery_guardrails.ledger import DISPATCHED, MISSED, OK, OVERDUE, RUNNING
 from celery_guardrails.options import SchedulePolicy
 from celery_guardrails.watchdog import check, check_if_my_turn, lock_key
+from tests.support.scheduling import Rig, a_whole_minute
 from tests.support.services import REDIS_URL, require
+from tests.support.workers import proj_env
 
 pytestmark = pytest.mark.django_db(transaction=True)
 T0 = 1_800_000_000.0  # a whole minute
@@ -96,6 +100,54 @@ def test_a_dispatch_no_worker_started_is_missed_and_a_long_run_overdue(app: Any,
     assert statuses(app, entry)[0] == OK
 
 
+def test_a_late_catch_up_is_given_its_grace_from_its_dispatch_and_a_period_is_reported_missed_once(
+    app: Any, entry: Entry, received: Any
+) -> None:
+    from celery_guardrails.stores import get_store
+
+    missed = received(signals.run_missed)
+    store = get_store(app)
+    entries = {entry.name: entry}
+    period = T0 + 60
+    # Given a period the watchdog recorded missed (grace 10 s), and reported
+    store.run_dispatch(entry.name, T0, task_id="t0", now=T0)
+    store.run_finish(entry.name, T0, status=OK, now=T0 + 1)
+    assert check(app, entries=entries, current=period + 15).missed == [(entry.name, period)]
+    # When beat comes back and a catch-up dispatches it, long after its due time
+    assert store.run_dispatch(entry.name, period, task_id="catch-up", now=period + 100)
+    # Then a check within grace of that dispatch leaves it dispatched (the worker has not had its grace yet)
+    assert (entry.name, period) not in check(app, entries=entries, current=period + 105).missed
+    assert statuses(app, entry)[60] == DISPATCHED
+    # When the catch-up is lost too (no worker starts it within grace of its dispatch)
+    assert (entry.name, period) not in check(app, entries=entries, current=period + 111).missed
+    # Then the record is missed again, with why, but the period is not reported a second time
+    [run] = [r for r in get_store(app).run_list(entry.name) if r.period == period]
+    assert (run.status, run.task_id, run.missed_at) == (MISSED, "catch-up", period + 15)
+    assert "dispatched as catch-up but not started within 10s" in run.reason
+    assert [m["period"].timestamp() for m in missed].count(period) == 1
+
+
+def test_a_dispatch_never_started_is_reported_missed_once_by_racing_checks(
+    app: Any, entry: Entry, received: Any
+) -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    from celery_guardrails.stores import get_store
+
+    missed = received(signals.run_missed)
+    store = get_store(app)
+    # Given a period dispatched on time whose message no worker started
+    store.run_dispatch(entry.name, T0, task_id="lost", now=T0)
+    # When eight watchdogs check at once, past its grace
+    with ThreadPoolExecutor(8) as pool:
+        found = list(pool.map(lambda _: check(app, entries={entry.name: entry}, current=T0 + 11).missed, range(8)))
+        if connection_close := getattr(store, "close_thread", None):
+            pool.map(lambda _: connection_close(), range(8))
+    # Then one of them moved it to missed and reported it
+    assert sorted(map(len, found)) == [0] * 7 + [1]
+    assert [m["task_id"] for m in missed] == ["lost"]
+
+
 def test_a_schedule_with_no_record_is_not_checked(app: Any, entry: Entry) -> None:
     # Given a schedule beat has never dispatched
     # When the watchdog checks a day later, Then it records nothing (it cannot tell a new schedule from one
@@ -158,3 +210,83 @@ def test_the_watchdog_thread_ends_with_its_worker(celery_app: Any) -> None:
         with start_worker(celery_app, pool="solo", perform_ping_check=False):
             assert watchdogs() == before + 1
         assert watchdogs() == before
+
+
+@pytest.mark.parametrize("store", ["redis", "django"])
+def test_two_watchdogs_and_a_restarting_beat_race_on_the_same_missed_periods_one_alert_each(
+    tmp_path: Path, rigs: list[Rig], webhook: tuple[str, list[dict[str, Any]]], store: str
+) -> None:
+    from celery_guardrails.stores import get_store
+
+    url, posted = webhook
+    uid = uuid.uuid4().hex[:6]
+    names = [f"race-latest-{uid}", f"race-all-{uid}"]
+    start = a_whole_minute() + 30
+    settings: dict[str, Any] = {"alert_channels": ["webhook"], "alert_webhooks": [url], "watchdog": False}
+    if store == "django":
+        test_app = Celery("race", set_as_current=False)
+        test_app.conf.guardrails = {"store": "django"}
+        settings["store"] = "django"
+    rig = Rig(
+        tmp_path,
+        entries={name: {"task": "tests.proj.tasks.scheduled_job", "schedule": 60.0, "kwargs": {}} for name in names},
+        policies={names[0]: {"catch_up": "latest", "grace": 20}, names[1]: {"catch_up": "all", "grace": 20}},
+        start=start,
+        settings=settings,
+        store=get_store(test_app) if store == "django" else None,
+    )
+    if store == "django":  # the processes use this test's database
+        rig.env.update(proj_env(queue=rig.queue, django=True))
+    rigs.append(rig)
+    # Given a beat that dispatched each entry's first period, no worker to run anything, and two watchdogs
+    # checking over and over without taking turns
+    first = start + 30
+    beat = rig.beat(name="beat-0")
+    rig.looking(beat, *names)
+    rig.set_clock(first + 1)
+    for name in names:
+        rig.wait(f"{name} dispatched", lambda name=name: rig.run_of(name, first))
+    rig.watchdog_loop(name="watchdog-a")
+    rig.watchdog_loop(name="watchdog-b")
+    # When, period after period, the clock passes a period's grace and beat is killed and started again
+    # at once: its catch-up (record missed, dispatch late periods) races the watchdogs on the same periods,
+    # and every catch-up it dispatches is lost again (no worker)
+    periods = [first + 60.0 * k for k in range(1, 5)]
+    for k, period in enumerate(periods, start=1):
+        beat.kill()
+        beat.wait(15)
+        rig.set_clock(period + 25)
+        beat = rig.beat(name=f"beat-{k}")
+        rig.looking(beat, *names)
+        rig.wait(
+            f"beat-{k} caught up to {period}",
+            lambda period=period: all((run := rig.run_of(name, period)) and run.task_id for name in names),
+        )
+    beat.kill()
+    beat.wait(15)
+    # And the clock passes one more period with beat down
+    last = periods[-1] + 60.0
+    rig.set_clock(last + 25)
+    every = [first, *periods, last]
+
+    def all_missed() -> bool:
+        return all([r.period for r in rig.runs(name) if r.status == MISSED] == every for name in names)
+
+    rig.wait("every period of both entries missed", all_missed)
+    expected = Counter({(name, _iso(period)): 1 for name in names for period in every})
+    rig.wait("an alert for each", lambda: set(_alerts(posted)) == set(expected))
+    for loop in rig.processes:
+        loop.stop()
+    # Then every period of both entries was alerted exactly once, and says when it was first missed
+    assert _alerts(posted) == expected
+    assert all(r.missed_at is not None for name in names for r in rig.runs(name))
+
+
+def _alerts(posted: list[dict[str, Any]]) -> Counter[tuple[str, str]]:
+    return Counter((post["run"]["schedule"], post["run"]["period"]) for post in list(posted) if "run" in post)
+
+
+def _iso(period: float) -> str:
+    from datetime import UTC, datetime
+
+    return str(datetime.fromtimestamp(period, UTC))

@@ -11,6 +11,7 @@ import multiprocessing
 import time
 import uuid
 from collections.abc import Iterator
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -71,16 +72,22 @@ def test_a_missed_period_without_a_message_is_caught_up_once(store: Any, schedul
     # Given a period the watchdog recorded as missed (beat was down: no message was sent)
     assert store.run_record(schedule, T0, status=MISSED, now=T0 + 300, reason="beat did not dispatch it") is True
     assert store.run_list(schedule) == [
-        run(schedule, T0, MISSED, finished_at=T0 + 300, reason="beat did not dispatch it")
+        run(schedule, T0, MISSED, finished_at=T0 + 300, reason="beat did not dispatch it", missed_at=T0 + 300)
     ]
     # When a catch-up dispatches it, twice
     first = store.run_dispatch(schedule, T0, task_id="catch-up", now=T0 + 400)
     second = store.run_dispatch(schedule, T0, task_id="again", now=T0 + 401)
-    # Then it is dispatched once and open again (no end), and the reason it was missed is kept
+    # Then it is dispatched once and open again (no end); the reason and the time it was missed are kept
     assert (first, second) == (True, False)
-    assert store.run_list(schedule) == [
-        run(schedule, T0, DISPATCHED, task_id="catch-up", dispatched_at=T0 + 400, reason="beat did not dispatch it")
-    ]
+    caught_up = run(
+        schedule, T0, DISPATCHED, task_id="catch-up", dispatched_at=T0 + 400, reason="beat did not dispatch it"
+    )
+    assert store.run_list(schedule) == [replace(caught_up, missed_at=T0 + 300)]
+    # When the catch-up is lost too
+    again = store.run_transition(schedule, T0, from_=(DISPATCHED,), to=MISSED, now=T0 + 500, reason="lost")
+    # Then the record is missed again, but the move answers False: the period was reported missed already
+    assert again is False
+    assert store.run_list(schedule) == [replace(caught_up, status=MISSED, reason="lost", missed_at=T0 + 300)]
 
 
 def test_a_missed_period_whose_message_was_sent_is_not_dispatched_again(store: Any, schedule: str) -> None:
@@ -93,7 +100,15 @@ def test_a_missed_period_whose_message_was_sent_is_not_dispatched_again(store: A
     # Then it is refused (the message may still be delivered) and the record is unchanged
     assert store.run_dispatch(schedule, T0, task_id="t2", now=T0 + 400) is False
     assert store.run_list(schedule) == [
-        run(schedule, T0, MISSED, task_id="t1", dispatched_at=T0 + 1, reason="not started within grace")
+        run(
+            schedule,
+            T0,
+            MISSED,
+            task_id="t1",
+            dispatched_at=T0 + 1,
+            reason="not started within grace",
+            missed_at=T0 + 300,
+        )
     ]
 
 
@@ -108,7 +123,7 @@ def test_record_inserts_only_when_the_period_has_no_record(store: Any, schedule:
     assert (first, dispatched, again) == (True, False, False)
     assert store.run_list(schedule) == [
         run(schedule, T0 + MINUTE, DISPATCHED, task_id="t1", dispatched_at=T0 + MINUTE),
-        run(schedule, T0, MISSED, finished_at=T0 + 300, reason="beat was down"),
+        run(schedule, T0, MISSED, finished_at=T0 + 300, reason="beat was down", missed_at=T0 + 300),
     ]
 
 
@@ -123,7 +138,7 @@ def test_transitions_happen_only_from_the_listed_statuses(store: Any, schedule: 
     # Then only the move from a listed status happened, once; an absent period gets no record
     assert (from_running, absent, moved, twice) == (False, False, True, False)
     assert store.run_list(schedule) == [
-        run(schedule, T0, MISSED, task_id="t1", dispatched_at=T0 + 1, reason="not started")
+        run(schedule, T0, MISSED, task_id="t1", dispatched_at=T0 + 1, reason="not started", missed_at=T0 + 3)
     ]
 
 
