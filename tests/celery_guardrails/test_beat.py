@@ -1,10 +1,9 @@
 """Guarded beat on real processes: missed runs while beat is down, each catch-up policy, two beats at once,
 and bad policies refused at start-up. Real ``celery beat`` and ``celery worker`` processes, Redis broker
-and Redis store, on a shared clock that runs 10 times faster than real time (a minute in 6 s)."""
+and Redis store, on a shared clock that stands still until the test moves it (tests/support/scheduling.py)."""
 
 from __future__ import annotations
 
-import itertools
 import logging
 import uuid
 from collections import Counter
@@ -14,13 +13,13 @@ from typing import Any
 import pytest
 
 from celery_guardrails.beat import Entry, plan
-from celery_guardrails.ledger import MISSED, OK
+from celery_guardrails.ledger import MISSED, OK, Run
 from celery_guardrails.options import SchedulePolicy
 from tests.conftest import Sink
-from tests.support.scheduling import Rig
+from tests.support.scheduling import Rig, a_whole_minute
 
 MINUTE = 60.0
-GRACE = 20.0  # clock seconds (2 real seconds): beat looks at its entries at least every real second
+GRACE = 20.0  # seconds of the rig's clock, which moves only when the test moves it
 TASK = "tests.proj.tasks.scheduled_job"
 
 
@@ -70,6 +69,7 @@ def test_beat_down_for_three_periods_watchdog_records_and_alerts_then_each_catch
     url, posted = webhook
     uid = uuid.uuid4().hex[:6]
     names = {policy: f"every-minute-{policy}-{uid}" for policy in ("skip", "latest", "all")}
+    start = a_whole_minute() + 30
     rig = Rig(
         tmp_path,
         entries={name: entry(sink) for name in names.values()},
@@ -78,74 +78,67 @@ def test_beat_down_for_three_periods_watchdog_records_and_alerts_then_each_catch
             names["latest"]: {"catch_up": "latest", "grace": GRACE, "since": True},
             names["all"]: {"catch_up": "all", "grace": GRACE},
         },
+        start=start,
         settings={"alert_channels": ["log", "webhook"], "alert_webhooks": [url]},
     )
     rigs.append(rig)
     # Given a worker (with its watchdog) and a guarded beat that has run each one-minute entry once
+    first = start + 30
     rig.worker()
     beat = rig.beat()
+    rig.looking(beat, *names.values())
+    rig.set_clock(first + 1)
     for name in names.values():
-        rig.wait(f"a first ok run of {name}", lambda name=name: [r for r in rig.runs(name) if r.status == OK])
-    # When beat is stopped for (at least) three periods
+        rig.wait(f"{name} ran {first}", lambda name=name: _status(rig, name, first) == OK)
+    # When beat is stopped, and the clock passes three more periods, one at a time, each past its grace
     beat.stop()
-    last = {name: rig.runs(name)[-1].period for name in names.values()}  # the last period beat dispatched
+    periods = [first + MINUTE * k for k in (1, 2, 3)]
+    for period in periods:
+        rig.set_clock(period + GRACE + 1)
+        # Then the watchdog records each missed, at the first check after its grace (the clock stands still
+        # until the test moves it: the record says exactly when)
+        for name in names.values():
+            run = rig.wait(f"{name} {period} missed", lambda name=name, period=period: _missed(rig, name, period))
+            assert (run.task_id, run.reason) == ("", "not dispatched within 20s of its due time (is beat running?)")
+            assert run.finished_at == run.missed_at == period + GRACE + 1
+    # When beat comes back between the third missed period and the next one
+    rig.set_clock(periods[-1] + 30)
+    rig.looking(rig.beat(name="beat-again"), *names.values())
+    caught_up: dict[str, list[float]] = {"skip": [], "latest": periods[-1:], "all": periods}
+    for policy, name in names.items():
+        for period in caught_up[policy]:
+            rig.wait(f"{name} caught up {period}", lambda name=name, period=period: _status(rig, name, period) == OK)
+    # And the next period is due
+    resumed = periods[-1] + MINUTE
+    rig.set_clock(resumed + 1)
     for name in names.values():
-        rig.wait(f"{name}'s last dispatch ran", lambda name=name: rig.runs(name)[-1].status == OK)
-
-    def missed_of(name: str) -> list[float]:
-        return [r.period for r in rig.runs(name) if r.status == MISSED]
-
-    # Then the watchdog records each period after the last dispatch missed, within grace plus one check
-    # interval of its due time (plus a real second of slack for a busy machine), and alerts once per period.
-    # Beat comes back once three periods are recorded, at least grace after the newest and well before
-    # the next one is due plus grace (so that one is on time: a slow machine waits for a later window).
-    def ready_to_restart() -> bool:
-        current = rig.now()
-        newest = current - current % MINUTE  # the newest period due: recorded missed by now, if late enough
-        return GRACE + 5 <= current % MINUTE <= 40 and all(
-            len(missed_of(name)) >= 3 and missed_of(name)[-1] == newest for name in names.values()
-        )
-
-    rig.wait("three missed periods per entry, and a window to restart beat", ready_to_restart, timeout=60)
-    missed = {name: missed_of(name) for name in names.values()}
-    for name, periods in missed.items():
-        assert periods == [last[name] + MINUTE * k for k in range(1, len(periods) + 1)]
-        for run in rig.runs(name):
-            if run.status == MISSED:
-                assert (run.task_id, run.reason) == ("", "not dispatched within 20s of its due time (is beat running?)")
-                assert run.finished_at is not None
-                assert run.finished_at - run.period <= GRACE + 1.0 * rig.speed + 1.0 * rig.speed
-    rig.beat(name="beat-again")
-    resumed = {name: periods[-1] + MINUTE for name, periods in missed.items()}  # the first period on time
-    for name in names.values():
-        rig.wait(
-            f"{name} resumed",
-            lambda name=name: [r for r in rig.runs(name) if r.period == resumed[name] and r.status == OK],
-        )
-
+        rig.wait(f"{name} resumed", lambda name=name: _status(rig, name, resumed) == OK)
+    # Then each missed period was alerted exactly once (not again when its catch-up was dispatched late, nor
+    # by beat's own catch-up)
     alerts = Counter((post["run"]["schedule"], post["run"]["period"]) for post in posted if "run" in post)
-    for name, periods in missed.items():
-        assert {p: c for (n, p), c in alerts.items() if n == name} == {_iso(p): 1 for p in periods}
-    # Then skip ran none of the missed periods, latest ran the newest once, all ran each in order
-    ran = {policy: [p for p in periods_ran(sink, name) if p > last[name]] for policy, name in names.items()}
-    assert ran["skip"] == [resumed[names["skip"]]]
-    assert ran["latest"] == [missed[names["latest"]][-1], resumed[names["latest"]]]
-    assert ran["all"] == [*missed[names["all"]], resumed[names["all"]]]
-    status = {policy: {r.period: r.status for r in rig.runs(name)} for policy, name in names.items()}
-    assert [status["skip"][p] for p in missed[names["skip"]]] == [MISSED] * len(missed[names["skip"]])
-    assert [status["latest"][p] for p in missed[names["latest"]]] == [MISSED] * (len(missed[names["latest"]]) - 1) + [
-        OK
-    ]
-    assert [status["all"][p] for p in missed[names["all"]]] == [OK] * len(missed[names["all"]])
+    assert alerts == Counter({(name, _iso(period)): 1 for name in names.values() for period in periods})
+    # And skip ran none of the missed periods, latest ran the newest once, all ran each in order
+    for policy, name in names.items():
+        assert periods_ran(sink, name) == [first, *caught_up[policy], resumed]
+        statuses = {r.period: r.status for r in rig.runs(name)}
+        assert statuses == {first: OK, resumed: OK, **{p: OK if p in caught_up[policy] else MISSED for p in periods}}
+        assert all(r.missed_at == r.period + GRACE + 1 for r in rig.runs(name) if r.period in periods)
     # And since=True gave each run the end of the last successful period, read from the ledger
     horizon = {(item["schedule"], item["period"]): (item["since"], item["request_since"]) for item in sink.items()}
     skip, latest = names["skip"], names["latest"]
-    assert horizon[(skip, resumed[skip])] == (last[skip], last[skip])
-    assert horizon[(latest, missed[latest][-1])] == (last[latest], last[latest])
-    assert horizon[(latest, resumed[latest])] == (missed[latest][-1], missed[latest][-1])
-    # And no further alert came from beat's own catch-up (the watchdog had recorded those periods)
-    again = Counter((post["run"]["schedule"], post["run"]["period"]) for post in posted if "run" in post)
-    assert again == alerts
+    assert horizon[(skip, resumed)] == (first, first)
+    assert horizon[(latest, periods[-1])] == (first, first)
+    assert horizon[(latest, resumed)] == (periods[-1], periods[-1])
+
+
+def _status(rig: Rig, name: str, period: float) -> str | None:
+    run = rig.run_of(name, period)
+    return None if run is None else run.status
+
+
+def _missed(rig: Rig, name: str, period: float) -> Run | None:
+    run = rig.run_of(name, period)
+    return run if run is not None and run.status == MISSED else None
 
 
 def _iso(period: float) -> str:
@@ -161,18 +154,20 @@ def test_two_beats_at_once_run_each_period_once(tmp_path: Path, rigs: list[Rig],
     # Given two guarded beat processes with the same entry, and a worker
     rig.worker()
     one, two = rig.beat(name="beat-one"), rig.beat(name="beat-two")
-    # When they run side by side for a dozen periods
-    rig.wait("12 ok periods", lambda: len([r for r in rig.runs(name) if r.status == OK]) >= 12, timeout=60)
+    rig.looking(one, name)
+    rig.looking(two, name)
+    # When the clock passes a dozen periods, each one once both beats could have seen it
+    due = [rig.now() + 10.0 * k for k in range(1, 13)]
+    for period in due:
+        rig.set_clock(period + 1)
+        rig.wait(f"{period} ran", lambda period=period: _status(rig, name, period) == OK)
     one.stop()
     two.stop()
-    rig.wait("the queue drained", lambda: all(r.status == OK for r in rig.runs(name)), timeout=30)
-    # Then every period ran exactly once, one period after the other, and the two beats together
-    # published exactly one message per period
-    periods = periods_ran(sink, name)
-    assert len(periods) == len(set(periods)) >= 12
-    assert [b - a for a, b in itertools.pairwise(periods)] == [10.0] * (len(periods) - 1)
+    # Then every period ran exactly once, in order, and the two beats together published exactly one
+    # message per period
+    assert periods_ran(sink, name) == due
     dispatches = one.log.count(f"Dispatching '{name}'") + two.log.count(f"Dispatching '{name}'")
-    assert dispatches == len(rig.runs(name))
+    assert dispatches == len(rig.runs(name)) == len(due)
 
 
 @pytest.mark.parametrize(

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import time
 import uuid
 from pathlib import Path
 from typing import Any
@@ -13,8 +12,9 @@ from django.db import connection
 
 from celery_guardrails import signals, tenant_context
 from django_celery_guardrails.models import DeadLetter
-from tests.conftest import Sink, waiting_messages
+from tests.conftest import Sink, unacked, waiting_messages
 from tests.proj import django_tasks, tasks
+from tests.support.waiting import wait_for
 from tests.support.workers import PROJ_APP, WorkerProcess, proj_env
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -146,14 +146,10 @@ def test_poison_message_is_dead_lettered_and_the_queue_goes_on(
         # Then the ordinary ones are processed...
         for result in behind:
             result.get(timeout=60)
-        deadline = time.monotonic() + 60
-        while not DeadLetter.objects.filter(task_id=poison.id).exists() and time.monotonic() < deadline:
-            time.sleep(0.2)
-        # the poison delivery ends FAILED and is acked right after its result is stored: let that happen
-        # before the worker is stopped (a warm shutdown gives unacked messages back to the queue)
-        while poison.state != "FAILURE" and time.monotonic() < deadline:
-            time.sleep(0.2)
-        time.sleep(1.0)
+        wait_for("the dead letter", lambda: DeadLetter.objects.filter(task_id=poison.id).exists())
+        # the poison delivery ends FAILED and is acked after its result is stored: let that happen before the
+        # worker is stopped (a warm shutdown gives unacked messages back to the queue)
+        wait_for("the poison message acked", lambda: poison.state == "FAILURE" and not unacked(poison.id))
     # ...the poison one ran 3 times (first delivery and 2 redeliveries), then was dead-lettered unrun
     assert sink.client.llen(f"{sink.key}:pids") == 3
     record = DeadLetter.objects.get(task_id=poison.id)
@@ -181,16 +177,12 @@ def test_database_down_at_the_final_failure_loses_nothing(celery_app: Any, queue
             # When the database is down while a task fails finally
             proxy.cut()
             result = django_tasks.fail_with.delay("permanent")
-            deadline = time.monotonic() + 30
-            while "dead letter not recorded" not in worker.log and time.monotonic() < deadline:
-                time.sleep(0.1)
-            assert "dead letter not recorded" in worker.log
+            wait_for("the failed write logged", lambda: "dead letter not recorded" in worker.log)
             assert not DeadLetter.objects.filter(task_id=result.id).exists()
             # Then, once it is back, the message comes back and is recorded, once
             proxy.restore()
-            deadline = time.monotonic() + 30
-            while not DeadLetter.objects.filter(task_id=result.id).exists() and time.monotonic() < deadline:
-                time.sleep(0.2)
+            wait_for("the dead letter", lambda: DeadLetter.objects.filter(task_id=result.id).exists())
+            wait_for("the message acked", lambda: result.state == "FAILURE" and not unacked(result.id))
     finally:
         proxy.close()
     record = DeadLetter.objects.get(task_id=result.id)

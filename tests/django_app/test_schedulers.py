@@ -15,7 +15,7 @@ from django_celery_beat.models import CrontabSchedule, IntervalSchedule, Periodi
 
 from celery_guardrails.ledger import MISSED, OK
 from tests.conftest import Sink
-from tests.support.scheduling import Rig
+from tests.support.scheduling import Rig, a_whole_minute
 from tests.support.services import require
 from tests.support.workers import proj_env
 
@@ -44,16 +44,18 @@ def test_periodic_task_rows_with_a_policy_run_once_per_period(tmp_path: Path, si
     rig = database_rig(tmp_path, {name: {"grace": 30}})
     try:
         rig.worker()
-        # When two guarded database schedulers run side by side
-        rig.beat(name="beat-one", scheduler=SCHEDULER)
-        rig.beat(name="beat-two", scheduler=SCHEDULER)
-        rig.wait("6 ok periods", lambda: len([r for r in rig.runs(name) if r.status == OK]) >= 6, timeout=60)
+        # When two guarded database schedulers run side by side, and the clock passes six periods
+        for beat in (rig.beat(name="beat-one", scheduler=SCHEDULER), rig.beat(name="beat-two", scheduler=SCHEDULER)):
+            rig.looking(beat, name)
+        due = [rig.now() + 10.0 * k for k in range(1, 7)]
+        for period in due:
+            rig.set_clock(period + 1)
+            rig.wait(f"{period} ran", lambda period=period: (run := rig.run_of(name, period)) and run.status == OK)
     finally:
         rig.stop()
     # Then each period ran once, through the ledger, in order
     periods = [item["period"] for item in sink.items()]
-    assert len(periods) == len(set(periods)) >= 6
-    assert periods == sorted(periods)
+    assert periods == due
     assert {item["period_key"].split("@")[0] for item in sink.items()} == {name.replace(" ", "%20")}
     # And django-celery-beat's own bookkeeping of the row counts each dispatch once
     row = PeriodicTask.objects.get(name=name)
@@ -88,27 +90,31 @@ def test_the_watchdog_command_records_missed_runs_of_rows(settings: Any, sink: S
     periodic_task(name, sink, interval=every)
     app = current_app._get_current_object()
     before = app.conf.guardrails
-    app.conf.guardrails = {**(before or {}), "schedules": {name: {"grace": 60}}, "alert_channels": ["log"]}
+    current = a_whole_minute() + 30
+    app.conf.guardrails = {
+        **(before or {}),
+        "schedules": {name: {"grace": 60}},
+        "alert_channels": ["log"],
+        "clock": lambda: current,
+    }
     try:
-        _watch(app, name)
+        _watch(app, name, current)
     finally:
         app.conf.guardrails = before
 
 
-def _watch(app: Any, name: str) -> None:
+def _watch(app: Any, name: str, current: float) -> None:
     from celery_guardrails.stores import get_store
 
     store = get_store(app)
-    import time
-
-    last = (time.time() // 60 - 60) * 60
+    last = current - 30 - 3600
     store.run_dispatch(name, last, task_id="t", now=last)
     store.run_finish(name, last, status=OK, now=last + 1)
-    # When the command runs
+    # When the command runs, half a minute into the next
     out = StringIO()
     call_command("guardrails_watchdog", stdout=out)
     # Then every minute since, but the last one (within grace), is recorded missed and printed
-    missed = [r for r in store.run_list(name, limit=100) if r.status == MISSED]
-    assert 58 <= len(missed) <= 59
-    assert out.getvalue().count("missed: ") == len(missed)
-    assert f"Recorded {len(missed)} missed and 0 overdue run(s)." in out.getvalue()
+    missed = [r.period for r in store.run_list(name, limit=100) if r.status == MISSED]
+    assert sorted(missed) == [last + 60 * k for k in range(1, 60)]
+    assert out.getvalue().count("missed: ") == 59
+    assert "Recorded 59 missed and 0 overdue run(s)." in out.getvalue()

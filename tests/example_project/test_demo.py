@@ -22,8 +22,20 @@ def test_demo_prints_the_context_seen_inside_the_worker(tmp_path: Path) -> None:
         text=True,
         timeout=180,
     )
-    assert done.returncode == 0, done.stdout + done.stderr
     out = done.stdout
+    # A failure shows the demo's output and the tails of its worker and beat logs.
+    logs = "".join(
+        f"\n--- {log.name}\n" + "\n".join(log.read_text(errors="replace").splitlines()[-150:])
+        for log in sorted(tmp_path.glob("*.log"))
+    )
+    assert done.returncode == 0, out + done.stderr + logs
+    try:
+        check_output(out)
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}\n--- the demo's output\n{out}{logs}") from None
+
+
+def check_output(out: str) -> None:
     assert "== broker: Kombu filesystem transport" in out
     assert "worker: tenant=acme, correlation id=demo-req-42" in out
     assert "web:    HTTP 400: example_project.shop.tasks.send_receipt requires a tenant" in out

@@ -194,11 +194,18 @@ def charge(self: GuardedTask, order_id: int, sink: str, script: list[str] | None
 
 
 @shared_task(base=GuardedTask, bind=True)
-def scheduled_job(self: GuardedTask, sink: str, hold: float = 0.0, since: datetime | None = None) -> dict[str, Any]:
-    """A scheduled job: reports its period, the horizon it was given, and when it ran (real time)."""
+def scheduled_job(
+    self: GuardedTask, sink: str, hold: float = 0.0, since: datetime | None = None, gate: str | None = None
+) -> dict[str, Any]:
+    """A scheduled job: reports its period, the horizon it was given, and when it ran (real time).
+
+    ``gate``: a Redis list the run waits on (one item lets one run finish), so a test decides when it ends.
+    """
     request = self.request
     started = time.time()
     time.sleep(hold)
+    if gate is not None and redis.Redis.from_url(REDIS_URL).blpop([gate], timeout=120) is None:
+        raise RuntimeError(f"gate {gate} never opened")
     return seen(
         self,
         sink,

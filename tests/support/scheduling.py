@@ -1,8 +1,9 @@
-"""A scheduled-work rig: real ``celery beat`` and ``celery worker`` processes on a fast shared clock.
+"""A scheduled-work rig: real ``celery beat`` and ``celery worker`` processes on a clock the test moves.
 
-Beat, worker and test read one clock (:func:`celery_guardrails.beat.accelerated_clock`) that runs ``speed``
-times faster than real time, so a one-minute schedule passes in a few real seconds. Only the schedule
-guardrails read it.
+Beat, worker, watchdog and test read one clock, :func:`celery_guardrails.clock.file_clock`: it stands still
+until the test moves it (:meth:`Rig.set_clock`, :meth:`Rig.advance`). A period is due when the test says so,
+and everything the processes do about it is waited for as a condition, never as a span of real time: a busy
+machine makes a test slower, not wrong.
 """
 
 from __future__ import annotations
@@ -14,13 +15,22 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
+from celery_guardrails.clock import CLOCK_FILE_ENV, set_file_clock
 from celery_guardrails.ledger import Run
+from celery_guardrails.stores.base import Store
 from celery_guardrails.stores.redis import RedisStore
 from tests.support.services import REDIS_URL
-from tests.support.workers import PROJ_APP, BeatProcess, WorkerProcess, proj_env
+from tests.support.waiting import BOUND, wait_for
+from tests.support.workers import PROJ_APP, BeatProcess, CeleryProcess, WatchdogLoop, WorkerProcess, proj_env
 
 T = TypeVar("T")
 GUARDED_SCHEDULER = "celery_guardrails.beat:GuardedScheduler"
+MINUTE = 60.0
+
+
+def a_whole_minute() -> float:
+    """A whole minute (epoch seconds) near the real time: the Redis ledger keeps records 90 days from it."""
+    return (time.time() // MINUTE) * MINUTE
 
 
 class Rig:
@@ -32,33 +42,40 @@ class Rig:
         *,
         entries: dict[str, dict[str, Any]],
         policies: dict[str, dict[str, Any]],
-        speed: float = 10.0,
+        start: float | None = None,
         settings: dict[str, Any] | None = None,
+        store: Store | None = None,
     ) -> None:
         self.tmp_path = tmp_path
         self.queue = f"gr-sched-{uuid.uuid4().hex[:8]}"
-        self.t0, self.speed = time.time(), speed
+        self.clock_file = tmp_path / "clock"
+        self.set_clock(a_whole_minute() if start is None else start)
         guardrails = {
             "schedules": policies,
-            "clock": "celery_guardrails.beat.accelerated_clock",
-            "watchdog_interval": 1.0,
+            "clock": "celery_guardrails.clock.file_clock",
+            "watchdog_interval": 0.5,
             **(settings or {}),
         }
         self.env = proj_env(
             queue=self.queue,
-            GUARDRAILS_CLOCK=f"{self.t0}:{speed}",
             GUARDRAILS_TEST_BEAT=json.dumps(entries),
             GUARDRAILS_TEST_GUARDRAILS=json.dumps(guardrails),
+            **{CLOCK_FILE_ENV: str(self.clock_file)},
         )
-        self.store = RedisStore(REDIS_URL)
-        self.processes: list[Any] = []
+        self.store = store or RedisStore(REDIS_URL)  # where the test reads the ledger: the processes' store
+        self.processes: list[CeleryProcess] = []
 
     def now(self) -> float:
-        """The rig's clock (epoch seconds, fast)."""
-        return self.t0 + (time.time() - self.t0) * self.speed
+        """The rig's clock (epoch seconds)."""
+        return float(self.clock_file.read_text())
 
-    def real_seconds(self, clock_seconds: float) -> float:
-        return clock_seconds / self.speed
+    def set_clock(self, instant: float) -> None:
+        set_file_clock(self.clock_file, instant)
+
+    def advance(self, seconds: float) -> float:
+        """Move the clock forward; the new time."""
+        self.set_clock(self.now() + seconds)
+        return self.now()
 
     def worker(self, *, concurrency: int = 1, name: str = "worker") -> WorkerProcess:
         worker = WorkerProcess(
@@ -70,7 +87,15 @@ class Rig:
             env=self.env,
         )
         self.processes.append(worker)
-        return worker.start()
+        worker.start()
+        return worker
+
+    def watchdog_loop(self, *, name: str = "watchdog") -> WatchdogLoop:
+        """A process checking over and over, without the workers' turn (tests/support/watchdog_loop.py)."""
+        loop = WatchdogLoop(log_path=self.tmp_path / f"{name}.log", env=self.env)
+        self.processes.append(loop)
+        loop.start()
+        return loop
 
     def beat(self, *, name: str = "beat", scheduler: str = GUARDED_SCHEDULER) -> BeatProcess:
         beat = BeatProcess(app=PROJ_APP, workdir=self.tmp_path, env=self.env, scheduler=scheduler, name=name)
@@ -78,24 +103,28 @@ class Rig:
         beat.start()
         return beat
 
+    def looking(self, beat: BeatProcess, *names: str) -> None:
+        """Wait until ``beat`` has read the horizon of each entry: from then on, it dispatches a period the
+        clock is moved past (moved before, it would start from the moved time, with nothing to catch up)."""
+        self.wait(
+            f"{beat.log_path.name} looking at {', '.join(names)}",
+            lambda: all(f"Guarded beat entry {name!r}: periods after" in beat.log for name in names),
+        )
+
     def runs(self, schedule: str) -> list[Run]:
         """The schedule's ledger, oldest period first."""
         return list(reversed(self.store.run_list(schedule, limit=1000)))
 
-    def wait(self, what: str, probe: Callable[[], T | None], timeout: float = 60.0) -> T:
-        """Poll ``probe`` until it returns something truthy; fail with the processes' logs after ``timeout``."""
-        deadline = time.monotonic() + timeout
-        while True:
-            found = probe()
-            if found:
-                return found
-            if time.monotonic() > deadline:
-                logs = "\n".join(f"--- {p.log_path.name}\n{p.log[-4000:]}" for p in self.processes)
-                raise AssertionError(f"timed out waiting for {what}\n{logs}")
-            time.sleep(0.1)
+    def run_of(self, schedule: str, period: float) -> Run | None:
+        return next((run for run in self.runs(schedule) if run.period == period), None)
 
-    def sleep_until(self, clock_instant: float) -> None:
-        time.sleep(max(0.0, self.real_seconds(clock_instant - self.now())))
+    def wait(self, what: str, probe: Callable[[], T | None], timeout: float = BOUND) -> T:
+        """Wait for ``probe`` (tests/support/waiting.py); a timeout shows the processes' logs."""
+        try:
+            return wait_for(what, probe, timeout=timeout)
+        except AssertionError as exc:
+            logs = "\n".join(f"--- {p.log_path.name}\n{p.log[-4000:]}" for p in self.processes)
+            raise AssertionError(f"{exc}\n{logs}") from None
 
     def stop(self) -> None:
         for process in reversed(self.processes):

@@ -43,6 +43,10 @@ def proj_env(*, queue: str, broker: str = "redis", django: bool = False, **extra
     }
 
 
+#: Every process a test started, in order: a failed test's logs are printed and kept (tests/conftest.py).
+STARTED: list[CeleryProcess] = []
+
+
 class CeleryProcess:
     """A ``celery`` subprocess in its own process group, output captured in a log file."""
 
@@ -59,6 +63,7 @@ class CeleryProcess:
         return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
 
     def start(self, timeout: float = 45.0) -> CeleryProcess:
+        STARTED.append(self)
         with self.log_path.open("wb") as out:
             self.process = subprocess.Popen(
                 self.command,
@@ -169,3 +174,13 @@ class BeatProcess(CeleryProcess):
             log_path=workdir / f"{name}.log",
             env=env,
         )
+
+
+class WatchdogLoop(CeleryProcess):
+    """``python -m tests.support.watchdog_loop``: the watchdog's check in a loop, no turn taken."""
+
+    ready_text = "watchdog loop: first check done"
+
+    def __init__(self, *, log_path: Path, env: dict[str, str] | None = None) -> None:
+        super().__init__([], log_path=log_path, env=env)
+        self.command = [sys.executable, "-m", "tests.support.watchdog_loop"]

@@ -17,6 +17,7 @@ from celery_guardrails import BudgetExhaustedError, budget_status, signals
 from tests.conftest import Sink
 from tests.proj import tasks
 from tests.support.services import REDIS_URL
+from tests.support.waiting import wait_for
 from tests.support.workers import PROJ_APP, WorkerProcess, proj_env
 
 TIMEOUT = 60
@@ -101,8 +102,15 @@ def test_budget_policy_fail_ends_with_retry_budget_exhausted(
 def test_circuit_opens_defers_first_attempts_and_closes_after_a_probe(
     celery_worker: Any, celery_app: Any, sink: Sink, received: Any
 ) -> None:
-    # Given a breaker that opens after 2 consecutive transient failures, for 2 s
-    celery_app.conf.guardrails = {**celery_app.conf.guardrails, "circuit_threshold": 2, "circuit_open_seconds": 2.0}
+    # Given a breaker that opens after 2 consecutive transient failures, for 2 s of the guardrails' clock,
+    # which stands still until the test moves it (at whole seconds: the store keeps times to the microsecond)
+    clock = [float(int(time.time()))]
+    celery_app.conf.guardrails = {
+        **celery_app.conf.guardrails,
+        "circuit_threshold": 2,
+        "circuit_open_seconds": 2.0,
+        "clock": lambda: clock[0],
+    }
     opened = received(signals.circuit_opened)
     deferred = received(signals.retry_deferred)
     dependency = f"dep-{uuid.uuid4().hex[:8]}"
@@ -113,14 +121,21 @@ def test_circuit_opens_defers_first_attempts_and_closes_after_a_probe(
                 timeout=30
             )
     assert budget_status(dependency, app=celery_app)["circuit"] == "open"
-    assert [o["dependency"] for o in opened] == [dependency]
-    # Then a new task is deferred until the circuit lets a probe through, runs once, and closes it
-    report = tasks.behave.apply_async((sink.key, ["ok"]), dependency=dependency).get(timeout=30)
-    assert [r["class"] for r in report["history"]] == ["deferred_circuit"]
+    assert [(o["dependency"], o["until"]) for o in opened] == [(dependency, clock[0] + 2.0)]
+    # Then a new task is deferred for the whole open time (plus at most 10% jitter)
+    result = tasks.behave.apply_async((sink.key, ["ok"]), dependency=dependency)
+    wait_for("the deferral", lambda: deferred)
+    # When the open time has passed
+    clock[0] += 2.0
+    # Then the deferred task is let through as the probe, runs once, and closes the circuit
+    report = result.get(timeout=30)
     assert report["attempt"] == 1 and len(sink.items()) == 1
-    assert [(d["dependency"], d["reason"]) for d in deferred] == [(dependency, "circuit")]
-    assert deferred[0]["delay"] >= 1.5
-    assert budget_status(dependency, app=celery_app)["circuit"] == "closed"
+    # (Had its deferred copy come back before the clock moved, it was deferred again for the same time.)
+    assert {r["class"] for r in report["history"]} == {"deferred_circuit"}
+    assert {(d["dependency"], d["reason"]) for d in deferred} == {(dependency, "circuit")}
+    assert all(2.0 <= d["delay"] <= 2.2 for d in deferred)
+    # (the success is recorded by on_success, which Celery calls after it stores the result)
+    wait_for("the circuit closed", lambda: budget_status(dependency, app=celery_app)["circuit"] == "closed")
 
 
 @pytest.mark.django_db(transaction=True)
@@ -133,6 +148,9 @@ def test_the_django_store_on_a_real_worker(celery_worker: Any, celery_app: Any, 
     # When a task of the dependency fails once and succeeds
     tasks.behave.apply_async((sink.key, ["transient", "ok"]), dependency=dependency).get(timeout=30)
     # Then its first attempt and its retry were counted in the database, and the success closed the circuit
-    row = DependencyState.objects.get(dependency=dependency)
+    # (recorded by on_success, which Celery calls after it stores the result: waited for, not assumed)
+    row = wait_for(
+        "the success recorded", lambda: DependencyState.objects.filter(dependency=dependency, failures=0).first()
+    )
     assert (row.first_current + row.first_previous, row.retries_current + row.retries_previous) == (1, 1)
-    assert (row.failures, row.circuit) == (0, "closed")
+    assert row.circuit == "closed"

@@ -17,6 +17,7 @@ from celery_guardrails.guardrails.idempotency import Heartbeats
 from celery_guardrails.stores import get_store
 from tests.conftest import Sink, waiting_messages
 from tests.proj import tasks
+from tests.support.waiting import wait_for
 from tests.support.workers import PROJ_APP, WorkerProcess, proj_env
 
 TIMEOUT = 30
@@ -41,9 +42,7 @@ def test_same_message_twice_and_same_key_twice_make_one_effect(
         task_id = str(uuid.uuid4())
         first = tasks.charge.apply_async((oid, sink.key), task_id=task_id).get(timeout=TIMEOUT)
         tasks.charge.apply_async((oid, sink.key), task_id=task_id)  # the same message again
-        deadline = time.monotonic() + TIMEOUT
-        while not skipped and time.monotonic() < deadline:
-            time.sleep(0.05)
+        wait_for("the same message skipped", lambda: skipped)
         second = tasks.charge.apply_async((oid, sink.key))
         other = second.get(timeout=TIMEOUT)
     # Then the body ran once, one effect; the duplicates were skipped, the other message got the summary
@@ -104,11 +103,13 @@ def test_permanent_failure_marks_the_key_failed_and_duplicates_are_ignored(
     with pytest.raises(PermanentError):
         tasks.charge.delay(oid, sink.key, ["permanent"]).get(timeout=TIMEOUT)
     store, key = get_store(celery_app), f"tests.proj.tasks.charge:-:charge:{oid}"
-    assert store.inspect(key)["state"] == "failed"
+    # (marked failed by on_failure, which Celery calls after it stores the result: waited for)
+    wait_for("the key failed", lambda: store.inspect(key)["state"] == "failed")  # type: ignore[index]
     duplicate = tasks.charge.delay(oid, sink.key)
+    wait_for("the duplicate skipped", lambda: skipped)
+    assert [(s["task_id"], s["state"]) for s in skipped] == [(duplicate.id, "failed")]
     with pytest.raises(CeleryTimeout):  # ignored: no result is ever stored
-        duplicate.get(timeout=2)
-    assert [s["state"] for s in skipped] == ["failed"]
+        duplicate.get(timeout=0.5)
     # a deliberate reopen (what a replay does) lets it run again
     assert store.reopen(key) is True
     assert tasks.charge.delay(oid, sink.key).get(timeout=TIMEOUT) == f"charged {oid}"
@@ -140,17 +141,29 @@ def test_the_heartbeat_keeps_a_short_lease_alive_after_a_long_one_let_its_thread
     beats.remove(other, "long")
     assert store.claim(key, owner="a", now=time.time(), lease=1.5, retention=600).state == "acquired"
     beats.add(store, key, "a", lease=1.5)
-    # When another delivery tries to take it for 4 s (over two leases)
-    answers = set()
-    deadline = time.monotonic() + 4
-    while time.monotonic() < deadline:
-        answers.add(store.claim(key, owner="b", now=time.time(), lease=1.5, retention=600).state)
-        time.sleep(0.25)
-    # Then it was held all along; once the beats stop, the lease runs out and the other takes over
-    assert answers == {"busy"}
+
+    # When the heartbeat runs
+    def lease_until() -> float:
+        return float(store.inspect(key)["lease_until"])  # type: ignore[index]
+
+    leases = [lease_until()]
+
+    def renewed_three_times() -> bool:
+        if (current := lease_until()) != leases[-1]:
+            leases.append(current)
+        return len(leases) > 3
+
+    # Then the thread woke for the short lease and renews it, again and again, each time further (a thread
+    # still asleep for 20 s would not have renewed it at all within the bound)
+    deadline = time.monotonic() + 15
+    while not renewed_three_times():
+        assert time.monotonic() < deadline, f"the lease was not renewed three times: {leases}"
+        time.sleep(0.05)
+    assert leases == sorted(leases)
+    # And once the beats stop, the lease is not renewed past its last one: another delivery takes over after it
     beats.remove(key, "a")
-    time.sleep(2)
-    assert store.claim(key, owner="b", now=time.time(), lease=1.5, retention=600).takeover is True
+    claim = store.claim(key, owner="b", now=time.time() + 1.5 + 1, lease=1.5, retention=600)
+    assert (claim.state, claim.takeover) == ("acquired", True)
 
 
 def test_send_task_without_the_header_is_keyed_on_the_worker(

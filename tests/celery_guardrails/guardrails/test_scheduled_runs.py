@@ -1,20 +1,20 @@
 """Scheduled runs on a real worker: the overlap policies, and the period key as idempotency key.
-Real ``celery beat`` (guarded scheduler) and ``celery worker`` processes on a fast clock (see tests/support)."""
+Real ``celery beat`` (guarded scheduler) and ``celery worker`` processes on a clock the test moves (see
+tests/support/scheduling.py)."""
 
 from __future__ import annotations
 
 import itertools
-import time
 import uuid
 from pathlib import Path
 from typing import Any
 
-from celery_guardrails.ledger import OK, SKIPPED_OVERLAP, period_key
+from celery_guardrails.ledger import DISPATCHED, OK, RUNNING, SKIPPED_OVERLAP, period_key
 from tests.conftest import Sink
 from tests.support.scheduling import Rig
 
 TASK = "tests.proj.tasks.scheduled_job"
-PERIOD = 10.0  # clock seconds: one real second at speed 10
+PERIOD = 10.0  # seconds of the rig's clock, which moves only when the test moves it
 
 
 def overlapping(items: list[dict[str, Any]]) -> list[tuple[float, float]]:
@@ -23,56 +23,96 @@ def overlapping(items: list[dict[str, Any]]) -> list[tuple[float, float]]:
     return [(a[0], b[0]) for a, b in itertools.pairwise(spans) if b[0] < a[1]]
 
 
-def slow_schedule(
-    tmp_path: Path, rigs: list[Rig], sink: Sink, *, overlap: str, hold: float, periods: int, **settings: Any
-) -> tuple[Rig, str]:
-    """A task that holds ``hold`` real seconds, every PERIOD, with ``overlap``, on a worker that could run four
-    at once; beat stopped once it has handled ``periods`` periods. (rig, entry name)
+def log_lines(process: Any, text: str) -> list[str]:
+    return [line for line in process.log.splitlines() if text in line]
 
-    The workers' watchdog is off: once beat stops it would record the next periods missed, which these tests
-    are not about (tests/celery_guardrails/test_watchdog.py, test_beat.py)."""
-    name = f"{overlap}-{uuid.uuid4().hex[:6]}"
-    rig = Rig(
-        tmp_path,
-        entries={name: {"task": TASK, "schedule": PERIOD, "kwargs": {"sink": sink.key, "hold": hold}}},
-        policies={name: {"overlap": overlap, "grace": 60}},
-        settings={"watchdog": False, **settings},
-    )
-    rigs.append(rig)
-    rig.worker(concurrency=4)
-    beat = rig.beat()
-    rig.wait(f"{periods} handled periods", lambda: len(rig.runs(name)) >= periods, timeout=60)
-    beat.stop()
-    return rig, name
+
+class Gated:
+    """An entry every PERIOD whose runs wait on a gate (a Redis list) until the test opens it, on a worker
+    that could run four at once; beat is looking at it. The clock moves only when the test moves it, so
+    which period comes while another runs is the test's choice, not the machine's speed.
+
+    The workers' watchdog is off: these tests are not about missed periods (test_watchdog.py, test_beat.py)."""
+
+    def __init__(self, tmp_path: Path, rigs: list[Rig], sink: Sink, *, overlap: str, **settings: Any) -> None:
+        self.name = f"{overlap}-{uuid.uuid4().hex[:6]}"
+        self.gate = f"{sink.key}:gate"
+        self.rig = Rig(
+            tmp_path,
+            entries={self.name: {"task": TASK, "schedule": PERIOD, "kwargs": {"sink": sink.key, "gate": self.gate}}},
+            policies={self.name: {"overlap": overlap, "grace": 60}},
+            settings={"watchdog": False, **settings},
+        )
+        rigs.append(self.rig)
+        self.worker = self.rig.worker(concurrency=4)
+        self.beat = self.rig.beat()
+        self.rig.looking(self.beat, self.name)
+        self.sink = sink
+
+    def next_period(self) -> float:
+        """Move the clock past the next period; that period."""
+        period = self.rig.now() - self.rig.now() % PERIOD + PERIOD
+        self.rig.set_clock(period + 1)
+        return period
+
+    def wait_status(self, period: float, *statuses: str) -> None:
+        self.rig.wait(f"{period} {'/'.join(statuses)}", lambda: self.status(period) in statuses)
+
+    def status(self, period: float) -> str | None:
+        run = self.rig.run_of(self.name, period)
+        return None if run is None else run.status
+
+    def open_gate(self, runs: int = 1) -> None:
+        self.sink.client.rpush(self.gate, *["go"] * runs)
 
 
 def test_overlap_skip_never_runs_two_at_once(tmp_path: Path, rigs: list[Rig], sink: Sink) -> None:
-    # Given a task slower than its period (2.5 periods) and a worker that could run four at once
-    # When beat dispatches a dozen periods
-    rig, name = slow_schedule(tmp_path, rigs, sink, overlap="skip", hold=2.5, periods=12)
-    rig.wait("every run finished", lambda: all(r.status in (OK, SKIPPED_OVERLAP) for r in rig.runs(name)), timeout=30)
-    # Then the periods that came while one ran are recorded skipped_overlap and did not run the body,
-    # and no two runs were ever under way at the same time
-    runs = rig.runs(name)
-    skipped = [r for r in runs if r.status == SKIPPED_OVERLAP]
-    ran = [r for r in runs if r.status == OK]
-    assert skipped and ran
-    assert all("overlap=skip" in r.reason for r in skipped)
+    job = Gated(tmp_path, rigs, sink, overlap="skip")
+    # Given a run under way
+    one = job.next_period()
+    job.wait_status(one, RUNNING)
+    # When two more periods come while it runs
+    two, three = job.next_period(), job.next_period()
+    # Then they are recorded skipped_overlap without running the body
+    job.wait_status(two, SKIPPED_OVERLAP)
+    job.wait_status(three, SKIPPED_OVERLAP)
+    # When the run ends, the next period runs again
+    job.open_gate()
+    job.wait_status(one, OK)
+    four = job.next_period()
+    job.open_gate()
+    job.wait_status(four, OK)
+    runs = {r.period: r for r in job.rig.runs(job.name)}
+    assert {p: r.status for p, r in runs.items()} == {one: OK, two: SKIPPED_OVERLAP, three: SKIPPED_OVERLAP, four: OK}
+    assert all("overlap=skip" in runs[p].reason for p in (two, three))
     items = sink.items()
-    assert sorted(item["period"] for item in items) == [r.period for r in ran]
+    assert [item["period"] for item in items] == [one, four]
     assert overlapping(items) == []
 
 
 def test_overlap_queue_waits_for_the_previous_run(tmp_path: Path, rigs: list[Rig], sink: Sink) -> None:
-    # Given a task a little slower than its period and a worker that could run four at once
-    # When beat dispatches five periods
-    rig, name = slow_schedule(
-        tmp_path, rigs, sink, overlap="queue", hold=1.6, periods=5, retry_later_delay=0.3, retry_later_max=50
-    )
-    # Then every period runs, none is skipped, and never two at once
-    rig.wait("every period ran", lambda: all(r.status == OK for r in rig.runs(name)), timeout=60)
+    job = Gated(tmp_path, rigs, sink, overlap="queue", retry_later_delay=0.3, retry_later_max=200)
+    # Given a run under way
+    one = job.next_period()
+    job.wait_status(one, RUNNING)
+    # When two more periods come while it runs
+    two, three = job.next_period(), job.next_period()
+    job.wait_status(two, DISPATCHED)
+    job.wait_status(three, DISPATCHED)
+
+    def waiting() -> list[str]:
+        return log_lines(job.worker, "the previous run is still going (overlap=queue)")
+
+    for period in (two, three):
+        task_id = job.rig.run_of(job.name, period).task_id  # type: ignore[union-attr]
+        job.rig.wait(f"{period} waiting", lambda task_id=task_id: any(f"[{task_id}]" in line for line in waiting()))
+    # Then each waits for the one before, and runs once it has ended: never two at once, none skipped
+    job.open_gate(3)
+    for period in (one, two, three):
+        job.wait_status(period, OK)
     items = sink.items()
-    assert sorted(item["period"] for item in items) == [r.period for r in rig.runs(name)]
+    assert sorted(item["period"] for item in items) == [one, two, three]
+    assert [r.status for r in job.rig.runs(job.name)] == [OK, OK, OK]
     assert overlapping(items) == []
 
 
@@ -88,6 +128,8 @@ def test_the_period_key_makes_a_rerun_of_the_same_period_a_duplicate(
     rigs.append(rig)
     rig.worker()
     beat = rig.beat()
+    rig.looking(beat, name)
+    rig.set_clock(rig.now() + 60 + 1)
     first = rig.wait("a first ok run", lambda: [r for r in rig.runs(name) if r.status == OK])[0]
     beat.stop()
     # Given the period ran: its key reached the task, as self.request.period_key and as its idempotency key
@@ -103,17 +145,21 @@ def test_the_period_key_makes_a_rerun_of_the_same_period_a_duplicate(
         headers={"guardrails": {"v": 1, "sched": name, "period": round(first.period)}},
     ).get(timeout=30)
     # Then nothing runs again and the ledger record is unchanged
-    time.sleep(0.5)
     assert len(sink.items()) == 1
     assert rig.runs(name)[0] == first
 
 
 def test_overlap_allow_runs_both(tmp_path: Path, rigs: list[Rig], sink: Sink) -> None:
-    # Given the same slow task with overlap="allow", and a worker that can run four at once
-    # When beat dispatches six periods
-    rig, name = slow_schedule(tmp_path, rigs, sink, overlap="allow", hold=2.5, periods=6)
-    rig.wait("every period ran", lambda: all(r.status == OK for r in rig.runs(name)), timeout=30)
-    # Then every period ran, and runs did overlap
-    items = sink.items()
-    assert sorted(item["period"] for item in items) == [r.period for r in rig.runs(name)]
-    assert overlapping(items)
+    job = Gated(tmp_path, rigs, sink, overlap="allow")
+    # Given a run under way
+    one = job.next_period()
+    job.wait_status(one, RUNNING)
+    # When the next period comes while it runs
+    two = job.next_period()
+    # Then it runs too, at the same time
+    job.wait_status(two, RUNNING)
+    assert job.status(one) == RUNNING
+    job.open_gate(2)
+    job.wait_status(one, OK)
+    job.wait_status(two, OK)
+    assert len(overlapping(sink.items())) == 1
