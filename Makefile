@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 INSTALLED := $(VENV)/.installed
 
-.PHONY: demo test services lint check bench clean
+.PHONY: demo test test-postgres test-sqlite services lint check bench flaky clean
 
 $(INSTALLED): setup.cfg pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -26,9 +26,23 @@ lint: $(INSTALLED)
 	$(VENV)/bin/mypy
 
 # The whole suite: lint, then everything on PostgreSQL, then what uses the database again on SQLite.
+# PYTEST_ARGS: more pytest arguments for both passes (make flaky adds a JUnit report).
+PYTEST_ARGS ?=
 test: $(INSTALLED) services lint
-	GUARDRAILS_TEST_DB=postgres $(PY) -m pytest
-	GUARDRAILS_TEST_DB=sqlite $(PY) -m pytest tests/django_app tests/example_project/test_shop.py tests/celery_guardrails/stores
+	$(MAKE) --no-print-directory test-postgres test-sqlite
+
+test-postgres: $(INSTALLED)
+	GUARDRAILS_TEST_DB=postgres $(PY) -m pytest $(PYTEST_ARGS)
+
+test-sqlite: $(INSTALLED)
+	GUARDRAILS_TEST_DB=sqlite $(PY) -m pytest $(PYTEST_ARGS) tests/django_app tests/example_project/test_shop.py tests/celery_guardrails/stores
+
+# A flake hunt: the whole suite RUNS times in a row (default 5) with LOAD busy loops alongside (default one per
+# core); lists every test that failed at least once, its output kept in test-artifacts/flaky/.
+RUNS ?= 5
+LOAD ?= $(shell nproc 2>/dev/null || echo 2)
+flaky: $(INSTALLED) services
+	$(PY) scripts/flaky.py --runs $(RUNS) --load $(LOAD)
 
 clean:
 	rm -rf $(VENV) build dist *.egg-info example_project/var

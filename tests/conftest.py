@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
 import threading
-import time
 import uuid
 from collections.abc import Callable, Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
@@ -22,8 +23,43 @@ import redis
 from kombu import Connection
 
 from tests.support.services import BROKER_SERVICE, BROKER_URLS, REDIS_URL, require
+from tests.support.waiting import BOUND, wait_for
+from tests.support.workers import STARTED
 
 BOTH_BROKERS = pytest.mark.parametrize("broker", ["redis", "amqp"], indirect=True)
+#: Where a failed test's process logs are kept (CI prints them too).
+FAILURES = Path(__file__).resolve().parents[1] / "test-artifacts" / "failures"
+#: Lines of each process log printed with a failure (the whole log is kept under FAILURES).
+LOG_TAIL = 150
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    item.stash[_first_process] = len(STARTED)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
+    """A failed test's worker, beat and watchdog logs: the tail printed with the failure, the whole log kept
+    in test-artifacts/failures/<test>/, so that a flake can be explained from the one run that saw it."""
+    outcome = yield
+    report = outcome.get_result()  # type: ignore[attr-defined]
+    if not report.failed:
+        return
+    processes = STARTED[item.stash.get(_first_process, len(STARTED)) :]
+    if not processes:
+        return
+    folder = FAILURES / re.sub(r"[^\w.-]+", "_", item.nodeid)[-150:]
+    folder.mkdir(parents=True, exist_ok=True)
+    for index, process in enumerate(processes):
+        log = process.log
+        name = f"{index:02d}-{process.log_path.name}"
+        (folder / name).write_text(log)
+        tail = "\n".join(log.splitlines()[-LOG_TAIL:])
+        report.sections.append((f"{process.log_path.name} (last {LOG_TAIL} lines; whole: {folder / name})", tail))
+
+
+_first_process = pytest.StashKey[int]()
 
 
 @pytest.fixture
@@ -98,12 +134,11 @@ class Sink:
     def items(self) -> list[dict[str, Any]]:
         return [json.loads(raw) for raw in self.client.lrange(self.key, 0, -1)]
 
-    def wait(self, count: int, timeout: float = 30.0) -> list[dict[str, Any]]:
-        deadline = time.monotonic() + timeout
-        while self.client.llen(self.key) < count:
-            if time.monotonic() > deadline:
-                raise AssertionError(f"expected {count} reports in {timeout}s, got {self.items()}")
-            time.sleep(0.05)
+    def wait(self, count: int, timeout: float = BOUND) -> list[dict[str, Any]]:
+        try:
+            wait_for(f"{count} reports", lambda: self.client.llen(self.key) >= count, timeout=timeout)
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}, got {self.items()}") from None
         return self.items()
 
 
@@ -124,6 +159,14 @@ def waiting_messages(broker: str, queue: str) -> int:
     with Connection(BROKER_URLS[broker]) as conn:
         _, count, _ = conn.default_channel.queue_declare(queue, passive=True)
         return int(count)
+
+
+def unacked(task_id: str) -> bool:
+    """Whether a message of ``task_id`` is delivered and not yet acked on the Redis broker (kombu keeps it in
+    its ``unacked`` hash until the ack): a test stops a worker only after its messages are acked, since a
+    warm shutdown gives unacked ones back to the queue."""
+    client = redis.Redis.from_url(BROKER_URLS["redis"])
+    return any(task_id.encode() in raw for raw in client.hvals("unacked"))
 
 
 class _ProviderHandler(BaseHTTPRequestHandler):

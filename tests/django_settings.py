@@ -1,5 +1,6 @@
 """Django settings for the tests: the example project, on PostgreSQL or SQLite (GUARDRAILS_TEST_DB)."""
 
+import hashlib
 import os
 import tempfile
 
@@ -14,6 +15,7 @@ os.environ.setdefault("EXAMPLE_QUEUE", f"example-tests-{os.getpid()}")
 from example_project.settings import *  # noqa: F403
 
 DB = os.environ.get("GUARDRAILS_TEST_DB", "sqlite")
+_CHECKOUT = hashlib.sha256(os.path.dirname(os.path.dirname(os.path.abspath(__file__))).encode()).hexdigest()[:8]
 if DB == "postgres":
     DATABASES = {
         "default": {
@@ -24,7 +26,9 @@ if DB == "postgres":
             "USER": os.environ.get("GUARDRAILS_TEST_PGUSER", "postgres"),
             "HOST": "127.0.0.1",
             "PORT": os.environ.get("GUARDRAILS_TEST_DB_PORT", "5432"),
-            "TEST": {"NAME": "test_guardrails"},
+            # One test database per checkout: two suites run from two clones (a flake hunt in one, work in
+            # the other) would otherwise drop each other's database.
+            "TEST": {"NAME": f"test_guardrails_{_CHECKOUT}"},
         }
     }
 elif DB == "sqlite":
