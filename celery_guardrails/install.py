@@ -61,6 +61,13 @@ def warn_about(app: Any, guarded: list[Any]) -> None:
             len(unowned),
             ", ".join(unowned),
         )
+    unsafe = sorted(task.name for task in guarded if options.resolve(task, "retry_unsafe", {}))
+    if unsafe:
+        logger.warning(
+            "celery-guardrails: %s retry_unsafe: retried on ambiguous failures (a read timeout, a 5xx) although "
+            "not idempotent; the dependency may act twice on one message",
+            ", ".join(unsafe),
+        )
     early = sorted(task.name for task in guarded if not task.acks_late or not task.reject_on_worker_lost)
     if early:
         logger.warning(

@@ -264,6 +264,14 @@ OPTIONS: Mapping[str, Option] = {
             scopes=frozenset({TASK, APP}),
         ),
         Option(
+            name="retry_unsafe",
+            default=False,
+            doc="Let a task that is not idempotent be retried on ambiguous failures too (a read timeout, a 5xx, "
+            "an error transient_errors or error_patterns name): it may then act twice. Warned about at start-up.",
+            check=_boolean,
+            scopes=frozenset({TASK, APP}),
+        ),
+        Option(
             name="idempotency_key",
             default=None,
             doc="str.format template over the task's bound arguments ('charge:{order_id}'), or a callable "

@@ -64,6 +64,7 @@ class GuardedTask(Task):  # type: ignore[misc]
     redact_keys: Any = None
     max_deliveries: int | None = None
     idempotent: bool | None = None
+    retry_unsafe: bool | None = None
     idempotency_key: Any = None
     idempotency_lease: float | None = None
     idempotency_retention: float | None = None

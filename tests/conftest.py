@@ -10,7 +10,10 @@ from __future__ import annotations
 import contextlib
 import json
 import re
+import socket
+import struct
 import threading
+import time
 import uuid
 from collections.abc import Callable, Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -172,7 +175,17 @@ def unacked(task_id: str) -> bool:
 class _ProviderHandler(BaseHTTPRequestHandler):
     def do_GET(self) -> None:
         parts = urlsplit(self.path)
-        code = int(parts.path.rsplit("/", 1)[-1])
+        self.server.requests.append(parts.path)  # type: ignore[attr-defined]
+        if parts.path == "/reset":  # the request arrived; the connection dies before any answer
+            self.connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            self.close_connection = True
+            self.connection.close()
+            return
+        if parts.path.startswith("/slow/"):  # answers after that many seconds (a client's read timeout)
+            time.sleep(float(parts.path.rsplit("/", 1)[-1]))
+            code = 200
+        else:
+            code = int(parts.path.rsplit("/", 1)[-1])
         self.send_response(code)
         for name, values in parse_qs(parts.query).items():
             self.send_header(name.replace("_", "-").title(), values[0])
@@ -185,13 +198,26 @@ class _ProviderHandler(BaseHTTPRequestHandler):
 
 @pytest.fixture
 def provider() -> Iterator[str]:
-    """A real HTTP server on loopback: ``GET <url>/status/503?retry_after=7`` answers 503, Retry-After: 7."""
+    """A real HTTP server on loopback: ``GET <url>/status/503?retry_after=7`` answers 503, Retry-After: 7;
+    ``/slow/<seconds>`` answers 200 that late; ``/reset`` resets the connection once the request is in.
+    The paths it was asked for are in ``provider_requests``."""
     server = ThreadingHTTPServer(("127.0.0.1", 0), _ProviderHandler)
+    server.requests = _PROVIDER_REQUESTS  # type: ignore[attr-defined]
+    _PROVIDER_REQUESTS.clear()
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
     yield f"http://127.0.0.1:{server.server_address[1]}"
     server.shutdown()
     server.server_close()
+
+
+_PROVIDER_REQUESTS: list[str] = []
+
+
+@pytest.fixture
+def provider_requests(provider: str) -> list[str]:
+    """The paths the ``provider`` was asked for, in order."""
+    return _PROVIDER_REQUESTS
 
 
 @pytest.fixture

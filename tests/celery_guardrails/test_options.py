@@ -138,7 +138,9 @@ def test_worker_refuses_to_start_on_a_bad_setting(
     assert " ready." not in worker.log
 
 
-def test_worker_start_warns_about_tasks_without_an_owner(tmp_path: Path, queue_name: str) -> None:
+def test_worker_start_warns_about_tasks_without_an_owner_and_tasks_retried_unsafely(
+    tmp_path: Path, queue_name: str
+) -> None:
     require("redis")
     with WorkerProcess(
         app=PROJ_APP, queue=queue_name, log_path=tmp_path / "worker.log", env=proj_env(queue=queue_name)
@@ -146,3 +148,5 @@ def test_worker_start_warns_about_tasks_without_an_owner(tmp_path: Path, queue_n
         pass
     (line,) = [text for text in worker.log.splitlines() if "can dead-letter with no owner" in text]
     assert "tests.proj.tasks.observe" in line and "tests.proj.django_tasks" not in line
+    (unsafe,) = [text for text in worker.log.splitlines() if "retry_unsafe: retried" in text]
+    assert "tests.proj.tasks.behave_retry_unsafe retry_unsafe: retried on ambiguous failures" in unsafe

@@ -146,6 +146,10 @@ def _behave(task: GuardedTask, sink: str, script: list[str]) -> dict[str, Any]:
         import requests
 
         requests.get(arg, timeout=5).raise_for_status()
+    if kind == "get_quick":  # the same, giving up on an answer after half a second
+        import requests
+
+        requests.get(arg, timeout=(5, 0.5)).raise_for_status()
     if kind == "httpx":
         import httpx
 
@@ -171,9 +175,23 @@ def behave_not_idempotent(self: GuardedTask, sink: str, script: list[str]) -> di
     return _behave(self, sink, script)
 
 
+@shared_task(base=GuardedTask, bind=True, backoff_base=0.05, retry_unsafe=True)
+def behave_retry_unsafe(self: GuardedTask, sink: str, script: list[str]) -> dict[str, Any]:
+    """Not idempotent, but retried on ambiguous failures all the same (its author accepts a second run)."""
+    return _behave(self, sink, script)
+
+
 @shared_task(base=GuardedTask, bind=True, idempotency_key="charge:{order_id}", backoff_base=0.05)
-def charge(self: GuardedTask, order_id: int, sink: str, script: list[str] | None = None, hold: float = 0.0) -> str:
-    """The effect is ``INCR <sink>:effects``; run n does ``script[n-1]`` first; the first run may hold the key."""
+def charge(
+    self: GuardedTask,
+    order_id: int,
+    sink: str,
+    script: list[str] | None = None,
+    hold: float = 0.0,
+    gate: str | None = None,
+) -> str:
+    """The effect is ``INCR <sink>:effects``; run n does ``script[n-1]`` first; the first run may hold the key
+    (``hold`` seconds, or until an item is pushed to the Redis list ``gate``)."""
     import time
 
     client = redis.Redis.from_url(REDIS_URL)
@@ -188,6 +206,8 @@ def charge(self: GuardedTask, order_id: int, sink: str, script: list[str] | None
     client.incr(f"{sink}:effects")
     if hold and runs == 1:
         time.sleep(hold)
+    if gate and runs == 1 and client.blpop([gate], timeout=120) is None:
+        raise RuntimeError(f"gate {gate} never opened")
     if step == "unencodable":  # the effect happened; then Celery cannot store this result as JSON
         return {"order": order_id, "receipt": object()}  # type: ignore[return-value]
     return f"charged {order_id}"

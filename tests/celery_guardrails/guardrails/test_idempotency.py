@@ -73,13 +73,16 @@ def test_keys_are_scoped_by_tenant(celery_worker: Any, celery_app: Any, sink: Si
 def test_a_duplicate_waits_for_the_running_delivery(
     celery_worker: Any, celery_app: Any, sink: Sink, oid: int, received: Any
 ) -> None:
-    # Given a delivery holding the key for 1.5 s, and a duplicate arriving meanwhile
+    # Given a delivery holding the key until the test lets it finish, and a duplicate arriving meanwhile
     celery_app.conf.guardrails = {**celery_app.conf.guardrails, "retry_later_delay": 0.3}
     later = received(signals.retry_scheduled)
-    first = tasks.charge.delay(oid, sink.key, hold=1.5)
+    gate = f"{sink.key}:gate"
+    first = tasks.charge.delay(oid, sink.key, gate=gate)
     sink.wait(1)
     duplicate = tasks.charge.delay(oid, sink.key)
     # Then the duplicate comes back through RetryLater, and returns the summary once the first completed
+    wait_for("the duplicate told to come back later", lambda: later)
+    sink.client.rpush(gate, "go")
     assert first.get(timeout=TIMEOUT) == f"charged {oid}"
     assert duplicate.get(timeout=TIMEOUT) == f"'charged {oid}'"
     assert effects(sink) == 1

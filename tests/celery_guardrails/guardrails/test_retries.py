@@ -154,6 +154,45 @@ def test_unknown_error_not_retried_unless_idempotent(celery_worker: Any, sink: S
     ]
 
 
+def test_a_task_that_is_not_idempotent_runs_once_on_a_read_timeout_and_is_dead_lettered(
+    celery_worker: Any, celery_app: Any, sink: Sink, received: Any, provider: str, provider_requests: list[str]
+) -> None:
+    finals = received(signals.final_failure)
+    # Given a task that is not idempotent, calling a provider that takes the request and answers too late
+    with pytest.raises(Exception, match="timed out"):
+        tasks.behave_not_idempotent.delay(sink.key, [f"get_quick:{provider}/slow/2", "ok"]).get(timeout=TIMEOUT)
+    # Then it ran once, the provider saw one request, and the final failure says why it was not retried
+    assert len(runs(sink)) == 1 and provider_requests == ["/slow/2"]
+    [final] = [f["failure"] for f in finals]
+    assert (final.reason, final.history[-1]["rule"]) == ("not_idempotent", "http:transport:not_idempotent")
+    assert dead_letter_of(celery_app, final.task_id)["reason"] == "not_idempotent"
+
+
+def test_a_task_that_is_not_idempotent_is_retried_when_the_connection_was_refused(
+    celery_worker: Any, sink: Sink
+) -> None:
+    # Given a task that is not idempotent whose first call finds nothing listening (nothing was sent)
+    report = tasks.behave_not_idempotent.delay(sink.key, ["get_quick:http://127.0.0.1:9", "ok"]).get(timeout=TIMEOUT)
+    # Then it was retried, and the retry succeeded
+    assert [r["run"] for r in runs(sink)] == [1, 2]
+    assert [r["rule"] for r in report["history"]] == ["http:transport"]
+
+
+def dead_letter_of(app: Any, task_id: str) -> dict[str, Any]:
+    """The task's dead letter in the Redis stream sink (the embedded worker's sink)."""
+    import json
+
+    from celery_guardrails.dead_letters import STREAM
+    from celery_guardrails.stores import get_store
+
+    client = get_store(app).client  # type: ignore[attr-defined]
+    for _, entry in client.xrevrange(STREAM, count=1000):
+        record = json.loads(entry[b"record"])
+        if record["task_id"] == task_id:
+            return dict(record)
+    raise AssertionError(f"no dead letter for {task_id}")
+
+
 def test_retry_later_consumes_no_attempt_and_keeps_the_tenant(celery_worker: Any, sink: Sink) -> None:
     with tenant_context("acme"):
         tasks.behave.delay(sink.key, ["later", "later", "later", "ok"]).get(timeout=TIMEOUT)
