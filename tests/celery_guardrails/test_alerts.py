@@ -9,12 +9,12 @@ import sys
 from tests.support.workers import ROOT
 
 SCRIPT = """
-import logging, sys
+import logging, os, sys
 logging.basicConfig(stream=sys.stderr, level=logging.INFO)
 from celery import Celery
 from celery_guardrails.alerts import send
 app = Celery("no-django", set_as_current=False)
-app.conf.guardrails = {"store": "redis://127.0.0.1:6379/9"}  # alert_channels left at ("log", "mail")
+app.conf.guardrails = {"store": os.environ["GUARDRAILS_TEST_REDIS_URL"]}  # alert_channels: ("log", "mail")
 send(app, subject="Run missed: nightly", run={"schedule": "nightly"}, owner="ops")
 print("sent")
 """

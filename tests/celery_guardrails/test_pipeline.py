@@ -12,6 +12,7 @@ from celery import shared_task
 
 from celery_guardrails import GuardedTask, Guardrail, current_tenant, tenant_context
 from celery_guardrails.pipeline import Publication
+from tests.support.waiting import wait_for
 
 CALLS: list[tuple[str, str, Any]] = []
 
@@ -84,9 +85,16 @@ def _clear_calls() -> None:
     CALLS.clear()
 
 
+def after_hooks_ran(last: tuple[str, str]) -> None:
+    """Wait for the last after-hook: Celery calls on_success / on_failure after it stores the result, so a
+    client's .get() can return before they ran."""
+    wait_for(f"{last} called", lambda: bool(CALLS) and CALLS[-1][:2] == last)
+
+
 def test_success_runs_hooks_in_order_then_reverse(celery_worker: Any) -> None:
     with tenant_context("acme"):
         assert recorded.delay("ok").get(timeout=30) == "done"
+    after_hooks_ran(("a", "success"))
     assert CALLS == [
         ("a", "publish", "acme"),
         ("b", "publish", "acme"),
@@ -105,12 +113,14 @@ def test_success_runs_hooks_in_order_then_reverse(celery_worker: Any) -> None:
 def test_failure_hooks_in_reverse_order(celery_worker: Any) -> None:
     with tenant_context("acme"), pytest.raises(KeyError):
         recorded.delay("fail").get(timeout=30)
+    after_hooks_ran(("a", "failure"))
     assert CALLS[-2:] == [("b", "failure", "KeyError"), ("a", "failure", "KeyError")]
 
 
 def test_retry_publishes_again_and_runs_retry_hooks(celery_worker: Any) -> None:
     with tenant_context("acme"):
         assert recorded.delay("retry").get(timeout=30) == "done"
+    after_hooks_ran(("a", "success"))
     steps = [(name, hook) for name, hook, _ in CALLS]
     # the retry is published through the same pipeline (with the message's tenant) before on_retry
     assert steps.count(("a", "publish")) == 2
@@ -124,4 +134,5 @@ def test_a_guardrail_may_be_an_unhashable_dataclass_with_one_hook(celery_worker:
     # When it runs
     assert sparse.delay().get(timeout=30) == "done"
     # Then that hook ran, once, with the result
+    after_hooks_ran(("s", "success"))
     assert CALLS == [("s", "success", "done")]

@@ -49,16 +49,13 @@ class TcpProxy:
             pass
         finally:
             for end in (source, sink):
-                with contextlib.suppress(OSError):
-                    end.close()
+                _hang_up(end)
 
     def cut(self) -> None:
         self.open.clear()
         with self.lock:
             for connection in self.connections:
-                with contextlib.suppress(OSError):
-                    connection.shutdown(socket.SHUT_RDWR)
-                    connection.close()
+                _hang_up(connection)
             self.connections.clear()
 
     def restore(self) -> None:
@@ -67,3 +64,13 @@ class TcpProxy:
     def close(self) -> None:
         self.cut()
         self.listener.close()
+
+
+def _hang_up(end: socket.socket) -> None:
+    """Shut the socket down, then close it. The shutdown is what sends the FIN: a socket closed while another
+    thread is blocked reading it stays open in the kernel (a database session behind it stays open too, in
+    its transaction, holding its locks)."""
+    with contextlib.suppress(OSError):
+        end.shutdown(socket.SHUT_RDWR)
+    with contextlib.suppress(OSError):
+        end.close()

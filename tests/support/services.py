@@ -6,15 +6,21 @@ so a green CI run always means the services were there.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import socket
+from pathlib import Path
 
 import pytest
 
 HOST = "127.0.0.1"
 PORTS = {"redis": 6379, "postgres": 5432, "rabbitmq": 5672}
 
-REDIS_URL = os.environ.get("GUARDRAILS_TEST_REDIS_URL", f"redis://{HOST}:6379/9")
+# One Redis database per checkout (1 to 12; the demo uses 14): two suites run at once from two clones (a
+# flake hunt in one, work in the other) would otherwise share keys whose names are fixed (alert throttles).
+_CHECKOUT = Path(__file__).resolve().parents[2]
+_DB = 1 + int(hashlib.sha256(str(_CHECKOUT).encode()).hexdigest(), 16) % 12
+REDIS_URL = os.environ.setdefault("GUARDRAILS_TEST_REDIS_URL", f"redis://{HOST}:6379/{_DB}")
 BROKER_URLS = {
     "redis": REDIS_URL,
     "amqp": os.environ.get("GUARDRAILS_TEST_AMQP_URL", f"amqp://guest:guest@{HOST}:5672//"),

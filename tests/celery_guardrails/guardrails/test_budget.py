@@ -120,6 +120,8 @@ def test_circuit_opens_defers_first_attempts_and_closes_after_a_probe(
             tasks.behave.apply_async((f"{sink.key}:{i}", ["transient"]), dependency=dependency, max_attempts=1).get(
                 timeout=30
             )
+    # (its outcome is recorded by on_failure, which Celery calls after it stores the result: waited for)
+    wait_for("the circuit opened", lambda: opened)
     assert budget_status(dependency, app=celery_app)["circuit"] == "open"
     assert [(o["dependency"], o["until"]) for o in opened] == [(dependency, clock[0] + 2.0)]
     # Then a new task is deferred for the whole open time (plus at most 10% jitter)
