@@ -21,6 +21,7 @@ from celery_guardrails.exceptions import (
     PermanentError,
     RetryLater,
     StoreError,
+    StoreUnavailableError,
     TransientError,
 )
 from celery_guardrails.guardrails.budget import budget_status
@@ -41,6 +42,7 @@ __all__ = [
     "PermanentError",
     "RetryLater",
     "StoreError",
+    "StoreUnavailableError",
     "TransientError",
     "budget_status",
     "correlation_context",

@@ -14,7 +14,9 @@ Every exception the extension raises derives from one root, :class:`GuardrailsEr
     ├── BudgetExhaustedError    a dependency's retry budget or open circuit kept a message from running
     ├── PoisonMessageError      a message whose runs kept killing their worker, dead-lettered unrun
     ├── DeadLetteredError       a message whose dead letter was recorded late (its sinks had been down)
-    └── StoreError              the guardrails store (Redis or the Django database) cannot be used
+    └── StoreError              the guardrails store (Redis or the Django database) refused an operation
+        └── StoreUnavailableError   ... because it cannot be reached (refused, timed out, went away): an
+                                    infrastructure fault, never the message's; the message comes back later
 
 ``ConfigurationError`` and ``ContextError`` are also ``ValueError`` so that code catching bad input the usual
 way keeps working.
@@ -92,7 +94,15 @@ class RetryLater(GuardrailsError):
 
 
 class StoreError(GuardrailsError):
-    """The guardrails store cannot be reached or refused an operation."""
+    """The guardrails store refused an operation (or cannot be reached: :class:`StoreUnavailableError`)."""
+
+
+class StoreUnavailableError(StoreError):
+    """The guardrails store cannot be reached: connection refused or lost, a timeout, a locked database.
+
+    An infrastructure fault: a delivery that meets it is published again later without spending an attempt
+    (see :func:`celery_guardrails.outcomes.store_unavailable`), never failed or acked away.
+    """
 
 
 class BudgetExhaustedError(GuardrailsError):

@@ -12,6 +12,10 @@ is a flat mapping (an AMQP table on RabbitMQ, a JSON object on Redis)::
         "attempt": 2,           # attempts consumed before this delivery (absent: 0)
         "later": 1,             # RetryLater re-deliveries so far (absent: 0)
         "deferred": 0,          # retry-budget / circuit-breaker deferrals so far (absent: 0)
+        "outage": 0,            # times the guardrails store could not be reached for it (absent: 0)
+        "busy": 0,              # waits for another delivery holding its idempotency key (absent: 0)
+        "gave_up": ["..."],     # claim owners of earlier deliveries that gave up without releasing (a store
+                                # outage): a claim one of them holds is taken over at once (at most 5)
         "hist": [{...}],        # the last HISTORY_LIMIT attempt records, oldest first (see below)
         "hist_n": 3,            # how many records were ever written (the list keeps the last 20)
         "sched": "nightly",     # scheduled work: the beat entry (schedule) this message runs a period of
@@ -20,7 +24,8 @@ is a flat mapping (an AMQP table on RabbitMQ, a JSON object on Redis)::
 
 An attempt record: ``{"n": 1, "start": "2026-11-30T08:00:00.123+00:00", "end": "...", "host": "celery@web1",
 "exc": "requests.exceptions.HTTPError", "msg": "503 Server Error" (at most MESSAGE_LIMIT characters),
-"class": "transient" | "permanent" | "retry_later" | "manual" | "deferred_budget" | "deferred_circuit",
+"class": "transient" | "permanent" | "retry_later" | "manual" | "deferred_budget" | "deferred_circuit" |
+"store_unavailable",
 "rule": "http:503", "delay": 3.2}`` (``delay`` is null when none was chosen).
 
 Version history:
@@ -29,6 +34,8 @@ Version history:
   ``hist_n``.
 * ``1`` (0.2): ``sched`` and ``period`` added (a release that does not know them runs the message as a
   plain one; the idempotency key ``idem`` of a scheduled message is its period key).
+* ``1`` (0.3): ``outage``, ``busy`` and ``gave_up`` added, and the record class ``store_unavailable`` (a
+  release that does not know them keeps them, and counts nothing for them).
 
 Compatibility rules:
 
@@ -65,6 +72,11 @@ IDEMPOTENCY_KEY = "idem"
 ATTEMPT = "attempt"
 LATER = "later"
 DEFERRED = "deferred"
+OUTAGES = "outage"
+BUSY = "busy"
+GAVE_UP = "gave_up"
+#: Owners kept in GAVE_UP at most (the newest).
+GAVE_UP_LIMIT = 5
 HISTORY = "hist"
 HISTORY_TOTAL = "hist_n"
 SCHEDULE = "sched"
@@ -74,7 +86,7 @@ PERIOD = "period"
 HISTORY_LIMIT = 20
 #: Characters of an exception message kept in an attempt record.
 MESSAGE_LIMIT = 500
-_COUNTERS = (ATTEMPT, LATER, DEFERRED, HISTORY_TOTAL)
+_COUNTERS = (ATTEMPT, LATER, DEFERRED, OUTAGES, BUSY, HISTORY_TOTAL)
 
 
 def from_message_headers(headers: Mapping[str, Any] | None) -> dict[str, Any]:
@@ -132,6 +144,13 @@ def sanitise(raw: Mapping[str, Any], *, task_id: str | None = None) -> dict[str,
     period = clean.get(PERIOD)
     if PERIOD in clean and (isinstance(period, bool) or not isinstance(period, int) or period < 0):
         _drop(clean, PERIOD, task_id)
+    gave_up = clean.get(GAVE_UP)
+    if GAVE_UP in clean and not (
+        isinstance(gave_up, list)
+        and len(gave_up) <= GAVE_UP_LIMIT
+        and all(isinstance(owner, str) and 0 < len(owner) <= 300 for owner in gave_up)
+    ):
+        _drop(clean, GAVE_UP, task_id)
     history = clean.get(HISTORY)
     if HISTORY in clean and not (isinstance(history, list) and all(isinstance(r, Mapping) for r in history)):
         _drop(clean, HISTORY, task_id)

@@ -1,12 +1,15 @@
-"""The two ways a guardrail ends a delivery other than letting it succeed: re-publish it, or fail it finally.
+"""The ways a guardrail ends a delivery other than letting it succeed: re-publish it, or fail it finally.
 
 Both happen before the current delivery is acked (``GuardedTask`` acks late): the new message is published,
-or the final failure is handed to the dead-letter hook, and only then does Celery ack the message.
+or the final failure is handed to the dead-letter hook, and only then does Celery ack the message. A store
+that cannot be reached re-publishes the message without spending an attempt (:func:`store_unavailable`);
+where even that fails, the message is given back to the broker unacked.
 """
 
 from __future__ import annotations
 
 import logging
+import random
 import time
 import traceback as traceback_module
 from dataclasses import asdict, dataclass, field, fields
@@ -16,6 +19,7 @@ from typing import Any
 
 from celery_guardrails import headers, signals
 from celery_guardrails.context import current_correlation_id, current_tenant
+from celery_guardrails.delivery import delivery
 
 logger = logging.getLogger(__name__)
 
@@ -29,6 +33,7 @@ CIRCUIT_OPEN = "circuit_open"
 MISSING_TENANT = "missing_tenant"
 BAD_IDEMPOTENCY_KEY = "bad_idempotency_key"
 POISON = "poison"
+STORE_REFUSED = "store_refused"
 
 #: Header field of a final failure whose dead letter could not be recorded yet (the message came back).
 PENDING_DEAD_LETTER = "dl"
@@ -53,7 +58,7 @@ def attempt_record(
     request = task.request
     return {
         "n": getattr(request, "attempt", 1),
-        "start": timestamp(started if started is not None else getattr(request, "guardrails_started", None)),
+        "start": timestamp(started if started is not None else delivery(task).started),
         "end": timestamp(),
         "host": request.hostname,
         "exc": f"{type(exc).__module__}.{type(exc).__qualname__}" if exc is not None else None,
@@ -73,17 +78,63 @@ def republish(
     returned exception so Celery records RETRY and acks the current delivery after the publish.
     """
     request = task.request
+    state = delivery(task)
     # Guardrails that hold something for this delivery (an idempotency claim) give it up first, so the new
-    # delivery never finds it held by the old one.
-    for give_up in getattr(request, "guardrails_before_republish", ()):
-        give_up()
-    request.guardrails_republishing = True
+    # delivery never finds it held by the old one; what could not be let go, the new delivery may take over.
+    kept = state.give_up(request.id)
+    if kept:
+        header = {**header, headers.GAVE_UP: [*header.get(headers.GAVE_UP, ()), *kept][-headers.GAVE_UP_LIMIT :]}
+    state.republishing = True
     message_headers = {**(request.headers or {}), headers.HEADER: header}
     # max_retries: the guardrails count attempts themselves; Celery's own limit must not interfere.
     retry: BaseException = task.retry(
         exc=exc, countdown=max(0.0, countdown), max_retries=request.retries + 1, headers=message_headers, throw=False
     )
     return retry
+
+
+def store_unavailable(task: Any, exc: BaseException) -> BaseException:
+    """The guardrails store could not be reached for this delivery: publish the message again later without
+    spending an attempt, and return Celery's Retry for the caller to raise (or, when even publishing fails,
+    a Reject that gives the message back to the broker unacked). Logged with ids; ``store_unavailable``.
+
+    The delay doubles with each outage the message meets (``backoff_base`` to ``backoff_max``, half of it
+    random, so the messages of one outage do not all come back at once).
+    """
+    from celery.exceptions import Reject
+
+    from celery_guardrails.options import resolve
+
+    request = task.request
+    header = headers.from_request(request)
+    outages = headers.counter(header, headers.OUTAGES) + 1
+    call = task.call_options()
+    ceiling = min(resolve(task, "backoff_max", call), resolve(task, "backoff_base", call) * 2.0 ** min(outages, 30))
+    delay = ceiling * (0.5 + random.random() / 2)
+    logger.error(
+        "Task %s[%s]: the guardrails store is unavailable (%s); not run now, back in %.1fs without spending an "
+        "attempt (outage %d)",
+        task.name,
+        request.id,
+        exc,
+        delay,
+        outages,
+    )
+    signals.store_unavailable.send(sender=task, task_id=request.id, error=exc, delay=delay, outages=outages)
+    record = attempt_record(task, kind="store_unavailable", rule="store", exc=exc, delay=delay)
+    try:
+        return republish(
+            task, countdown=delay, exc=exc, header=headers.with_record(header, record, **{headers.OUTAGES: outages})
+        )
+    except Exception as error:  # the broker is out of reach too: the message stays with it, unacked
+        logger.error(
+            "Task %s[%s]: could not be published again (%s); given back to the broker unacked",
+            task.name,
+            request.id,
+            error,
+        )
+        rejected: BaseException = Reject(exc, requeue=True)
+        return rejected
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

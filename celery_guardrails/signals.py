@@ -53,6 +53,12 @@ run_overdue
     A started scheduled run went past the entry's ``max_runtime`` (once per period). ``sender`` is the
     Celery app. Arguments: ``schedule``, ``task``, ``period``, ``reason``, ``owner``, ``task_id``,
     ``started_at``.
+
+store_unavailable
+    The guardrails store (Redis, or the Django database) could not be reached for a delivery, which was
+    published again without running (no attempt spent). Arguments: ``task_id``, ``error`` (the
+    :class:`~celery_guardrails.exceptions.StoreUnavailableError`), ``delay`` (seconds until it comes back),
+    ``outages`` (how many times this message met an unavailable store).
 """
 
 from __future__ import annotations
@@ -69,3 +75,4 @@ duplicate_skipped = Signal(name="duplicate_skipped")
 dead_lettered = Signal(name="dead_lettered")
 run_missed = Signal(name="run_missed")
 run_overdue = Signal(name="run_overdue")
+store_unavailable = Signal(name="store_unavailable")

@@ -8,6 +8,7 @@ to Celery.
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Mapping
 from contextlib import ExitStack
 from typing import Any, ClassVar
@@ -16,6 +17,8 @@ from celery import Task
 from celery.utils import uuid
 
 from celery_guardrails import headers
+from celery_guardrails.delivery import Delivery, begin
+from celery_guardrails.exceptions import StoreError, StoreUnavailableError
 from celery_guardrails.guardrails.budget import RetryBudget
 from celery_guardrails.guardrails.context import ContextPropagation
 from celery_guardrails.guardrails.dead_letter import PendingDeadLetters
@@ -26,7 +29,10 @@ from celery_guardrails.guardrails.scheduled_runs import ScheduledRuns
 from celery_guardrails.guardrails.tenancy import TenantGuard
 from celery_guardrails.install import install
 from celery_guardrails.options import OPTIONS, check_call_options, settings_snapshot
+from celery_guardrails.outcomes import STORE_REFUSED, attempt_record, fail_finally, store_unavailable
 from celery_guardrails.pipeline import Guardrail, Publication, SkipBody, SkipPublish, overriding
+
+logger = logging.getLogger(__name__)
 
 #: Per-call keyword arguments of ``apply_async`` that set the message's context rather than an option.
 CONTEXT_OVERRIDES = frozenset({"tenant", "correlation_id"})
@@ -154,38 +160,62 @@ class GuardedTask(Task):  # type: ignore[misc]
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         with settings_snapshot(self.app):
+            state = begin(self.request)
             try:
-                for guardrail in overriding(self.guardrails, "before_run"):
-                    guardrail.before_run(self, args, kwargs)
-            except SkipBody as skip:
-                return skip.result
-            with ExitStack() as stack:
-                for guardrail in overriding(self.guardrails, "body_context"):
-                    context = guardrail.body_context(self)
-                    if context is not None:
-                        stack.enter_context(context)
-                request = self.request
-                # Celery's tracer already pushed this request and task; Task.__call__ would push a copy of
-                # both again (a custom __call__ is run in place of run()), for nothing.
-                body = super().__call__ if request.called_directly else self.run
+                return self._run_guarded(state, args, kwargs)
+            except StoreUnavailableError as exc:
+                # The store cannot be reached: the infrastructure's fault, not the message's. It comes back
+                # later, no attempt spent (what it held is released first, or lapses with its lease).
+                raise store_unavailable(self, exc) from exc
+            except StoreError as exc:
+                # The store refused something about this message (data it cannot hold): a final failure
+                # with the reason, never an ack with nothing recorded.
+                record = attempt_record(self, kind="permanent", rule="store", exc=exc)
+                history = [*getattr(self.request, "attempt_history", ()), record]
+                pending = fail_finally(self, exc, reason=STORE_REFUSED, history=history)
+                raise (pending or exc) from exc
+
+    def _run_guarded(self, state: Delivery, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        try:
+            for guardrail in overriding(self.guardrails, "before_run"):
+                guardrail.before_run(self, args, kwargs)
+        except SkipBody as skip:
+            return skip.result
+        with ExitStack() as stack:
+            for guardrail in overriding(self.guardrails, "body_context"):
+                context = guardrail.body_context(self)
+                if context is not None:
+                    stack.enter_context(context)
+            # Celery's tracer already pushed this request and task; Task.__call__ would push a copy of
+            # both again (a custom __call__ is run in place of run()), for nothing.
+            body = super().__call__ if self.request.called_directly else self.run
+            try:
                 retval = body(*args, **kwargs)
-                request.guardrails_retval = retval  # for a body context that completes with the result
-                return retval
+            finally:
+                state.body_ran = True
+            state.retval = retval  # for a body context that completes with the result
+            return retval
+
+    def _after(self, hook: str, *arguments: Any) -> None:
+        """Run ``hook`` of every guardrail (reverse order), each on its own: one that raises is logged with
+        the task's ids and does not keep the others (a completion to read, a slot to free) from running."""
+        with settings_snapshot(self.app):
+            for guardrail in reversed(overriding(self.guardrails, hook)):
+                try:
+                    getattr(guardrail, hook)(self, *arguments)
+                except Exception:
+                    logger.exception(
+                        "Task %s[%s]: %s.%s failed", self.name, self.request.id, type(guardrail).__name__, hook
+                    )
 
     def on_success(self, retval: Any, task_id: str, args: Any, kwargs: Any) -> None:
-        with settings_snapshot(self.app):
-            for guardrail in reversed(overriding(self.guardrails, "on_success")):
-                guardrail.on_success(self, retval)
+        self._after("on_success", retval)
         super().on_success(retval, task_id, args, kwargs)
 
     def on_failure(self, exc: BaseException, task_id: str, args: Any, kwargs: Any, einfo: Any) -> None:
-        with settings_snapshot(self.app):
-            for guardrail in reversed(overriding(self.guardrails, "on_failure")):
-                guardrail.on_failure(self, exc, einfo)
+        self._after("on_failure", exc, einfo)
         super().on_failure(exc, task_id, args, kwargs, einfo)
 
     def on_retry(self, exc: BaseException, task_id: str, args: Any, kwargs: Any, einfo: Any) -> None:
-        with settings_snapshot(self.app):
-            for guardrail in reversed(overriding(self.guardrails, "on_retry")):
-                guardrail.on_retry(self, exc, einfo)
+        self._after("on_retry", exc, einfo)
         super().on_retry(exc, task_id, args, kwargs, einfo)

@@ -9,16 +9,17 @@ Idempotency keys and the run ledger take no lock: a unique INSERT and conditiona
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import fields
 from datetime import UTC, datetime, timedelta
-from typing import Any, TypeVar
+from typing import Any, ParamSpec, TypeVar
 
-from django.db import DatabaseError, IntegrityError, connection, transaction
-from django.db.models import F, QuerySet
+from django.db import DatabaseError, IntegrityError, InterfaceError, OperationalError, connection, transaction
+from django.db.models import F, Q, QuerySet
 from django.utils import timezone
 
-from celery_guardrails.exceptions import StoreError
+from celery_guardrails.exceptions import StoreError, StoreUnavailableError
 from celery_guardrails.ledger import DISPATCHED, MISSED, REASON_MAX_LENGTH, RUNNING, Run
 from celery_guardrails.stores.base import (
     ACQUIRED,
@@ -39,6 +40,32 @@ from .models import DependencyState as Row
 
 _FIELDS = [f.name for f in fields(DependencyState)]
 T = TypeVar("T")
+P = ParamSpec("P")
+
+
+def failure(what: str, exc: DatabaseError) -> StoreError:
+    """The store's error for a database error: unavailable when the database cannot be reached or used now
+    (a lost or refused connection, a locked SQLite file: OperationalError, InterfaceError), refused for an
+    error about the data (DataError, IntegrityError, ProgrammingError)."""
+    if isinstance(exc, OperationalError | InterfaceError):
+        return StoreUnavailableError(f"Django store could not {what}: {exc}")
+    return StoreError(f"Django store refused to {what}: {exc}")
+
+
+def translated(what: str) -> Callable[[Callable[P, T]], Callable[P, T]]:
+    """Every database error of the decorated operation raised as the store's own (see :func:`failure`)."""
+
+    def decorate(operation: Callable[P, T]) -> Callable[P, T]:
+        @functools.wraps(operation)
+        def run(*args: P.args, **kwargs: P.kwargs) -> T:
+            try:
+                return operation(*args, **kwargs)
+            except DatabaseError as exc:
+                raise failure(what, exc) from exc
+
+        return run
+
+    return decorate
 
 
 def _moment(seconds: float) -> datetime:
@@ -90,7 +117,7 @@ class DjangoStore:
                 result = rule(state)
                 _save(row, state)
         except DatabaseError as exc:
-            raise StoreError(f"Django store failed for {dependency!r}: {exc}") from exc
+            raise failure(f"change the state of {dependency!r}", exc) from exc
         return result
 
     def admit(self, dependency: str, policy: BudgetPolicy, *, retry: bool, now: float) -> Admission:
@@ -99,10 +126,12 @@ class DjangoStore:
     def record_outcome(self, dependency: str, policy: BudgetPolicy, *, failed: bool, now: float) -> bool:
         return self._change(dependency, lambda state: decide_outcome(state, policy, failed=failed, now=now))
 
+    @translated("read a dependency's state")
     def budget_status(self, dependency: str, policy: BudgetPolicy, *, now: float) -> dict[str, Any]:
         row = Row.objects.filter(dependency=dependency).first()
         return status(dependency, _state(row) if row else DependencyState(), policy, now)
 
+    @translated("reset a dependency")
     def reset(self, dependency: str) -> None:
         Row.objects.filter(dependency=dependency).delete()
 
@@ -114,39 +143,39 @@ class DjangoStore:
     # is a conditional UPDATE (only the current owner, only from the expected state), so two deliveries
     # can never both hold a key. Retention is enforced by the prune command, not by the database.
 
-    def claim(self, key: str, *, owner: str, now: float, lease: float, retention: float) -> Claim:
+    @translated("claim a key")
+    def claim(self, key: str, *, owner: str, now: float, lease: float, retention: float, replaces: str = "") -> Claim:
         until = _moment(now + lease)
         try:
-            try:
-                with transaction.atomic():
-                    IdempotencyKey.objects.create(key=key, owner=owner, lease_until=until)
-                return Claim(state=ACQUIRED)
-            except IntegrityError:
-                pass
-            if self._owned(key, owner).update(lease_until=until):  # this delivery asking again: it holds it
-                return Claim(state=ACQUIRED)
-            taken = IdempotencyKey.objects.filter(key=key, state="claimed", lease_until__lte=_moment(now)).update(
-                owner=owner, lease_until=until
-            )
-            if taken:
-                return Claim(state=ACQUIRED, takeover=True)
-            row = IdempotencyKey.objects.filter(key=key).values("state", "lease_until", "summary", "reason").first()
-        except DatabaseError as exc:
-            raise StoreError(f"Django store failed to claim {key!r}: {exc}") from exc
+            with transaction.atomic():
+                IdempotencyKey.objects.create(key=key, owner=owner, lease_until=until)
+            return Claim(state=ACQUIRED)
+        except IntegrityError:
+            pass
+        if self._owned(key, owner).update(lease_until=until):  # this delivery asking again: it holds it
+            return Claim(state=ACQUIRED)
+        gone = Q(lease_until__lte=_moment(now)) | (Q(owner=replaces) if replaces else Q(pk__in=[]))
+        taken = IdempotencyKey.objects.filter(gone, key=key, state="claimed").update(owner=owner, lease_until=until)
+        if taken:
+            return Claim(state=ACQUIRED, takeover=True)
+        fields = ("state", "lease_until", "summary", "reason", "owner")
+        row = IdempotencyKey.objects.filter(key=key).values(*fields).first()
         if row is None:  # released between the INSERT and the read: claim again
-            return self.claim(key, owner=owner, now=now, lease=lease, retention=retention)
+            return self.claim(key, owner=owner, now=now, lease=lease, retention=retention, replaces=replaces)
         if row["state"] == "completed":
             return Claim(state=COMPLETED, summary=row["summary"])
         if row["state"] == "failed":
             return Claim(state=FAILED, reason=row["reason"])
-        return Claim(state=BUSY, lease_until=row["lease_until"].timestamp())
+        return Claim(state=BUSY, lease_until=row["lease_until"].timestamp(), owner=row["owner"])
 
     def _owned(self, key: str, owner: str) -> Any:
         return IdempotencyKey.objects.filter(key=key, owner=owner, state="claimed")
 
+    @translated("extend a lease")
     def extend(self, key: str, *, owner: str, now: float, lease: float) -> bool:
         return bool(self._owned(key, owner).update(lease_until=_moment(now + lease)))
 
+    @translated("finish a key")
     def _finish(self, key: str, owner: str, state: str, **values: Any) -> bool:
         if self._owned(key, owner).update(state=state, lease_until=None, **values):
             return True
@@ -164,18 +193,22 @@ class DjangoStore:
     def fail(self, key: str, *, owner: str, now: float, reason: str, retention: float) -> bool:
         return self._finish(key, owner, "failed", reason=reason[:200], finished_at=_moment(now))
 
+    @translated("release a key")
     def release(self, key: str, *, owner: str) -> bool:
         deleted, _ = self._owned(key, owner).delete()
         return bool(deleted)
 
+    @translated("reopen a key")
     def reopen(self, key: str) -> bool:
         deleted, _ = IdempotencyKey.objects.filter(key=key, state="failed").delete()
         return bool(deleted)
 
+    @translated("read a key")
     def inspect(self, key: str) -> dict[str, Any] | None:
         row: dict[str, Any] | None = IdempotencyKey.objects.filter(key=key).values().first()
         return row
 
+    @translated("reserve a publish")
     def reserve_publish(self, key: str, *, task_id: str, ttl: float) -> str | None:
         marker, now = f"published:{key}", datetime.now(UTC)
         try:
@@ -193,23 +226,23 @@ class DjangoStore:
 
     # Poison protection: start counts of redelivered messages.
 
+    @translated("count a delivery")
     def count_delivery(self, message_id: str, *, ttl: float) -> int:
-        try:
-            with transaction.atomic():
-                counter, created = DeliveryCounter.objects.select_for_update().get_or_create(message_id=message_id)
-                if not created:
-                    counter.starts = F("starts") + 1
-                    counter.save(update_fields=["starts", "updated_at"])
-                    counter.refresh_from_db(fields=["starts"])
-        except DatabaseError as exc:
-            raise StoreError(f"Django store failed to count {message_id!r}: {exc}") from exc
+        with transaction.atomic():
+            counter, created = DeliveryCounter.objects.select_for_update().get_or_create(message_id=message_id)
+            if not created:
+                counter.starts = F("starts") + 1
+                counter.save(update_fields=["starts", "updated_at"])
+                counter.refresh_from_db(fields=["starts"])
         return int(counter.starts)
 
+    @translated("clear a delivery count")
     def clear_delivery(self, message_id: str) -> None:
         DeliveryCounter.objects.filter(message_id=message_id).delete()
 
     # Alert throttling: one row per (owner, task, reason) group.
 
+    @translated("throttle an alert")
     def throttle(self, group: str, *, window: float, now: float) -> bool:
         with transaction.atomic():
             row, _ = AlertThrottle.objects.select_for_update().get_or_create(group=group)
@@ -221,6 +254,7 @@ class DjangoStore:
             row.save(update_fields=["until"])
             return True
 
+    @translated("read the alert summaries due")
     def due_summaries(self, *, now: float) -> list[tuple[str, int]]:
         due = []
         with transaction.atomic():
@@ -240,7 +274,7 @@ class DjangoStore:
         try:
             return operation()
         except DatabaseError as exc:
-            raise StoreError(f"Django store failed to {what}: {exc}") from exc
+            raise failure(what, exc) from exc
 
     @staticmethod
     def _record(schedule: str, period: float) -> QuerySet[ScheduledRun]:

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 from celery_guardrails import clock, headers, signals
 from celery_guardrails.classification import Kind
+from celery_guardrails.delivery import delivery
 from celery_guardrails.exceptions import BudgetExhaustedError
 from celery_guardrails.options import app_value, resolve
 from celery_guardrails.outcomes import CIRCUIT_OPEN, RETRY_BUDGET_EXHAUSTED, attempt_record, fail_finally, republish
@@ -57,7 +58,6 @@ class RetryBudget(Guardrail):
         call = task.call_options()
         request = task.request
         dependency = resolve(task, "dependency", call)
-        request.guardrails_dependency = dependency
         if not dependency:
             return
         policy = policy_for(task, call)
@@ -73,9 +73,9 @@ class RetryBudget(Guardrail):
                 status=store.budget_status(dependency, policy, now=now),
             )
         if not admission.allowed:
-            request.guardrails_dependency = None  # nothing ran: no outcome to record
-            raise self._refuse(task, dependency, admission, policy, now, call)
-        request.guardrails_admitted = now  # the instant the store counted this run
+            raise self._refuse(task, dependency, admission, policy, now, call)  # nothing ran: no outcome
+        state = delivery(task)
+        state.dependency, state.admitted = dependency, now  # the instant the store counted this run
 
     def _refuse(
         self, task: GuardedTask, dependency: str, admission: Admission, policy: BudgetPolicy, now: float, call: Any
@@ -111,7 +111,7 @@ class RetryBudget(Guardrail):
         return republish(task, countdown=delay, header=headers.with_record(header, record, deferred=deferred))
 
     def _record(self, task: GuardedTask, *, failed: bool) -> None:
-        dependency = getattr(task.request, "guardrails_dependency", None)
+        dependency = delivery(task).dependency
         if not dependency:
             return
         call = task.call_options()
@@ -131,7 +131,7 @@ class RetryBudget(Guardrail):
         self._outcome_of_failure(task)
 
     def _outcome_of_failure(self, task: GuardedTask) -> None:
-        verdict = getattr(task.request, "guardrails_verdict", None)
+        verdict = delivery(task).verdict
         # Only a transient failure says something about the dependency's health.
         if verdict is not None and verdict.kind is Kind.TRANSIENT:
             self._record(task, failed=True)

@@ -48,14 +48,15 @@ from celery.utils.saferepr import saferepr
 
 from celery_guardrails import headers, signals
 from celery_guardrails.context import current_tenant
-from celery_guardrails.exceptions import IdempotencyKeyError, RetryLater
+from celery_guardrails.delivery import Hold, delivery
+from celery_guardrails.exceptions import IdempotencyKeyError, RetryLater, StoreError
 from celery_guardrails.guardrails.retries import retry_later
 from celery_guardrails.ledger import period_key
 from celery_guardrails.options import resolve
 from celery_guardrails.outcomes import BAD_IDEMPOTENCY_KEY, attempt_record, fail_finally
 from celery_guardrails.pipeline import Guardrail, Publication, SkipBody, SkipPublish
 from celery_guardrails.stores import get_store
-from celery_guardrails.stores.base import ACQUIRED, COMPLETED, FAILED, Store
+from celery_guardrails.stores.base import ACQUIRED, BUSY, COMPLETED, FAILED, Store
 
 if TYPE_CHECKING:
     from celery_guardrails.task import GuardedTask
@@ -237,12 +238,35 @@ def heartbeat(store: Store, key: str, owner: str, *, lease: float) -> Iterator[N
         HEARTBEATS.remove(key, owner)
 
 
-def _summary(request: Any) -> str:
-    retval = getattr(request, "guardrails_retval", None)
+def _summary(retval: Any) -> str:
     if retval is None or type(retval) in (int, bool, float):  # most tasks: saferepr's walk would cost more
         return repr(retval)[:SUMMARY_MAX_LENGTH]
     summary: str = saferepr(retval, SUMMARY_MAX_LENGTH)
     return summary[:SUMMARY_MAX_LENGTH]
+
+
+def holder_gone(holder: str, request: Any, header: dict[str, Any]) -> bool:
+    """Whether the delivery holding a claim is known to be over: it gave up without releasing (an earlier
+    delivery of this message, named in its header), or it ran in a process of this host that no longer exists
+    (SIGKILLed, its pool child replaced). Unknown: False, and its lease decides."""
+    if holder in header.get(headers.GAVE_UP, ()):
+        return True
+    node, _, rest = holder.partition(":")
+    pid = rest.partition(":")[0]
+    here = str(request.hostname or "").rpartition("@")[2]
+    if not pid.isdigit() or not here or node.rpartition("@")[2] != here:
+        return False
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return True
+    except OSError:  # alive, someone else's
+        return False
+    return False
+
+
+def _raise(error: BaseException) -> bool:
+    raise error
 
 
 def _taken_over(task: GuardedTask, key: str) -> None:
@@ -275,7 +299,6 @@ class Idempotency(Guardrail):
 
     def before_run(self, task: GuardedTask, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         request = task.request
-        request.guardrails_claim = request.guardrails_completion = None
         call = task.call_options()
         header = headers.from_request(request)
         key = header.get(headers.IDEMPOTENCY_KEY)
@@ -303,16 +326,23 @@ class Idempotency(Guardrail):
         owner = delivery_owner(request)
         now = time.time()
         lease = resolve(task, "idempotency_lease", call)
-        claim = store.claim(
-            scoped, owner=owner, now=now, lease=lease, retention=resolve(task, "idempotency_retention", call)
-        )
+        retention = resolve(task, "idempotency_retention", call)
+        claim = store.claim(scoped, owner=owner, now=now, lease=lease, retention=retention)
+        gone = claim.state == BUSY and holder_gone(claim.owner, request, header)
+        if gone:  # an earlier delivery that is known to be over: no need to wait out its lease
+            claim = store.claim(scoped, owner=owner, now=now, lease=lease, retention=retention, replaces=claim.owner)
         if claim.state == ACQUIRED:
             if claim.takeover:
                 logger.warning(
-                    "Task %s[%s]: took over key %s from a delivery whose lease ran out", task.name, request.id, scoped
+                    "Task %s[%s]: took over key %s from a delivery %s",
+                    task.name,
+                    request.id,
+                    scoped,
+                    "that is over (it gave up, or its process is gone)" if gone else "whose lease ran out",
                 )
-            request.guardrails_claim = (scoped, owner)
-            request.guardrails_before_republish = [lambda: store.release(scoped, owner=owner)]
+            state = delivery(task)
+            state.claim = (scoped, owner)
+            state.holds.append(Hold(owner, lambda: store.release(scoped, owner=owner)))
             return
         if claim.state in (COMPLETED, FAILED):
             logger.info(
@@ -325,16 +355,15 @@ class Idempotency(Guardrail):
                 raise SkipBody(claim.summary)
             raise Ignore()
         # Held by another delivery: look again soon, then less and less often (retry_later_delay doubling),
-        # never later than just after its lease would run out if its worker has died.
-        wait = RetryLater(f"idempotency key {scoped} is held by another delivery")
-        soon = resolve(task, "retry_later_delay", call) * 2 ** headers.counter(headers.from_request(request), "later")
-        retry = retry_later(
-            task, wait, delay=max(0.1, min(soon, claim.lease_until - now + 0.5)), rule="idempotency:busy"
-        )
-        raise retry if retry is not None else wait
+        # never later than just after its lease would run out if its worker has died. A wait behind a live
+        # lease spends no attempt and not retry_later_max (each wait is bounded by the holder's lease).
+        wait = RetryLater(f"idempotency key {scoped} is held by another delivery ({claim.owner})")
+        soon = resolve(task, "retry_later_delay", call) * 2 ** min(headers.counter(header, headers.BUSY), 16)
+        delay = max(0.1, min(soon, claim.lease_until - now + 0.5))
+        raise retry_later(task, wait, delay=delay, rule="idempotency:busy", counter=headers.BUSY) or wait
 
     def body_context(self, task: GuardedTask) -> AbstractContextManager[Any] | None:
-        claim = getattr(task.request, "guardrails_claim", None)
+        claim = delivery(task).claim
         if claim is None:
             return None
         return self._claimed(task, *claim)
@@ -343,41 +372,108 @@ class Idempotency(Guardrail):
     def _claimed(self, task: GuardedTask, key: str, owner: str) -> Iterator[None]:
         call = task.call_options()
         store = get_store(task.app)
-        request = task.request
+        state = delivery(task)
         retention = resolve(task, "idempotency_retention", call)
         lease = resolve(task, "idempotency_lease", call)
         if not resolve(task, "atomic", call):
             with heartbeat(store, key, owner, lease=lease):
                 yield
             # The body returned: its effect happened, so the key is completed now, whatever Celery does with
-            # the result. The answer is read in on_success / on_failure, before the ack.
-            request.guardrails_completion = (
-                key,
-                store.begin_complete(key, owner=owner, now=time.time(), summary=_summary(request), retention=retention),
-            )
-            request.guardrails_claim = None
+            # the result. The answer is read in on_success / on_failure, before the ack; a store that cannot
+            # take it now is asked again there (never a reason to run the body again).
+            summary = _summary(state.retval)
+            try:
+                wait = store.begin_complete(key, owner=owner, now=time.time(), summary=summary, retention=retention)
+            except StoreError as exc:
+                wait = functools.partial(_raise, exc)
+            state.completion = (key, wait)
+            state.forget(owner)  # the key is being completed: a later re-publish must not release it
             return
         with heartbeat(store, key, owner, lease=lease):
-            from django.db import transaction
+            from django.db import DatabaseError, transaction
 
-            with transaction.atomic():
-                yield
-                # The completion mark commits with the effect, or neither does.
-                done = store.complete(key, owner=owner, now=time.time(), summary=_summary(request), retention=retention)
-                if not done:
-                    _taken_over(task, key)
-                    raise IdempotencyKeyError(f"lost the claim on {key} before committing; rolled back")
-                request.guardrails_claim = None
+            from django_celery_guardrails.store import failure
 
-    def _completed(self, task: GuardedTask) -> None:
-        """Wait for the completion started as the body returned (it must be durable before the ack)."""
-        pending = getattr(task.request, "guardrails_completion", None)
+            committing = False
+            try:
+                with transaction.atomic():
+                    yield
+                    # The completion mark commits with the effect, or neither does (a store error here rolls
+                    # the effect back, and the delivery comes back later to do both).
+                    summary = _summary(state.retval)
+                    done = store.complete(key, owner=owner, now=time.time(), summary=summary, retention=retention)
+                    if not done:
+                        _taken_over(task, key)
+                        raise IdempotencyKeyError(f"lost the claim on {key} before committing; rolled back")
+                    committing = True
+            except DatabaseError as exc:
+                if not committing:  # the body's own database error: classified like any other failure
+                    raise
+                # The commit failed: nothing was kept, as when the store's own write fails.
+                raise failure("commit the effect with its completion", exc) from exc
+            state.claim = None
+            state.forget(owner)
+
+    def _completed(self, task: GuardedTask) -> bool:
+        """Settle the completion started as the body returned (durable before the ack); whether there was one.
+
+        A store that cannot answer is asked again, a little later each time, for as long as the claim's lease:
+        the effect happened, and a completion that never lands would let a duplicate run it again after the
+        lease. The worker waits meanwhile (so does the ack).
+        """
+        state = delivery(task)
+        pending = state.completion
         if pending is None:
-            return
-        task.request.guardrails_completion = None
+            return False
+        state.completion = None
         key, wait = pending
-        if not wait():
+        owner = state.claim[1] if state.claim else ""
+        state.claim = None
+        try:
+            done: bool | None = wait()
+        except StoreError as exc:
+            done = self._complete_when_back(task, key, owner, exc)
+        if done is False:
             _taken_over(task, key)
+        return True
+
+    def _complete_when_back(self, task: GuardedTask, key: str, owner: str, error: StoreError) -> bool | None:
+        """Ask the store to complete ``key`` until it answers (whether it did) or the lease is over (None)."""
+        call = task.call_options()
+        store = get_store(task.app)
+        give_up_at = time.monotonic() + resolve(task, "idempotency_lease", call)
+        pause = 0.1
+        while True:
+            logger.warning(
+                "Task %s[%s]: key %s not completed yet (%s); asking the store again in %.1fs",
+                task.name,
+                task.request.id,
+                key,
+                error,
+                pause,
+            )
+            time.sleep(pause)
+            try:
+                return store.complete(
+                    key,
+                    owner=owner,
+                    now=time.time(),
+                    summary=_summary(delivery(task).retval),
+                    retention=resolve(task, "idempotency_retention", call),
+                )
+            except StoreError as exc:
+                error = exc
+            if time.monotonic() + pause > give_up_at:
+                logger.error(
+                    "Task %s[%s]: key %s left claimed, its completion not recorded (%s): a duplicate arriving "
+                    "after its lease may run the effect again",
+                    task.name,
+                    task.request.id,
+                    key,
+                    error,
+                )
+                return None
+            pause = min(pause * 2, 5.0)
 
     def on_success(self, task: GuardedTask, retval: Any) -> None:
         self._completed(task)
@@ -385,10 +481,13 @@ class Idempotency(Guardrail):
     def on_failure(self, task: GuardedTask, exc: BaseException, einfo: Any) -> None:
         # The body returned but Celery failed afterwards (its result could not be stored): the key stays
         # completed, since the effect happened and running it again would repeat it.
-        self._completed(task)
-        claim = getattr(task.request, "guardrails_claim", None)
+        if self._completed(task):
+            return
+        state = delivery(task)
+        claim, state.claim = state.claim, None
         if claim is not None:
             key, owner = claim
+            state.forget(owner)
             get_store(task.app).fail(
                 key,
                 owner=owner,

@@ -2,8 +2,12 @@
 
 Only a redelivered message (``delivery_info["redelivered"]``: the broker gave it back because its worker
 died holding it; first deliveries cost nothing) counts its starts in the store; the count is cleared when
-the run ends in any way. A message redelivered more than ``max_deliveries`` times without its run ever
-ending is not run again: it is dead-lettered with reason ``poison`` and the worker goes on with the queue.
+a run ends (success, final failure, or a retry after the body ran), and kept when the message is only put
+off before its body ran (a wait behind its own earlier delivery's claim, a deferral, a store outage). A
+message redelivered more than ``max_deliveries`` times without its run ever ending is not run again: it is
+dead-lettered with reason ``poison`` and the worker goes on with the queue. A keyed one does not wait out
+the lease of the claim its dead delivery left: a holder whose process on this host is gone is taken over at
+once (:func:`celery_guardrails.guardrails.idempotency.holder_gone`).
 
 For the worker to give such a message back, ``GuardedTask`` acks late and rejects on a lost worker
 (``acks_late``, ``reject_on_worker_lost``); with Redis the broker gives it back after the transport's
@@ -14,6 +18,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from celery_guardrails.delivery import delivery
 from celery_guardrails.exceptions import PoisonMessageError
 from celery_guardrails.options import resolve
 from celery_guardrails.outcomes import POISON, attempt_record, fail_finally
@@ -30,23 +35,25 @@ COUNT_TTL = 24 * 3600
 class PoisonMessages(Guardrail):
     def before_run(self, task: GuardedTask, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         request = task.request
-        request.guardrails_counted = False
         if not (request.delivery_info or {}).get("redelivered"):
             return
         store = get_store(task.app)
         starts = store.count_delivery(request.id, ttl=COUNT_TTL)
-        request.guardrails_counted = True
+        state = delivery(task)
+        state.counted = True
         limit = resolve(task, "max_deliveries", task.call_options())
         if starts > limit:
             # The count stays: should this message come back once more (its ack lost), it is refused at once.
-            request.guardrails_counted = False
+            state.counted = False
             error = PoisonMessageError(task.name, request.id, starts)
             record = attempt_record(task, kind="permanent", rule="max_deliveries", exc=error)
             pending = fail_finally(task, error, reason=POISON, history=[record])
             raise pending or error
 
     def _clear(self, task: GuardedTask) -> None:
-        if getattr(task.request, "guardrails_counted", False):
+        state = delivery(task)
+        if state.counted:
+            state.counted = False
             get_store(task.app).clear_delivery(task.request.id)
 
     def on_success(self, task: GuardedTask, retval: Any) -> None:
@@ -56,4 +63,7 @@ class PoisonMessages(Guardrail):
         self._clear(task)
 
     def on_retry(self, task: GuardedTask, exc: BaseException, einfo: Any) -> None:
-        self._clear(task)
+        # Put off before its body ran (a wait behind another delivery's claim, a budget deferral, a store
+        # outage): nothing finished, so the count of starts that never finished stands.
+        if delivery(task).body_ran:
+            self._clear(task)

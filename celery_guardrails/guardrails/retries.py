@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import logging
 import sys
-import time
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager
 from typing import TYPE_CHECKING, Any
@@ -29,6 +28,8 @@ from typing import TYPE_CHECKING, Any
 from celery_guardrails import headers, signals
 from celery_guardrails.backoff import backoff_for
 from celery_guardrails.classification import Kind, Verdict, classify
+from celery_guardrails.delivery import delivery
+from celery_guardrails.exceptions import StoreError
 from celery_guardrails.options import resolve
 from celery_guardrails.outcomes import (
     ATTEMPTS_EXHAUSTED,
@@ -53,9 +54,12 @@ class Retries(Guardrail):
     def on_publish(self, task: GuardedTask, publication: Publication) -> None:
         request = task.request
         is_own_redelivery = publication.task_id is not None and publication.task_id == request.id
-        if not is_own_redelivery or request.called_directly or getattr(request, "guardrails_republishing", False):
+        if not is_own_redelivery or request.called_directly or delivery(task).republishing:
             return
-        # The body called self.retry() itself: that is an attempt, and the history says so.
+        # The body called self.retry() itself: that is an attempt, and the history says so. What this delivery
+        # holds (its idempotency claim, a run slot) is given up first, so the retry does not find it held and
+        # wait out its lease.
+        delivery(task).give_up(request.id)
         exc = sys.exc_info()[1]
         attempt = headers.counter(publication.header, headers.ATTEMPT) + 1
         record = attempt_record(task, kind="manual", rule="self.retry", exc=exc)
@@ -67,8 +71,6 @@ class Retries(Guardrail):
         header = headers.from_request(request)
         request.attempt = headers.counter(header, headers.ATTEMPT) + 1
         request.attempt_history = headers.history(header)
-        request.guardrails_started = time.time()
-        request.guardrails_verdict = None
 
     def body_context(self, task: GuardedTask) -> AbstractContextManager[Any]:
         return self._classified(task)
@@ -77,6 +79,8 @@ class Retries(Guardrail):
     def _classified(self, task: GuardedTask) -> Iterator[None]:
         try:
             yield
+        except StoreError:  # the guardrails' own store failed, not the task: GuardedTask settles it
+            raise
         except Exception as exc:
             retry = self.handle(task, exc)
             if retry is not None:
@@ -88,7 +92,7 @@ class Retries(Guardrail):
         call = task.call_options()
         verdict = classify(exc, task, call)
         request = task.request
-        request.guardrails_verdict = verdict
+        delivery(task).verdict = verdict
         if verdict.kind is Kind.CONTROL:
             return None
         header = headers.from_request(request)
@@ -126,27 +130,34 @@ class Retries(Guardrail):
         return fail_finally(task, exc, reason=_reason(verdict), history=[*request.attempt_history, record])
 
 
-def retry_later(task: GuardedTask, exc: Exception, *, delay: float | None, rule: str) -> BaseException | None:
+def retry_later(
+    task: GuardedTask, exc: Exception, *, delay: float | None, rule: str, counter: str = headers.LATER
+) -> BaseException | None:
     """Deliver the running message again after ``delay`` (``retry_later_delay`` when None) without consuming
     an attempt; return Celery's Retry to raise, or None once ``retry_later_max`` is spent (then the final
-    failure ``retry_later_exhausted`` has been handed over and the caller lets ``exc`` fail the task)."""
+    failure ``retry_later_exhausted`` has been handed over and the caller lets ``exc`` fail the task).
+
+    ``counter``: the header counter of this kind of wait; only ``later`` (the task's own ``RetryLater`` and
+    the guardrails' "not yet") is bounded by ``retry_later_max``; ``busy`` (a wait behind another delivery's
+    live lease) is bounded by that lease.
+    """
     request = task.request
     call = task.call_options()
     header = headers.from_request(request)
-    later = headers.counter(header, headers.LATER) + 1
+    later = headers.counter(header, counter) + 1
     kind = Kind.RETRY_LATER.value
-    if later > resolve(task, "retry_later_max", call):
+    if counter == headers.LATER and later > resolve(task, "retry_later_max", call):
         record = attempt_record(task, kind=kind, rule=rule, exc=exc)
         return fail_finally(task, exc, reason=RETRY_LATER_EXHAUSTED, history=[*request.attempt_history, record])
     asked = delay if delay is not None else resolve(task, "retry_later_delay", call)
     delay = min(asked, resolve(task, "backoff_max", call))
     record = attempt_record(task, kind=kind, rule=rule, exc=exc, delay=delay)
     logger.info(
-        "Task %s[%s] cannot run yet (%d/%d); again in %.3fs: %s",
+        "Task %s[%s] cannot run yet (%s %d); again in %.3fs: %s",
         task.name,
         request.id,
+        counter,
         later,
-        resolve(task, "retry_later_max", call),
         delay,
         exc,
     )
@@ -154,7 +165,7 @@ def retry_later(task: GuardedTask, exc: Exception, *, delay: float | None, rule:
         sender=task, task_id=request.id, attempt=request.attempt, delay=delay, kind=kind, rule=rule, exc=exc
     )
     # No attempt consumed: the attempt counter is left as it is.
-    return republish(task, countdown=delay, exc=exc, header=headers.with_record(header, record, later=later))
+    return republish(task, countdown=delay, exc=exc, header=headers.with_record(header, record, **{counter: later}))
 
 
 def _reason(verdict: Verdict) -> str:

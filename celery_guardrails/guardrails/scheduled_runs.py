@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 from celery_guardrails import headers
 from celery_guardrails.beat import moment
 from celery_guardrails.clock import now
+from celery_guardrails.delivery import Hold, delivery
 from celery_guardrails.exceptions import RetryLater
 from celery_guardrails.guardrails.idempotency import delivery_owner, heartbeat, task_signature
 from celery_guardrails.guardrails.retries import retry_later
@@ -60,7 +61,6 @@ class ScheduledRuns(Guardrail):
 
     def before_run(self, task: GuardedTask, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         request = task.request
-        request.guardrails_period = request.guardrails_slot = None
         header = headers.from_request(request)
         name, period = header.get(headers.SCHEDULE), header.get(headers.PERIOD)
         if name is None or period is None:
@@ -69,6 +69,7 @@ class ScheduledRuns(Guardrail):
         request.schedule_name, request.period = name, moment(period)
         request.period_key = period_key(name, period)
         store = get_store(task.app)
+        state = delivery(task)
         if policy.overlap != "allow":
             owner = delivery_owner(request)
             lease = resolve(task, "idempotency_lease", task.call_options())
@@ -76,11 +77,10 @@ class ScheduledRuns(Guardrail):
             claim = store.claim(slot_key(name), owner=owner, now=time.time(), lease=lease, retention=lease)
             if claim.state != ACQUIRED:
                 self._overlapping(task, name, period, policy, claim.lease_until)
-            request.guardrails_slot = (slot_key(name), owner, lease)
-            release = getattr(request, "guardrails_before_republish", None) or []
-            request.guardrails_before_republish = [*release, lambda: store.release(slot_key(name), owner=owner)]
+            state.slot = (slot_key(name), owner, lease)
+            state.holds.append(Hold(owner, lambda: store.release(slot_key(name), owner=owner)))
         store.run_start(name, period, task_id=request.id, now=now(task.app))
-        request.guardrails_period = (name, period)
+        state.period = (name, period)
         if policy.since:
             last = store.run_list(name, statuses=(OK,), before=period, limit=1)
             request.since = moment(last[0].period) if last else None
@@ -95,26 +95,31 @@ class ScheduledRuns(Guardrail):
             raise SkipBody(None)  # a success: the period key is completed, a re-dispatch is a duplicate
         wait = RetryLater(f"scheduled run {name!r}: the previous run is still going (overlap=queue)")
         delay = max(0.5, min(until - time.time() + 0.5, resolve(task, "retry_later_delay", task.call_options())))
-        retry = retry_later(task, wait, delay=delay, rule="schedule:overlap")
-        raise retry if retry is not None else wait
+        # A wait behind a live run slot, like one behind a held key: bounded by that run's lease, not by
+        # retry_later_max.
+        raise retry_later(task, wait, delay=delay, rule="schedule:overlap", counter=headers.BUSY) or wait
 
     def body_context(self, task: GuardedTask) -> AbstractContextManager[Any] | None:
-        slot = getattr(task.request, "guardrails_slot", None)
-        if slot is None or task.request.guardrails_period is None:
+        state = delivery(task)
+        slot = state.slot
+        if slot is None or state.period is None:
             return None
         key, owner, lease = slot
         return heartbeat(get_store(task.app), key, owner, lease=lease)
 
     def _finish(self, task: GuardedTask, status: str, reason: str = "") -> None:
-        request = task.request
-        period = getattr(request, "guardrails_period", None)
+        state = delivery(task)
+        period, slot = state.period, state.slot
         if period is None:
             return
         store = get_store(task.app)
-        store.run_finish(*period, status=status, now=now(task.app), reason=reason)
-        slot = getattr(request, "guardrails_slot", None)
-        if slot is not None:
-            store.release(slot[0], owner=slot[1])
+        try:
+            store.run_finish(*period, status=status, now=now(task.app), reason=reason)
+        finally:  # the slot is freed whatever became of the ledger record (else it lapses with its lease)
+            if slot is not None:
+                state.slot = None
+                state.forget(slot[1])
+                store.release(slot[0], owner=slot[1])
 
     def on_success(self, task: GuardedTask, retval: Any) -> None:
         self._finish(task, OK)

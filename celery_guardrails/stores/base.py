@@ -151,9 +151,10 @@ ACQUIRED, BUSY, COMPLETED, FAILED = "acquired", "busy", "completed", "failed"
 class Claim:
     """The answer to claiming an idempotency key.
 
-    ``state``: ``"acquired"`` (this delivery runs the body; ``takeover`` when it took an expired lease),
-    ``"busy"`` (another delivery holds a live lease until ``lease_until``), ``"completed"`` (done before:
-    ``summary``), ``"failed"`` (failed permanently before: ``reason``; a replay reopens it).
+    ``state``: ``"acquired"`` (this delivery runs the body; ``takeover`` when it took an expired lease, or
+    the claim of the owner it ``replaces``), ``"busy"`` (``owner`` holds a live lease until ``lease_until``),
+    ``"completed"`` (done before: ``summary``), ``"failed"`` (failed permanently before: ``reason``; a replay
+    reopens it).
     """
 
     state: str
@@ -161,6 +162,7 @@ class Claim:
     lease_until: float = 0.0
     summary: str = ""
     reason: str = ""
+    owner: str = ""
 
 
 class Store(RunLedger, Protocol):
@@ -174,7 +176,10 @@ class Store(RunLedger, Protocol):
     ``reopen`` deletes a failed key for a deliberate replay.
     """
 
-    def claim(self, key: str, *, owner: str, now: float, lease: float, retention: float) -> Claim: ...
+    def claim(self, key: str, *, owner: str, now: float, lease: float, retention: float, replaces: str = "") -> Claim:
+        """Claim ``key`` for ``owner``. ``replaces``: an owner known to be gone (its delivery gave up, its
+        process is dead), whose claim is taken over at once, live lease or not."""
+        ...
 
     def extend(self, key: str, *, owner: str, now: float, lease: float) -> bool: ...
 

@@ -12,10 +12,13 @@ import contextlib
 from collections.abc import Callable
 from typing import Any
 
-from celery_guardrails.exceptions import StoreError
+from celery_guardrails.exceptions import StoreError, StoreUnavailableError
 from celery_guardrails.stores.base import Admission, BudgetPolicy, Claim, DependencyState, status
 from celery_guardrails.stores.redis_lane import Lane
 from celery_guardrails.stores.redis_ledger import LEDGER_SCRIPT, RedisRunLedger
+
+#: Error replies of a server that cannot answer now but will (a cluster or replica in the middle of a change).
+_NOT_YET = ("MASTERDOWN", "TRYAGAIN", "CLUSTERDOWN", "LOADING")
 
 KEY_PREFIX = "guardrails:dependency:"
 
@@ -128,6 +131,7 @@ DELIVERIES_PREFIX = "guardrails:deliveries:"
 _CLAIM = """
 local key = KEYS[1]
 local owner, now, lease, retention = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4])
+local replaces = ARGV[5] or ''
 local state = redis.call('HGET', key, 'state')
 if not state then
   redis.call('HSET', key, 'state', 'claimed', 'owner', owner, 'lease_until', string.format('%.6f', now + lease))
@@ -143,7 +147,9 @@ if fields[2] == owner then
   redis.call('HSET', key, 'lease_until', string.format('%.6f', now + lease))
   return {'acquired', '0', '0', ''}
 end
-if lease_until > now then return {'busy', '0', string.format('%.6f', lease_until), ''} end
+if lease_until > now and (replaces == '' or fields[2] ~= replaces) then
+  return {'busy', '0', string.format('%.6f', lease_until), fields[2] or ''}
+end
 redis.call('HSET', key, 'owner', owner, 'lease_until', string.format('%.6f', now + lease))
 redis.call('EXPIRE', key, retention)
 return {'acquired', '1', '0', ''}
@@ -235,6 +241,16 @@ class RedisIdempotency:
     _throttle: Any
     _due: Any
 
+    def _failure(self, exc: BaseException) -> StoreError:
+        """The store's error for a redis-py error: unavailable for a connection that failed or timed out, or a
+        server that cannot answer yet (loading, read-only during a failover); refused for anything else."""
+        import redis
+
+        reachable = not isinstance(exc, redis.ConnectionError | redis.TimeoutError | redis.ReadOnlyError | OSError)
+        if reachable and not str(exc).startswith(_NOT_YET):
+            return StoreError(f"Redis store at {self.url} refused: {exc}")
+        return StoreUnavailableError(f"Redis store at {self.url} unavailable: {exc}")
+
     def _eval(self, script: Any, key: str, args: list[Any]) -> Any:
         """Run a registered script on this thread's lane (see :mod:`~celery_guardrails.stores.redis_lane`)."""
         try:
@@ -245,14 +261,14 @@ class RedisIdempotency:
                     pass
             return script(keys=[key], args=args)
         except self._errors as exc:
-            raise StoreError(f"Redis store at {self.url} failed: {exc}") from exc
+            raise self._failure(exc) from exc
 
     def _run(self, script: Any, key: str, args: list[Any]) -> Any:
         return self._eval(script, IDEM_PREFIX + key, args)
 
-    def claim(self, key: str, *, owner: str, now: float, lease: float, retention: float) -> Claim:
+    def claim(self, key: str, *, owner: str, now: float, lease: float, retention: float, replaces: str = "") -> Claim:
         state, takeover, lease_until, text = self._run(
-            self._claim, key, [owner, repr(now), repr(lease), int(retention)]
+            self._claim, key, [owner, repr(now), repr(lease), int(retention), replaces]
         )
         state = state.decode()
         return Claim(
@@ -261,6 +277,7 @@ class RedisIdempotency:
             lease_until=float(lease_until),
             summary=text.decode() if state == "completed" else "",
             reason=text.decode() if state == "failed" else "",
+            owner=text.decode() if state == "busy" else "",
         )
 
     def extend(self, key: str, *, owner: str, now: float, lease: float) -> bool:
@@ -302,7 +319,10 @@ class RedisIdempotency:
         return bool(self._run(self._reopen, key, []))
 
     def inspect(self, key: str) -> dict[str, Any] | None:
-        raw = self.client.hgetall(IDEM_PREFIX + key)
+        try:
+            raw = self.client.hgetall(IDEM_PREFIX + key)
+        except self._errors as exc:
+            raise self._failure(exc) from exc
         return {k.decode(): v.decode() for k, v in raw.items()} or None
 
     def throttle(self, group: str, *, window: float, now: float) -> bool:
@@ -312,14 +332,14 @@ class RedisIdempotency:
                 self._throttle(keys=[ALERT_PREFIX + group, ALERT_PENDING], args=[group, repr(now), repr(window)])
             )
         except self._errors as exc:
-            raise StoreError(f"Redis store at {self.url} failed: {exc}") from exc
+            raise self._failure(exc) from exc
 
     def due_summaries(self, *, now: float) -> list[tuple[str, int]]:
         """(group, count) of finished windows with suppressed alerts, each handed out once."""
         try:
             flat = self._due(keys=[ALERT_PENDING], args=[ALERT_PREFIX, repr(now)])
         except self._errors as exc:
-            raise StoreError(f"Redis store at {self.url} failed: {exc}") from exc
+            raise self._failure(exc) from exc
         return [(flat[i].decode(), int(flat[i + 1])) for i in range(0, len(flat), 2)]
 
     def count_delivery(self, message_id: str, *, ttl: float) -> int:
@@ -330,13 +350,13 @@ class RedisIdempotency:
             pipe.expire(DELIVERIES_PREFIX + message_id, int(ttl))
             return int(pipe.execute()[0])
         except self._errors as exc:
-            raise StoreError(f"Redis store at {self.url} failed: {exc}") from exc
+            raise self._failure(exc) from exc
 
     def clear_delivery(self, message_id: str) -> None:
         try:
             self.client.delete(DELIVERIES_PREFIX + message_id)
         except self._errors as exc:
-            raise StoreError(f"Redis store at {self.url} failed: {exc}") from exc
+            raise self._failure(exc) from exc
 
     def reserve_publish(self, key: str, *, task_id: str, ttl: float) -> str | None:
         """Record the first publish of ``key``; return the task id of an earlier one within ``ttl``."""
@@ -345,7 +365,7 @@ class RedisIdempotency:
                 return None
             existing = self.client.get(PUBLISH_PREFIX + key)
         except self._errors as exc:
-            raise StoreError(f"Redis store at {self.url} failed: {exc}") from exc
+            raise self._failure(exc) from exc
         return existing.decode() if existing else None
 
 
@@ -429,7 +449,7 @@ class RedisStore(RedisIdempotency, RedisRunLedger):
         try:
             raw = self.client.hgetall(KEY_PREFIX + dependency)
         except self._errors as exc:
-            raise StoreError(f"Redis store at {self.url} failed: {exc}") from exc
+            raise self._failure(exc) from exc
         fields = {key.decode(): value.decode() for key, value in raw.items()}
         state = DependencyState(
             **{name: int(fields[name]) for name in _INT_FIELDS if name in fields},
@@ -439,4 +459,7 @@ class RedisStore(RedisIdempotency, RedisRunLedger):
         return status(dependency, state, policy, now)
 
     def reset(self, dependency: str) -> None:
-        self.client.delete(KEY_PREFIX + dependency)
+        try:
+            self.client.delete(KEY_PREFIX + dependency)
+        except self._errors as exc:
+            raise self._failure(exc) from exc

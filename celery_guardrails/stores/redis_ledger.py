@@ -10,6 +10,7 @@ are dropped as new ones are written; both keys expire when a schedule has been q
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from typing import Any
 
 from celery_guardrails.exceptions import StoreError
@@ -116,6 +117,8 @@ class RedisRunLedger:
     _errors: tuple[type[BaseException], ...]
     _ledger: Any
 
+    _failure: Callable[[BaseException], StoreError]  # RedisIdempotency's
+
     def _change(self, op: str, schedule: str, period: float, now: float, *args: str) -> bool:
         try:
             changed = self._ledger(
@@ -123,7 +126,7 @@ class RedisRunLedger:
                 args=[op, schedule, _field(period), f"{now:.6f}", int(RETENTION), *args],
             )
         except self._errors as exc:
-            raise StoreError(f"Redis store at {self.url} failed: {exc}") from exc
+            raise self._failure(exc) from exc
         return bool(changed)
 
     def run_dispatch(self, schedule: str, period: float, *, task_id: str, now: float) -> bool:
@@ -167,5 +170,5 @@ class RedisRunLedger:
                     if statuses is None or run.status in statuses:
                         found.append(run)
         except self._errors as exc:
-            raise StoreError(f"Redis store at {self.url} failed: {exc}") from exc
+            raise self._failure(exc) from exc
         return found[:limit]

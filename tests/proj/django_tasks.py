@@ -12,15 +12,19 @@ from tests.proj.tasks import REDIS_URL, seen
 
 
 @shared_task(base=GuardedTask, bind=True, idempotency_key="effect:{key}", atomic=True)
-def write_effect(self: GuardedTask, key: str, sink: str, hold: float = 0.0) -> str:
-    """Insert one Effect row; the first run may then hold (to be killed mid-transaction)."""
+def write_effect(self: GuardedTask, key: str, sink: str, hold: float = 0.0, gate: str | None = None) -> str:
+    """Insert one Effect row; the first run may then hold (to be killed mid-transaction), ``hold`` seconds or
+    until an item is pushed to the Redis list ``gate``."""
     from tests.testapp.models import Effect
 
-    runs = redis.Redis.from_url(REDIS_URL).incr(f"{sink}:runs")
+    client = redis.Redis.from_url(REDIS_URL)
+    runs = client.incr(f"{sink}:runs")
     seen(self, sink, run=runs, key=self.request.idempotency_key)
     Effect.objects.create(key=key)
     if hold and runs == 1:
         time.sleep(hold)
+    if gate and runs == 1 and client.blpop([gate], timeout=120) is None:
+        raise RuntimeError(f"gate {gate} never opened")
     return "written"
 
 

@@ -24,6 +24,7 @@ from celery_guardrails import (
     current_correlation_id,
     current_tenant,
 )
+from celery_guardrails.delivery import delivery
 
 REDIS_URL = os.environ.get("GUARDRAILS_TEST_REDIS_URL", "redis://127.0.0.1:6379/9")
 
@@ -125,7 +126,7 @@ def _behave(task: GuardedTask, sink: str, script: list[str]) -> dict[str, Any]:
         step=step,
         attempt=task.request.attempt,
         history=task.request.attempt_history,
-        admitted=getattr(task.request, "guardrails_admitted", None),
+        admitted=delivery(task).admitted,
     )
     kind, _, arg = step.partition(":")
     if kind == "transient":
@@ -238,6 +239,16 @@ def scheduled_job(
         real_start=started,
         real_end=time.time(),
     )
+
+
+@shared_task(base=GuardedTask, bind=True, idempotency_key="poison:{order_id}", owner="ops")
+def kill_my_worker_keyed(self: GuardedTask, order_id: int, marker: str) -> str:
+    """Claims its key, then SIGKILLs its own worker process, every time (a poison message with a key)."""
+    import signal
+
+    redis.Redis.from_url(REDIS_URL).rpush(marker, os.getpid())
+    os.kill(os.getpid(), signal.SIGKILL)
+    return "unreachable"
 
 
 @shared_task

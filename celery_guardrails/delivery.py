@@ -1,0 +1,102 @@
+"""One delivery's guardrail state: what the hooks of one run of one message hold and hand to each other.
+
+``GuardedTask`` starts it as a delivery starts; every hook reads it with :func:`delivery`. It lives on
+Celery's request (one request per delivery), typed and in one place, so that the hook that ends a
+delivery (an after-hook, a re-publish, a final failure) can see everything the earlier hooks took: a claim
+to complete or release, a run slot, a dependency admission to report.
+
+What a task may read stays on ``self.request`` and is documented there: ``attempt``, ``attempt_history``,
+``idempotency_key``, ``schedule_name``, ``period``, ``period_key``, ``since``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+#: The request attribute holding the state.
+ATTRIBUTE = "guardrails_delivery"
+
+
+@dataclass(frozen=True, slots=True)
+class Hold:
+    """Something a delivery holds in the store (a claim, a run slot), and how to let it go."""
+
+    owner: str
+    release: Callable[[], Any]
+
+
+@dataclass(slots=True, kw_only=True)
+class Delivery:
+    """The guardrails' state of one delivery."""
+
+    #: When the delivery started (epoch seconds, real time): attempt records say when an attempt began.
+    started: float = field(default_factory=time.time)
+    #: How the body's failure was classified (:class:`celery_guardrails.classification.Verdict`), if it failed.
+    verdict: Any = None
+    #: Poison protection counted this start of a redelivered message (clear the count when the run ends).
+    counted: bool = False
+    #: The dependency whose budget admitted this run, when the run was admitted (its outcome is reported).
+    dependency: str | None = None
+    #: The guardrails' clock when the run was admitted.
+    admitted: float | None = None
+    #: The admission was a half-open circuit's probe: its outcome must be reported, whatever it is.
+    probe: bool = False
+    #: The idempotency claim held: (scoped key, owner).
+    claim: tuple[str, str] | None = None
+    #: The completion sent as the body returned: (key, read its answer).
+    completion: tuple[str, Callable[[], bool]] | None = None
+    #: The schedule's run slot held: (key, owner, lease).
+    slot: tuple[str, str, float] | None = None
+    #: The scheduled period this delivery runs: (schedule, period).
+    period: tuple[str, int] | None = None
+    #: What to give up before this delivery's message is published again (claims, run slots).
+    holds: list[Hold] = field(default_factory=list)
+    #: A guardrail is publishing the message again (so it is not taken for the body's own ``self.retry()``).
+    republishing: bool = False
+    #: The body ran (returned or raised): its effects may have happened.
+    body_ran: bool = False
+    #: What the body returned.
+    retval: Any = None
+
+    def forget(self, owner: str) -> None:
+        """The hold of ``owner`` is settled another way (its key completed or failed): nothing to release."""
+        self.holds = [hold for hold in self.holds if hold.owner != owner]
+
+    def give_up(self, task_id: str | None) -> list[str]:
+        """Release every hold, each on its own; the owners of those that could not be released (the store may
+        be what failed): the next delivery is told, and takes them over instead of waiting out their lease."""
+        holds, self.holds = self.holds, []
+        kept = []
+        for hold in holds:
+            try:
+                hold.release()
+            except Exception:
+                logger.warning("Task %s: %s could not release its hold", task_id, hold.owner, exc_info=True)
+                kept.append(hold.owner)
+        return kept
+
+
+def begin(request: Any) -> Delivery:
+    """A fresh state for the delivery ``request`` stands for."""
+    state = Delivery()
+    setattr(request, ATTRIBUTE, state)
+    return state
+
+
+def delivery(task: Any) -> Delivery:
+    """The state of the delivery ``task`` is running (made when a hook runs without one: a request Celery
+    made on its own, e.g. for a worker that was lost)."""
+    request = task.request
+    state: Delivery | None = getattr(request, ATTRIBUTE, None)
+    if state is None:
+        state = begin(request)
+    return state
+
+
+__all__ = ["Delivery", "Hold", "begin", "delivery"]

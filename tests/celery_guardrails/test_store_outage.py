@@ -1,0 +1,131 @@
+"""The guardrails store cut away from a real prefork worker (through a TCP proxy) at each step of a keyed task:
+at the claim, during the heartbeat, at the completion. After it comes back, every message has run once;
+none was acked away, failed or dead-lettered for the outage, and no attempt was spent on it.
+
+The broker and the test's own reads go to Redis directly; only the worker's store goes through the proxy.
+The Django store on PostgreSQL is cut the same way in tests/django_app/test_store_outage.py.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from celery_guardrails.stores.redis import RedisStore
+from tests.conftest import Sink
+from tests.proj import tasks
+from tests.support.proxy import TcpProxy
+from tests.support.services import REDIS_URL, require
+from tests.support.waiting import wait_for
+from tests.support.workers import PROJ_APP, WorkerProcess, proj_env
+
+TIMEOUT = 60
+
+
+@pytest.fixture
+def proxy() -> Iterator[TcpProxy]:
+    require("redis")
+    proxy = TcpProxy(6379)
+    yield proxy
+    proxy.close()
+
+
+@pytest.fixture
+def worker(celery_app: Any, proxy: TcpProxy, queue_name: str, tmp_path: Path) -> Iterator[WorkerProcess]:
+    """A prefork worker whose store is the test Redis through ``proxy`` (a 6 s lease: a beat every 2 s);
+    the test publishes to its queue (``celery_app``)."""
+    store = REDIS_URL.replace("127.0.0.1:6379", f"127.0.0.1:{proxy.port}")
+    env = proj_env(queue=queue_name, GUARDRAILS_TEST_GUARDRAILS=json.dumps({"store": store, "idempotency_lease": 6.0}))
+    with WorkerProcess(app=PROJ_APP, queue=queue_name, log_path=tmp_path / "worker.log", env=env) as process:
+        yield process  # type: ignore[misc]
+
+
+@pytest.fixture
+def oid() -> int:
+    return random.randrange(10**9)
+
+
+def effects(sink: Sink) -> int:
+    return int(sink.client.get(f"{sink.key}:effects") or 0)
+
+
+def key_of(oid: int) -> str:
+    return f"tests.proj.tasks.charge:-:charge:{oid}"
+
+
+def test_store_cut_at_the_claim_the_message_comes_back_and_runs_once(
+    worker: WorkerProcess, proxy: TcpProxy, sink: Sink, oid: int
+) -> None:
+    # Given the store out of reach when a keyed task is delivered
+    proxy.cut()
+    result = tasks.charge.delay(oid, sink.key)
+    # Then the delivery does not run, fail or dead-letter: it is published again for later
+    wait_for("the outage logged", lambda: "the guardrails store is unavailable" in worker.log)
+    assert sink.items() == [] and result.state in ("PENDING", "RETRY")
+    # When the store is back
+    proxy.restore()
+    # Then the message runs, once, on its first attempt (the outage spent none)
+    assert result.get(timeout=TIMEOUT) == f"charged {oid}"
+    assert [(r["run"], r["attempt"]) for r in sink.items()] == [(1, 1)]
+    assert effects(sink) == 1
+    assert RedisStore(REDIS_URL).inspect(key_of(oid))["state"] == "completed"  # type: ignore[index]
+
+
+def test_store_cut_during_the_heartbeat_the_run_completes_once(
+    worker: WorkerProcess, proxy: TcpProxy, sink: Sink, oid: int
+) -> None:
+    # Given a keyed task running (held at a gate), and its store cut: its heartbeats fail
+    gate = f"{sink.key}:gate"
+    result = tasks.charge.delay(oid, sink.key, gate=gate)
+    sink.wait(1)
+    proxy.cut()
+    wait_for("a heartbeat failed", lambda: "heartbeat failed" in worker.log)
+    # When the store is back and the body returns
+    proxy.restore()
+    sink.client.rpush(gate, "go")
+    # Then the run completes, once
+    assert result.get(timeout=TIMEOUT) == f"charged {oid}"
+    assert effects(sink) == 1
+    wait_for("the key completed", lambda: RedisStore(REDIS_URL).inspect(key_of(oid))["state"] == "completed")  # type: ignore[index]
+    # And a duplicate is skipped with the summary
+    assert tasks.charge.delay(oid, sink.key).get(timeout=TIMEOUT) == f"'charged {oid}'"
+    assert effects(sink) == 1
+
+
+def test_store_cut_at_the_completion_the_worker_completes_it_when_the_store_is_back(
+    worker: WorkerProcess, proxy: TcpProxy, sink: Sink, oid: int
+) -> None:
+    # Given a keyed task whose body makes its effect, then waits at a gate
+    gate = f"{sink.key}:gate"
+    result = tasks.charge.delay(oid, sink.key, gate=gate)
+    sink.wait(1)
+    # When the store is cut just as the body returns
+    proxy.cut()
+    sink.client.rpush(gate, "go")
+    # Then the worker does not run the body again: it keeps asking the store to complete the key
+    wait_for("the completion retried", lambda: "not completed yet" in worker.log)
+    proxy.restore()
+    assert result.get(timeout=TIMEOUT) == f"charged {oid}"
+    wait_for("the key completed", lambda: RedisStore(REDIS_URL).inspect(key_of(oid))["state"] == "completed")  # type: ignore[index]
+    # And the effect happened once; a duplicate is skipped
+    assert tasks.charge.delay(oid, sink.key).get(timeout=TIMEOUT) == f"'charged {oid}'"
+    assert effects(sink) == 1 and [r["run"] for r in sink.items()] == [1]
+
+
+def test_a_budget_admission_cut_away_spends_no_attempt(
+    worker: WorkerProcess, proxy: TcpProxy, sink: Sink, received: Any
+) -> None:
+    # Given the store out of reach when a task of a dependency is delivered (its admission needs the store)
+    proxy.cut()
+    result = tasks.behave.apply_async((sink.key, ["ok"]), dependency=f"dep-{random.randrange(10**9)}")
+    wait_for("the outage logged", lambda: "the guardrails store is unavailable" in worker.log)
+    proxy.restore()
+    # Then it runs once the store is back, as its first attempt, with the outage in its history
+    report = result.get(timeout=TIMEOUT)
+    assert report["attempt"] == 1 and len(sink.items()) == 1
+    assert {r["class"] for r in report["history"]} == {"store_unavailable"}

@@ -1,0 +1,92 @@
+"""The Django store on PostgreSQL cut away from a real prefork worker (through a TCP proxy): at the claim,
+and at the completion that commits with the effect (``atomic=True``). After the database comes back, each
+message has one committed effect; none was acked away, and the outage spent no attempt.
+
+(The Redis store is cut the same way in tests/celery_guardrails/test_store_outage.py.)
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from django.db import connection
+
+from tests.conftest import Sink
+from tests.proj import django_tasks
+from tests.support.proxy import TcpProxy
+from tests.support.waiting import wait_for
+from tests.support.workers import PROJ_APP, WorkerProcess, proj_env
+from tests.testapp.models import Effect
+
+pytestmark = pytest.mark.django_db(transaction=True)
+TIMEOUT = 60
+
+
+@pytest.fixture
+def proxy() -> Iterator[TcpProxy]:
+    if connection.vendor != "postgresql":
+        pytest.skip("needs a database server to take away (runs in the PostgreSQL pass)")
+    proxy = TcpProxy(5432)
+    yield proxy
+    proxy.close()
+
+
+@pytest.fixture
+def worker(celery_app: Any, proxy: TcpProxy, queue_name: str, tmp_path: Path) -> Iterator[WorkerProcess]:
+    """A prefork worker on the Django store, its database connection through ``proxy``."""
+    env = proj_env(
+        queue=queue_name,
+        django=True,
+        GUARDRAILS_TEST_DB_PORT=str(proxy.port),
+        GUARDRAILS_TEST_GUARDRAILS=json.dumps({"store": "django", "dead_letter_sinks": ["django"]}),
+    )
+    with WorkerProcess(app=PROJ_APP, queue=queue_name, log_path=tmp_path / "worker.log", env=env) as process:
+        yield process  # type: ignore[misc]
+
+
+def test_database_cut_at_the_claim_the_message_comes_back_and_runs_once(
+    worker: WorkerProcess, proxy: TcpProxy, sink: Sink
+) -> None:
+    from django_celery_guardrails.models import DeadLetter
+
+    key = uuid.uuid4().hex
+    # Given the database out of reach when a keyed task is delivered
+    proxy.cut()
+    result = django_tasks.write_effect.delay(key, sink.key)
+    # Then it does not run, fail or dead-letter: it is published again for later
+    wait_for("the outage logged", lambda: "the guardrails store is unavailable" in worker.log)
+    assert sink.items() == []
+    # When the database is back, Then it runs once and its effect is committed once
+    proxy.restore()
+    assert result.get(timeout=TIMEOUT) == "written"
+    assert [r["run"] for r in sink.items()] == [1]
+    assert Effect.objects.filter(key=key).count() == 1
+    assert not DeadLetter.objects.filter(task_id=result.id).exists()
+
+
+def test_database_cut_at_the_completion_rolls_the_effect_back_and_the_message_commits_it_once_later(
+    worker: WorkerProcess, proxy: TcpProxy, sink: Sink
+) -> None:
+    from django_celery_guardrails.models import IdempotencyKey
+
+    key = uuid.uuid4().hex
+    gate = f"{sink.key}:gate"
+    # Given a keyed atomic task that wrote its effect (uncommitted) and waits at a gate
+    result = django_tasks.write_effect.delay(key, sink.key, gate=gate)
+    sink.wait(1)
+    # When the database goes away before the transaction commits the effect with the completion mark
+    proxy.cut()
+    sink.client.rpush(gate, "go")
+    wait_for("the outage logged", lambda: "the guardrails store is unavailable" in worker.log)
+    proxy.restore()
+    # Then the first effect was rolled back with its completion, and the message, back later, committed both
+    assert result.get(timeout=TIMEOUT) == "written"
+    assert [r["run"] for r in sink.items()] == [1, 2]
+    assert Effect.objects.filter(key=key).count() == 1
+    row = IdempotencyKey.objects.get(key=f"tests.proj.django_tasks.write_effect:-:effect:{key}")
+    assert row.state == "completed"
