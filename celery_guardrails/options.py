@@ -466,6 +466,14 @@ OPTIONS: Mapping[str, Option] = {
             scopes=frozenset({TASK, APP}),
         ),
         Option(
+            name="circuit_probe_timeout",
+            default=60.0,
+            doc="Seconds a half-open probe may run without reporting (its worker killed) before another is let "
+            "through.",
+            check=_seconds,
+            scopes=frozenset({TASK, APP}),
+        ),
+        Option(
             name="store",
             default=None,
             doc="Where budgets and circuit states live: 'django' (the Django app's tables) or a Redis URL. "

@@ -97,6 +97,7 @@ class GuardedTask(Task):  # type: ignore[misc]
     circuit_threshold: int | None = None
     circuit_open_seconds: float | None = None
     circuit_half_open_probes: int | None = None
+    circuit_probe_timeout: float | None = None
 
     @classmethod
     def on_bound(cls, app: Any) -> None:

@@ -70,6 +70,14 @@ class DependencyState(models.Model):
     probes = models.PositiveIntegerField(
         _("probes"), default=0, help_text=_("First attempts let through since the circuit became half-open.")
     )
+    probe_until = models.FloatField(
+        _("probes given up at"),
+        default=0.0,
+        help_text=_(
+            "Epoch seconds after which probes that never reported (their worker was killed) are given up and "
+            "another is let through."
+        ),
+    )
     updated_at = models.DateTimeField(_("updated at"), auto_now=True, help_text=_("Last change of this row."))
 
     objects = DependencyStateQuerySet.as_manager()

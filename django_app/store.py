@@ -123,8 +123,8 @@ class DjangoStore:
     def admit(self, dependency: str, policy: BudgetPolicy, *, retry: bool, now: float) -> Admission:
         return self._change(dependency, lambda state: decide_admission(state, policy, retry=retry, now=now))
 
-    def record_outcome(self, dependency: str, policy: BudgetPolicy, *, failed: bool, now: float) -> bool:
-        return self._change(dependency, lambda state: decide_outcome(state, policy, failed=failed, now=now))
+    def record_outcome(self, dependency: str, policy: BudgetPolicy, *, outcome: str, now: float) -> bool:
+        return self._change(dependency, lambda state: decide_outcome(state, policy, outcome=outcome, now=now))
 
     @translated("read a dependency's state")
     def budget_status(self, dependency: str, policy: BudgetPolicy, *, now: float) -> dict[str, Any]:

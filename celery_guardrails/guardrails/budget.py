@@ -28,7 +28,7 @@ from celery_guardrails.options import app_value, resolve
 from celery_guardrails.outcomes import CIRCUIT_OPEN, RETRY_BUDGET_EXHAUSTED, attempt_record, fail_finally, republish
 from celery_guardrails.pipeline import Guardrail
 from celery_guardrails.stores import get_store
-from celery_guardrails.stores.base import Admission, BudgetPolicy
+from celery_guardrails.stores.base import FAILURE, RELEASE, SUCCESS, Admission, BudgetPolicy
 
 if TYPE_CHECKING:
     from celery_guardrails.task import GuardedTask
@@ -44,6 +44,7 @@ def policy_from(lookup: Callable[[str], Any]) -> BudgetPolicy:
         threshold=lookup("circuit_threshold"),
         open_seconds=lookup("circuit_open_seconds"),
         probes=lookup("circuit_half_open_probes"),
+        probe_timeout=lookup("circuit_probe_timeout"),
     )
 
 
@@ -76,6 +77,7 @@ class RetryBudget(Guardrail):
             raise self._refuse(task, dependency, admission, policy, now, call)  # nothing ran: no outcome
         state = delivery(task)
         state.dependency, state.admitted = dependency, now  # the instant the store counted this run
+        state.probe = admission.probe
 
     def _refuse(
         self, task: GuardedTask, dependency: str, admission: Admission, policy: BudgetPolicy, now: float, call: Any
@@ -110,19 +112,22 @@ class RetryBudget(Guardrail):
         )
         return republish(task, countdown=delay, header=headers.with_record(header, record, deferred=deferred))
 
-    def _record(self, task: GuardedTask, *, failed: bool) -> None:
-        dependency = delivery(task).dependency
-        if not dependency:
+    def _record(self, task: GuardedTask, outcome: str) -> None:
+        state = delivery(task)
+        dependency = state.dependency
+        if not dependency or (outcome == RELEASE and not state.probe):
             return
-        call = task.call_options()
-        policy = policy_for(task, call)
+        state.dependency = None  # reported once
+        policy = policy_for(task, task.call_options())
         now = clock.now(task.app)
-        if get_store(task.app).record_outcome(dependency, policy, failed=failed, now=now):
+        if get_store(task.app).record_outcome(dependency, policy, outcome=outcome, now=now):
             logger.warning("Circuit of %s opened for %.1fs", dependency, policy.open_seconds)
             signals.circuit_opened.send(sender=task, dependency=dependency, until=now + policy.open_seconds)
 
     def on_success(self, task: GuardedTask, retval: Any) -> None:
-        self._record(task, failed=False)
+        # A run whose body did not run (a duplicate skipped, an overlapping period) did not call the
+        # dependency: it is no success; a probe's slot is released.
+        self._record(task, SUCCESS if delivery(task).body_ran else RELEASE)
 
     def on_failure(self, task: GuardedTask, exc: BaseException, einfo: Any) -> None:
         self._outcome_of_failure(task)
@@ -132,9 +137,11 @@ class RetryBudget(Guardrail):
 
     def _outcome_of_failure(self, task: GuardedTask) -> None:
         verdict = delivery(task).verdict
-        # Only a transient failure says something about the dependency's health.
-        if verdict is not None and verdict.kind is Kind.TRANSIENT:
-            self._record(task, failed=True)
+        # Only a transient failure says something about the dependency's health; any other ending (a
+        # permanent error, RetryLater, a wait or a store outage before the body) releases a probe's slot,
+        # so the breaker never waits for a probe that will not report.
+        transient = verdict is not None and verdict.kind is Kind.TRANSIENT
+        self._record(task, FAILURE if transient else RELEASE)
 
 
 def budget_status(dependency: str, *, app: Any = None) -> dict[str, Any]:

@@ -12,7 +12,10 @@ admitted while ``retries + 1 <= floor + ratio * first_attempts`` over the window
 
 Circuit breaker (per dependency): ``closed``; ``open`` for ``open_seconds`` after ``threshold`` consecutive
 transient failures (new first attempts are deferred until it ends); then ``half_open``, which lets
-``probes`` first attempts through: a success closes it, a transient failure opens it again.
+``probes`` first attempts through: a success closes it, a transient failure opens it again. Every probe
+reports: a probe whose run ends without saying anything about the dependency (a permanent error, a
+duplicate skipped, a wait, a store outage) releases its slot (``outcome=RELEASE``); one that never reports
+(its worker was killed) is given up after ``probe_timeout``, and another goes through.
 """
 
 from __future__ import annotations
@@ -25,6 +28,8 @@ from typing import Any, Protocol
 from celery_guardrails.ledger import RunLedger
 
 CLOSED, OPEN, HALF_OPEN = "closed", "open", "half_open"
+#: Outcomes a run reports to its dependency's breaker.
+SUCCESS, FAILURE, RELEASE = "success", "failure", "release"
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -35,6 +40,8 @@ class BudgetPolicy:
     threshold: int
     open_seconds: float
     probes: int
+    #: Seconds a half-open probe may take to report before its slot is given to another.
+    probe_timeout: float = 60.0
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -45,6 +52,7 @@ class Admission:
     reason: str = ""
     retry_at: float = 0.0
     first_denial: bool = False  # the first refusal of this budget window (the signal fires once per window)
+    probe: bool = False  # admitted as a half-open circuit's probe: its outcome must be reported
 
 
 @dataclass(slots=True, kw_only=True)
@@ -61,6 +69,7 @@ class DependencyState:
     circuit: str = CLOSED
     open_until: float = 0.0
     probes: int = 0
+    probe_until: float = 0.0
 
 
 def _roll(state: DependencyState, index: int) -> None:
@@ -102,16 +111,27 @@ def decide_admission(state: DependencyState, policy: BudgetPolicy, *, retry: boo
         if state.circuit == OPEN:
             return Admission(allowed=False, reason="circuit", retry_at=state.open_until)
         if state.circuit == HALF_OPEN:
-            if state.probes >= policy.probes:
-                return Admission(allowed=False, reason="circuit", retry_at=now + policy.open_seconds / 4)
+            if state.probes >= policy.probes and now < state.probe_until:
+                retry_at = min(now + policy.open_seconds / 4, state.probe_until)
+                return Admission(allowed=False, reason="circuit", retry_at=retry_at)
+            if state.probes >= policy.probes:  # the probes out did not report in time (killed): given up
+                state.probes = 0
             state.probes += 1
+            state.probe_until = now + policy.probe_timeout
+            state.first_current += 1
+            return Admission(allowed=True, probe=True)
     state.first_current += 1
     return Admission(allowed=True)
 
 
-def decide_outcome(state: DependencyState, policy: BudgetPolicy, *, failed: bool, now: float) -> bool:
-    """Count a transient failure or a success; return True when this opened the circuit. Mutates ``state``."""
-    if not failed:
+def decide_outcome(state: DependencyState, policy: BudgetPolicy, *, outcome: str, now: float) -> bool:
+    """Count a success or a transient failure, or release a probe's slot (a run that said nothing about the
+    dependency); return True when this opened the circuit. Mutates ``state``."""
+    if outcome == RELEASE:
+        if state.circuit == HALF_OPEN and state.probes > 0:
+            state.probes -= 1
+        return False
+    if outcome == SUCCESS:
         state.failures, state.circuit, state.probes = 0, CLOSED, 0
         return False
     state.failures += 1
@@ -209,7 +229,9 @@ class Store(RunLedger, Protocol):
 
     def admit(self, dependency: str, policy: BudgetPolicy, *, retry: bool, now: float) -> Admission: ...
 
-    def record_outcome(self, dependency: str, policy: BudgetPolicy, *, failed: bool, now: float) -> bool: ...
+    def record_outcome(self, dependency: str, policy: BudgetPolicy, *, outcome: str, now: float) -> bool:
+        """Report a run's outcome (SUCCESS, FAILURE, RELEASE) to the breaker; whether it opened the circuit."""
+        ...
 
     def budget_status(self, dependency: str, policy: BudgetPolicy, *, now: float) -> dict[str, Any]: ...
 

@@ -48,16 +48,19 @@ local failures = num('failures', 0)
 local circuit = h['circuit'] or 'closed'
 local open_until = num('open_until', 0)
 local probes = num('probes', 0)
+local probe_until = num('probe_until', 0)
 local function save(ttl)
   redis.call('HSET', key, 'window_index', window_index, 'first_current', first_current,
     'retries_current', retries_current, 'first_previous', first_previous, 'retries_previous', retries_previous,
     'denied_window', denied_window, 'failures', failures, 'circuit', circuit,
-    'open_until', string.format('%.6f', open_until), 'probes', probes)
+    'open_until', string.format('%.6f', open_until), 'probes', probes,
+    'probe_until', string.format('%.6f', probe_until))
   redis.call('EXPIRE', key, ttl)
 end
 """
 
-# ARGV: now, window, ratio, floor, retry (1/0), threshold, open_seconds, probes, ttl
+# ARGV: now, window, ratio, floor, retry (1/0), threshold, open_seconds, probes, ttl, probe_timeout
+# Returns: allowed, reason, retry_at, first_denial, probe
 _ADMIT = (
     _LOAD
     + """
@@ -72,41 +75,51 @@ if retry then
   if retries + 1 <= floor + ratio * firsts then
     retries_current = retries_current + 1
     save(ttl)
-    return {'1', '', '0', '0'}
+    return {'1', '', '0', '0', '0'}
   end
   local first_denial = '0'
   if denied_window ~= index then first_denial = '1' end
   denied_window = index
   save(ttl)
-  return {'0', 'budget', string.format('%.6f', (index + 1) * window), first_denial}
+  return {'0', 'budget', string.format('%.6f', (index + 1) * window), first_denial, '0'}
 end
 if threshold > 0 then
   if circuit == 'open' and now >= open_until then circuit, probes = 'half_open', 0 end
   if circuit == 'open' then
     save(ttl)
-    return {'0', 'circuit', string.format('%.6f', open_until), '0'}
+    return {'0', 'circuit', string.format('%.6f', open_until), '0', '0'}
   end
   if circuit == 'half_open' then
-    if probes >= max_probes then
+    if probes >= max_probes and now < probe_until then
       save(ttl)
-      return {'0', 'circuit', string.format('%.6f', now + open_seconds / 4), '0'}
+      return {'0', 'circuit', string.format('%.6f', math.min(now + open_seconds / 4, probe_until)), '0', '0'}
     end
+    if probes >= max_probes then probes = 0 end
     probes = probes + 1
+    probe_until = now + tonumber(ARGV[10])
+    first_current = first_current + 1
+    save(ttl)
+    return {'1', '', '0', '0', '1'}
   end
 end
 first_current = first_current + 1
 save(ttl)
-return {'1', '', '0', '0'}
+return {'1', '', '0', '0', '0'}
 """
 )
 
-# ARGV: now, window, failed (1/0), threshold, open_seconds, ttl
+# ARGV: now, window, outcome (success / failure / release), threshold, open_seconds, ttl
 _OUTCOME = (
     _LOAD
     + """
-local failed = ARGV[3] == '1'
+local outcome = ARGV[3]
 local threshold, open_seconds, ttl = tonumber(ARGV[4]), tonumber(ARGV[5]), tonumber(ARGV[6])
-if not failed then
+if outcome == 'release' then
+  if circuit == 'half_open' and probes > 0 then probes = probes - 1 end
+  save(ttl)
+  return '0'
+end
+if outcome == 'success' then
   failures, circuit, probes = 0, 'closed', 0
   save(ttl)
   return '0'
@@ -411,7 +424,7 @@ class RedisStore(RedisIdempotency, RedisRunLedger):
         return self._eval(script, KEY_PREFIX + dependency, args)
 
     def admit(self, dependency: str, policy: BudgetPolicy, *, retry: bool, now: float) -> Admission:
-        allowed, reason, retry_at, first_denial = self._call(
+        allowed, reason, retry_at, first_denial, probe = self._call(
             self._admit,
             dependency,
             [
@@ -424,20 +437,25 @@ class RedisStore(RedisIdempotency, RedisRunLedger):
                 repr(policy.open_seconds),
                 policy.probes,
                 self._ttl(policy),
+                repr(policy.probe_timeout),
             ],
         )
         return Admission(
-            allowed=allowed == b"1", reason=reason.decode(), retry_at=float(retry_at), first_denial=first_denial == b"1"
+            allowed=allowed == b"1",
+            reason=reason.decode(),
+            retry_at=float(retry_at),
+            first_denial=first_denial == b"1",
+            probe=probe == b"1",
         )
 
-    def record_outcome(self, dependency: str, policy: BudgetPolicy, *, failed: bool, now: float) -> bool:
+    def record_outcome(self, dependency: str, policy: BudgetPolicy, *, outcome: str, now: float) -> bool:
         opened = self._call(
             self._outcome,
             dependency,
             [
                 repr(now),
                 repr(policy.window),
-                int(failed),
+                outcome,
                 policy.threshold,
                 repr(policy.open_seconds),
                 self._ttl(policy),
@@ -455,6 +473,7 @@ class RedisStore(RedisIdempotency, RedisRunLedger):
             **{name: int(fields[name]) for name in _INT_FIELDS if name in fields},
             circuit=fields.get("circuit", "closed"),
             open_until=float(fields.get("open_until", 0)),
+            probe_until=float(fields.get("probe_until", 0)),
         )
         return status(dependency, state, policy, now)
 

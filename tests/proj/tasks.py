@@ -143,6 +143,10 @@ def _behave(task: GuardedTask, sink: str, script: list[str]) -> dict[str, Any]:
         raise TransientError("dependency down")
     if kind == "later":
         raise RetryLater("not readable yet", delay=float(arg or 0.05))
+    if kind == "kill_once" and redis.Redis.from_url(REDIS_URL).set(arg, 1, nx=True, ex=600):
+        import signal
+
+        os.kill(os.getpid(), signal.SIGKILL)  # the first run only: its worker process dies mid-task
     if kind == "get":  # a real HTTP call to the test's provider: get:<url>
         import requests
 

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
+import random
 import time
 import uuid
 from collections import Counter
@@ -13,7 +15,8 @@ from typing import Any
 import pytest
 import redis
 
-from celery_guardrails import BudgetExhaustedError, budget_status, signals
+from celery_guardrails import BudgetExhaustedError, PermanentError, budget_status, signals
+from celery_guardrails.clock import set_file_clock
 from tests.conftest import Sink
 from tests.proj import tasks
 from tests.support.services import REDIS_URL
@@ -138,6 +141,103 @@ def test_circuit_opens_defers_first_attempts_and_closes_after_a_probe(
     assert all(2.0 <= d["delay"] <= 2.2 for d in deferred)
     # (the success is recorded by on_success, which Celery calls after it stores the result)
     wait_for("the circuit closed", lambda: budget_status(dependency, app=celery_app)["circuit"] == "closed")
+
+
+def open_circuit(celery_app: Any, sink: Sink, dependency: str, clock: list[float], **settings: Any) -> None:
+    """A breaker (2 failures, open for 2 s of a frozen clock) opened by two transient failures, then the
+    clock moved past the open time: half-open, waiting for a probe."""
+    celery_app.conf.guardrails = {
+        **celery_app.conf.guardrails,
+        "circuit_threshold": 2,
+        "circuit_open_seconds": 2.0,
+        "clock": lambda: clock[0],
+        **settings,
+    }
+    for i in range(2):
+        with pytest.raises(Exception, match="failed"):
+            tasks.behave.apply_async((f"{sink.key}:{i}", ["transient"]), dependency=dependency, max_attempts=1).get(
+                timeout=30
+            )
+    wait_for("the circuit open", lambda: budget_status(dependency, app=celery_app)["circuit"] == "open")
+    clock[0] += 2.0
+
+
+@pytest.mark.parametrize(
+    ("script", "ends"),
+    [(["permanent"], "a permanent error"), (["later", "ok"], "RetryLater, then a success")],
+)
+def test_a_probe_that_ends_without_a_word_about_the_dependency_does_not_wedge_the_breaker(
+    celery_worker: Any, celery_app: Any, sink: Sink, script: list[str], ends: str
+) -> None:
+    clock = [float(int(time.time()))]
+    dependency = f"dep-{uuid.uuid4().hex[:8]}"
+    open_circuit(celery_app, sink, dependency, clock)
+    # Given the half-open circuit's probe is a run that ends with <ends>
+    probe = tasks.behave.apply_async((f"{sink.key}:probe", script), dependency=dependency)
+    with contextlib.suppress(PermanentError):
+        probe.get(timeout=30)
+    # When a healthy call comes next (the clock has not moved: no probe timeout helped)
+    report = tasks.behave.apply_async((f"{sink.key}:ok", ["ok"]), dependency=dependency).get(timeout=30)
+    # Then it went through at once, as the next probe, and closed the circuit
+    assert report["history"] == []
+    wait_for("the circuit closed", lambda: budget_status(dependency, app=celery_app)["circuit"] == "closed")
+
+
+def test_a_duplicate_skipped_is_no_success_for_the_breaker(
+    celery_worker: Any, celery_app: Any, sink: Sink, received: Any
+) -> None:
+    clock = [float(int(time.time()))]
+    dependency, oid = f"dep-{uuid.uuid4().hex[:8]}", random.randrange(10**9)
+    skipped = received(signals.duplicate_skipped)
+    # Given a key completed while the dependency was healthy, then a circuit opened and half-open
+    assert tasks.charge.apply_async((oid, sink.key), dependency=dependency).get(timeout=30) == f"charged {oid}"
+    open_circuit(celery_app, sink, dependency, clock)
+    # When the probe let through is a duplicate of that key (the body does not run, the dependency is not called)
+    tasks.charge.apply_async((oid, sink.key), dependency=dependency).get(timeout=30)
+    wait_for("the duplicate skipped", lambda: skipped)
+    # Then the circuit is still half-open (the probe's slot released, not a success), and the next call probes
+    assert budget_status(dependency, app=celery_app)["circuit"] == "half_open"
+    report = tasks.behave.apply_async((f"{sink.key}:ok", ["ok"]), dependency=dependency).get(timeout=30)
+    assert report["history"] == []
+    wait_for("the circuit closed", lambda: budget_status(dependency, app=celery_app)["circuit"] == "closed")
+
+
+def test_a_probe_killed_with_its_worker_is_given_up_after_the_probe_timeout(
+    celery_app: Any, queue_name: str, sink: Sink, tmp_path: Path
+) -> None:
+    # Given a prefork worker on a clock the test moves, and a half-open circuit (probe timeout 3 s)
+    clock_file = tmp_path / "clock"
+    set_file_clock(clock_file, float(int(time.time())))
+    settings = {"circuit_threshold": 2, "circuit_open_seconds": 2.0, "circuit_probe_timeout": 3.0}
+    env = proj_env(
+        queue=queue_name,
+        GUARDRAILS_CLOCK_FILE=str(clock_file),
+        GUARDRAILS_TEST_GUARDRAILS=json.dumps({**settings, "clock": "celery_guardrails.clock.file_clock"}),
+    )
+    celery_app.conf.guardrails = {**celery_app.conf.guardrails, **settings, "clock": file_clock_of(clock_file)}
+    dependency = f"dep-{uuid.uuid4().hex[:8]}"
+    with WorkerProcess(app=PROJ_APP, queue=queue_name, log_path=tmp_path / "worker.log", env=env) as worker:
+        for i in range(2):
+            with pytest.raises(Exception, match="failed"):
+                tasks.behave.apply_async((f"{sink.key}:{i}", ["transient"]), dependency=dependency, max_attempts=1).get(
+                    timeout=30
+                )
+        wait_for("the circuit open", lambda: budget_status(dependency, app=celery_app)["circuit"] == "open")
+        set_file_clock(clock_file, file_clock_of(clock_file)() + 2.0)
+        # When the probe's worker process is killed mid-run (the probe never reports), and it comes back
+        flag = f"{sink.key}:killed"
+        probe = tasks.behave.apply_async((f"{sink.key}:probe", [f"kill_once:{flag}", "ok"]), dependency=dependency)
+        # Then first attempts wait for the lost probe (the redelivery is deferred) ...
+        wait_for("the redelivery deferred", lambda: "circuit open" in worker.log)
+        # ... until its probe timeout is up: then one goes through as the new probe, and closes the circuit
+        set_file_clock(clock_file, file_clock_of(clock_file)() + 3.0)
+        report = probe.get(timeout=60)
+        wait_for("the circuit closed", lambda: budget_status(dependency, app=celery_app)["circuit"] == "closed")
+    assert report["run"] == 2 and "deferred_circuit" in {r["class"] for r in report["history"]}
+
+
+def file_clock_of(path: Path) -> Any:
+    return lambda: float(path.read_text())
 
 
 @pytest.mark.django_db(transaction=True)

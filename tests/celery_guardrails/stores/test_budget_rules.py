@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from celery_guardrails.stores.base import BudgetPolicy
+from celery_guardrails.stores.base import FAILURE, RELEASE, SUCCESS, BudgetPolicy
 from celery_guardrails.stores.redis import RedisStore
 from tests.support.services import REDIS_URL, require
 
@@ -78,29 +78,72 @@ def test_the_window_slides(store: Any, dependency: str) -> None:
 
 def test_circuit_opens_after_consecutive_failures_then_probes(store: Any, dependency: str) -> None:
     # Given 3 consecutive transient failures (a success in between resets the count)
-    opened = [store.record_outcome(dependency, POLICY, failed=f, now=T0) for f in (True, True, False, True, True)]
+    outcomes = (FAILURE, FAILURE, SUCCESS, FAILURE, FAILURE)
+    opened = [store.record_outcome(dependency, POLICY, outcome=o, now=T0) for o in outcomes]
     assert opened == [False] * 5
-    assert store.record_outcome(dependency, POLICY, failed=True, now=T0 + 1) is True
+    assert store.record_outcome(dependency, POLICY, outcome=FAILURE, now=T0 + 1) is True
     # While open, new first attempts wait until it ends; retries are left to the budget
     refused = store.admit(dependency, POLICY, retry=False, now=T0 + 5)
     assert (refused.allowed, refused.reason, refused.retry_at) == (False, "circuit", T0 + 31)
     assert store.admit(dependency, POLICY, retry=True, now=T0 + 5).allowed
     assert store.budget_status(dependency, POLICY, now=T0 + 5)["circuit"] == "open"
     # After the open period one probe goes through, the others wait
-    assert store.admit(dependency, POLICY, retry=False, now=T0 + 31).allowed
+    probe = store.admit(dependency, POLICY, retry=False, now=T0 + 31)
+    assert (probe.allowed, probe.probe) == (True, True)
     waiting = store.admit(dependency, POLICY, retry=False, now=T0 + 32)
     assert (waiting.allowed, waiting.reason) == (False, "circuit")
     # A failed probe opens it again; a successful one closes it
-    assert store.record_outcome(dependency, POLICY, failed=True, now=T0 + 33) is True
-    assert store.admit(dependency, POLICY, retry=False, now=T0 + 64).allowed
-    assert store.record_outcome(dependency, POLICY, failed=False, now=T0 + 65) is False
-    assert [store.admit(dependency, POLICY, retry=False, now=T0 + 66).allowed for _ in range(3)] == [True] * 3
+    assert store.record_outcome(dependency, POLICY, outcome=FAILURE, now=T0 + 33) is True
+    assert store.admit(dependency, POLICY, retry=False, now=T0 + 64).probe
+    assert store.record_outcome(dependency, POLICY, outcome=SUCCESS, now=T0 + 65) is False
+    after = [store.admit(dependency, POLICY, retry=False, now=T0 + 66) for _ in range(3)]
+    assert [(a.allowed, a.probe) for a in after] == [(True, False)] * 3
     assert store.budget_status(dependency, POLICY, now=T0 + 66)["circuit"] == "closed"
+
+
+def half_open(store: Any, dependency: str) -> None:
+    """Open the circuit at T0 (3 failures): half-open from T0 + 30."""
+    for _ in range(3):
+        store.record_outcome(dependency, POLICY, outcome=FAILURE, now=T0)
+    assert store.budget_status(dependency, POLICY, now=T0 + 30)["circuit"] == "half_open"
+
+
+def test_a_probe_that_says_nothing_releases_its_slot(store: Any, dependency: str) -> None:
+    # Given a half-open circuit whose one probe went out
+    half_open(store, dependency)
+    assert store.admit(dependency, POLICY, retry=False, now=T0 + 30).probe
+    assert not store.admit(dependency, POLICY, retry=False, now=T0 + 31).allowed
+    # When the probe ends without a word about the dependency (a permanent error, a duplicate skipped)
+    assert store.record_outcome(dependency, POLICY, outcome=RELEASE, now=T0 + 32) is False
+    # Then the circuit stays half-open, and the next first attempt goes through as the probe
+    assert store.budget_status(dependency, POLICY, now=T0 + 33)["circuit"] == "half_open"
+    again = store.admit(dependency, POLICY, retry=False, now=T0 + 33)
+    assert (again.allowed, again.probe) == (True, True)
+    # And a release outside half-open changes nothing (a closed circuit keeps its failure count)
+    store.record_outcome(dependency, POLICY, outcome=SUCCESS, now=T0 + 34)
+    store.record_outcome(dependency, POLICY, outcome=FAILURE, now=T0 + 35)
+    store.record_outcome(dependency, POLICY, outcome=RELEASE, now=T0 + 36)
+    assert store.budget_status(dependency, POLICY, now=T0 + 36)["consecutive_failures"] == 1
+
+
+def test_a_probe_that_never_reports_is_given_up_after_the_probe_timeout(store: Any, dependency: str) -> None:
+    # Given a half-open circuit whose probe went out at T0 + 30 and never reports (its worker was killed)
+    policy = BudgetPolicy(window=60.0, ratio=0.5, floor=2, threshold=3, open_seconds=30.0, probes=1, probe_timeout=20)
+    half_open(store, dependency)
+    assert store.admit(dependency, policy, retry=False, now=T0 + 30).probe
+    # Then first attempts wait until the probe's time is up (no longer than that) ...
+    waiting = store.admit(dependency, policy, retry=False, now=T0 + 45)
+    assert (waiting.allowed, waiting.retry_at) == (False, T0 + 50)
+    # ... and then one goes through as a new probe, which closes the circuit when it succeeds
+    late = store.admit(dependency, policy, retry=False, now=T0 + 50)
+    assert (late.allowed, late.probe) == (True, True)
+    store.record_outcome(dependency, policy, outcome=SUCCESS, now=T0 + 51)
+    assert store.budget_status(dependency, policy, now=T0 + 51)["circuit"] == "closed"
 
 
 def test_no_breaker_when_threshold_is_zero(store: Any, dependency: str) -> None:
     policy = BudgetPolicy(window=60.0, ratio=0.5, floor=2, threshold=0, open_seconds=30.0, probes=1)
-    assert not any(store.record_outcome(dependency, policy, failed=True, now=T0) for _ in range(10))
+    assert not any(store.record_outcome(dependency, policy, outcome=FAILURE, now=T0) for _ in range(10))
     assert store.admit(dependency, policy, retry=False, now=T0).allowed
 
 
