@@ -5,7 +5,8 @@ Sinks (``dead_letter_sinks``, in order, all of them must succeed):
 * ``"django"``: the ``DeadLetter`` model of the Django app (the default when it is installed), browsable and
   replayable in the Django admin;
 * ``"redis"`` (the store's Redis) or a Redis URL: an entry in the stream ``guardrails:dead_letters``
-  (``XADD``, one JSON field ``record``), for deployments without Django.
+  (``XADD``, one JSON field ``record``), for deployments without Django. The stream keeps about the newest
+  :data:`STREAM_MAXLEN` entries; the entry and its per-task marker are written by one script.
 
 Arguments are redacted first (:mod:`celery_guardrails.redaction`). Recording is idempotent per task id: a
 message recorded and then delivered again (its worker died before the ack) does not make a second record.
@@ -18,7 +19,7 @@ import logging
 from datetime import datetime
 from typing import TYPE_CHECKING, Any, Protocol
 
-from celery_guardrails.exceptions import StoreError
+from celery_guardrails.exceptions import StoreError, StoreUnavailableError
 from celery_guardrails.options import app_value, resolve
 from celery_guardrails.redaction import redact, redact_arguments
 from celery_guardrails.stores import django_apps_installed, store_url
@@ -29,33 +30,93 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 STREAM = "guardrails:dead_letters"
+#: Entries the Redis stream keeps, about (``XADD MAXLEN ~``): the oldest are trimmed.
+STREAM_MAXLEN = 100_000
+#: Seconds the Redis sink remembers that a task id was recorded (30 days).
+MARKER_TTL = 30 * 24 * 3600
+
+# KEYS: marker, stream. ARGV: record, marker ttl, maxlen. The entry, then its marker: a script that fails
+# part-way (nothing but the XADD can) leaves neither, so a message is never "recorded already" unrecorded.
+_RECORD = """
+if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end
+redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[3], '*', 'record', ARGV[1])
+redis.call('SET', KEYS[1], 1, 'EX', ARGV[2])
+return 1
+"""
+
+
+#: Bytes of JSON a record's arguments may take (64 KiB); bigger ones are kept as a cut repr, not replayable.
+ARGUMENTS_LIMIT = 64 * 1024
+#: Characters of a traceback kept.
+TRACEBACK_LIMIT = 20_000
+
+
+def storable(value: Any) -> Any:
+    """``value`` with what a database refuses in text written out instead: NUL as ``\\x00`` (PostgreSQL refuses
+    it in text and JSON), a lone surrogate as ``\\udXXX`` (not UTF-8). The record keeps what the message held,
+    escaped, instead of failing for ever."""
+    if isinstance(value, str):
+        if "\x00" in value:
+            value = value.replace("\x00", "\\x00")
+        try:
+            value.encode()
+        except UnicodeEncodeError:
+            value = value.encode("utf-8", "backslashreplace").decode()
+        return value
+    if isinstance(value, dict):
+        return {storable(k): storable(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [storable(item) for item in value]
+    return value
 
 
 def record_fields(task: Any, failure: FinalFailure) -> dict[str, Any]:
-    """The record of ``failure`` as stored: redacted, JSON-ready."""
+    """The record of ``failure`` as stored: redacted, JSON-ready, NUL escaped, arguments capped in size."""
     keys = resolve(task, "redact_keys", {})
     args, kwargs, as_repr = redact_arguments(task.run, failure.args, failure.kwargs, keys)
+    size = len(json.dumps([args, kwargs], default=str))
+    if size > ARGUMENTS_LIMIT:  # a huge argument is not kept whole in a retained record
+        args, kwargs, as_repr = [repr(args)[:2000]], {"repr": repr(kwargs)[:2000], "bytes": size}, True
+    fields: dict[str, Any] = storable(
+        {
+            "task_name": failure.task_name,
+            "task_id": failure.task_id,
+            "queue": failure.queue or "",
+            "routing_key": failure.queue or "",
+            "args": args,
+            "kwargs": kwargs,
+            "arguments_are_repr": as_repr,
+            "tenant": failure.tenant or "",
+            "correlation_id": failure.correlation_id or "",
+            "idempotency_key": failure.idempotency_key or "",
+            "header": redact(failure.header, keys),
+            "reason": failure.reason,
+            "exc_type": failure.exc_type,
+            "exc_message": failure.exc_message,
+            "traceback": failure.traceback[-TRACEBACK_LIMIT:],
+            "history": failure.history,
+            "attempts": failure.attempts,
+            "first_failed_at": failure.first_failed_at,
+            "last_failed_at": failure.last_failed_at,
+            "owner": failure.owner or "",
+        }
+    )
+    return fields
+
+
+def minimal(fields: dict[str, Any], error: BaseException) -> dict[str, Any]:
+    """What is left of a record a sink refused as data: who, what and why, without the message's contents
+    (arguments, header, history, traceback), and the refusal in the exception message."""
+    note = f"[record cut: the store refused it: {str(error)[:200]}] "
     return {
-        "task_name": failure.task_name,
-        "task_id": failure.task_id,
-        "queue": failure.queue or "",
-        "routing_key": failure.queue or "",
-        "args": args,
-        "kwargs": kwargs,
-        "arguments_are_repr": as_repr,
-        "tenant": failure.tenant or "",
-        "correlation_id": failure.correlation_id or "",
-        "idempotency_key": failure.idempotency_key or "",
-        "header": redact(failure.header, keys),
-        "reason": failure.reason,
-        "exc_type": failure.exc_type,
-        "exc_message": failure.exc_message,
-        "traceback": failure.traceback,
-        "history": failure.history,
-        "attempts": failure.attempts,
-        "first_failed_at": failure.first_failed_at,
-        "last_failed_at": failure.last_failed_at,
-        "owner": failure.owner or "",
+        **fields,
+        "args": [],
+        "kwargs": {},
+        "arguments_are_repr": True,
+        "header": {},
+        "history": [],
+        "traceback": "",
+        "exc_message": storable(note + str(fields.get("exc_message", ""))[:300]),
     }
 
 
@@ -66,17 +127,33 @@ class Sink(Protocol):
 
 class DjangoSink:
     def record(self, fields: dict[str, Any]) -> bool:
-        from django.db import DatabaseError
+        try:
+            return self._write(fields)
+        except StoreUnavailableError:
+            raise
+        except StoreError as refused:  # refused as data: keep what can be kept, never retry it for ever
+            logger.error("Dead letter of %s refused by the database (%s); recording it cut", fields["task_id"], refused)
+            return self._write(minimal(fields, refused))
+
+    @staticmethod
+    def _write(fields: dict[str, Any]) -> bool:
+        from django.db import DatabaseError, transaction
 
         from django_celery_guardrails.models import DeadLetter
+        from django_celery_guardrails.store import failure
 
         values = {**fields}
         for name in ("first_failed_at", "last_failed_at"):
             values[name] = datetime.fromisoformat(values[name])
+        for column in DeadLetter._meta.concrete_fields:  # a value longer than its column is cut, not refused
+            value = values.get(column.name)
+            if isinstance(value, str) and column.max_length and len(value) > column.max_length:
+                values[column.name] = value[: column.max_length]
         try:
-            _, created = DeadLetter.objects.get_or_create(task_id=values.pop("task_id"), defaults=values)
+            with transaction.atomic():  # a refused INSERT leaves the caller's transaction usable
+                _, created = DeadLetter.objects.get_or_create(task_id=values.pop("task_id"), defaults=values)
         except DatabaseError as exc:
-            raise StoreError(f"dead letter not recorded in the database: {exc}") from exc
+            raise failure("record a dead letter", exc) from exc
         return bool(created)
 
 
@@ -86,30 +163,32 @@ class RedisStreamSink:
 
         self.url = url
         self.client = redis.Redis.from_url(url)
+        self._record = self.client.register_script(_RECORD)
 
     def record(self, fields: dict[str, Any]) -> bool:
         import redis
 
-        try:
-            # One entry per task id: a marker set with NX decides whether this one is new.
-            if not self.client.set(f"{STREAM}:seen:{fields['task_id']}", 1, nx=True, ex=30 * 24 * 3600):
-                return False
-            self.client.xadd(STREAM, {"record": json.dumps(fields, default=str)})
+        marker = f"{STREAM}:seen:{fields['task_id']}"
+        try:  # one entry per task id
+            new = self._record(keys=[marker, STREAM], args=[json.dumps(fields, default=str), MARKER_TTL, STREAM_MAXLEN])
         except redis.RedisError as exc:
-            raise StoreError(f"dead letter not recorded in Redis at {self.url}: {exc}") from exc
-        return True
+            unavailable = isinstance(exc, redis.ConnectionError | redis.TimeoutError)
+            kind = StoreUnavailableError if unavailable else StoreError
+            raise kind(f"dead letter not recorded in Redis at {self.url}: {exc}") from exc
+        return bool(new)
 
 
 def sinks_for(app: Any) -> list[Sink]:
+    """The app's sinks, made once per app and setting (a Redis sink holds a client and its pool)."""
     names = app_value(app, "dead_letter_sinks")
     if names is None:
         names = ["django"] if django_apps_installed() else ["redis"]
-    sinks: list[Sink] = []
-    for name in names:
-        if name == "django":
-            sinks.append(DjangoSink())
-        else:
-            sinks.append(RedisStreamSink(store_url(app) if name == "redis" else name))
+    urls = tuple(store_url(app) if name == "redis" else name for name in names)
+    cached = getattr(app, "_guardrails_sinks", None)
+    if cached is not None and cached[0] == urls:
+        return cached[1]  # type: ignore[no-any-return]
+    sinks: list[Sink] = [DjangoSink() if url == "django" else RedisStreamSink(url) for url in urls]
+    app._guardrails_sinks = (urls, sinks)
     return sinks
 
 

@@ -16,6 +16,9 @@ is a flat mapping (an AMQP table on RabbitMQ, a JSON object on Redis)::
         "busy": 0,              # waits for another delivery holding its idempotency key (absent: 0)
         "gave_up": ["..."],     # claim owners of earlier deliveries that gave up without releasing (a store
                                 # outage): a claim one of them holds is taken over at once (at most 5)
+        "dl": {...},            # a final failure whose dead letter is still to be written (its sinks were
+                                # down): the message comes back only to record it (FinalFailure.to_dict())
+        "dl_tries": 2,          # ... and how many times writing it failed
         "hist": [{...}],        # the last HISTORY_LIMIT attempt records, oldest first (see below)
         "hist_n": 3,            # how many records were ever written (the list keeps the last 20)
         "sched": "nightly",     # scheduled work: the beat entry (schedule) this message runs a period of
@@ -35,7 +38,8 @@ Version history:
 * ``1`` (0.2): ``sched`` and ``period`` added (a release that does not know them runs the message as a
   plain one; the idempotency key ``idem`` of a scheduled message is its period key).
 * ``1`` (0.3): ``outage``, ``busy`` and ``gave_up`` added, and the record class ``store_unavailable`` (a
-  release that does not know them keeps them, and counts nothing for them).
+  release that does not know them keeps them, and counts nothing for them); ``dl`` and ``dl_tries``, written
+  since 0.1, are now part of the contract and checked.
 
 Compatibility rules:
 
@@ -77,6 +81,10 @@ BUSY = "busy"
 GAVE_UP = "gave_up"
 #: Owners kept in GAVE_UP at most (the newest).
 GAVE_UP_LIMIT = 5
+PENDING_DEAD_LETTER = "dl"
+PENDING_TRIES = "dl_tries"
+#: Fields a pending dead letter must have, as strings (the rest of a FinalFailure has defaults).
+PENDING_REQUIRED = ("task_name", "task_id", "reason", "exc_type", "exc_message")
 HISTORY = "hist"
 HISTORY_TOTAL = "hist_n"
 SCHEDULE = "sched"
@@ -86,7 +94,7 @@ PERIOD = "period"
 HISTORY_LIMIT = 20
 #: Characters of an exception message kept in an attempt record.
 MESSAGE_LIMIT = 500
-_COUNTERS = (ATTEMPT, LATER, DEFERRED, OUTAGES, BUSY, HISTORY_TOTAL)
+_COUNTERS = (ATTEMPT, LATER, DEFERRED, OUTAGES, BUSY, HISTORY_TOTAL, PENDING_TRIES)
 
 
 def from_message_headers(headers: Mapping[str, Any] | None) -> dict[str, Any]:
@@ -151,6 +159,11 @@ def sanitise(raw: Mapping[str, Any], *, task_id: str | None = None) -> dict[str,
         and all(isinstance(owner, str) and 0 < len(owner) <= 300 for owner in gave_up)
     ):
         _drop(clean, GAVE_UP, task_id)
+    pending = clean.get(PENDING_DEAD_LETTER)
+    if PENDING_DEAD_LETTER in clean and not (
+        isinstance(pending, Mapping) and all(isinstance(pending.get(name), str) for name in PENDING_REQUIRED)
+    ):
+        _drop(clean, PENDING_DEAD_LETTER, task_id)
     history = clean.get(HISTORY)
     if HISTORY in clean and not (isinstance(history, list) and all(isinstance(r, Mapping) for r in history)):
         _drop(clean, HISTORY, task_id)

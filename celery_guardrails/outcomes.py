@@ -12,6 +12,7 @@ import logging
 import random
 import time
 import traceback as traceback_module
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, fields
 from datetime import UTC, datetime
 from fnmatch import fnmatchcase
@@ -36,7 +37,7 @@ POISON = "poison"
 STORE_REFUSED = "store_refused"
 
 #: Header field of a final failure whose dead letter could not be recorded yet (the message came back).
-PENDING_DEAD_LETTER = "dl"
+PENDING_DEAD_LETTER = headers.PENDING_DEAD_LETTER
 
 
 def timestamp(seconds: float | None = None) -> str:
@@ -164,9 +165,28 @@ class FinalFailure:
         return {**asdict(self), "args": list(self.args)}
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> FinalFailure:
-        known = {f.name for f in fields(cls)}
-        return cls(**{k: v for k, v in data.items() if k in known})
+    def from_dict(cls, data: Mapping[str, Any]) -> FinalFailure:
+        """A failure read back from a message header: fields of the wrong type are taken as missing (the
+        header checked the ones it needs; the rest came from a release that may differ, or from tampering)."""
+        kinds: dict[str, tuple[type, Any]] = {
+            "tenant": (str, None),
+            "correlation_id": (str, None),
+            "attempts": (int, 1),
+            "history": (list, []),
+            "args": (list, ()),
+            "kwargs": (dict, {}),
+            "queue": (str, None),
+            "owner": (str, None),
+            "idempotency_key": (str, None),
+            "header": (dict, {}),
+        }
+        values: dict[str, Any] = {}
+        for spec in fields(cls):
+            value = data.get(spec.name)
+            kind, default = kinds.get(spec.name, (str, ""))
+            values[spec.name] = value if isinstance(value, kind) and not isinstance(value, bool) else default
+        values["history"] = [r for r in values["history"] if isinstance(r, dict)]
+        return cls(**values)
 
 
 def owner_of(task: Any) -> str | None:
@@ -232,14 +252,15 @@ def hand_over(task: Any, failure: FinalFailure, exc: BaseException | None = None
     """Record ``failure``'s dead letter; on success send the signals, else re-publish it pending."""
     from celery_guardrails import dead_letters
     from celery_guardrails.exceptions import StoreError
+    from celery_guardrails.options import resolve
 
     try:
         new = dead_letters.record(task, failure)
     except StoreError as error:
         request = task.request
         header = headers.from_request(request)
-        tries = int(header.get("dl_tries", 0)) + 1
-        delay = min(2.0**tries, 600.0)
+        tries = headers.counter(header, headers.PENDING_TRIES) + 1
+        delay = min(2.0 ** min(tries, 30), resolve(task, "backoff_max", task.call_options()))
         logger.error(
             "Task %s[%s]: dead letter not recorded (%s); the message comes back in %.0fs to try again",
             failure.task_name,
@@ -247,7 +268,7 @@ def hand_over(task: Any, failure: FinalFailure, exc: BaseException | None = None
             error,
             delay,
         )
-        header.update({PENDING_DEAD_LETTER: failure.to_dict(), "dl_tries": tries})
+        header.update({PENDING_DEAD_LETTER: failure.to_dict(), headers.PENDING_TRIES: tries})
         return republish(task, countdown=delay, header=header, exc=exc)
     signals.final_failure.send(sender=task, failure=failure)
     if new:

@@ -9,6 +9,7 @@ Lua float to an integer reply). Each hash expires when its dependency has been q
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -185,6 +186,10 @@ if action == 'release' then
 end
 if action == 'extend' then
   redis.call('HSET', key, 'lease_until', ARGV[3])
+  -- The key must outlive its lease: a claim made with a short retention (a run slot) would expire under a
+  -- run that is still beating.
+  local ttl = redis.call('TTL', key)
+  if ttl >= 0 and ttl < tonumber(ARGV[4]) then redis.call('EXPIRE', key, ARGV[4]) end
   return 1
 end
 -- complete / fail: ARGV[3] state, ARGV[4] field name, ARGV[5] value, ARGV[6] time, ARGV[7] retention
@@ -294,7 +299,7 @@ class RedisIdempotency:
         )
 
     def extend(self, key: str, *, owner: str, now: float, lease: float) -> bool:
-        return bool(self._run(self._if_owner, key, [owner, "extend", f"{now + lease:.6f}"]))
+        return bool(self._run(self._if_owner, key, [owner, "extend", f"{now + lease:.6f}", math.ceil(lease) + 1]))
 
     def complete(self, key: str, *, owner: str, now: float, summary: str, retention: float) -> bool:
         return bool(self._run(self._if_owner, key, _finish(owner, "completed", summary, now, retention)))

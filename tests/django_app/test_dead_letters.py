@@ -124,6 +124,65 @@ def test_a_secret_never_reaches_the_database(celery_worker: Any) -> None:
     }
 
 
+def test_a_nul_character_is_recorded_escaped_once_not_retried_for_ever(celery_worker: Any) -> None:
+    # Given a final failure whose arguments and message hold a NUL character (PostgreSQL refuses it in text)
+    result = django_tasks.fail_with.delay("permanent", note="before\x00after", nested={"list": ["x\x00"]})
+    # When its dead letter is written
+    run_to_failure(result)
+    # Then it is recorded, once, with the NUL written out
+    (record,) = DeadLetter.objects.filter(task_id=result.id)
+    assert record.kwargs == {"note": "before\\x00after", "nested": {"list": ["x\\x00"]}}
+    assert (record.reason, record.status) == ("permanent", "open")
+
+
+def test_a_huge_argument_is_not_kept_whole(celery_worker: Any) -> None:
+    # Given a final failure whose arguments are 200 KB
+    result = django_tasks.fail_with.delay("permanent", blob="x" * 200_000)
+    run_to_failure(result)
+    # Then the record keeps a cut repr of them, flagged (not replayable), not 200 KB of them
+    record = DeadLetter.objects.get(task_id=result.id)
+    assert record.arguments_are_repr is True
+    assert len(json.dumps([record.args, record.kwargs])) < 10_000
+    assert record.kwargs["bytes"] > 200_000
+
+
+def test_what_the_database_refuses_in_text_is_written_out_or_cut() -> None:
+    from celery_guardrails.dead_letters import DjangoSink, storable
+
+    # Given a record with a NUL, a lone surrogate (not UTF-8) and a routing key longer than its column
+    task_id = uuid.uuid4().hex
+    fields = storable(
+        {
+            "task_name": "tests.odd",
+            "task_id": task_id,
+            "queue": "q" * 300,
+            "routing_key": "q" * 300,
+            "args": ["a\x00b", "c\udcffd"],
+            "kwargs": {},
+            "arguments_are_repr": False,
+            "tenant": "",
+            "correlation_id": "",
+            "idempotency_key": "",
+            "header": {},
+            "reason": "permanent",
+            "exc_type": "builtins.ValueError",
+            "exc_message": "bad \x00 byte",
+            "traceback": "",
+            "history": [],
+            "attempts": 1,
+            "first_failed_at": "2026-11-30T08:00:00.000+00:00",
+            "last_failed_at": "2026-11-30T08:00:01.000+00:00",
+            "owner": "",
+        }
+    )
+    # When the Django sink records it, twice
+    assert (DjangoSink().record(fields), DjangoSink().record(fields)) == (True, False)
+    # Then it is one record, the text written out, the long value cut to its column
+    record = DeadLetter.objects.get(task_id=task_id)
+    assert record.args == ["a\\x00b", "c\\udcffd"] and record.exc_message == "bad \\x00 byte"
+    assert (len(record.queue), len(record.routing_key)) == (200, 200)
+
+
 def test_missing_tenant_is_dead_lettered(celery_worker: Any, celery_app: Any) -> None:
     result = celery_app.send_task("tests.proj.django_tasks.needs_tenant")
     run_to_failure(result)

@@ -14,6 +14,7 @@ from django.core.management import call_command
 from django_celery_beat.models import CrontabSchedule, IntervalSchedule, PeriodicTask
 
 from celery_guardrails.ledger import MISSED, OK
+from tests.celery_guardrails.guardrails.test_scheduled_runs import Gated, overlap_skip_outlives_the_lease
 from tests.conftest import Sink
 from tests.support.scheduling import Rig, a_whole_minute
 from tests.support.services import require
@@ -118,3 +119,10 @@ def _watch(app: Any, name: str, current: float) -> None:
     assert sorted(missed) == [last + 60 * k for k in range(1, 60)]
     assert out.getvalue().count("missed: ") == 59
     assert "Recorded 59 missed and 0 overdue run(s)." in out.getvalue()
+
+
+def test_overlap_skip_holds_the_slot_for_a_run_longer_than_its_lease(
+    tmp_path: Path, rigs: list[Rig], sink: Sink
+) -> None:
+    job = Gated(tmp_path, rigs, sink, overlap="skip", django=True, idempotency_lease=1.5)
+    overlap_skip_outlives_the_lease(job, 1.5)

@@ -9,9 +9,11 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+from celery_guardrails.guardrails.scheduled_runs import slot_key
 from celery_guardrails.ledger import DISPATCHED, OK, RUNNING, SKIPPED_OVERLAP, period_key
 from tests.conftest import Sink
 from tests.support.scheduling import Rig
+from tests.support.workers import proj_env
 
 TASK = "tests.proj.tasks.scheduled_job"
 PERIOD = 10.0  # seconds of the rig's clock, which moves only when the test moves it
@@ -34,15 +36,25 @@ class Gated:
 
     The workers' watchdog is off: these tests are not about missed periods (test_watchdog.py, test_beat.py)."""
 
-    def __init__(self, tmp_path: Path, rigs: list[Rig], sink: Sink, *, overlap: str, **settings: Any) -> None:
+    def __init__(
+        self, tmp_path: Path, rigs: list[Rig], sink: Sink, *, overlap: str, django: bool = False, **settings: Any
+    ) -> None:
         self.name = f"{overlap}-{uuid.uuid4().hex[:6]}"
         self.gate = f"{sink.key}:gate"
+        store = None
+        if django:  # the Django store, on the test database (the caller is a django_db test)
+            from django_celery_guardrails.store import DjangoStore
+
+            store, settings = DjangoStore(), {**settings, "store": "django"}
         self.rig = Rig(
             tmp_path,
             entries={self.name: {"task": TASK, "schedule": PERIOD, "kwargs": {"sink": sink.key, "gate": self.gate}}},
             policies={self.name: {"overlap": overlap, "grace": 60}},
             settings={"watchdog": False, **settings},
+            store=store,
         )
+        if django:
+            self.rig.env.update(proj_env(queue=self.rig.queue, django=True))
         rigs.append(self.rig)
         self.worker = self.rig.worker(concurrency=4)
         self.beat = self.rig.beat()
@@ -64,6 +76,36 @@ class Gated:
 
     def open_gate(self, runs: int = 1) -> None:
         self.sink.client.rpush(self.gate, *["go"] * runs)
+
+    def slot_lease(self) -> float | None:
+        """Until when the schedule's run slot is held (None: not held)."""
+        held = self.rig.store.inspect(slot_key(self.name))
+        if not held or held.get("state") != "claimed":
+            return None
+        until = held["lease_until"]
+        return until.timestamp() if hasattr(until, "timestamp") else float(until)
+
+
+def overlap_skip_outlives_the_lease(job: Gated, lease: float) -> None:
+    """A run held for over three leases keeps the slot: the next period is skipped, never run alongside."""
+    # Given a run under way, its slot renewed by the heartbeat for over three of its leases
+    one = job.next_period()
+    job.wait_status(one, RUNNING)
+    first = job.rig.wait("the slot held", job.slot_lease)
+    job.rig.wait("three leases of heartbeats", lambda: (job.slot_lease() or 0) >= first + 3 * lease)
+    # When the next period comes
+    two = job.next_period()
+    # Then it is skipped: the slot was still held
+    job.wait_status(two, SKIPPED_OVERLAP)
+    job.open_gate()
+    job.wait_status(one, OK)
+    assert overlapping(job.sink.items()) == []
+
+
+def test_overlap_skip_holds_the_slot_for_a_run_longer_than_its_lease(
+    tmp_path: Path, rigs: list[Rig], sink: Sink
+) -> None:
+    overlap_skip_outlives_the_lease(Gated(tmp_path, rigs, sink, overlap="skip", idempotency_lease=1.5), 1.5)
 
 
 def test_overlap_skip_never_runs_two_at_once(tmp_path: Path, rigs: list[Rig], sink: Sink) -> None:
