@@ -272,8 +272,14 @@ def dispatch(app: Any, entry: Entry, period: float, *, current: float, catch_up:
         else:
             app.send_task(entry.task, entry.args, entry.kwargs, task_id=task_id, headers=message_headers, **options)
     except Exception:
-        # The record stays "dispatched" without a run: the watchdog reports it missed after grace.
-        logger.exception("Publishing %r period %s failed", entry.name, moment(period))
+        # Nothing was sent: forget the dispatch, so the period is due again (the next tick dispatches it, or
+        # its catch-up policy decides once it is late). Kept "dispatched", no catch-up could ever take it.
+        logger.exception("Publishing %r period %s failed; it is due again", entry.name, moment(period))
+        try:
+            get_store(app).run_undispatch(entry.name, period, task_id=task_id)
+        except Exception:  # the watchdog reports it missed after grace
+            logger.exception("The dispatch of %r period %s could not be forgotten", entry.name, moment(period))
+        raise
     return task_id
 
 
@@ -358,11 +364,18 @@ class GuardedSchedulerMixin:
                 if store.run_record(entry.name, period, status=MISSED, now=current, reason=reason):
                     report(self.app, entry, period, kind="missed", reason=reason)
             for period in to_dispatch:
-                task_id = dispatch(
-                    self.app, entry, period, current=current, catch_up=current - period > entry.policy.grace
-                )
+                try:
+                    task_id = dispatch(
+                        self.app, entry, period, current=current, catch_up=current - period > entry.policy.grace
+                    )
+                except Exception:  # not published: the next tick looks at this period again
+                    self._guardrails_horizons[entry.name] = period - 1
+                    raise
                 if task_id is not None:
-                    self.dispatched(entry, period, task_id)
+                    try:
+                        self.dispatched(entry, period, task_id)
+                    except Exception:  # the scheduler's own bookkeeping; the period is dispatched
+                        logger.exception("Guarded beat entry %r: bookkeeping of %s failed", entry.name, task_id)
             seen = periods[-1]
         self._guardrails_horizons[entry.name] = seen
         return entry.next_due(max(seen, current)) - current

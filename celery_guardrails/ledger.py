@@ -8,7 +8,8 @@ hash per schedule, changed by Lua scripts (see :mod:`celery_guardrails.stores.re
 
 Statuses and who sets them::
 
-    dispatched       beat published the period's message (run_dispatch)
+    dispatched       beat published the period's message (run_dispatch; forgotten again by run_undispatch
+                     when the publish failed, so the period is due again)
     running          a worker started it (run_start)
     ok / failed      it finished (run_finish)
     skipped_overlap  its predecessor was still running and overlap="skip" (run_finish)
@@ -82,6 +83,11 @@ class RunLedger(Protocol):
     def run_dispatch(self, schedule: str, period: float, *, task_id: str, now: float) -> bool:
         """Record the period as dispatched with ``task_id``; False when it is recorded already (another
         beat, an earlier dispatch). A ``missed`` record without a task id is taken (a catch-up)."""
+        ...
+
+    def run_undispatch(self, schedule: str, period: float, *, task_id: str) -> bool:
+        """Forget a dispatch whose message could not be published (the record of ``task_id``, still
+        ``dispatched``), so that the period is due again; whether it did."""
         ...
 
     def run_record(self, schedule: str, period: float, *, status: str, now: float, reason: str) -> bool:

@@ -13,6 +13,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from celery import current_app
+from django.db import DatabaseError, close_old_connections
 from django.db.models import F
 from django.utils import timezone
 from django_celery_beat.models import PeriodicTask
@@ -61,12 +62,20 @@ class GuardedDatabaseScheduler(GuardedSchedulerMixin, DatabaseScheduler):  # typ
             last_run_at=timezone.now(), total_run_count=F("total_run_count") + 1
         )
 
+    def tick_guarded(self) -> float:
+        # A connection an outage broke is dropped before the tick uses it (django-celery-beat does the same
+        # before it reads its rows); beat does not run inside a request, where Django would do it.
+        close_old_connections()
+        return super().tick_guarded()
+
     def current_entries(self) -> dict[str, Entry]:
         # Rows can be added, changed or renamed while beat runs: read them again on every tick.
         try:
             self._guardrails_entries = self.guarded_entries()
         except ConfigurationError:  # a policy's row renamed or broken meanwhile: keep the last good entries
             logger.exception("celery-guardrails: guarded beat entries not reloaded")
+        except DatabaseError:  # a database blip: keep the last entries, try again next tick
+            logger.exception("celery-guardrails: guarded beat entries not reloaded (database error)")
         return self._guardrails_entries
 
     def guarded_entries(self) -> dict[str, Entry]:

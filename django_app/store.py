@@ -314,6 +314,10 @@ class DjangoStore:
 
         return self._ledger(f"dispatch {schedule!r} @ {period}", dispatch)
 
+    def run_undispatch(self, schedule: str, period: float, *, task_id: str) -> bool:
+        records = self._record(schedule, period).filter(status=DISPATCHED, task_id=task_id)
+        return self._ledger(f"forget the dispatch of {schedule!r} @ {period}", lambda: bool(records.delete()[0]))
+
     def run_record(self, schedule: str, period: float, *, status: str, now: float, reason: str) -> bool:
         values = {"status": status, "reason": reason[:REASON_MAX_LENGTH], "finished_at": _moment(now)}
         if status == MISSED:

@@ -21,7 +21,7 @@ INDEX_PREFIX = "guardrails:runs-index:"
 
 # KEYS: hash, index. ARGV: op, schedule, period field, now, retention, then per op:
 #   dispatch: task_id           record: status, reason          transition: to, reason, from...
-#   start: task_id              finish: status, reason
+#   start: task_id              finish: status, reason          undispatch: task_id
 LEDGER_SCRIPT = """
 local runs, index = KEYS[1], KEYS[2]
 local op, schedule, field, now, retention = ARGV[1], ARGV[2], ARGV[3], ARGV[4], tonumber(ARGV[5])
@@ -49,6 +49,11 @@ if op == 'dispatch' then
   end
   r.status, r.task_id, r.dispatched_at, r.finished_at = 'dispatched', ARGV[6], now, nil
   save(r)
+  return 1
+elseif op == 'undispatch' then
+  if not r or r.status ~= 'dispatched' or r.task_id ~= ARGV[6] then return 0 end
+  redis.call('HDEL', runs, field)
+  redis.call('ZREM', index, field)
   return 1
 elseif op == 'record' then
   if r then return 0 end
@@ -131,6 +136,9 @@ class RedisRunLedger:
 
     def run_dispatch(self, schedule: str, period: float, *, task_id: str, now: float) -> bool:
         return self._change("dispatch", schedule, period, now, task_id)
+
+    def run_undispatch(self, schedule: str, period: float, *, task_id: str) -> bool:
+        return self._change("undispatch", schedule, period, 0.0, task_id)
 
     def run_record(self, schedule: str, period: float, *, status: str, now: float, reason: str) -> bool:
         return self._change("record", schedule, period, now, status, reason[:REASON_MAX_LENGTH])

@@ -16,7 +16,9 @@ from celery_guardrails.beat import Entry, plan
 from celery_guardrails.ledger import MISSED, OK, Run
 from celery_guardrails.options import SchedulePolicy
 from tests.conftest import Sink
+from tests.support.proxy import TcpProxy
 from tests.support.scheduling import Rig, a_whole_minute
+from tests.support.services import REDIS_URL
 
 MINUTE = 60.0
 GRACE = 20.0  # seconds of the rig's clock, which moves only when the test moves it
@@ -168,6 +170,33 @@ def test_two_beats_at_once_run_each_period_once(tmp_path: Path, rigs: list[Rig],
     assert periods_ran(sink, name) == due
     dispatches = one.log.count(f"Dispatching '{name}'") + two.log.count(f"Dispatching '{name}'")
     assert dispatches == len(rig.runs(name)) == len(due)
+
+
+def test_a_period_whose_publish_failed_is_due_again_and_runs_once(tmp_path: Path, rigs: list[Rig], sink: Sink) -> None:
+    name = f"every-minute-{uuid.uuid4().hex[:6]}"
+    start = a_whole_minute() + 30
+    rig = Rig(tmp_path, entries={name: entry(sink)}, policies={name: {"grace": GRACE}}, start=start)
+    rigs.append(rig)
+    # Given a worker, and a guarded beat that reaches the broker through a proxy the test cuts
+    proxy = TcpProxy(6379)
+    try:
+        rig.worker()
+        rig.env["GUARDRAILS_TEST_BROKER_URL"] = REDIS_URL.replace("127.0.0.1:6379", f"127.0.0.1:{proxy.port}")
+        beat = rig.beat()
+        rig.looking(beat, name)
+        # When the period is due while the broker is out of beat's reach: the publish fails
+        proxy.cut()
+        period = start + 30
+        rig.set_clock(period + 1)
+        rig.wait("the publish failed", lambda: f"Publishing '{name}' period" in beat.log)
+        # When the broker is back (the failed dispatch was forgotten: kept "dispatched", nothing could run it)
+        proxy.restore()
+        # Then the period is dispatched again and runs, once
+        rig.wait(f"{period} ran", lambda: _status(rig, name, period) == OK)
+    finally:
+        proxy.close()
+    assert periods_ran(sink, name) == [period]
+    assert beat.process is not None and beat.process.poll() is None
 
 
 @pytest.mark.parametrize(

@@ -11,11 +11,14 @@ from typing import Any
 
 import pytest
 from django.core.management import call_command
+from django.db import connection
 from django_celery_beat.models import CrontabSchedule, IntervalSchedule, PeriodicTask
 
 from celery_guardrails.ledger import MISSED, OK
+from django_celery_guardrails.store import DjangoStore
 from tests.celery_guardrails.guardrails.test_scheduled_runs import Gated, overlap_skip_outlives_the_lease
 from tests.conftest import Sink
+from tests.support.proxy import TcpProxy
 from tests.support.scheduling import Rig, a_whole_minute
 from tests.support.services import require
 from tests.support.workers import proj_env
@@ -126,3 +129,49 @@ def test_overlap_skip_holds_the_slot_for_a_run_longer_than_its_lease(
 ) -> None:
     job = Gated(tmp_path, rigs, sink, overlap="skip", django=True, idempotency_lease=1.5)
     overlap_skip_outlives_the_lease(job, 1.5)
+
+
+def test_beat_keeps_running_through_a_database_outage_and_catches_up(
+    tmp_path: Path, rigs: list[Rig], sink: Sink
+) -> None:
+    if connection.vendor != "postgresql":
+        pytest.skip("needs a database server to take away (runs in the PostgreSQL pass)")
+    require("redis")
+    name = f"db every minute {uuid.uuid4().hex[:6]}"
+    every = IntervalSchedule.objects.create(every=60, period=IntervalSchedule.SECONDS)
+    periodic_task(name, sink, interval=every)
+    start = a_whole_minute() + 30
+    rig = Rig(
+        tmp_path,
+        entries={},
+        policies={name: {"grace": 20, "catch_up": "latest"}},
+        start=start,
+        settings={"store": "django"},
+        store=DjangoStore(),
+    )
+    rig.env.update(proj_env(queue=rig.queue, django=True))
+    rigs.append(rig)
+    proxy = TcpProxy(5432)
+    try:
+        # Given a guarded database scheduler whose database connection goes through a proxy, and a worker
+        rig.worker()
+        rig.env["GUARDRAILS_TEST_DB_PORT"] = str(proxy.port)
+        beat = rig.beat(scheduler=SCHEDULER)
+        rig.looking(beat, name)
+        first = start + 30
+        rig.set_clock(first + 1)
+        rig.wait(f"{first} ran", lambda: (run := rig.run_of(name, first)) and run.status == OK)
+        # When the database goes away from beat while the next period comes and goes past its grace
+        proxy.cut()
+        late = first + 60
+        rig.set_clock(late + 25)
+        rig.wait("beat's ticks failing", lambda: beat.log.count("database") >= 2 or "tick failed" in beat.log)
+        proxy.restore()
+        # Then beat is still running, and once the database is back the late period runs (catch_up="latest"),
+        # once
+        rig.wait(f"{late} ran", lambda: (run := rig.run_of(name, late)) and run.status == OK)
+        assert beat.process is not None and beat.process.poll() is None
+    finally:
+        rig.stop()
+        proxy.close()
+    assert [item["period"] for item in sink.items()] == [first, late]

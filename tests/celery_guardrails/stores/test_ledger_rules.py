@@ -112,6 +112,23 @@ def test_a_missed_period_whose_message_was_sent_is_not_dispatched_again(store: A
     ]
 
 
+def test_a_dispatch_whose_message_was_not_published_is_forgotten(store: Any, schedule: str) -> None:
+    # Given a period dispatched as t1 (its publish failed), and another period that started
+    store.run_dispatch(schedule, T0, task_id="t1", now=T0 + 1)
+    store.run_dispatch(schedule, T0 + MINUTE, task_id="t2", now=T0 + MINUTE)
+    store.run_start(schedule, T0 + MINUTE, task_id="t2", now=T0 + MINUTE + 1)
+    # When beat forgets them: another id, the right one, the started one
+    forgotten = [
+        store.run_undispatch(schedule, T0, task_id="other"),
+        store.run_undispatch(schedule, T0, task_id="t1"),
+        store.run_undispatch(schedule, T0 + MINUTE, task_id="t2"),
+    ]
+    # Then only the dispatched record of that id is gone: the period is due again, and may be dispatched
+    assert forgotten == [False, True, False]
+    assert [r.period for r in store.run_list(schedule)] == [T0 + MINUTE]
+    assert store.run_dispatch(schedule, T0, task_id="t3", now=T0 + 5) is True
+
+
 def test_record_inserts_only_when_the_period_has_no_record(store: Any, schedule: str) -> None:
     # Given a period with no record, and one already dispatched
     store.run_dispatch(schedule, T0 + MINUTE, task_id="t1", now=T0 + MINUTE)
