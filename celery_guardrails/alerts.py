@@ -9,14 +9,27 @@ Throttling, shared by every worker through the store: per (owner, task, reason),
 ``alert_throttle`` window alerts at once; the others in that window are counted, and one summary with the
 count is sent when the window is over (by the next dead letter, by the worker's guardrails timer, or by
 :func:`flush_alert_summaries`). A flood of ten thousand failures sends one alert and one summary.
+
+Off the ack path: the ``log`` channel writes at once; mail and webhooks are handed to one sender thread per
+process (:class:`Sender`), so a slow SMTP server or webhook never holds a message's ack. Each delivery is
+tried three times (1 s, then 2 s apart); at most :data:`MAX_PENDING` wait (more are logged and dropped);
+what is still waiting when the worker or beat stops gets :data:`DRAIN_SECONDS` to go out.
 """
 
 from __future__ import annotations
 
+import atexit
 import json
 import logging
+import os
+import queue
+import threading
+import time
 import urllib.request
+from collections.abc import Callable
 from typing import Any
+
+from celery.signals import worker_process_shutdown, worker_shutdown
 
 from celery_guardrails import clock, signals
 from celery_guardrails.options import app_value
@@ -93,16 +106,82 @@ def send(
     if summary is not None:
         payload["summary"] = summary
     for channel in app_value(app, "alert_channels"):
+        if channel == "log":
+            logger.error("ALERT for %s: %s %s", owner or "nobody", subject, json.dumps(payload, default=str))
+        elif channel == "mail":
+            SENDER.submit(f"mail of {subject!r}", _mail, app, owner, subject, payload)
+        elif channel == "webhook":
+            for url in app_value(app, "alert_webhooks"):
+                SENDER.submit(f"webhook {url} of {subject!r}", _post, url, payload, app_value(app, "alert_timeout"))
+
+
+#: Deliveries waiting at most, per process; more are logged and dropped.
+MAX_PENDING = 1000
+#: Seconds what is still waiting gets when the process stops.
+DRAIN_SECONDS = 10.0
+#: Pauses between the tries of one delivery (seconds): three tries in all.
+RETRY_PAUSES = (1.0, 2.0)
+
+
+class Sender:
+    """One daemon thread per process that delivers alerts (mail, webhooks) off the task's path."""
+
+    def __init__(self) -> None:
+        self.pending: queue.Queue[tuple[str, Callable[..., Any], tuple[Any, ...]] | None] = queue.Queue(MAX_PENDING)
+        self.pid = 0
+        self.lock = threading.Lock()
+        self.thread: threading.Thread | None = None
+
+    def submit(self, what: str, deliver: Callable[..., Any], *args: Any) -> None:
+        with self.lock:
+            if self.pid != os.getpid():  # first use, or a forked pool child: the parent's thread is not here
+                self.pid = os.getpid()
+                self.pending = queue.Queue(MAX_PENDING)
+                self.thread = threading.Thread(target=self._run, name="guardrails-alerts", daemon=True)
+                self.thread.start()
         try:
-            if channel == "log":
-                logger.error("ALERT for %s: %s %s", owner or "nobody", subject, json.dumps(payload, default=str))
-            elif channel == "mail":
-                _mail(app, owner, subject, payload)
-            elif channel == "webhook":
-                for url in app_value(app, "alert_webhooks"):
-                    _post(url, payload, timeout=app_value(app, "alert_timeout"))
-        except Exception:
-            logger.exception("Alert channel %s failed for %s", channel, subject)
+            self.pending.put_nowait((what, deliver, args))
+        except queue.Full:
+            logger.error("Alert %s dropped: %d alerts are already waiting to be sent", what, MAX_PENDING)
+
+    def _run(self) -> None:
+        while True:
+            item = self.pending.get()
+            try:
+                if item is None:
+                    return
+                what, deliver, args = item
+                for pause in (*RETRY_PAUSES, None):
+                    try:
+                        deliver(*args)
+                        break
+                    except Exception:
+                        if pause is None:
+                            logger.exception("Alert %s could not be sent (3 tries)", what)
+                        else:
+                            logger.warning("Alert %s not sent; trying again in %gs", what, pause, exc_info=True)
+                            time.sleep(pause)
+            finally:
+                self.pending.task_done()
+
+    def drain(self, timeout: float = DRAIN_SECONDS) -> bool:
+        """Wait for what is queued to go out (at most ``timeout`` seconds); whether it all did."""
+        if self.thread is None or self.pid != os.getpid() or not self.thread.is_alive():
+            return True
+        deadline = time.monotonic() + timeout
+        while self.pending.unfinished_tasks and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if self.pending.unfinished_tasks:
+            logger.error("%d alert(s) not sent before the process stopped", self.pending.unfinished_tasks)
+            return False
+        return True
+
+
+SENDER = Sender()
+
+
+def _drain(**_: Any) -> None:
+    SENDER.drain()
 
 
 def _mail(app: Any, owner: str | None, subject: str, payload: dict[str, Any]) -> None:
@@ -134,7 +213,7 @@ def _django_configured() -> bool:
     return bool(settings.configured)
 
 
-def _post(url: str, payload: dict[str, Any], *, timeout: float) -> None:
+def _post(url: str, payload: dict[str, Any], timeout: float) -> None:
     request = urllib.request.Request(
         url, data=json.dumps(payload, default=str).encode(), method="POST", headers={"Content-Type": "application/json"}
     )
@@ -143,3 +222,7 @@ def _post(url: str, payload: dict[str, Any], *, timeout: float) -> None:
 
 
 signals.dead_lettered.connect(_on_dead_lettered, weak=False, dispatch_uid="celery_guardrails.alerts")
+# A stopping worker (each prefork child, and the main process) and beat let queued alerts go out first.
+worker_process_shutdown.connect(_drain, weak=False, dispatch_uid="celery_guardrails.alerts.child")
+worker_shutdown.connect(_drain, weak=False, dispatch_uid="celery_guardrails.alerts.worker")
+atexit.register(SENDER.drain)

@@ -35,7 +35,8 @@ class Backoff:
         if self.strategy == "decorrelated_jitter":
             last = self.base if previous is None else previous
             return float(min(self.maximum, self.base + self.random() * max(0.0, 3 * last - self.base)))
-        return float(self.random() * min(self.maximum, self.base * 2 ** (failures - 1)))
+        # The exponent is capped: 2.0 ** 1100 overflows, and the maximum is reached long before anyway.
+        return float(self.random() * min(self.maximum, self.base * 2.0 ** min(failures - 1, 64)))
 
 
 def backoff_for(task: Any, call: Mapping[str, Any]) -> Backoff:

@@ -37,13 +37,14 @@ from zoneinfo import ZoneInfo
 
 from celery.beat import PersistentScheduler
 from celery.schedules import crontab
+from kombu.exceptions import OperationalError
 
 from celery_guardrails import headers, signals
 
 # accelerated_clock stays importable from here: settings name it as celery_guardrails.beat.accelerated_clock.
 from celery_guardrails.clock import accelerated_clock, now
 from celery_guardrails.exceptions import ConfigurationError
-from celery_guardrails.ledger import MISSED, period_key
+from celery_guardrails.ledger import DISPATCHED, MISSED, period_key
 from celery_guardrails.options import SchedulePolicy, app_value
 from celery_guardrails.schedules import Every, parse_crontab, periods_between, timetable
 from celery_guardrails.stores import django_apps_installed, get_store
@@ -271,16 +272,30 @@ def dispatch(app: Any, entry: Entry, period: float, *, current: float, catch_up:
             task.apply_async(entry.args, entry.kwargs, task_id=task_id, headers=message_headers, **options)
         else:
             app.send_task(entry.task, entry.args, entry.kwargs, task_id=task_id, headers=message_headers, **options)
-    except Exception:
-        # Nothing was sent: forget the dispatch, so the period is due again (the next tick dispatches it, or
-        # its catch-up policy decides once it is late). Kept "dispatched", no catch-up could ever take it.
+    except (OperationalError, OSError) as exc:
+        # The broker could not be reached: nothing was sent. Forget the dispatch, so the period is due again
+        # (the next tick dispatches it, or its catch-up policy decides once it is late); kept "dispatched",
+        # no catch-up could ever take it.
         logger.exception("Publishing %r period %s failed; it is due again", entry.name, moment(period))
         try:
             get_store(app).run_undispatch(entry.name, period, task_id=task_id)
         except Exception:  # the watchdog reports it missed after grace
             logger.exception("The dispatch of %r period %s could not be forgotten", entry.name, moment(period))
-        raise
+        raise PublishFailed(str(exc)) from exc
+    except Exception as exc:
+        # The entry itself is wrong (its arguments do not fit the task, say): trying again each tick would
+        # fail the same way. The period is recorded missed, saying why, and its owner is alerted.
+        reason = f"could not be published: {type(exc).__name__}: {exc}"
+        logger.exception("Publishing %r period %s failed", entry.name, moment(period))
+        if get_store(app).run_transition(
+            entry.name, period, from_=(DISPATCHED,), to=MISSED, now=current, reason=reason
+        ):
+            report(app, entry, period, kind="missed", reason=reason, task_id=task_id)
     return task_id
+
+
+class PublishFailed(Exception):
+    """A period's message could not be published (the broker is out of reach); the period is due again."""
 
 
 class GuardedSchedulerMixin:
@@ -368,7 +383,7 @@ class GuardedSchedulerMixin:
                     task_id = dispatch(
                         self.app, entry, period, current=current, catch_up=current - period > entry.policy.grace
                     )
-                except Exception:  # not published: the next tick looks at this period again
+                except PublishFailed:  # not published: the next tick looks at this period again
                     self._guardrails_horizons[entry.name] = period - 1
                     raise
                 if task_id is not None:

@@ -40,6 +40,7 @@ class GuardrailsBootstep(bootsteps.Step):  # type: ignore[misc]
         guarded = [task for task in app.tasks.values() if isinstance(task, GuardedTask)]
         for task in guarded:
             options.validate_task(task)
+        options.import_paths(app, guarded)
         # A policy for an entry that does not exist, or a schedule that cannot be read, stops the worker too.
         from celery_guardrails.beat import check_tasks, configured_entries
 
@@ -67,6 +68,18 @@ def warn_about(app: Any, guarded: list[Any]) -> None:
             "celery-guardrails: %s retry_unsafe: retried on ambiguous failures (a read timeout, a 5xx) although "
             "not idempotent; the dependency may act twice on one message",
             ", ".join(unsafe),
+        )
+    hard = sorted(
+        task.name
+        for task in guarded
+        if (task.time_limit or app.conf.task_time_limit) and not (task.soft_time_limit or app.conf.task_soft_time_limit)
+    )
+    if hard:
+        logger.warning(
+            "celery-guardrails: %s set a hard time_limit without soft_time_limit: the pool kills the process "
+            "without a word to the task (it is dead-lettered as time_limit); set soft_time_limit below it so "
+            "the task can stop cleanly",
+            ", ".join(hard),
         )
     early = sorted(task.name for task in guarded if not task.acks_late or not task.reject_on_worker_lost)
     if early:

@@ -690,6 +690,21 @@ def validate_task(task: Any) -> None:
             raise ConfigurationError(name, f"on task {task.name!r}: {exc}") from None
 
 
+def import_paths(app: Any, tasks: list[Any]) -> None:
+    """Import every option given as a dotted path (the app's and each task's), as a worker starts: a typo
+    stops the worker naming the key, instead of surfacing the first time a retry needs it."""
+    for name, option in OPTIONS.items():
+        if option.check is not _callable_or_path:
+            continue
+        values = [app_settings(app).get(name), *(task_attribute(task, name) for task in tasks)]
+        for value in values:
+            if isinstance(value, str):
+                try:
+                    load(value)
+                except ConfigurationError as exc:
+                    raise ConfigurationError(name, exc.problem) from None
+
+
 def check_call_options(call: Mapping[str, Any]) -> dict[str, Any]:
     """Validate per-call options given to ``apply_async``."""
     return validate(call, scope=CALL)

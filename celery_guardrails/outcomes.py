@@ -63,11 +63,25 @@ def attempt_record(
         "end": timestamp(),
         "host": request.hostname,
         "exc": f"{type(exc).__module__}.{type(exc).__qualname__}" if exc is not None else None,
-        "msg": str(exc)[: headers.MESSAGE_LIMIT] if exc is not None else None,
+        "msg": _redacted(task, str(exc))[: headers.MESSAGE_LIMIT] if exc is not None else None,
         "class": kind,
         "rule": rule,
         "delay": None if delay is None else round(delay, 3),
     }
+
+
+def _redacted(task: Any, text: str) -> str:
+    """Text about a failure (a message, a traceback) as it may be kept: with the task's ``redact_keys``."""
+    from celery_guardrails.options import resolve
+    from celery_guardrails.redaction import redact_text
+
+    try:
+        keys = resolve(task, "redact_keys", task.call_options() if hasattr(task, "call_options") else {})
+    except Exception:  # never lose a failure over its redaction settings: the defaults then
+        from celery_guardrails.redaction import DEFAULT_REDACT_KEYS
+
+        keys = DEFAULT_REDACT_KEYS
+    return redact_text(text, keys)
 
 
 def republish(
@@ -219,7 +233,7 @@ def fail_finally(
         task_id=request.id,
         reason=reason,
         exc_type=f"{type(exc).__module__}.{type(exc).__qualname__}",
-        exc_message=str(exc)[: headers.MESSAGE_LIMIT],
+        exc_message=_redacted(task, str(exc))[: headers.MESSAGE_LIMIT],
         tenant=current_tenant(),
         correlation_id=current_correlation_id(),
         attempts=getattr(request, "attempt", 1),
@@ -230,7 +244,7 @@ def fail_finally(
         owner=owner_of(task),
         idempotency_key=getattr(request, "idempotency_key", None),
         header={k: v for k, v in header.items() if k not in (headers.HISTORY, PENDING_DEAD_LETTER)},
-        traceback="".join(traceback_module.format_exception(exc))[-20000:],
+        traceback=_redacted(task, "".join(traceback_module.format_exception(exc))[-20000:]),
         first_failed_at=history[0]["start"] if history and history[0].get("start") else timestamp(),
         last_failed_at=timestamp(),
     )

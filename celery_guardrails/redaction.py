@@ -4,6 +4,11 @@ Before a dead letter is stored, every value under a key whose name matches one o
 (case-insensitive, anywhere in the name: ``password``, ``db_password``, ``X-Auth-Token``) is replaced by
 ``REDACTED``, in nested mappings and lists too. Positional arguments are matched by their parameter name in
 the task's signature. Values that cannot be stored as JSON are kept as their ``repr`` with a flag.
+
+Free text (an exception's message, a traceback, the messages of the attempt history) is redacted by
+:func:`redact_text`: ``<key>=<value>``, ``<key>: <value>`` and ``"<key>": "<value>"`` for a matching key,
+``Bearer``/``Basic`` credentials, and card numbers (13 to 19 digits, spaces or dashes between, that pass
+the Luhn check).
 """
 
 from __future__ import annotations
@@ -32,6 +37,38 @@ DEFAULT_REDACT_KEYS = (
     "credential",
     "private_key",
 )
+
+
+_CREDENTIALS = re.compile(r"\b(Bearer|Basic|Token)\s+[A-Za-z0-9._~+/=-]{6,}", re.IGNORECASE)
+_CARD = re.compile(r"(?<![\d-])(?:\d[ -]?){12,18}\d(?![\d-])")
+
+
+def _luhn(digits: str) -> bool:
+    total = 0
+    for i, char in enumerate(reversed(digits)):
+        value = int(char) * (2 if i % 2 else 1)
+        total += value - 9 if value > 9 else value
+    return total % 10 == 0
+
+
+def _card(match: re.Match[str]) -> str:
+    digits = re.sub(r"[ -]", "", match.group())
+    return REDACTED if 13 <= len(digits) <= 19 and _luhn(digits) else match.group()
+
+
+def redact_text(text: str, keys: Iterable[str] = DEFAULT_REDACT_KEYS) -> str:
+    """``text`` with the values of matching ``key=value`` / ``key: value`` pairs, credentials and card numbers
+    replaced by ``REDACTED`` (see the module docstring)."""
+    if not text:
+        return text
+    text = _CREDENTIALS.sub(lambda m: f"{m.group(1)} {REDACTED}", text)  # first: "Authorization: Bearer x"
+    names = "|".join(re.escape(k) for k in keys)
+    if names:
+        pairs = re.compile(
+            rf"""(["']?[\w.-]*(?:{names})[\w.-]*["']?\s*[:=]\s*)("[^"]*"|'[^']*'|[^\s,;&)}}\]]+)""", re.IGNORECASE
+        )
+        text = pairs.sub(lambda m: m.group(1) + REDACTED, text)
+    return _CARD.sub(_card, text)
 
 
 def _matcher(keys: Iterable[str]) -> re.Pattern[str]:

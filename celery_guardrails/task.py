@@ -62,6 +62,8 @@ class GuardedTask(Task):  # type: ignore[misc]
     acks_late = True
     #: A child process that dies mid-task gives its message back (poison protection bounds the loop).
     reject_on_worker_lost = True
+    #: The worker's request: a malformed envelope and a hard time limit end in a record, not an ack alone.
+    Request = "celery_guardrails.request:GuardedRequest"
 
     # Guardrail options as task attributes; None means "not set here", so the app config applies.
     tenant_required: bool | None = None

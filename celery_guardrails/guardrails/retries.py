@@ -104,14 +104,15 @@ class Retries(Guardrail):
             delay = backoff_for(task, call).delay(failures=attempt, previous=previous, retry_after=verdict.retry_after)
             record = attempt_record(task, kind=verdict.kind.value, rule=verdict.rule, exc=exc, delay=delay)
             logger.warning(
-                "Task %s[%s] attempt %d failed (%s, %s); retrying in %.3fs: %r",
+                "Task %s[%s] attempt %d failed (%s, %s); retrying in %.3fs: %s: %s",
                 task.name,
                 request.id,
                 attempt,
                 verdict.kind.value,
                 verdict.rule,
                 delay,
-                exc,
+                type(exc).__name__,
+                record["msg"],  # redacted, as kept in the history
             )
             signals.retry_scheduled.send(
                 sender=task,

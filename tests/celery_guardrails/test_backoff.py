@@ -34,3 +34,10 @@ def test_retry_after_wins_capped_by_backoff_max() -> None:
     backoff = Backoff(strategy="full_jitter", base=1.0, maximum=60.0, random=lambda: 0.0)
     assert backoff.delay(failures=1, retry_after=7.0) == 7.0
     assert backoff.delay(failures=1, retry_after=3600.0) == 60.0
+
+
+def test_a_thousand_failures_do_not_overflow_the_backoff() -> None:
+    # Given a message that failed over a thousand times (2.0 ** 1100 does not fit a float)
+    top = Backoff(strategy="full_jitter", base=1.0, maximum=600.0, random=lambda: 0.5)
+    # Then its delay is the maximum's share, like the tenth failure's
+    assert [top.delay(failures=n) for n in (11, 1025, 1100, 10**6)] == [300.0] * 4

@@ -115,10 +115,16 @@ def test_beat_down_for_three_periods_watchdog_records_and_alerts_then_each_catch
     rig.set_clock(resumed + 1)
     for name in names.values():
         rig.wait(f"{name} resumed", lambda name=name: _status(rig, name, resumed) == OK)
+
     # Then each missed period was alerted exactly once (not again when its catch-up was dispatched late, nor
     # by beat's own catch-up)
-    alerts = Counter((post["run"]["schedule"], post["run"]["period"]) for post in posted if "run" in post)
-    assert alerts == Counter({(name, _iso(period)): 1 for name in names.values() for period in periods})
+    def alerts() -> Counter[tuple[str, str]]:
+        return Counter((post["run"]["schedule"], post["run"]["period"]) for post in list(posted) if "run" in post)
+
+    expected = Counter({(name, _iso(period)): 1 for name in names.values() for period in periods})
+    rig.wait("an alert for each missed period", lambda: set(alerts()) == set(expected))
+    rig.stop()  # (a stopping worker sends what it still has queued: any second alert would be in by now)
+    assert alerts() == expected
     # And skip ran none of the missed periods, latest ran the newest once, all ran each in order
     for policy, name in names.items():
         assert periods_ran(sink, name) == [first, *caught_up[policy], resumed]
@@ -196,6 +202,30 @@ def test_a_period_whose_publish_failed_is_due_again_and_runs_once(tmp_path: Path
     finally:
         proxy.close()
     assert periods_ran(sink, name) == [period]
+    assert beat.process is not None and beat.process.poll() is None
+
+
+def test_an_entry_whose_message_cannot_be_made_records_its_period_missed_once(
+    tmp_path: Path, rigs: list[Rig], sink: Sink
+) -> None:
+    name = f"every-minute-{uuid.uuid4().hex[:6]}"
+    start = a_whole_minute() + 30
+    # Given an entry whose arguments do not fit its task (Celery refuses to publish it)
+    broken = {"task": TASK, "schedule": MINUTE, "kwargs": {"no_such_argument": 1}}
+    rig = Rig(tmp_path, entries={name: broken}, policies={name: {"grace": GRACE}}, start=start)
+    rigs.append(rig)
+    beat = rig.beat()
+    rig.looking(beat, name)
+    # When its period is due
+    period = start + 30
+    rig.set_clock(period + 1)
+    # Then the period is recorded missed, saying why, once (not tried again every tick), and beat goes on
+    run = rig.wait("the period missed", lambda: _missed(rig, name, period))
+    assert run.reason.startswith("could not be published: TypeError")
+    # And the next period the same way: one try per period, however many ticks beat made meanwhile
+    rig.set_clock(period + MINUTE + 1)
+    rig.wait("the next period missed", lambda: _missed(rig, name, period + MINUTE))
+    assert beat.log.count(f"Publishing '{name}' period") == 2
     assert beat.process is not None and beat.process.poll() is None
 
 

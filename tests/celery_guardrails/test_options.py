@@ -118,6 +118,14 @@ def test_settings_are_revalidated_when_replaced() -> None:
             },
             "setting 'schedules': beat entry 'nightly': task 'tests.proj.tasks.plain_add' is not a GuardedTask",
         ),
+        (
+            {"GUARDRAILS_TEST_GUARDRAILS": json.dumps({"backoff_random": "random.randum"})},
+            "setting 'backoff_random': cannot import 'random.randum'",
+        ),
+        (
+            {"GUARDRAILS_TEST_GUARDRAILS": json.dumps({"clock": "celery_guardrails.clocks.file_clock"})},
+            "setting 'clock': cannot import 'celery_guardrails.clocks.file_clock'",
+        ),
     ],
 )
 def test_worker_refuses_to_start_on_a_bad_setting(

@@ -229,7 +229,10 @@ def test_two_watchdogs_and_a_restarting_beat_race_on_the_same_missed_periods_one
         settings["store"] = "django"
     rig = Rig(
         tmp_path,
-        entries={name: {"task": "tests.proj.tasks.scheduled_job", "schedule": 60.0, "kwargs": {}} for name in names},
+        entries={
+            name: {"task": "tests.proj.tasks.scheduled_job", "schedule": 60.0, "kwargs": {"sink": "gr-test-unused"}}
+            for name in names
+        },
         policies={names[0]: {"catch_up": "latest", "grace": 20}, names[1]: {"catch_up": "all", "grace": 20}},
         start=start,
         settings=settings,

@@ -56,8 +56,9 @@ def test_first_dead_letter_alerts_then_a_flood_makes_one_summary(
     first = django_tasks.fail_with.delay("permanent")
     with pytest.raises(Exception, match="card refused"):
         first.get(timeout=30)
-    # Then one mail and one webhook (other tests' groups may flush their own summaries meanwhile: only this
-    # group's alerts are counted)
+    # Then one mail and one webhook, sent off the task's path (other tests' groups may flush their own
+    # summaries meanwhile: only this group's alerts are counted)
+    wait_for("the first alert", lambda: ours(mail.outbox) and ours_posted(posted))
     assert [m.to for m in ours(mail.outbox)] == [["pay@example.com"]]
     assert "Dead letter: tests.proj.django_tasks.fail_with (permanent)" in ours(mail.outbox)[0].subject
     assert [p["dead_letter"]["task_id"] for p in ours_posted(posted)] == [first.id]

@@ -183,6 +183,26 @@ def test_what_the_database_refuses_in_text_is_written_out_or_cut() -> None:
     assert (len(record.queue), len(record.routing_key)) == (200, 200)
 
 
+def test_a_secret_in_an_error_message_never_reaches_the_database(celery_worker: Any) -> None:
+    # Given a task that fails (twice: a transient error, then its last attempt) with an error that echoes a
+    # password, a bearer token and a card number back
+    result = django_tasks.fail_with.apply_async(("leak", "4111 1111 1111 1111"), max_attempts=2)
+    run_to_failure(result)
+    # Then neither the message, the traceback nor the attempt history stored holds them
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "SELECT exc_message, traceback, history FROM guardrails_deadletter WHERE task_id = %s", [result.id]
+        )
+        raw = " ".join(str(column) for column in cursor.fetchone())
+    for secret in ("hunter2", "s3cr3t-t0ken", "4111 1111 1111 1111"):
+        assert secret not in raw
+    record = DeadLetter.objects.get(task_id=result.id)
+    assert record.exc_message == (
+        "login refused: password=[redacted] Authorization: [redacted] [redacted], card [redacted] declined"
+    )
+    assert len(record.history) == 2 and all("[redacted]" in r["msg"] for r in record.history)
+
+
 def test_missing_tenant_is_dead_lettered(celery_worker: Any, celery_app: Any) -> None:
     result = celery_app.send_task("tests.proj.django_tasks.needs_tenant")
     run_to_failure(result)

@@ -41,6 +41,10 @@ def fail_with(self: GuardedTask, step: str, card_number: str = "", **details: ob
         raise RetryLater("not yet", delay=0.05)
     if step == "unknown":
         raise LookupError("no idea")
+    if step == "leak":  # an error whose text carries secrets (a provider echoing the request back)
+        raise TransientError(
+            f"login refused: password=hunter2 Authorization: Bearer s3cr3t-t0ken, card {card_number} declined"
+        )
     return "ok"
 
 

@@ -143,6 +143,8 @@ def _behave(task: GuardedTask, sink: str, script: list[str]) -> dict[str, Any]:
         raise TransientError("dependency down")
     if kind == "later":
         raise RetryLater("not readable yet", delay=float(arg or 0.05))
+    if kind == "sleep":  # longer than a time limit, say
+        time.sleep(float(arg))
     if kind == "kill_once" and redis.Redis.from_url(REDIS_URL).set(arg, 1, nx=True, ex=600):
         import signal
 

@@ -1,0 +1,95 @@
+"""Faults Celery meets in the worker's main process, on a real prefork worker over Redis: a malformed envelope
+is dead-lettered and the worker goes on; a task killed by its hard time limit is dead-lettered as
+``time_limit``, or retried when it may run again."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.celery_guardrails.guardrails.test_retries import dead_letter_of
+from tests.conftest import Sink, unacked, waiting_messages
+from tests.proj import tasks
+from tests.support.messages import publish_raw
+from tests.support.waiting import wait_for
+from tests.support.workers import PROJ_APP, WorkerProcess, proj_env
+
+
+@pytest.fixture
+def worker(celery_app: Any, queue_name: str, tmp_path: Path) -> Iterator[WorkerProcess]:
+    env = proj_env(queue=queue_name, GUARDRAILS_TEST_GUARDRAILS=json.dumps({"backoff_base": 0.05}))
+    with WorkerProcess(app=PROJ_APP, queue=queue_name, log_path=tmp_path / "worker.log", env=env) as process:
+        yield process  # type: ignore[misc]
+
+
+@pytest.mark.parametrize(
+    ("envelope", "problem"),
+    [
+        ({"expires": "the day after tomorrow"}, "expires"),
+        ({"eta": "soon"}, "eta"),
+        ({"timelimit": "abc"}, "timelimit"),
+        ({"timelimit": [-5, None]}, "timelimit"),
+    ],
+)
+def test_a_malformed_envelope_is_dead_lettered_and_the_worker_goes_on(
+    worker: WorkerProcess,
+    celery_app: Any,
+    sink: Sink,
+    queue_name: str,
+    envelope: dict[str, Any],
+    problem: str,
+) -> None:
+    # Given a message whose envelope Celery cannot read (another producer wrote it), before an ordinary one
+    bad = publish_raw(celery_app, queue_name, "tests.proj.tasks.observe", kwargs={"sink": sink.key}, **envelope)
+    good = tasks.observe.delay()
+    # When the worker meets it, Then the next message still runs (the worker did not stop) ...
+    assert good.get(timeout=60)["task"] == "tests.proj.tasks.observe"
+    wait_for("the malformed message gone", lambda: not unacked(bad) and waiting_messages("redis", queue_name) == 0)
+    # ... and the malformed one did not run: it is a dead letter that says why
+    assert sink.items() == []
+    record = dead_letter_of(celery_app, bad)
+    assert (record["reason"], record["task_name"], record["kwargs"]) == (
+        "malformed_message",
+        "tests.proj.tasks.observe",
+        {"sink": sink.key},
+    )
+    assert problem in record["exc_message"].lower() or "date" in record["exc_message"].lower()
+    assert worker.process is not None and worker.process.poll() is None
+
+
+def test_a_task_killed_by_its_hard_time_limit_is_a_dead_letter(
+    worker: WorkerProcess, celery_app: Any, sink: Sink
+) -> None:
+    # Given a task that is not idempotent, running longer than its hard time limit
+    result = tasks.behave_not_idempotent.apply_async((sink.key, ["sleep:30"]), time_limit=1)
+    # When the pool kills it, Then it is a dead letter time_limit (before Celery acks it), and the worker goes on
+    with pytest.raises(Exception, match=r"TimeLimitExceeded|Time limit"):
+        result.get(timeout=60)
+    wait_for("the dead letter", lambda: _has_dead_letter(celery_app, result.id))
+    record = dead_letter_of(celery_app, result.id)
+    assert (record["reason"], record["attempts"]) == ("time_limit", 1)
+    assert record["history"][-1]["rule"] == "time_limit"
+    assert tasks.observe.delay().get(timeout=60)["task"] == "tests.proj.tasks.observe"
+
+
+def test_an_idempotent_task_killed_by_its_hard_time_limit_is_retried(worker: WorkerProcess, sink: Sink) -> None:
+    # Given an idempotent task whose first run outlives its hard time limit, and whose second is quick
+    result = tasks.behave.apply_async((sink.key, ["sleep:30", "ok"]), time_limit=3)
+    # Then it is tried again, as its second attempt, and succeeds (the first run's FAILURE, stored by Celery
+    # as the pool killed it, is RETRY a moment later: waited for, not read at once)
+    wait_for("the retry's success", lambda: result.state == "SUCCESS")
+    report = result.get(timeout=10)
+    assert (report["run"], report["attempt"]) == (2, 2)
+    assert [r["rule"] for r in report["history"]] == ["time_limit"]
+
+
+def _has_dead_letter(app: Any, task_id: str) -> bool:
+    try:
+        dead_letter_of(app, task_id)
+    except AssertionError:
+        return False
+    return True
