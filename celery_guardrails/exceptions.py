@@ -14,6 +14,7 @@ Every exception the extension raises derives from one root, :class:`GuardrailsEr
     ├── BudgetExhaustedError    a dependency's retry budget or open circuit kept a message from running
     ├── PoisonMessageError      a message whose runs kept killing their worker, dead-lettered unrun
     ├── DeadLetteredError       a message whose dead letter was recorded late (its sinks had been down)
+    ├── DuplicateOfFailureError a duplicate of a message whose key failed for good: not run, it fails too
     └── StoreError              the guardrails store (Redis or the Django database) refused an operation
         └── StoreUnavailableError   ... because it cannot be reached (refused, timed out, went away): an
                                     infrastructure fault, never the message's; the message comes back later
@@ -131,6 +132,18 @@ class PoisonMessageError(GuardrailsError):
 
     def __str__(self) -> str:
         return f"{self.task_name}[{self.task_id}] redelivered {self.starts} times without finishing: poison"
+
+
+class DuplicateOfFailureError(GuardrailsError):
+    """A duplicate of a message whose idempotency key failed for good: its body does not run, and a client
+    waiting on it sees the original's failure (the original has the dead letter)."""
+
+    def __init__(self, key: str, original: str, reason: str) -> None:
+        super().__init__(key, original, reason)
+        self.key, self.original, self.reason = key, original, reason
+
+    def __str__(self) -> str:
+        return f"duplicate of {self.original or 'a message'} whose key {self.key} failed: {self.reason}"
 
 
 class DeadLetteredError(GuardrailsError):

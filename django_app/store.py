@@ -163,9 +163,9 @@ class DjangoStore:
         if row is None:  # released between the INSERT and the read: claim again
             return self.claim(key, owner=owner, now=now, lease=lease, retention=retention, replaces=replaces)
         if row["state"] == "completed":
-            return Claim(state=COMPLETED, summary=row["summary"])
+            return Claim(state=COMPLETED, summary=row["summary"], owner=row["owner"] or "")
         if row["state"] == "failed":
-            return Claim(state=FAILED, reason=row["reason"])
+            return Claim(state=FAILED, reason=row["reason"], owner=row["owner"] or "")
         return Claim(state=BUSY, lease_until=row["lease_until"].timestamp(), owner=row["owner"])
 
     def _owned(self, key: str, owner: str) -> Any:

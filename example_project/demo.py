@@ -237,7 +237,7 @@ def main() -> None:
         print(f"   deliveries: 3; body ran: {provider.calls[77]} time(s), charge {first['charge']}")
         print(
             f"   duplicates skipped: {log_text.count('charge:77 already completed')} "
-            f"(each returned the stored summary); the provider holds {provider.charges[77]} charge for order 77"
+            f"(each returned the first's result); the provider holds {provider.charges[77]} charge for order 77"
         )
 
         print("\n-- 7. dead letters: the provider declines order 88's card (HTTP 402: permanent)")

@@ -13,9 +13,11 @@
     result summary (sent at once, its answer read before the ack: the round trip overlaps Celery storing the
     result), a retry or ``RetryLater`` releases it before the new message is published, a final failure
     marks it failed;
-  - completed before: the body does not run, ``duplicate_skipped`` fires, the task returns the summary;
-  - failed before: the body does not run, ``duplicate_skipped`` fires, the message is acked as ignored (a
-    replay reopens the key deliberately);
+  - completed before: the body does not run, ``duplicate_skipped`` fires, the task returns the original's
+    result (from the result backend while it keeps it, else the key's summary);
+  - failed before: the body does not run, ``duplicate_skipped`` fires, the task fails with
+    :class:`~celery_guardrails.exceptions.DuplicateOfFailureError`, so a client waiting on it sees the failure
+    (a replay reopens the key deliberately);
   - held by a live delivery: this one comes back later through ``RetryLater`` (no attempt consumed);
   - held by a delivery whose lease ran out (its worker died): this one takes over.
 
@@ -43,13 +45,12 @@ from contextlib import AbstractContextManager, contextmanager
 from string import Formatter
 from typing import TYPE_CHECKING, Any
 
-from celery.exceptions import Ignore
 from celery.utils.saferepr import saferepr
 
 from celery_guardrails import headers, signals
 from celery_guardrails.context import current_tenant
 from celery_guardrails.delivery import Hold, delivery
-from celery_guardrails.exceptions import IdempotencyKeyError, RetryLater, StoreError
+from celery_guardrails.exceptions import DuplicateOfFailureError, IdempotencyKeyError, RetryLater, StoreError
 from celery_guardrails.guardrails.retries import retry_later
 from celery_guardrails.ledger import period_key
 from celery_guardrails.options import resolve
@@ -245,6 +246,26 @@ def _summary(retval: Any) -> str:
     return summary[:SUMMARY_MAX_LENGTH]
 
 
+def original_task_id(owner: str) -> str:
+    """The task id of the delivery that completed or failed a key (its owner names it), or ""."""
+    parts = owner.rsplit(":", 2)
+    return parts[-2] if len(parts) == 3 else ""
+
+
+def original_result(task: Any, original: str, summary: str) -> Any:
+    """What a duplicate of a completed key returns: the original's result, while the result backend keeps it;
+    else the summary the key keeps (a repr of it, at most SUMMARY_MAX_LENGTH characters)."""
+    if not original:
+        return summary
+    try:
+        result = task.AsyncResult(original)
+        if result.state == "SUCCESS":
+            return result.result
+    except Exception:  # a backend that cannot be read (or none): the summary says what it was
+        logger.info("Task %s: the result of %s could not be read; returning its summary", task.name, original)
+    return summary
+
+
 def holder_gone(holder: str, request: Any, header: dict[str, Any]) -> bool:
     """Whether the delivery holding a claim is known to be over: it gave up without releasing (an earlier
     delivery of this message, named in its header), or it ran in a process of this host that no longer exists
@@ -351,9 +372,11 @@ class Idempotency(Guardrail):
             signals.duplicate_skipped.send(
                 sender=task, task_id=request.id, key=scoped, state=claim.state, summary=claim.summary
             )
+            original = original_task_id(claim.owner)
             if claim.state == COMPLETED:
-                raise SkipBody(claim.summary)
-            raise Ignore()
+                raise SkipBody(original_result(task, original, claim.summary))
+            # A client waiting on the duplicate sees the original's failure (its dead letter is the record).
+            raise DuplicateOfFailureError(scoped, original, claim.reason)
         # Held by another delivery: look again soon, then less and less often (retry_later_delay doubling),
         # never later than just after its lease would run out if its worker has died. A wait behind a live
         # lease spends no attempt and not retry_later_max (each wait is bounded by the holder's lease).

@@ -173,8 +173,8 @@ class Claim:
 
     ``state``: ``"acquired"`` (this delivery runs the body; ``takeover`` when it took an expired lease, or
     the claim of the owner it ``replaces``), ``"busy"`` (``owner`` holds a live lease until ``lease_until``),
-    ``"completed"`` (done before: ``summary``), ``"failed"`` (failed permanently before: ``reason``; a replay
-    reopens it).
+    ``"completed"`` (done before, by ``owner``: ``summary``), ``"failed"`` (failed permanently before, by
+    ``owner``: ``reason``; a replay reopens it).
     """
 
     state: str

@@ -152,8 +152,12 @@ if not state then
   redis.call('EXPIRE', key, retention)
   return {'acquired', '0', '0', ''}
 end
-if state == 'completed' then return {'completed', '0', '0', redis.call('HGET', key, 'summary') or ''} end
-if state == 'failed' then return {'failed', '0', '0', redis.call('HGET', key, 'reason') or ''} end
+if state == 'completed' or state == 'failed' then
+  local done = redis.call('HMGET', key, 'summary', 'reason', 'owner')
+  local text = done[1]
+  if state == 'failed' then text = done[2] end
+  return {state, '0', '0', text or '', done[3] or ''}
+end
 local fields = redis.call('HMGET', key, 'lease_until', 'owner')
 local lease_until = tonumber(fields[1])
 if fields[2] == owner then
@@ -285,7 +289,7 @@ class RedisIdempotency:
         return self._eval(script, IDEM_PREFIX + key, args)
 
     def claim(self, key: str, *, owner: str, now: float, lease: float, retention: float, replaces: str = "") -> Claim:
-        state, takeover, lease_until, text = self._run(
+        state, takeover, lease_until, text, *done_by = self._run(
             self._claim, key, [owner, repr(now), repr(lease), int(retention), replaces]
         )
         state = state.decode()
@@ -295,7 +299,7 @@ class RedisIdempotency:
             lease_until=float(lease_until),
             summary=text.decode() if state == "completed" else "",
             reason=text.decode() if state == "failed" else "",
-            owner=text.decode() if state == "busy" else "",
+            owner=text.decode() if state == "busy" else (done_by[0].decode() if done_by else ""),
         )
 
     def extend(self, key: str, *, owner: str, now: float, lease: float) -> bool:

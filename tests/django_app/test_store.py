@@ -30,7 +30,7 @@ def test_one_row_for_a_message_delivered_twice(celery_worker: Any, sink: Sink, r
     skipped = received(signals.duplicate_skipped)
     key = uuid.uuid4().hex
     assert django_tasks.write_effect.delay(key, sink.key).get(timeout=30) == "written"
-    assert django_tasks.write_effect.delay(key, sink.key).get(timeout=30) == "'written'"
+    assert django_tasks.write_effect.delay(key, sink.key).get(timeout=30) == "written"
     assert Effect.objects.filter(key=key).count() == 1
     assert [s["state"] for s in skipped] == ["completed"]
     row = IdempotencyKey.objects.get(key=f"tests.proj.django_tasks.write_effect:-:effect:{key}")

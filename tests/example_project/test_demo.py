@@ -51,7 +51,7 @@ def check_output(out: str) -> None:
     )
     assert "failed finally (permanent) after 1 attempt(s)" in out
     assert "deliveries: 3; body ran: 1 time(s)" in out
-    assert "duplicates skipped: 2 (each returned the stored summary); the provider holds 1 charge for order 77" in out
+    assert "duplicates skipped: 2 (each returned the first's result); the provider holds 1 charge for order 77" in out
     assert "worker: urllib.error.HTTPError: HTTP Error 402: Payment Required" in out
     assert "reason permanent, owner payments, tenant acme, status open" in out
     assert "admin: http://127.0.0.1:8000/admin/guardrails/deadletter/" in out

@@ -10,9 +10,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from celery.exceptions import TimeoutError as CeleryTimeout
 
-from celery_guardrails import IdempotencyKeyError, PermanentError, signals, tenant_context
+from celery_guardrails import DuplicateOfFailureError, IdempotencyKeyError, PermanentError, signals, tenant_context
 from celery_guardrails.guardrails.idempotency import Heartbeats
 from celery_guardrails.stores import get_store
 from tests.conftest import Sink, waiting_messages
@@ -45,9 +44,10 @@ def test_same_message_twice_and_same_key_twice_make_one_effect(
         wait_for("the same message skipped", lambda: skipped)
         second = tasks.charge.apply_async((oid, sink.key))
         other = second.get(timeout=TIMEOUT)
-    # Then the body ran once, one effect; the duplicates were skipped, the other message got the summary
+    # Then the body ran once, one effect; the duplicates were skipped, the other message got the original's
+    # result
     assert (first, effects(sink), len(sink.items())) == (f"charged {oid}", 1, 1)
-    assert other == f"'charged {oid}'"
+    assert other == f"charged {oid}"
     key = f"tests.proj.tasks.charge:acme:charge:{oid}"
     assert [(s["task_id"], s["key"], s["state"]) for s in skipped] == [
         (task_id, key, "completed"),
@@ -84,7 +84,7 @@ def test_a_duplicate_waits_for_the_running_delivery(
     wait_for("the duplicate told to come back later", lambda: later)
     sink.client.rpush(gate, "go")
     assert first.get(timeout=TIMEOUT) == f"charged {oid}"
-    assert duplicate.get(timeout=TIMEOUT) == f"'charged {oid}'"
+    assert duplicate.get(timeout=TIMEOUT) == f"charged {oid}"
     assert effects(sink) == 1
     assert [(s["task_id"], s["kind"], s["rule"]) for s in later][:1] == [
         (duplicate.id, "retry_later", "idempotency:busy")
@@ -111,8 +111,9 @@ def test_permanent_failure_marks_the_key_failed_and_duplicates_are_ignored(
     duplicate = tasks.charge.delay(oid, sink.key)
     wait_for("the duplicate skipped", lambda: skipped)
     assert [(s["task_id"], s["state"]) for s in skipped] == [(duplicate.id, "failed")]
-    with pytest.raises(CeleryTimeout):  # ignored: no result is ever stored
-        duplicate.get(timeout=0.5)
+    # and a client waiting on the duplicate sees the original's failure, not a result that never comes
+    with pytest.raises(DuplicateOfFailureError, match="card refused"):
+        duplicate.get(timeout=TIMEOUT)
     # a deliberate reopen (what a replay does) lets it run again
     assert store.reopen(key) is True
     assert tasks.charge.delay(oid, sink.key).get(timeout=TIMEOUT) == f"charged {oid}"
@@ -174,7 +175,7 @@ def test_send_task_without_the_header_is_keyed_on_the_worker(
 ) -> None:
     celery_app.send_task("tests.proj.tasks.charge", args=(oid, sink.key)).get(timeout=TIMEOUT)
     assert (
-        celery_app.send_task("tests.proj.tasks.charge", args=(oid, sink.key)).get(timeout=TIMEOUT) == f"'charged {oid}'"
+        celery_app.send_task("tests.proj.tasks.charge", args=(oid, sink.key)).get(timeout=TIMEOUT) == f"charged {oid}"
     )
     assert effects(sink) == 1
 
