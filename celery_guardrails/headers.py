@@ -90,6 +90,8 @@ HISTORY_TOTAL = "hist_n"
 SCHEDULE = "sched"
 PERIOD = "period"
 
+#: Latest period a header may name (9999-12-31T23:59:59Z, as far as a datetime goes).
+PERIOD_MAX = 253_402_300_799
 #: Attempt records carried in a message at most (the oldest are dropped; HISTORY_TOTAL keeps counting).
 HISTORY_LIMIT = 20
 #: Characters of an exception message kept in an attempt record.
@@ -150,7 +152,7 @@ def sanitise(raw: Mapping[str, Any], *, task_id: str | None = None) -> dict[str,
     if SCHEDULE in clean and not (isinstance(clean[SCHEDULE], str) and 0 < len(clean[SCHEDULE]) <= 200):
         _drop(clean, SCHEDULE, task_id)
     period = clean.get(PERIOD)
-    if PERIOD in clean and (isinstance(period, bool) or not isinstance(period, int) or period < 0):
+    if PERIOD in clean and (isinstance(period, bool) or not isinstance(period, int) or not 0 <= period <= PERIOD_MAX):
         _drop(clean, PERIOD, task_id)
     gave_up = clean.get(GAVE_UP)
     if GAVE_UP in clean and not (

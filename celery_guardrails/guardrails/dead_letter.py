@@ -25,7 +25,9 @@ class PendingDeadLetters(Guardrail):
         pending = headers.from_request(task.request).get(PENDING_DEAD_LETTER)
         if not isinstance(pending, dict):
             return
-        failure = FinalFailure.from_dict(pending)
+        # The record is this message's, whatever ids the header carries (a header another producer wrote could
+        # otherwise write a dead letter for any task id).
+        failure = FinalFailure.from_dict({**pending, "task_id": task.request.id, "task_name": task.name})
         error = DeadLetteredError(failure.reason, failure.exc_type, failure.exc_message)
         again = hand_over(task, failure, error)
         raise again or error

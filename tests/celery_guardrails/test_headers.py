@@ -6,6 +6,8 @@ import logging
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from celery_guardrails import headers, tenant_context
 from tests.conftest import BOTH_BROKERS, Sink
@@ -77,3 +79,135 @@ def test_history_keeps_the_last_twenty_and_counts_them_all() -> None:
         header = headers.with_record(header, {"n": n}, attempt=n)
     assert [r["n"] for r in headers.history(header)] == list(range(6, 26))
     assert (header["hist_n"], header["attempt"]) == (25, 25)
+
+
+# --- fuzzed headers ----------------------------------------------------------------------------------------
+
+#: Values a fuzzed field may take: well-formed, of the wrong type, out of range, with NUL, huge, nested.
+ODD = [
+    None,
+    True,
+    -1,
+    0,
+    7,
+    10**30,
+    2**63,
+    1.5,
+    float("inf"),
+    "",
+    "x",
+    "a b",
+    "\x00",
+    "nul\x00inside",
+    "é" * 300,
+    "x" * 10_000,
+    [],
+    ["x"],
+    [{"n": "one"}],
+    {},
+    {"x": 1},
+    {"task_name": "t", "task_id": "i", "reason": "permanent", "exc_type": "E", "exc_message": "m"},
+]
+FIELDS = [
+    "v",
+    "tenant",
+    "cid",
+    "opts",
+    "idem",
+    "attempt",
+    "later",
+    "deferred",
+    "outage",
+    "busy",
+    "hist",
+    "hist_n",
+    "sched",
+    "period",
+    "dl",
+    "dl_tries",
+    "gave_up",
+    "future_field",
+]
+OPTIONS = [
+    {"max_attempts": "x"},
+    {"tenant_required": True},
+    {"idempotency_key": "has space"},
+    {"idempotency_key": "ok-key"},
+    {"dependency": "fuzz-dep"},
+    {"retry_later_max": -1},
+    {"nonsense": 1},
+]
+#: Why a fuzzed message may end as a dead letter (every one of them must have one).
+REASONS = {"missing_tenant", "bad_idempotency_key", "permanent", "malformed_message"}
+
+
+def fuzzed_header(rng: Any) -> Any:
+    if rng.random() < 0.03:
+        return rng.choice(["not a mapping", 42, ["list"]])
+    header = {}
+    for field in rng.sample(FIELDS, rng.randrange(1, 7)):
+        header[field] = rng.choice(OPTIONS) if field == "opts" and rng.random() < 0.6 else rng.choice(ODD)
+    return header
+
+
+def test_a_thousand_fuzzed_headers_each_run_or_become_one_dead_letter(
+    celery_app: Any, queue_name: str, sink: Sink, tmp_path: Any
+) -> None:
+    import json
+    import random
+
+    from tests.celery_guardrails.guardrails.test_retries import dead_letter_of
+    from tests.conftest import waiting_messages
+    from tests.support.waiting import wait_for
+    from tests.support.workers import PROJ_APP, WorkerProcess, proj_env
+
+    # Given 1000 messages whose guardrails header is fuzzed (seeded: a failure can be replayed), sent by name as
+    # another producer would (GuardedTask's own publish would refuse some of them), and a plain one after
+    rng = random.Random(20261130)
+    sent = [
+        celery_app.send_task("tests.proj.tasks.behave", (sink.key, ["ok"]), headers={"guardrails": fuzzed_header(rng)})
+        for _ in range(1000)
+    ]
+    last = tasks.observe.delay()
+    env = proj_env(queue=queue_name, GUARDRAILS_TEST_GUARDRAILS=json.dumps({"retry_later_delay": 0.05}))
+    # When a prefork worker takes them all
+    with WorkerProcess(
+        app=PROJ_APP, queue=queue_name, log_path=tmp_path / "worker.log", env=env, concurrency=2
+    ) as worker:
+        wait_for("every message done", lambda: all(r.ready() for r in [*sent, last]), timeout=300, every=0.5)
+        wait_for("the queue empty", lambda: waiting_messages("redis", queue_name) == 0)
+        # Then the worker is still up, every message ran or is exactly one dead letter with a reason
+        assert worker.process is not None and worker.process.poll() is None
+    assert last.state == "SUCCESS"
+    failed = [r for r in sent if r.state != "SUCCESS"]
+    assert all(r.state == "FAILURE" for r in failed)
+    reasons = {dead_letter_of(celery_app, r.id)["reason"] for r in failed}
+    assert reasons <= REASONS | {"attempts_exhausted"}, reasons
+    assert "Traceback" not in worker.log or "Unrecoverable" not in worker.log
+    assert len(sent) - len(failed) > 500  # most fuzz is malformed and ignored, not fatal
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.dictionaries(
+        st.sampled_from(FIELDS),
+        st.recursive(
+            st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=40),
+            lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
+            max_leaves=12,
+        ),
+    )
+)
+def test_sanitise_never_raises_and_keeps_only_what_the_contract_allows(raw: dict[str, Any]) -> None:
+    clean = headers.sanitise(raw)
+    # whatever came in, every field a guardrail reads is of its type, or gone
+    for field in ("attempt", "later", "deferred", "outage", "busy", "hist_n", "dl_tries"):
+        assert field not in clean or (type(clean[field]) is int and clean[field] >= 0)
+    assert "period" not in clean or 0 <= clean["period"] <= headers.PERIOD_MAX
+    assert "sched" not in clean or isinstance(clean["sched"], str)
+    assert "hist" not in clean or all(isinstance(r, dict) for r in clean["hist"])
+    assert "gave_up" not in clean or all(isinstance(o, str) for o in clean["gave_up"])
+    assert "dl" not in clean or all(isinstance(clean["dl"].get(k), str) for k in headers.PENDING_REQUIRED)
+    headers.counter(clean, "attempt")
+    headers.history(clean)
+    headers.call_options(clean)
