@@ -474,6 +474,15 @@ OPTIONS: Mapping[str, Option] = {
             scopes=frozenset({TASK, APP}),
         ),
         Option(
+            name="store_timeout",
+            default=5.0,
+            doc="Seconds a Redis store connection may take to connect or answer before the store counts as "
+            "unavailable (a half-open connection would stall heartbeats). For the Django store, set the "
+            "database's own connect and statement timeouts.",
+            check=_seconds,
+            scopes=frozenset({APP}),
+        ),
+        Option(
             name="store",
             default=None,
             doc="Where budgets and circuit states live: 'django' (the Django app's tables) or a Redis URL. "

@@ -13,6 +13,9 @@ from celery_guardrails.exceptions import ConfigurationError
 from celery_guardrails.options import app_settings
 from celery_guardrails.stores.base import Store
 
+#: Seconds a Redis store operation may take by default (the ``store_timeout`` option).
+STORE_TIMEOUT = 5.0
+
 
 def django_apps_installed(*names: str) -> bool:
     """Whether Django is set up with the guardrails app and every app in ``names`` installed."""
@@ -50,6 +53,6 @@ def get_store(app: Any) -> Store:
     else:
         from celery_guardrails.stores.redis import RedisStore
 
-        store = RedisStore(url)
+        store = RedisStore(url, timeout=app_settings(app).get("store_timeout", STORE_TIMEOUT))
     app._guardrails_store = (url, store)
     return store

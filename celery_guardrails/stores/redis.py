@@ -9,7 +9,9 @@ Lua float to an integer reply). Each hash expires when its dependency has been q
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -18,6 +20,10 @@ from celery_guardrails.stores.base import Admission, BudgetPolicy, Claim, Depend
 from celery_guardrails.stores.redis_lane import Lane
 from celery_guardrails.stores.redis_ledger import LEDGER_SCRIPT, RedisRunLedger
 
+logger = logging.getLogger(__name__)
+
+#: Seconds between two measures of this host's clock against the Redis server's (leases use the server's).
+SKEW_CHECK_SECONDS = 60.0
 #: Error replies of a server that cannot answer now but will (a cluster or replica in the middle of a change).
 _NOT_YET = ("MASTERDOWN", "TRYAGAIN", "CLUSTERDOWN", "LOADING")
 
@@ -262,6 +268,8 @@ class RedisIdempotency:
     _reopen: Any
     _throttle: Any
     _due: Any
+    _skew: float
+    _skew_checked: float
 
     def _failure(self, exc: BaseException) -> StoreError:
         """The store's error for a redis-py error: unavailable for a connection that failed or timed out, or a
@@ -288,25 +296,46 @@ class RedisIdempotency:
     def _run(self, script: Any, key: str, args: list[Any]) -> Any:
         return self._eval(script, IDEM_PREFIX + key, args)
 
+    def _now(self, now: float) -> float:
+        """``now`` on the Redis server's clock: leases are compared across workers, whose clocks drift. The
+        offset is measured with ``TIME`` once a minute per store, and applied in whole seconds when it is a
+        second or more (less is the noise of a round trip)."""
+        if time.monotonic() >= self._skew_checked:
+            self._skew_checked = time.monotonic() + SKEW_CHECK_SECONDS
+            try:
+                before = time.time()
+                seconds, micros = self.client.time()
+                local = (before + time.time()) / 2
+            except self._errors:  # the operation itself will say what is wrong with the server
+                return now + self._skew
+            offset = seconds + micros / 1e6 - local
+            self._skew = float(round(offset)) if abs(offset) >= 1.0 else 0.0
+            if self._skew:
+                logger.warning("Redis store at %s: this host's clock is %+.0fs off the server's", self.url, -offset)
+        return now + self._skew
+
     def claim(self, key: str, *, owner: str, now: float, lease: float, retention: float, replaces: str = "") -> Claim:
+        server_now = self._now(now)
         state, takeover, lease_until, text, *done_by = self._run(
-            self._claim, key, [owner, repr(now), repr(lease), int(retention), replaces]
+            self._claim, key, [owner, repr(server_now), repr(lease), int(retention), replaces]
         )
         state = state.decode()
         return Claim(
             state=state,
             takeover=takeover == b"1",
-            lease_until=float(lease_until),
+            lease_until=float(lease_until) - (server_now - now),  # on the caller's clock
             summary=text.decode() if state == "completed" else "",
             reason=text.decode() if state == "failed" else "",
             owner=text.decode() if state == "busy" else (done_by[0].decode() if done_by else ""),
         )
 
     def extend(self, key: str, *, owner: str, now: float, lease: float) -> bool:
-        return bool(self._run(self._if_owner, key, [owner, "extend", f"{now + lease:.6f}", math.ceil(lease) + 1]))
+        until = f"{self._now(now) + lease:.6f}"
+        return bool(self._run(self._if_owner, key, [owner, "extend", until, math.ceil(lease) + 1]))
 
     def complete(self, key: str, *, owner: str, now: float, summary: str, retention: float) -> bool:
-        return bool(self._run(self._if_owner, key, _finish(owner, "completed", summary, now, retention)))
+        args = _finish(owner, "completed", summary, self._now(now), retention)
+        return bool(self._run(self._if_owner, key, args))
 
     def begin_complete(self, key: str, *, owner: str, now: float, summary: str, retention: float) -> Callable[[], bool]:
         """Send the completion; the callable reads its answer (once, from the same thread).
@@ -315,7 +344,7 @@ class RedisIdempotency:
         Celery storing the result. Any doubt (the script not loaded yet, a broken connection) is settled by
         the plain ``complete``, which a repeated finish by the same owner makes safe.
         """
-        args = _finish(owner, "completed", summary, now, retention)
+        args = _finish(owner, "completed", summary, self._now(now), retention)
         read: Callable[[], Any] | None = None
         if self._lane.available:
             with contextlib.suppress(*self._errors):
@@ -332,7 +361,7 @@ class RedisIdempotency:
         return wait
 
     def fail(self, key: str, *, owner: str, now: float, reason: str, retention: float) -> bool:
-        return bool(self._run(self._if_owner, key, _finish(owner, "failed", reason, now, retention)))
+        return bool(self._run(self._if_owner, key, _finish(owner, "failed", reason, self._now(now), retention)))
 
     def release(self, key: str, *, owner: str) -> bool:
         return bool(self._run(self._if_owner, key, [owner, "release"]))
@@ -406,13 +435,16 @@ _INT_FIELDS = (
 class RedisStore(RedisIdempotency, RedisRunLedger):
     """Store on a Redis server, given by URL (``redis://127.0.0.1:6379/1``)."""
 
-    def __init__(self, url: str) -> None:
+    def __init__(self, url: str, *, timeout: float | None = None) -> None:
         try:
             import redis
         except ImportError as exc:  # the "redis" extra
             raise StoreError("the Redis store needs the redis package: pip install 'celery-guardrails[redis]'") from exc
         self.url = url
-        self.client = redis.Redis.from_url(url)
+        # A timeout on every socket (the lane's too: it is made from the pool's settings): a half-open
+        # connection fails in ``timeout`` seconds instead of stalling the heartbeat thread, whose leases lapse.
+        self.client = redis.Redis.from_url(url, socket_timeout=timeout, socket_connect_timeout=timeout)
+        self._skew, self._skew_checked = 0.0, 0.0
         # Registered once: each is loaded on the server at its first call, then called by its SHA.
         self._admit = self.client.register_script(_ADMIT)
         self._outcome = self.client.register_script(_OUTCOME)

@@ -36,14 +36,19 @@ class InFlight:
         self.error: BaseException | None = None
 
     def settle(self) -> None:
-        """Read the answer (once); an error is kept for :meth:`read` (redis-py closes a broken connection)."""
+        """Read the answer (once); an error is kept for :meth:`read`. Whatever interrupts the read (an error,
+        or a soft time limit raised into the thread), the connection is dropped: an answer left unread on it
+        would be taken for the next command's."""
         if self.settled:
             return
         self.settled = True
         try:
             self.value = self.connection.read_response()
-        except Exception as exc:  # raised to the waiter, whoever read it
-            self.error = exc
+        except BaseException as exc:
+            self.connection.disconnect()
+            if not isinstance(exc, Exception):
+                raise
+            self.error = exc  # raised to the waiter, whoever read it
 
     def read(self) -> Any:
         self.settle()
@@ -75,14 +80,24 @@ class Lane:
         return local.connection
 
     def call(self, *command: Any) -> Any:
-        """Send ``command`` and read its answer (redis-py's errors are raised)."""
+        """Send ``command`` and read its answer (redis-py's errors are raised). Anything that interrupts it
+        between the send and the read (an error, a soft time limit raised into the thread) drops the
+        connection: its answer, left unread, would be read as the next command's."""
         connection = self._ready()
-        connection.send_command(*command)
-        return connection.read_response()
+        try:
+            connection.send_command(*command)
+            return connection.read_response()
+        except BaseException:
+            connection.disconnect()
+            raise
 
     def send(self, *command: Any) -> Callable[[], Any]:
         """Send ``command``; the callable reads its answer (call it from the same thread)."""
         connection = self._ready()
-        connection.send_command(*command)
+        try:
+            connection.send_command(*command)
+        except BaseException:
+            connection.disconnect()
+            raise
         in_flight = self.local.in_flight = InFlight(connection)
         return in_flight.read

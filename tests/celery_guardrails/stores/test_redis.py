@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import threading
 import uuid
+from typing import Any
 
 import pytest
 import redis
@@ -95,3 +96,45 @@ def test_under_green_threads_the_store_keeps_to_its_pool(monkeypatch: pytest.Mon
     admin = redis.Redis.from_url(REDIS_URL)
     assert [c["name"] for c in admin.client_list()].count(name) == 1
     assert store.inspect(key)["summary"] == "charged"
+
+
+def test_an_interruption_between_send_and_read_leaves_no_answer_for_the_next_command(
+    store: RedisStore, key: str
+) -> None:
+    from billiard.exceptions import SoftTimeLimitExceeded
+
+    # Given a command sent on the lane, and a soft time limit raised into the thread before its answer is read
+    lane = store._lane
+    assert lane.call("PING") in (True, b"PONG")  # the lane's connection is open
+    connection = lane._ready()
+    read = connection.read_response
+
+    def interrupted(*args: Any, **kwargs: Any) -> Any:
+        connection.read_response = read
+        raise SoftTimeLimitExceeded()
+
+    store.client.set(key, "mine")
+    connection.read_response = interrupted
+    with pytest.raises(SoftTimeLimitExceeded):
+        lane.call("INCR", f"{key}:n")  # sent; its answer (an integer) never read
+    # When the thread sends its next command, Then it reads that command's answer, not the one left behind
+    assert lane.call("GET", key) == b"mine"
+
+
+def test_leases_are_measured_on_the_servers_clock(monkeypatch: pytest.MonkeyPatch, key: str) -> None:
+    import time
+
+    import celery_guardrails.stores.redis as redis_store
+
+    # Given a worker whose clock runs 100 s behind (its store measures the offset against Redis's TIME)
+    real = time.time
+    behind = RedisStore(REDIS_URL)
+    monkeypatch.setattr(redis_store.time, "time", lambda: real() - 100)
+    claim = behind.claim(key, owner="late", now=redis_store.time.time(), lease=10, retention=600)
+    monkeypatch.setattr(redis_store.time, "time", real)
+    assert claim.state == "acquired"
+    # When a worker with the right time looks at the key at once
+    busy = RedisStore(REDIS_URL).claim(key, owner="on-time", now=time.time(), lease=10, retention=600)
+    # Then the lease is live (on its own clock the slow worker's lease ended 90 s ago: it would be taken over)
+    assert (busy.state, busy.owner) == ("busy", "late")
+    assert busy.lease_until == pytest.approx(time.time() + 10, abs=2)
