@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -34,8 +35,21 @@ from .models import DeadLetter
 logger = logging.getLogger(__name__)
 
 PERMISSION = "guardrails.replay_deadletter"
-#: Header fields a replay starts afresh: attempt counters and history.
-FRESH = (headers.ATTEMPT, headers.LATER, headers.DEFERRED, headers.HISTORY, headers.HISTORY_TOTAL, "dl", "dl_tries")
+#: Header fields a replay starts afresh: attempt and wait counters, history, what an earlier delivery held.
+FRESH = (
+    headers.ATTEMPT,
+    headers.LATER,
+    headers.DEFERRED,
+    headers.OUTAGES,
+    headers.BUSY,
+    headers.GAVE_UP,
+    headers.HISTORY,
+    headers.HISTORY_TOTAL,
+    headers.PENDING_DEAD_LETTER,
+    headers.PENDING_TRIES,
+)
+#: Tries at putting a record back to open when its replay could not be published (a second apart).
+PUT_BACK_TRIES = 3
 
 
 @dataclass
@@ -74,10 +88,8 @@ def replay_dead_letters(
         try:
             _publish(record, task_id, app)
         except Exception as exc:  # put it back: a record must never be marked replayed for nothing
-            DeadLetter.objects.filter(pk=record.pk, replayed_task_id=task_id).update(
-                status=DeadLetter.Status.OPEN, replayed_task_id="", handled_by="", handled_at=None
-            )
             logger.exception("Replay of dead letter %s (%s) failed", record.pk, record.task_name)
+            _put_back(record.pk, task_id)
             result.skipped.append((record.pk, f"publishing failed: {exc}"))
             continue
         logger.info(
@@ -90,6 +102,29 @@ def replay_dead_letters(
         )
         result.replayed.append((record.pk, task_id))
     return result
+
+
+def _put_back(pk: int, task_id: str) -> None:
+    """Open a record whose replay was not published again. The database may be what failed: a few tries,
+    then an error that names the record and the task id it claims, for someone to reopen it by hand."""
+    from django.db import DatabaseError, close_old_connections
+
+    for attempt in range(1, PUT_BACK_TRIES + 1):
+        try:
+            DeadLetter.objects.filter(pk=pk, replayed_task_id=task_id).update(
+                status=DeadLetter.Status.OPEN, replayed_task_id="", handled_by="", handled_at=None
+            )
+            return
+        except DatabaseError:
+            close_old_connections()
+            if attempt < PUT_BACK_TRIES:
+                time.sleep(1.0)
+    logger.error(
+        "Dead letter %s says it was replayed as %s, but nothing was published: reopen it (the database could "
+        "not be reached to put it back)",
+        pk,
+        task_id,
+    )
 
 
 def _why_not(record: DeadLetter, app: Any) -> str:

@@ -96,7 +96,10 @@ class RetryBudget(Guardrail):
             pending = fail_finally(task, error, reason=reason, history=[*request.attempt_history, record])
             return pending or error
         wait = max(0.0, admission.retry_at - now)
-        delay = wait + random.random() * 0.1 * (policy.window if admission.reason == "budget" else policy.open_seconds)
+        jitter = random.random() * 0.1 * (policy.window if admission.reason == "budget" else policy.open_seconds)
+        # Never longer than backoff_max (kept below the broker's visibility timeout: see the start-up warning);
+        # a deferral that comes back early is deferred again.
+        delay = min(wait + jitter, resolve(task, "backoff_max", call))
         record = attempt_record(task, kind=kind, rule=reason, delay=delay)
         logger.info(
             "Task %s[%s] deferred %.3fs: %s of %s (deferral %d)",

@@ -179,3 +179,31 @@ def test_the_change_list_does_not_count_a_big_table(celery_worker: Any) -> None:
     assert page.status_code == 200
     counts = [q["sql"] for q in queries.captured_queries if "COUNT(" in q["sql"].upper()]
     assert counts == [], counts
+
+
+def test_a_replay_whose_store_is_out_of_reach_leaves_the_record_open(
+    celery_worker: Any, celery_app: Any, sink: Sink, oid: int
+) -> None:
+    from tests.support.proxy import TcpProxy
+    from tests.support.services import REDIS_URL
+
+    # Given a dead letter with an idempotency key, and a store (where the key is reopened) out of reach
+    record = dead_letter(sink, oid)
+    proxy = TcpProxy(6379)
+    try:
+        store = REDIS_URL.replace("127.0.0.1:6379", f"127.0.0.1:{proxy.port}")
+        app = type(celery_app)("replay-cut", set_as_current=False)
+        app.conf.update(broker_url=celery_app.conf.broker_url, task_default_queue=celery_app.conf.task_default_queue)
+        app.conf.guardrails = {**celery_app.conf.guardrails, "store": store}
+        app.tasks.register(tasks.charge)  # the task, published through this app
+        proxy.cut()
+        # When it is replayed
+        result = replay_dead_letters([record.pk], app=app)
+        # Then nothing is published and the record is open again, saying why
+        assert result.replayed == [] and "publishing failed" in result.skipped[0][1]
+        assert DeadLetter.objects.get(pk=record.pk).status == "open"
+        # And once the store is back, the replay goes through
+        proxy.restore()
+        assert len(replay_dead_letters([record.pk], app=app).replayed) == 1
+    finally:
+        proxy.close()
