@@ -129,3 +129,34 @@ def test_a_budget_admission_cut_away_spends_no_attempt(
     report = result.get(timeout=TIMEOUT)
     assert report["attempt"] == 1 and len(sink.items()) == 1
     assert {r["class"] for r in report["history"]} == {"store_unavailable"}
+
+
+def test_the_redis_dead_letter_sink_cut_the_failure_is_recorded_once_when_it_is_back(
+    celery_app: Any, proxy: TcpProxy, queue_name: str, sink: Sink, tmp_path: Path
+) -> None:
+    from tests.celery_guardrails.guardrails.test_retries import dead_letter_of
+
+    # Given a worker whose dead-letter sink (a Redis stream) is reached through the proxy, cut
+    url = REDIS_URL.replace("127.0.0.1:6379", f"127.0.0.1:{proxy.port}")
+    env = proj_env(queue=queue_name, GUARDRAILS_TEST_GUARDRAILS=json.dumps({"dead_letter_sinks": [url]}))
+    proxy.cut()
+    with WorkerProcess(app=PROJ_APP, queue=queue_name, log_path=tmp_path / "worker.log", env=env) as worker:
+        # When a task fails for good
+        result = tasks.behave.delay(sink.key, ["permanent"])
+        # Then its dead letter is not recorded yet, and the message is kept (published again), not acked away
+        wait_for("the failed write logged", lambda: "dead letter not recorded" in worker.log)
+        proxy.restore()
+        # And once the sink is back, it is recorded, once; the body did not run again
+        wait_for("the dead letter", lambda: _recorded(celery_app, result.id))
+        assert len(sink.items()) == 1
+    assert dead_letter_of(celery_app, result.id)["reason"] == "permanent"
+
+
+def _recorded(app: Any, task_id: str) -> bool:
+    from tests.celery_guardrails.guardrails.test_retries import dead_letter_of
+
+    try:
+        dead_letter_of(app, task_id)
+    except AssertionError:
+        return False
+    return True

@@ -90,3 +90,26 @@ def test_database_cut_at_the_completion_rolls_the_effect_back_and_the_message_co
     assert Effect.objects.filter(key=key).count() == 1
     row = IdempotencyKey.objects.get(key=f"tests.proj.django_tasks.write_effect:-:effect:{key}")
     assert row.state == "completed"
+
+
+def test_database_cut_while_an_atomic_body_runs_commits_its_effect_once_later(
+    worker: WorkerProcess, proxy: TcpProxy, sink: Sink
+) -> None:
+    from django_celery_guardrails.models import IdempotencyKey
+
+    key = uuid.uuid4().hex
+    gate = f"{sink.key}:gate"
+    # Given a keyed atomic task running (its effect written, uncommitted), whose database goes away: the
+    # heartbeat cannot renew its lease, and its transaction is lost
+    result = django_tasks.write_effect.delay(key, sink.key, gate=gate)
+    sink.wait(1)
+    proxy.cut()
+    wait_for("a heartbeat failed", lambda: "heartbeat failed" in worker.log)
+    # When the database is back and the body returns
+    proxy.restore()
+    sink.client.rpush(gate, "go")
+    # Then its first transaction is gone, and the message, back later, committed the effect once
+    assert result.get(timeout=TIMEOUT) == "written"
+    assert Effect.objects.filter(key=key).count() == 1
+    row = IdempotencyKey.objects.get(key=f"tests.proj.django_tasks.write_effect:-:effect:{key}")
+    assert row.state == "completed"

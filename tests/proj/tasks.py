@@ -247,6 +247,15 @@ def scheduled_job(
     )
 
 
+@shared_task(base=GuardedTask, bind=True, idempotency_key="retry:{order_id}")
+def retry_keyed(self: GuardedTask, order_id: int, sink: str) -> dict[str, Any]:
+    """A keyed task whose first run asks for a retry itself (``self.retry``)."""
+    runs = redis.Redis.from_url(REDIS_URL).incr(f"{sink}:runs")
+    if runs == 1:
+        raise self.retry(countdown=0.2)
+    return seen(self, sink, run=runs, history=self.request.attempt_history)
+
+
 @shared_task(base=GuardedTask, bind=True, idempotency_key="poison:{order_id}", owner="ops")
 def kill_my_worker_keyed(self: GuardedTask, order_id: int, marker: str) -> str:
     """Claims its key, then SIGKILLs its own worker process, every time (a poison message with a key)."""

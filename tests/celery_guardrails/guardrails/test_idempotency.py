@@ -247,3 +247,16 @@ def test_sigkill_mid_body_redelivery_takes_over_the_expired_lease(
     assert effects(sink) == 2
     assert f"took over key tests.proj.tasks.charge:-:charge:{oid}" in second.log
     assert get_store(celery_app).inspect(f"tests.proj.tasks.charge:-:charge:{oid}")["state"] == "completed"
+
+
+def test_a_manual_retry_of_a_keyed_task_releases_its_claim(celery_worker: Any, celery_app: Any, sink: Sink) -> None:
+    # Given a keyed task (a 60 s lease) whose first run calls self.retry(countdown=0.2)
+    celery_app.conf.guardrails = {**celery_app.conf.guardrails, "idempotency_lease": 60.0}
+    oid = random.randrange(10**9)
+    # When it runs
+    report = tasks.retry_keyed.delay(oid, sink.key).get(timeout=TIMEOUT)
+    # Then the retry found the key free (released before it was published): it ran at once, with no wait
+    # behind the first run's lease and no takeover, its history saying only that the body asked for a retry
+    assert report["run"] == 2
+    assert [r["class"] for r in report["history"]] == ["manual"]
+    assert get_store(celery_app).inspect(f"tests.proj.tasks.retry_keyed:-:retry:{oid}")["state"] == "completed"
