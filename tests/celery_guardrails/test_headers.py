@@ -156,8 +156,8 @@ def test_a_thousand_fuzzed_headers_each_run_or_become_one_dead_letter(
     import json
     import random
 
-    from tests.celery_guardrails.guardrails.test_retries import dead_letter_of
     from tests.conftest import waiting_messages
+    from tests.support.dead_letters import dead_letter_of
     from tests.support.waiting import wait_for
     from tests.support.workers import PROJ_APP, WorkerProcess, proj_env
 

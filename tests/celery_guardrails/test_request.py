@@ -11,9 +11,9 @@ from typing import Any
 
 import pytest
 
-from tests.celery_guardrails.guardrails.test_retries import dead_letter_of
 from tests.conftest import Sink, unacked, waiting_messages
 from tests.proj import tasks
+from tests.support.dead_letters import dead_letter_of, has_dead_letter
 from tests.support.messages import publish_raw
 from tests.support.waiting import wait_for
 from tests.support.workers import PROJ_APP, WorkerProcess, proj_env
@@ -69,7 +69,7 @@ def test_a_task_killed_by_its_hard_time_limit_is_a_dead_letter(
     # When the pool kills it, Then it is a dead letter time_limit (before Celery acks it), and the worker goes on
     with pytest.raises(Exception, match=r"TimeLimitExceeded|Time limit"):
         result.get(timeout=60)
-    wait_for("the dead letter", lambda: _has_dead_letter(celery_app, result.id))
+    wait_for("the dead letter", lambda: has_dead_letter(celery_app, result.id))
     record = dead_letter_of(celery_app, result.id)
     assert (record["reason"], record["attempts"]) == ("time_limit", 1)
     assert record["history"][-1]["rule"] == "time_limit"
@@ -85,11 +85,3 @@ def test_an_idempotent_task_killed_by_its_hard_time_limit_is_retried(worker: Wor
     report = result.get(timeout=10)
     assert (report["run"], report["attempt"]) == (2, 2)
     assert [r["rule"] for r in report["history"]] == ["time_limit"]
-
-
-def _has_dead_letter(app: Any, task_id: str) -> bool:
-    try:
-        dead_letter_of(app, task_id)
-    except AssertionError:
-        return False
-    return True

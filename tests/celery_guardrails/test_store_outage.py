@@ -19,6 +19,7 @@ import pytest
 from celery_guardrails.stores.redis import RedisStore
 from tests.conftest import Sink
 from tests.proj import tasks
+from tests.support.dead_letters import dead_letter_of, has_dead_letter
 from tests.support.proxy import TcpProxy
 from tests.support.services import REDIS_URL, require
 from tests.support.waiting import wait_for
@@ -58,6 +59,22 @@ def key_of(oid: int) -> str:
     return f"tests.proj.tasks.charge:-:charge:{oid}"
 
 
+def charging_at_a_gate(oid: int, sink: Sink) -> tuple[Any, str]:
+    """A keyed charge whose body made its effect and waits at a gate (a Redis list): (its result, the gate)."""
+    gate = f"{sink.key}:gate"
+    result = tasks.charge.delay(oid, sink.key, gate=gate)
+    sink.wait(1)
+    return result, gate
+
+
+def completed_once(result: Any, oid: int, sink: Sink) -> None:
+    """The charge ran once, its key is completed, and a duplicate gets its result without running."""
+    assert result.get(timeout=TIMEOUT) == f"charged {oid}"
+    wait_for("the key completed", lambda: RedisStore(REDIS_URL).inspect(key_of(oid))["state"] == "completed")  # type: ignore[index]
+    assert tasks.charge.delay(oid, sink.key).get(timeout=TIMEOUT) == f"charged {oid}"
+    assert effects(sink) == 1 and [r["run"] for r in sink.items()] == [1]
+
+
 def test_store_cut_at_the_claim_the_message_comes_back_and_runs_once(
     worker: WorkerProcess, proxy: TcpProxy, sink: Sink, oid: int
 ) -> None:
@@ -80,41 +97,29 @@ def test_store_cut_during_the_heartbeat_the_run_completes_once(
     worker: WorkerProcess, proxy: TcpProxy, sink: Sink, oid: int
 ) -> None:
     # Given a keyed task running (held at a gate), and its store cut: its heartbeats fail
-    gate = f"{sink.key}:gate"
-    result = tasks.charge.delay(oid, sink.key, gate=gate)
-    sink.wait(1)
+    result, gate = charging_at_a_gate(oid, sink)
     proxy.cut()
     wait_for("a heartbeat failed", lambda: "heartbeat failed" in worker.log)
     # When the store is back and the body returns
     proxy.restore()
     sink.client.rpush(gate, "go")
     # Then the run completes, once
-    assert result.get(timeout=TIMEOUT) == f"charged {oid}"
-    assert effects(sink) == 1
-    wait_for("the key completed", lambda: RedisStore(REDIS_URL).inspect(key_of(oid))["state"] == "completed")  # type: ignore[index]
-    # And a duplicate is skipped with the summary
-    assert tasks.charge.delay(oid, sink.key).get(timeout=TIMEOUT) == f"charged {oid}"
-    assert effects(sink) == 1
+    completed_once(result, oid, sink)
 
 
 def test_store_cut_at_the_completion_the_worker_completes_it_when_the_store_is_back(
     worker: WorkerProcess, proxy: TcpProxy, sink: Sink, oid: int
 ) -> None:
     # Given a keyed task whose body makes its effect, then waits at a gate
-    gate = f"{sink.key}:gate"
-    result = tasks.charge.delay(oid, sink.key, gate=gate)
-    sink.wait(1)
+    result, gate = charging_at_a_gate(oid, sink)
     # When the store is cut just as the body returns
     proxy.cut()
     sink.client.rpush(gate, "go")
     # Then the worker does not run the body again: it keeps asking the store to complete the key
     wait_for("the completion retried", lambda: "not completed yet" in worker.log)
     proxy.restore()
-    assert result.get(timeout=TIMEOUT) == f"charged {oid}"
-    wait_for("the key completed", lambda: RedisStore(REDIS_URL).inspect(key_of(oid))["state"] == "completed")  # type: ignore[index]
-    # And the effect happened once; a duplicate is skipped
-    assert tasks.charge.delay(oid, sink.key).get(timeout=TIMEOUT) == f"charged {oid}"
-    assert effects(sink) == 1 and [r["run"] for r in sink.items()] == [1]
+    # And the effect happened once; the key is completed; a duplicate is skipped
+    completed_once(result, oid, sink)
 
 
 def test_a_budget_admission_cut_away_spends_no_attempt(
@@ -134,8 +139,6 @@ def test_a_budget_admission_cut_away_spends_no_attempt(
 def test_the_redis_dead_letter_sink_cut_the_failure_is_recorded_once_when_it_is_back(
     celery_app: Any, proxy: TcpProxy, queue_name: str, sink: Sink, tmp_path: Path
 ) -> None:
-    from tests.celery_guardrails.guardrails.test_retries import dead_letter_of
-
     # Given a worker whose dead-letter sink (a Redis stream) is reached through the proxy, cut
     url = REDIS_URL.replace("127.0.0.1:6379", f"127.0.0.1:{proxy.port}")
     env = proj_env(queue=queue_name, GUARDRAILS_TEST_GUARDRAILS=json.dumps({"dead_letter_sinks": [url]}))
@@ -147,16 +150,6 @@ def test_the_redis_dead_letter_sink_cut_the_failure_is_recorded_once_when_it_is_
         wait_for("the failed write logged", lambda: "dead letter not recorded" in worker.log)
         proxy.restore()
         # And once the sink is back, it is recorded, once; the body did not run again
-        wait_for("the dead letter", lambda: _recorded(celery_app, result.id))
+        wait_for("the dead letter", lambda: has_dead_letter(celery_app, result.id))
         assert len(sink.items()) == 1
     assert dead_letter_of(celery_app, result.id)["reason"] == "permanent"
-
-
-def _recorded(app: Any, task_id: str) -> bool:
-    from tests.celery_guardrails.guardrails.test_retries import dead_letter_of
-
-    try:
-        dead_letter_of(app, task_id)
-    except AssertionError:
-        return False
-    return True

@@ -49,6 +49,24 @@ def worker(celery_app: Any, proxy: TcpProxy, queue_name: str, tmp_path: Path) ->
         yield process  # type: ignore[misc]
 
 
+def writing_at_a_gate(sink: Sink) -> tuple[str, Any, str]:
+    """A keyed atomic task that wrote its effect (uncommitted) and waits at a gate: (key, result, gate)."""
+    key, gate = uuid.uuid4().hex, f"{sink.key}:gate"
+    result = django_tasks.write_effect.delay(key, sink.key, gate=gate)
+    sink.wait(1)
+    return key, result, gate
+
+
+def committed_once(result: Any, key: str) -> None:
+    """The task succeeded, its effect committed once, its key completed."""
+    from django_celery_guardrails.models import IdempotencyKey
+
+    assert result.get(timeout=TIMEOUT) == "written"
+    assert Effect.objects.filter(key=key).count() == 1
+    row = IdempotencyKey.objects.get(key=f"tests.proj.django_tasks.write_effect:-:effect:{key}")
+    assert row.state == "completed"
+
+
 def test_database_cut_at_the_claim_the_message_comes_back_and_runs_once(
     worker: WorkerProcess, proxy: TcpProxy, sink: Sink
 ) -> None:
@@ -72,44 +90,28 @@ def test_database_cut_at_the_claim_the_message_comes_back_and_runs_once(
 def test_database_cut_at_the_completion_rolls_the_effect_back_and_the_message_commits_it_once_later(
     worker: WorkerProcess, proxy: TcpProxy, sink: Sink
 ) -> None:
-    from django_celery_guardrails.models import IdempotencyKey
-
-    key = uuid.uuid4().hex
-    gate = f"{sink.key}:gate"
     # Given a keyed atomic task that wrote its effect (uncommitted) and waits at a gate
-    result = django_tasks.write_effect.delay(key, sink.key, gate=gate)
-    sink.wait(1)
+    key, result, gate = writing_at_a_gate(sink)
     # When the database goes away before the transaction commits the effect with the completion mark
     proxy.cut()
     sink.client.rpush(gate, "go")
     wait_for("the outage logged", lambda: "the guardrails store is unavailable" in worker.log)
     proxy.restore()
     # Then the first effect was rolled back with its completion, and the message, back later, committed both
-    assert result.get(timeout=TIMEOUT) == "written"
+    committed_once(result, key)
     assert [r["run"] for r in sink.items()] == [1, 2]
-    assert Effect.objects.filter(key=key).count() == 1
-    row = IdempotencyKey.objects.get(key=f"tests.proj.django_tasks.write_effect:-:effect:{key}")
-    assert row.state == "completed"
 
 
 def test_database_cut_while_an_atomic_body_runs_commits_its_effect_once_later(
     worker: WorkerProcess, proxy: TcpProxy, sink: Sink
 ) -> None:
-    from django_celery_guardrails.models import IdempotencyKey
-
-    key = uuid.uuid4().hex
-    gate = f"{sink.key}:gate"
     # Given a keyed atomic task running (its effect written, uncommitted), whose database goes away: the
     # heartbeat cannot renew its lease, and its transaction is lost
-    result = django_tasks.write_effect.delay(key, sink.key, gate=gate)
-    sink.wait(1)
+    key, result, gate = writing_at_a_gate(sink)
     proxy.cut()
     wait_for("a heartbeat failed", lambda: "heartbeat failed" in worker.log)
     # When the database is back and the body returns
     proxy.restore()
     sink.client.rpush(gate, "go")
     # Then its first transaction is gone, and the message, back later, committed the effect once
-    assert result.get(timeout=TIMEOUT) == "written"
-    assert Effect.objects.filter(key=key).count() == 1
-    row = IdempotencyKey.objects.get(key=f"tests.proj.django_tasks.write_effect:-:effect:{key}")
-    assert row.state == "completed"
+    committed_once(result, key)

@@ -102,6 +102,15 @@ def test_budget_policy_fail_ends_with_retry_budget_exhausted(
     assert budget_status(dependency, app=celery_app)["exhausted"] is True
 
 
+def fail_twice(sink: Sink, dependency: str) -> None:
+    """Two runs of ``dependency`` that fail transiently, with no retries left."""
+    for i in range(2):
+        with pytest.raises(Exception, match="failed"):
+            tasks.behave.apply_async((f"{sink.key}:{i}", ["transient"]), dependency=dependency, max_attempts=1).get(
+                timeout=30
+            )
+
+
 def test_circuit_opens_defers_first_attempts_and_closes_after_a_probe(
     celery_worker: Any, celery_app: Any, sink: Sink, received: Any
 ) -> None:
@@ -118,11 +127,7 @@ def test_circuit_opens_defers_first_attempts_and_closes_after_a_probe(
     deferred = received(signals.retry_deferred)
     dependency = f"dep-{uuid.uuid4().hex[:8]}"
     # When two tasks fail transiently (no retries left), the circuit opens
-    for i in range(2):
-        with pytest.raises(Exception, match="failed"):
-            tasks.behave.apply_async((f"{sink.key}:{i}", ["transient"]), dependency=dependency, max_attempts=1).get(
-                timeout=30
-            )
+    fail_twice(sink, dependency)
     # (its outcome is recorded by on_failure, which Celery calls after it stores the result: waited for)
     wait_for("the circuit opened", lambda: opened)
     assert budget_status(dependency, app=celery_app)["circuit"] == "open"
@@ -153,13 +158,16 @@ def open_circuit(celery_app: Any, sink: Sink, dependency: str, clock: list[float
         "clock": lambda: clock[0],
         **settings,
     }
-    for i in range(2):
-        with pytest.raises(Exception, match="failed"):
-            tasks.behave.apply_async((f"{sink.key}:{i}", ["transient"]), dependency=dependency, max_attempts=1).get(
-                timeout=30
-            )
+    fail_twice(sink, dependency)
     wait_for("the circuit open", lambda: budget_status(dependency, app=celery_app)["circuit"] == "open")
     clock[0] += 2.0
+
+
+def a_healthy_call_probes_and_closes_it(celery_app: Any, sink: Sink, dependency: str) -> None:
+    """A call that succeeds goes through at once (no deferral in its history) and closes the circuit."""
+    report = tasks.behave.apply_async((f"{sink.key}:ok", ["ok"]), dependency=dependency).get(timeout=30)
+    assert report["history"] == []
+    wait_for("the circuit closed", lambda: budget_status(dependency, app=celery_app)["circuit"] == "closed")
 
 
 @pytest.mark.parametrize(
@@ -176,11 +184,9 @@ def test_a_probe_that_ends_without_a_word_about_the_dependency_does_not_wedge_th
     probe = tasks.behave.apply_async((f"{sink.key}:probe", script), dependency=dependency)
     with contextlib.suppress(PermanentError):
         probe.get(timeout=30)
-    # When a healthy call comes next (the clock has not moved: no probe timeout helped)
-    report = tasks.behave.apply_async((f"{sink.key}:ok", ["ok"]), dependency=dependency).get(timeout=30)
-    # Then it went through at once, as the next probe, and closed the circuit
-    assert report["history"] == []
-    wait_for("the circuit closed", lambda: budget_status(dependency, app=celery_app)["circuit"] == "closed")
+    # When a healthy call comes next (the clock has not moved: no probe timeout helped), Then it goes through
+    # at once, as the next probe, and closes the circuit
+    a_healthy_call_probes_and_closes_it(celery_app, sink, dependency)
 
 
 def test_a_duplicate_skipped_is_no_success_for_the_breaker(
@@ -197,9 +203,7 @@ def test_a_duplicate_skipped_is_no_success_for_the_breaker(
     wait_for("the duplicate skipped", lambda: skipped)
     # Then the circuit is still half-open (the probe's slot released, not a success), and the next call probes
     assert budget_status(dependency, app=celery_app)["circuit"] == "half_open"
-    report = tasks.behave.apply_async((f"{sink.key}:ok", ["ok"]), dependency=dependency).get(timeout=30)
-    assert report["history"] == []
-    wait_for("the circuit closed", lambda: budget_status(dependency, app=celery_app)["circuit"] == "closed")
+    a_healthy_call_probes_and_closes_it(celery_app, sink, dependency)
 
 
 def test_a_probe_killed_with_its_worker_is_given_up_after_the_probe_timeout(
@@ -217,11 +221,7 @@ def test_a_probe_killed_with_its_worker_is_given_up_after_the_probe_timeout(
     celery_app.conf.guardrails = {**celery_app.conf.guardrails, **settings, "clock": file_clock_of(clock_file)}
     dependency = f"dep-{uuid.uuid4().hex[:8]}"
     with WorkerProcess(app=PROJ_APP, queue=queue_name, log_path=tmp_path / "worker.log", env=env) as worker:
-        for i in range(2):
-            with pytest.raises(Exception, match="failed"):
-                tasks.behave.apply_async((f"{sink.key}:{i}", ["transient"]), dependency=dependency, max_attempts=1).get(
-                    timeout=30
-                )
+        fail_twice(sink, dependency)
         wait_for("the circuit open", lambda: budget_status(dependency, app=celery_app)["circuit"] == "open")
         set_file_clock(clock_file, file_clock_of(clock_file)() + 2.0)
         # When the probe's worker process is killed mid-run (the probe never reports), and it comes back

@@ -11,9 +11,9 @@ import random
 from pathlib import Path
 from typing import Any
 
-from tests.celery_guardrails.guardrails.test_retries import dead_letter_of
 from tests.conftest import Sink, unacked, waiting_messages
 from tests.proj import tasks
+from tests.support.dead_letters import dead_letter_of
 from tests.support.waiting import wait_for
 from tests.support.workers import PROJ_APP, WorkerProcess, proj_env
 

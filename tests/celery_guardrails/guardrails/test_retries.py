@@ -14,6 +14,7 @@ from celery import group
 from celery_guardrails import PermanentError, TransientError, signals, tenant_context
 from tests.conftest import Sink
 from tests.proj import tasks
+from tests.support.dead_letters import dead_letter_of
 
 TIMEOUT = 30
 
@@ -176,21 +177,6 @@ def test_a_task_that_is_not_idempotent_is_retried_when_the_connection_was_refuse
     # Then it was retried, and the retry succeeded
     assert [r["run"] for r in runs(sink)] == [1, 2]
     assert [r["rule"] for r in report["history"]] == ["http:transport"]
-
-
-def dead_letter_of(app: Any, task_id: str) -> dict[str, Any]:
-    """The task's dead letter in the Redis stream sink (the embedded worker's sink)."""
-    import json
-
-    from celery_guardrails.dead_letters import STREAM
-    from celery_guardrails.stores import get_store
-
-    client = get_store(app).client  # type: ignore[attr-defined]
-    for _, entry in client.xrevrange(STREAM, count=1000):
-        record = json.loads(entry[b"record"])
-        if record["task_id"] == task_id:
-            return dict(record)
-    raise AssertionError(f"no dead letter for {task_id}")
 
 
 def test_retry_later_consumes_no_attempt_and_keeps_the_tenant(celery_worker: Any, sink: Sink) -> None:

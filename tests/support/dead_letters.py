@@ -1,0 +1,27 @@
+"""Dead letters in the Redis stream sink (the sink of workers without Django), as a test reads them."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from celery_guardrails.dead_letters import STREAM
+from celery_guardrails.stores import get_store
+
+
+def dead_letter_of(app: Any, task_id: str) -> dict[str, Any]:
+    """The record of ``task_id`` in the stream of ``app``'s store; AssertionError when there is none."""
+    client = get_store(app).client  # type: ignore[attr-defined]
+    for _, entry in client.xrevrange(STREAM, count=2000):
+        record = json.loads(entry[b"record"])
+        if record["task_id"] == task_id:
+            return dict(record)
+    raise AssertionError(f"no dead letter for {task_id}")
+
+
+def has_dead_letter(app: Any, task_id: str) -> bool:
+    try:
+        dead_letter_of(app, task_id)
+    except AssertionError:
+        return False
+    return True
