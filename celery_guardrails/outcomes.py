@@ -103,9 +103,22 @@ def republish(
     message_headers = {**(request.headers or {}), headers.HEADER: header}
     # max_retries: the guardrails count attempts themselves; Celery's own limit must not interfere.
     retry: BaseException = task.retry(
-        exc=exc, countdown=max(0.0, countdown), max_retries=request.retries + 1, headers=message_headers, throw=False
+        exc=exc,
+        countdown=min(max(0.0, countdown), longest_countdown(task.app)),
+        max_retries=request.retries + 1,
+        headers=message_headers,
+        throw=False,
     )
     return retry
+
+
+def longest_countdown(app: Any) -> float:
+    """The longest countdown a re-published message may have: on a Redis broker, nine tenths of its
+    ``visibility_timeout`` (a message held by a worker for longer is delivered to another one as well: kombu
+    takes it for lost); elsewhere no bound."""
+    if not str(app.conf.broker_url or "").startswith(("redis://", "rediss://")):
+        return float("inf")
+    return 0.9 * float((app.conf.broker_transport_options or {}).get("visibility_timeout", 3600))
 
 
 def store_unavailable(task: Any, exc: BaseException) -> BaseException:
