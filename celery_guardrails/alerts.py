@@ -109,7 +109,7 @@ def send(
         if channel == "log":
             logger.error("ALERT for %s: %s %s", owner or "nobody", subject, json.dumps(payload, default=str))
         elif channel == "mail":
-            SENDER.submit(f"mail of {subject!r}", _mail, app, owner, subject, payload)
+            _mail(app, owner, subject, payload)
         elif channel == "webhook":
             for url in app_value(app, "alert_webhooks"):
                 SENDER.submit(f"webhook {url} of {subject!r}", _post, url, payload, app_value(app, "alert_timeout"))
@@ -185,6 +185,8 @@ def _drain(**_: Any) -> None:
 
 
 def _mail(app: Any, owner: str | None, subject: str, payload: dict[str, Any]) -> None:
+    """Work out the mail here (who gets it, or why nobody does); only the sending goes to the sender thread,
+    which may run while the process stops (no imports there)."""
     if not _django_configured():
         # The default channels include mail; a deployment without Django has nothing to send it with.
         logger.warning("No Django settings: alert '%s' not mailed (remove 'mail' from alert_channels)", subject)
@@ -197,12 +199,13 @@ def _mail(app: Any, owner: str | None, subject: str, payload: dict[str, Any]) ->
     if not recipients:
         logger.warning("No address for owner %s and no ADMINS: alert '%s' not mailed", owner, subject)
         return
-    send_mail(
+    mail = (
         f"[guardrails] {subject}",
         json.dumps(payload, indent=2, default=str),
         getattr(settings, "SERVER_EMAIL", None),
         recipients,
     )
+    SENDER.submit(f"mail of {subject!r}", send_mail, *mail)
 
 
 def _django_configured() -> bool:

@@ -58,12 +58,16 @@ class GuardedRequest(Request):  # type: ignore[misc]
                 retried = _time_limit_reached(self, timeout)
             except Exception:  # Celery's own handling goes on whatever became of ours
                 logger.exception("Task %s[%s]: its hard time limit could not be handed over", self.name, self.id)
-        super().on_timeout(soft, timeout)  # stores FAILURE, calls on_failure, acks
-        if retried:  # the result of a task that is tried again says so (it said FAILURE for a moment)
-            try:
-                self.task.backend.mark_as_retry(self.id, TimeLimitExceeded(timeout), request=self._context)
-            except Exception:
-                logger.warning("Task %s[%s]: its result could not be set to RETRY", self.name, self.id, exc_info=True)
+        # A task tried again already says RETRY (stored before the retry was published, so that the retry's own
+        # result is never overwritten): Celery must not store FAILURE over it.
+        self._guardrails_retried = retried
+        super().on_timeout(soft, timeout)  # stores FAILURE (unless retried), calls on_failure, acks
+
+    @property
+    def store_errors(self) -> bool:
+        if getattr(self, "_guardrails_retried", False):
+            return False
+        return bool(super().store_errors)
 
 
 def _number(value: Any) -> bool:
@@ -168,6 +172,7 @@ def _time_limit_reached(request: Any, timeout: float) -> bool:
                 if retry_is_safe(task, call) and attempt < resolve(task, "max_attempts", call):
                     record = attempt_record(task, kind="transient", rule=TIME_LIMIT, exc=exc, delay=0.0)
                     logger.warning("Task %s[%s] killed by its time limit; retrying", task.name, request.id)
+                    task.backend.mark_as_retry(request.id, exc, request=context)
                     republish(task, countdown=0.0, exc=exc, header=headers.with_record(header, record, attempt=attempt))
                     return True
                 record = attempt_record(task, kind="permanent", rule=TIME_LIMIT, exc=exc)
