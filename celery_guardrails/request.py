@@ -9,7 +9,9 @@ task hook, and what ``GuardedTask`` makes of them.
   letter cannot be written, the message is given back to the broker instead.
 * **A hard time limit.** The pool kills the process running the task; Celery marks it FAILURE and acks it.
   Here, first, the failure is handed over as any final failure is (a dead letter ``time_limit``), or, for a
-  task that may run again (idempotent, keyed, or ``retry_unsafe``) with attempts left, a retry is published.
+  task that may run again (idempotent, keyed, or ``retry_unsafe``) with attempts left, a retry is published
+  (not for a chord's part or a task with errbacks: Celery's handling of the kill still runs and would report
+  the failure to them).
   The claim the killed process held is taken over at once by the next delivery on this host (its process is
   gone), and a breaker probe it held is given up after ``circuit_probe_timeout``.
 
@@ -169,7 +171,10 @@ def _time_limit_reached(request: Any, timeout: float) -> bool:
                 attempt = headers.counter(header, headers.ATTEMPT) + 1
                 context.attempt, context.attempt_history = attempt, headers.history(header)
                 call = task.call_options()
-                if retry_is_safe(task, call) and attempt < resolve(task, "max_attempts", call):
+                # Not inside a chord or with errbacks: Celery's own handling of the kill, which still runs, would
+                # count the chord part failed and call the errbacks while the retry goes on.
+                plain = not getattr(context, "chord", None) and not getattr(context, "errbacks", None)
+                if plain and retry_is_safe(task, call) and attempt < resolve(task, "max_attempts", call):
                     record = attempt_record(task, kind="transient", rule=TIME_LIMIT, exc=exc, delay=0.0)
                     logger.warning("Task %s[%s] killed by its time limit; retrying", task.name, request.id)
                     task.backend.mark_as_retry(request.id, exc, request=context)
