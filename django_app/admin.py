@@ -135,7 +135,10 @@ class DeadLetterAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
             "verb": verb,
             "opts": self.model._meta,
             "action_checkbox_name": helpers.ACTION_CHECKBOX_NAME,
-            "select_across": request.POST.get("select_across"),
+            # The change list always posts select_across, "0" unless "select all" was chosen: a non-empty
+            # string is not the answer (read as true, it made an action on one row act on every row).
+            "select_across": request.POST.get("select_across") == "1",
+            "selected": request.POST.getlist(helpers.ACTION_CHECKBOX_NAME),
         }
         return TemplateResponse(request, "admin/guardrails/deadletter/confirm_action.html", context)
 

@@ -207,3 +207,25 @@ def test_a_replay_whose_store_is_out_of_reach_leaves_the_record_open(
         assert len(replay_dead_letters([record.pk], app=app).replayed) == 1
     finally:
         proxy.close()
+
+
+def test_an_action_on_one_selected_row_of_four_changes_that_row_only(celery_worker: Any, sink: Sink, oid: int) -> None:
+    # Given four open dead letters
+    records = [dead_letter(Sink.of(f"{sink.key}:{i}"), oid + i) for i in range(4)]
+    client = Client()
+    client.force_login(user_with("discard_deadletter"))
+    changelist = reverse("admin:guardrails_deadletter_changelist")
+    # When one row is ticked and discarded, as the change list posts it (select_across is "0")
+    form = {"action": "discard_selected", "_selected_action": [records[1].pk], "select_across": "0", "index": "0"}
+    confirm = client.post(changelist, form)
+    assert b"(1 record)" in confirm.content and b'name="select_across" value="0"' in confirm.content
+    client.post(changelist, {**form, "post": "yes"})
+    # Then that record only is discarded
+    statuses = {r.pk: r.status for r in DeadLetter.objects.filter(pk__in=[r.pk for r in records])}
+    assert statuses == {r.pk: "discarded" if r is records[1] else "open" for r in records}
+    # And with "select all" chosen, every record the filter shows
+    every = {**form, "select_across": "1", "_selected_action": [records[0].pk]}
+    client.post(f"{changelist}?status=open", {**every, "post": "yes"})
+    assert set(DeadLetter.objects.filter(pk__in=[r.pk for r in records]).values_list("status", flat=True)) == {
+        "discarded"
+    }
