@@ -84,3 +84,90 @@ def test_core_imports_no_django(tmp_path: Path) -> None:
         cwd=tmp_path,
     )
     assert out.strip() == "[]"
+
+
+FRESH_APP = """
+import os
+from celery import Celery
+from celery_guardrails import GuardedTask, tenant_context
+
+url = os.environ["FRESH_REDIS_URL"]
+app = Celery("fresh", broker=url, backend=url)
+app.conf.task_default_queue = os.environ["FRESH_QUEUE"]
+app.conf.guardrails = {"store": url, "dead_letter_sinks": ["redis"]}
+
+
+@app.task(base=GuardedTask, bind=True, idempotency_key="double:{n}", name="fresh.double")
+def double(self, n):
+    return {"n": n * 2, "tenant": self.request.get("guardrails", {}).get("tenant")}
+"""
+
+FRESH_CLIENT = """
+import sys
+from fresh import double, tenant_context
+with tenant_context("acme"):
+    result = double.delay(int(sys.argv[1]))
+print(result.get(timeout=60))
+"""
+
+
+def test_the_documented_extras_are_enough_for_a_guarded_worker_on_redis(tmp_path: Path, queue_name: str) -> None:
+    import os
+    import signal
+    import uuid
+
+    from tests.support.services import REDIS_URL, require
+
+    require("redis")
+    # Given the wheel installed with only the extras the README names for a Django project on Redis, into a
+    # fresh venv, from the package index (nothing from this environment)
+    run(sys.executable, "-m", "build", "--wheel", "--outdir", tmp_path / "dist", ROOT, cwd=tmp_path)
+    (wheel,) = (tmp_path / "dist").glob("celery_guardrails-*.whl")
+    venv = tmp_path / "venv"
+    run(sys.executable, "-m", "venv", venv, cwd=tmp_path)
+    run(venv / "bin" / "python", "-m", "pip", "install", "-q", f"{wheel}[django,redis]", cwd=tmp_path)
+    (tmp_path / "fresh.py").write_text(FRESH_APP)
+    (tmp_path / "client.py").write_text(FRESH_CLIENT)
+    env = {
+        "PATH": f"{venv / 'bin'}:{os.environ['PATH']}",
+        "PYTHONPATH": str(tmp_path),
+        "FRESH_REDIS_URL": REDIS_URL,
+        "FRESH_QUEUE": queue_name,
+    }
+    # When a worker of a guarded task starts on Redis
+    log = tmp_path / "worker.log"
+    with log.open("wb") as out:
+        worker = subprocess.Popen(
+            [
+                venv / "bin" / "celery",
+                "-A",
+                "fresh",
+                "worker",
+                "-P",
+                "solo",
+                "-l",
+                "INFO",
+                "-n",
+                f"fresh-{uuid.uuid4().hex[:6]}@%h",
+            ],
+            cwd=tmp_path,
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    try:
+        # Then a keyed task published with a tenant runs there, and its result comes back
+        done = subprocess.run(
+            [venv / "bin" / "python", "client.py", "21"],
+            cwd=tmp_path,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert done.returncode == 0, done.stdout + done.stderr + log.read_text(errors="replace")
+        assert done.stdout.strip() == "{'n': 42, 'tenant': 'acme'}"
+    finally:
+        os.killpg(worker.pid, signal.SIGTERM)
+        worker.wait(30)
