@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -50,17 +51,25 @@ def cpu_load(cores: int) -> Iterator[None]:
 
 
 def run_pass(name: str, run: int, out: Path) -> tuple[int, float]:
-    """One pass of the suite; (exit status, seconds)."""
+    """One pass of the suite; (exit status, seconds). Stopped (Ctrl-C, SIGTERM), it stops the whole pass with
+    it: a pass left running would drop the test database under the next hunt's feet."""
     report = out / f"run-{run}-{name}.xml"
     started = time.monotonic()
     with (out / f"run-{run}-{name}.log").open("wb") as log:
-        status = subprocess.call(
+        make = subprocess.Popen(
             ["make", "--no-print-directory", f"test-{name}", f"PYTEST_ARGS=--junitxml={report} -p no:cacheprovider"],
             cwd=ROOT,
             stdout=log,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
+            start_new_session=True,
         )
+        try:
+            status = make.wait()
+        finally:
+            if make.poll() is None:
+                os.killpg(make.pid, signal.SIGTERM)
+                make.wait()
     return status, time.monotonic() - started
 
 
@@ -75,7 +84,13 @@ def failures_in(report: Path) -> Iterator[tuple[str, str]]:
             yield test, (problem.get("message") or "") + "\n" + (problem.text or "")
 
 
+def _interrupted(*_: object) -> None:
+    """SIGTERM as Ctrl-C: the pass and the busy loops under way are stopped on the way out."""
+    raise KeyboardInterrupt
+
+
 def main() -> int:
+    signal.signal(signal.SIGTERM, _interrupted)
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--runs", type=int, default=5, help="how many times to run the suite (default 5)")
     parser.add_argument(
