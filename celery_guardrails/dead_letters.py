@@ -8,8 +8,10 @@ Sinks (``dead_letter_sinks``, in order, all of them must succeed):
   (``XADD``, one JSON field ``record``), for deployments without Django. The stream keeps about the newest
   :data:`STREAM_MAXLEN` entries; the entry and its per-task marker are written by one script.
 
-Arguments are redacted first (:mod:`celery_guardrails.redaction`). Recording is idempotent per task id: a
-message recorded and then delivered again (its worker died before the ack) does not make a second record.
+Arguments are redacted first (:mod:`celery_guardrails.redaction`); with ``seal_keys`` set, the originals
+travel with the record only as a sealed copy (:mod:`celery_guardrails.sealing`), for replay. Recording is
+idempotent per task id: a message recorded and then delivered again (its worker died before the ack) does
+not make a second record.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from celery_guardrails.exceptions import StoreError, StoreUnavailableError
 from celery_guardrails.options import app_value, resolve
 from celery_guardrails.redaction import redact, redact_arguments
+from celery_guardrails.sealing import sealer_for
 from celery_guardrails.stores import django_apps_installed, store_url
 
 if TYPE_CHECKING:
@@ -101,7 +104,20 @@ def record_fields(task: Any, failure: FinalFailure) -> dict[str, Any]:
             "owner": failure.owner or "",
         }
     )
+    fields["sealed"] = _sealed(task, failure)
     return fields
+
+
+def _sealed(task: Any, failure: FinalFailure) -> str:
+    """The failure's sealed copy ("" without seal keys). A seal that cannot be made never costs the record."""
+    try:
+        sealer = sealer_for(task.app)
+        if sealer is None:
+            return ""
+        return sealer.seal(args=failure.args, kwargs=failure.kwargs, header=failure.header) or ""
+    except Exception:
+        logger.exception("Dead letter of %s[%s] recorded without a sealed copy", failure.task_name, failure.task_id)
+        return ""
 
 
 def minimal(fields: dict[str, Any], error: BaseException) -> dict[str, Any]:
@@ -116,6 +132,7 @@ def minimal(fields: dict[str, Any], error: BaseException) -> dict[str, Any]:
         "header": {},
         "history": [],
         "traceback": "",
+        "sealed": "",
         "exc_message": storable(note + str(fields.get("exc_message", ""))[:300]),
     }
 
@@ -139,10 +156,11 @@ class DjangoSink:
     def _write(fields: dict[str, Any]) -> bool:
         from django.db import DatabaseError, transaction
 
-        from django_celery_guardrails.models import DeadLetter
+        from django_celery_guardrails.models import DeadLetter, SealedMessage
         from django_celery_guardrails.store import failure
 
         values = {**fields}
+        sealed = values.pop("sealed", "")
         for name in ("first_failed_at", "last_failed_at"):
             values[name] = datetime.fromisoformat(values[name])
         for column in DeadLetter._meta.concrete_fields:  # a value longer than its column is cut, not refused
@@ -151,7 +169,9 @@ class DjangoSink:
                 values[column.name] = value[: column.max_length]
         try:
             with transaction.atomic():  # a refused INSERT leaves the caller's transaction usable
-                _, created = DeadLetter.objects.get_or_create(task_id=values.pop("task_id"), defaults=values)
+                record, created = DeadLetter.objects.get_or_create(task_id=values.pop("task_id"), defaults=values)
+                if created and sealed:  # in the record's transaction: a record never misses its sealed copy
+                    SealedMessage.objects.create(dead_letter=record, token=sealed)
         except DatabaseError as exc:
             raise failure("record a dead letter", exc) from exc
         return bool(created)

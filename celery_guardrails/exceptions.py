@@ -15,6 +15,7 @@ Every exception the extension raises derives from one root, :class:`GuardrailsEr
     ├── PoisonMessageError      a message whose runs kept killing their worker, dead-lettered unrun
     ├── DeadLetteredError       a message whose dead letter was recorded late (its sinks had been down)
     ├── DuplicateOfFailureError a duplicate of a message whose key failed for good: not run, it fails too
+    ├── SealError               a dead letter's sealed copy cannot be made or opened (no key, wrong keys)
     └── StoreError              the guardrails store (Redis or the Django database) refused an operation
         └── StoreUnavailableError   ... because it cannot be reached (refused, timed out, went away): an
                                     infrastructure fault, never the message's; the message comes back later
@@ -155,3 +156,8 @@ class DeadLetteredError(GuardrailsError):
 
     def __str__(self) -> str:
         return f"dead-lettered ({self.reason}): {self.exc_type}: {self.exc_message}"
+
+
+class SealError(GuardrailsError):
+    """A dead letter's sealed copy could not be made or opened: no ``seal_keys``, none of them opens it, or the
+    cryptography package is missing. The message never holds the sealed content or a key."""

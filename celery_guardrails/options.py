@@ -152,6 +152,26 @@ def _sinks(value: Any) -> list[str] | None:
     return list(names)
 
 
+def _fernet_keys(value: Any) -> tuple[str, ...]:
+    import base64
+    import binascii
+
+    keys = [value] if isinstance(value, str) else value
+    if not isinstance(keys, list | tuple):
+        raise ValueError(f"must be a list of Fernet keys (the first seals, every one opens), got {value!r:.20}")
+    for number, key in enumerate(keys, start=1):
+        try:  # never echo a key: the message names its place in the list only
+            valid = isinstance(key, str) and len(base64.urlsafe_b64decode(key.encode())) == 32
+        except (binascii.Error, ValueError):
+            valid = False
+        if not valid:
+            raise ValueError(
+                f"key {number} is not a Fernet key (32 url-safe base64-encoded bytes; make one with "
+                "cryptography.fernet.Fernet.generate_key())"
+            )
+    return tuple(keys)
+
+
 def _header_names(value: Any) -> tuple[str, ...]:
     if isinstance(value, str) or not all(isinstance(v, str) and v for v in value):
         raise ValueError(f"must be a list of HTTP header names, got {value!r:.80}")
@@ -518,6 +538,16 @@ OPTIONS: Mapping[str, Option] = {
             doc="Key-name fragments (case-insensitive) whose values are replaced before a dead letter is stored.",
             check=_header_names,
             scopes=frozenset({TASK, APP}),
+        ),
+        Option(
+            name="seal_keys",
+            default=(),
+            doc="Fernet keys that seal the original arguments and header of each dead letter for replay (the "
+            "record itself shows them redacted). The first seals, every one opens: to rotate, put a new key first, "
+            "run `manage.py guardrails_deadletters reseal`, then drop the old one. Empty: no sealed copies, and a "
+            "record with redacted arguments cannot be replayed. Needs the cryptography package.",
+            check=_fernet_keys,
+            scopes=frozenset({APP}),
         ),
         Option(
             name="alert_channels",

@@ -4,8 +4,10 @@ schedule-health page, see :mod:`django_celery_guardrails.health`).
 Every action that changes records checks its own permission (``guardrails.replay_deadletter``,
 ``discard_deadletter``, ``resolve_deadletter``; 403 without it), asks for confirmation first, writes one
 LogEntry per record and reports with ``message_user``, the way Django's ``delete_selected`` does; the work
-itself lives in :mod:`django_celery_guardrails.replay` and :func:`close_dead_letters`, which tests call
-directly. "Select all N" in the change list applies an action to everything the current filter matches.
+itself lives in :mod:`django_celery_guardrails.replay` and :func:`~.maintenance.close_dead_letters`, which
+tests call directly. "Select all N" in the change list applies an action to everything the current filter
+matches. "Edit and replay" fixes one record's tenant or arguments before replaying it. Records and internal
+tables are read only (no Add, no Save); replay is offered only to users who may replay.
 """
 
 from __future__ import annotations
@@ -20,10 +22,9 @@ from django.core.paginator import Paginator
 from django.db import connection
 from django.db.models import QuerySet
 from django.http import HttpRequest, HttpResponse
-from django.shortcuts import get_object_or_404
+from django.shortcuts import get_object_or_404, redirect
 from django.template.response import TemplateResponse
 from django.urls import path, reverse
-from django.utils import timezone
 from django.utils.functional import cached_property
 from django.utils.html import format_html, format_html_join
 from django.utils.http import urlencode
@@ -32,8 +33,10 @@ from celery_guardrails.exceptions import ConfigurationError
 from celery_guardrails.stores import store_url
 
 from . import health
-from .models import DeadLetter, DependencyState, IdempotencyKey, ScheduledRun
-from .replay import replay_dead_letters
+from .forms import EditAndReplayForm
+from .maintenance import close_dead_letters
+from .models import DeadLetter, DependencyState, IdempotencyKey, ScheduledRun, SealedMessage
+from .replay import Refused, ReplayResult, plan, replay_dead_letters, replay_with_changes
 
 
 class EstimatedCountPaginator(Paginator):  # type: ignore[type-arg]
@@ -53,11 +56,17 @@ class EstimatedCountPaginator(Paginator):  # type: ignore[type-arg]
         return super().count
 
 
-def close_dead_letters(queryset: QuerySet[DeadLetter], status: str, *, user: Any = None) -> int:
-    """Mark open records discarded or resolved (a conditional update: only open ones); how many changed."""
-    return queryset.filter(status=DeadLetter.Status.OPEN).update(
-        status=status, handled_by=getattr(user, "username", "") or "", handled_at=timezone.now()
-    )
+def _refusal(record: DeadLetter) -> str:
+    """Why a replay of ``record`` would be refused ("" when it would go through)."""
+    try:
+        plan(record)
+    except Refused as why:
+        return str(why)
+    return ""
+
+
+def _changed_keys(before: dict[str, Any], after: dict[str, Any]) -> list[str]:
+    return sorted(k for k in before.keys() | after.keys() if before.get(k, object()) != after.get(k, object()))
 
 
 @admin.register(DeadLetter)
@@ -80,6 +89,9 @@ class DeadLetterAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
 
     def has_add_permission(self, request: HttpRequest) -> bool:
         return False  # dead letters are recorded by workers, never typed in
+
+    def has_change_permission(self, request: HttpRequest, obj: DeadLetter | None = None) -> bool:
+        return False  # every field is read only: no Save button; the actions check their own permissions
 
     def has_replay_permission(self, request: HttpRequest) -> bool:
         return request.user.has_perm("guardrails.replay_deadletter")
@@ -153,13 +165,20 @@ class DeadLetterAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
         return None
 
     def _replay(self, request: HttpRequest, queryset: QuerySet[DeadLetter]) -> None:
-        result = replay_dead_letters(queryset, user=request.user)
+        self._report(request, replay_dead_letters(queryset, user=request.user))
+
+    def _report(self, request: HttpRequest, result: ReplayResult, changes: str = "") -> None:
         for record in DeadLetter.objects.filter(pk__in=[pk for pk, _ in result.replayed]):
-            self.log_change(request, record, f"Replayed as task {record.replayed_task_id}")
+            self.log_change(request, record, f"Replayed as task {record.replayed_task_id}{changes}")
         if result.replayed:
             self.message_user(request, f"Replayed {len(result.replayed)} dead letter(s).", messages.SUCCESS)
+        # One message per reason, not per record: replaying 500 records of a task that is gone says so once.
+        refused: dict[str, list[int]] = {}
         for pk, why in result.skipped:
-            self.message_user(request, f"Dead letter {pk} not replayed: {why}", messages.WARNING)
+            refused.setdefault(why, []).append(pk)
+        for why, pks in refused.items():
+            shown = ", ".join(map(str, pks[:20])) + (f" and {len(pks) - 20} more" if len(pks) > 20 else "")
+            self.message_user(request, f"{len(pks)} dead letter(s) not replayed ({shown}): {why}", messages.WARNING)
 
     def _close(self, request: HttpRequest, queryset: QuerySet[DeadLetter], status: str, verb: str) -> None:
         ids = list(queryset.filter(status=DeadLetter.Status.OPEN).values_list("pk", flat=True))
@@ -190,7 +209,52 @@ class DeadLetterAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
 
     def get_urls(self) -> list[Any]:
         replay = self.admin_site.admin_view(self.replay_view)
-        return [path("<int:pk>/replay/", replay, name="guardrails_deadletter_replay"), *super().get_urls()]
+        edit = self.admin_site.admin_view(self.edit_and_replay_view)
+        return [
+            path("<int:pk>/replay/", replay, name="guardrails_deadletter_replay"),
+            path("<int:pk>/edit-and-replay/", edit, name="guardrails_deadletter_edit_and_replay"),
+            *super().get_urls(),
+        ]
+
+    def change_view(
+        self, request: HttpRequest, object_id: str, form_url: str = "", extra_context: dict[str, Any] | None = None
+    ) -> HttpResponse:
+        # The Replay and Edit-and-replay buttons are shown only to users who may use them.
+        context = {**(extra_context or {}), "may_replay": self.has_replay_permission(request)}
+        return super().change_view(request, object_id, form_url, context)
+
+    def edit_and_replay_view(self, request: HttpRequest, pk: int) -> HttpResponse:
+        """Fix one record (tenant, arguments) and replay it: one LogEntry names what changed, never values."""
+        if not self.has_replay_permission(request):
+            raise PermissionDenied
+        record = get_object_or_404(DeadLetter, pk=pk)
+        initial = {"tenant": record.tenant, "args": record.args, "kwargs": record.kwargs}
+        form = EditAndReplayForm(request.POST if request.method == "POST" else None, initial=initial)
+        if request.method == "POST" and form.is_valid():
+            tenant = form.cleaned_data["tenant"] or None
+            args = form.cleaned_data["args"] if form.cleaned_data["args"] != record.args else None
+            kwargs = form.cleaned_data["kwargs"] if form.cleaned_data["kwargs"] != record.kwargs else None
+            if tenant == record.tenant:
+                tenant = None
+            changes = [
+                *([f"tenant {record.tenant!r} -> {tenant!r}"] if tenant else []),
+                *(["arguments"] if args is not None else []),
+                *([f"keyword arguments ({', '.join(_changed_keys(record.kwargs, kwargs))})"] if kwargs else []),
+            ]
+            result = replay_with_changes(pk, user=request.user, tenant=tenant, args=args, kwargs=kwargs)
+            self._report(request, result, f"; changed {', '.join(changes)}" if changes else "")
+            if result.replayed:
+                return redirect(reverse("admin:guardrails_deadletter_change", args=[pk]))
+        context = {
+            **self.admin_site.each_context(request),
+            "title": f"Edit and replay {record.task_name}[{record.task_id}]",
+            "record": record,
+            "form": form,
+            "sealed": SealedMessage.objects.filter(dead_letter_id=record.pk).exists(),
+            "refusal": _refusal(record),
+            "opts": self.model._meta,
+        }
+        return TemplateResponse(request, "admin/guardrails/deadletter/edit_and_replay.html", context)
 
     def replay_view(self, request: HttpRequest, pk: int) -> HttpResponse:
         if not self.has_replay_permission(request):
@@ -199,8 +263,6 @@ class DeadLetterAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
         queryset = DeadLetter.objects.filter(pk=pk)
         if request.method == "POST" and request.POST.get("post"):
             self._replay(request, queryset)
-            from django.shortcuts import redirect
-
             return redirect(reverse("admin:guardrails_deadletter_change", args=[pk]))
         context = {
             **self.admin_site.each_context(request),
@@ -210,6 +272,7 @@ class DeadLetterAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
             "action": "",
             "verb": "replay this dead letter",
             "record": record,
+            "refusal": _refusal(record),
             "opts": self.model._meta,
         }
         return TemplateResponse(request, "admin/guardrails/deadletter/confirm_action.html", context)
@@ -224,11 +287,26 @@ class IdempotencyKeyAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
     show_full_result_count = False
     paginator = EstimatedCountPaginator
 
+    def get_queryset(self, request: HttpRequest) -> QuerySet[IdempotencyKey]:
+        return super().get_queryset(request).of_tasks()  # type: ignore[attr-defined,no-any-return]
+
+    def has_add_permission(self, request: HttpRequest) -> bool:
+        return False  # keys are claimed by workers; one typed in would make a task skip its work
+
+    def has_change_permission(self, request: HttpRequest, obj: IdempotencyKey | None = None) -> bool:
+        return False  # to look at (and delete: a key deleted by hand lets its task run again)
+
 
 @admin.register(DependencyState)
 class DependencyStateAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
     list_display = ("dependency", "circuit", "failures", "retries_current", "first_current", "updated_at")
     readonly_fields = [f.name for f in DependencyState._meta.fields]
+
+    def has_add_permission(self, request: HttpRequest) -> bool:
+        return False  # rows are made by the breakers and budgets that need them
+
+    def has_change_permission(self, request: HttpRequest, obj: DependencyState | None = None) -> bool:
+        return False
 
 
 @admin.register(ScheduledRun)

@@ -1,8 +1,12 @@
-"""Housekeeping shared by the management commands and the beat task."""
+"""Housekeeping and record handling shared by the admin, the management commands and the beat task."""
 
 from __future__ import annotations
 
 from datetime import UTC, datetime, timedelta
+from typing import Any
+
+from django.db.models import QuerySet
+from django.utils import timezone
 
 from celery_guardrails.ledger import RETENTION
 from celery_guardrails.options import OPTIONS, django_settings
@@ -34,4 +38,13 @@ def prune(*, older_than: float | None = None, now: datetime | None = None, dry_r
     }
     if dry_run:
         return {name: queryset.count() for name, queryset in found.items()}
-    return {name: queryset.delete()[0] for name, queryset in found.items()}
+    # Counted by table: a dead letter's sealed copy goes with it, and is not a record of its own.
+    return {name: queryset.delete()[1].get(queryset.model._meta.label, 0) for name, queryset in found.items()}
+
+
+def close_dead_letters(queryset: QuerySet[DeadLetter], status: str, *, user: Any = None, by: str = "") -> int:
+    """Mark open records discarded or resolved (a conditional update: only open ones); how many changed.
+    ``by`` names who did it when there is no ``user`` (a command)."""
+    return queryset.filter(status=DeadLetter.Status.OPEN).update(
+        status=status, handled_by=getattr(user, "username", "") or by, handled_at=timezone.now()
+    )

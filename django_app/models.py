@@ -275,6 +275,36 @@ class DeadLetter(models.Model):
         return f"{self.task_name}[{self.task_id}] {self.reason} ({self.status})"
 
 
+class SealedMessage(models.Model):
+    """The original arguments and header of one dead letter, encrypted with ``seal_keys`` (see
+    :mod:`celery_guardrails.sealing`): only a replay opens it. Deleted with its record."""
+
+    dead_letter = models.OneToOneField(
+        DeadLetter,
+        on_delete=models.CASCADE,
+        primary_key=True,
+        related_name="sealed",
+        verbose_name=_("dead letter"),
+        help_text=_("The record this is the sealed original of."),
+    )
+    token = models.TextField(
+        _("sealed copy"), help_text=_("Fernet token of the original arguments and header (JSON); never shown.")
+    )
+    sealed_at = models.DateTimeField(
+        _("sealed at"), auto_now=True, help_text=_("When it was sealed, or sealed again with a newer key.")
+    )
+    dead_letter_id: int
+
+    objects: models.Manager[SealedMessage] = models.Manager()
+
+    class Meta:
+        verbose_name = _("sealed message")
+        verbose_name_plural = _("sealed messages")
+
+    def __str__(self) -> str:
+        return f"sealed copy of dead letter {self.dead_letter_id}"
+
+
 class DeliveryCounter(models.Model):
     """Starts of a redelivered message that never finished (poison-message protection)."""
 

@@ -142,3 +142,64 @@ def test_the_schedule_health_page(schedules: None, live_server: Any, browser: An
     # Then each schedule is a row with its state as a word
     states = page.locator("table#schedule-health tbody .health-state").all_inner_texts()
     assert states == ["ok", "missed", "failing", "overdue", "running", "never run", "missed", "no policy"]
+
+
+@pytest.fixture
+def four_dead_letters(celery_worker: Any, sink: Sink) -> list[DeadLetter]:
+    """Four real open dead letters (charge refused once; a replay succeeds) and an admin user, written before
+    the browser starts (see ``schedules``)."""
+    first = uuid.uuid4().int % 10**9
+    results = []
+    with tenant_context("acme"):
+        for n in range(4):
+            results.append(tasks.charge.apply_async((first + n, f"{sink.key}:{n}", ["permanent", "ok"])))
+    for result in results:
+        with pytest.raises(Exception, match="card refused"):
+            result.get(timeout=30)
+    User.objects.create_superuser("admin", "admin@example.com", "pw-for-tests")
+    return [DeadLetter.objects.get(task_id=result.id) for result in results]
+
+
+ACTIONS = {"discard_selected": "discarded", "resolve_selected": "resolved", "replay_selected": "replayed"}
+
+
+@pytest.mark.parametrize("action", list(ACTIONS))
+def test_an_action_on_one_ticked_row_of_four_changes_that_row_only_and_select_all_changes_all(
+    four_dead_letters: list[DeadLetter], live_server: Any, browser: Any, action: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from django_celery_guardrails.admin import DeadLetterAdmin
+
+    records = four_dead_letters
+    ids = [record.pk for record in records]
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    page = browser.new_page()
+    page.goto(f"{live_server.url}/admin/login/?next=/admin/guardrails/deadletter/?status__exact=open")
+    page.fill("#id_username", "admin")
+    page.fill("#id_password", "pw-for-tests")
+    page.click("input[type=submit]")
+    page.wait_for_url("**/admin/guardrails/deadletter/**")
+
+    def run(action: str) -> None:
+        page.select_option("select[name=action]", action)
+        page.click("button[name=index]")
+        page.wait_for_selector("#confirm")
+        page.screenshot(path=str(ARTIFACTS / f"7-{action}-confirm.png"), full_page=True)
+        page.click("#confirm")
+        page.wait_for_selector("ul.messagelist")
+
+    # When the operator ticks the second of four rows and runs the action
+    page.check(f"input.action-select[value='{records[1].pk}']")
+    run(action)
+    # Then that record only changed
+    statuses = dict(DeadLetter.objects.filter(pk__in=ids).values_list("pk", "status"))
+    assert statuses == {pk: ACTIONS[action] if pk == records[1].pk else "open" for pk in ids}
+    # When, two rows a page, they tick the page and choose "Select all 3" of the open ones
+    monkeypatch.setattr(DeadLetterAdmin, "list_per_page", 2)
+    page.goto(f"{live_server.url}/admin/guardrails/deadletter/?status__exact=open")
+    page.check("#action-toggle")
+    page.click("div.actions span.question a")
+    run(action)
+    # Then every open record changed, the one on the second page too
+    statuses = dict(DeadLetter.objects.filter(pk__in=ids).values_list("pk", "status"))
+    connection.close()  # the ORM's connection in Playwright's thread (see above)
+    assert statuses == {pk: ACTIONS[action] for pk in ids}

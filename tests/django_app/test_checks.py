@@ -23,3 +23,10 @@ def test_unknown_key_is_an_error_naming_it() -> None:
 def test_missing_middleware_is_a_warning(settings) -> None:  # type: ignore[no-untyped-def]
     settings.MIDDLEWARE = [m for m in settings.MIDDLEWARE if "guardrails" not in m]
     assert ids() == ["guardrails.W001"]
+
+
+def test_no_seal_keys_is_a_warning(settings) -> None:  # type: ignore[no-untyped-def]
+    # Given settings without seal_keys
+    settings.CELERY_GUARDRAILS = {k: v for k, v in settings.CELERY_GUARDRAILS.items() if k != "seal_keys"}
+    # Then the checks warn that redacted records cannot be replayed
+    assert ids() == ["guardrails.W002"]

@@ -154,7 +154,7 @@ def test_replay_command(celery_worker: Any, sink: Sink, oid: int) -> None:
     assert f"would replay {record.pk}: tests.proj.tasks.charge[{record.task_id}] permanent" in out.getvalue()
     out = StringIO()
     call_command("guardrails_replay", "--task", "tests.proj.tasks.charge", "--since", "1h", stdout=out)
-    assert "Replayed 1 dead letter(s); skipped 0." in out.getvalue()
+    assert "Replayed 1 dead letter(s); refused 0." in out.getvalue()
     assert DeadLetter.objects.get(pk=record.pk).status == "replayed"
 
 

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from cryptography.fernet import Fernet
 from django.db import connection
 
 from tests.conftest import Sink
@@ -25,6 +26,7 @@ from tests.testapp.models import Effect
 
 pytestmark = pytest.mark.django_db(transaction=True)
 TIMEOUT = 60
+SEAL_KEY = Fernet.generate_key().decode()
 
 
 @pytest.fixture
@@ -43,7 +45,9 @@ def worker(celery_app: Any, proxy: TcpProxy, queue_name: str, tmp_path: Path) ->
         queue=queue_name,
         django=True,
         GUARDRAILS_TEST_DB_PORT=str(proxy.port),
-        GUARDRAILS_TEST_GUARDRAILS=json.dumps({"store": "django", "dead_letter_sinks": ["django"]}),
+        GUARDRAILS_TEST_GUARDRAILS=json.dumps(
+            {"store": "django", "dead_letter_sinks": ["django"], "seal_keys": [SEAL_KEY]}
+        ),
     )
     with WorkerProcess(app=PROJ_APP, queue=queue_name, log_path=tmp_path / "worker.log", env=env) as process:
         yield process  # type: ignore[misc]
@@ -115,3 +119,29 @@ def test_database_cut_while_an_atomic_body_runs_commits_its_effect_once_later(
     sink.client.rpush(gate, "go")
     # Then its first transaction is gone, and the message, back later, committed the effect once
     committed_once(result, key)
+
+
+def test_database_cut_while_a_sealed_dead_letter_is_recorded_it_is_recorded_once_with_its_seal_later(
+    worker: WorkerProcess, proxy: TcpProxy, sink: Sink
+) -> None:
+    from django_celery_guardrails.models import DeadLetter, SealedMessage
+    from tests.proj import tasks
+
+    # Given a task with a secret, refused by its provider, holding at a gate before it fails
+    secret, gate = f"tok-{uuid.uuid4().hex}", f"{sink.key}:gate"
+    result = tasks.sync_account.apply_async((sink.key, sink.key), {"api_token": secret, "gate": gate}, tenant="t1")
+    sink.wait(1)
+    # When the database goes away just before its dead letter (and sealed copy) is written
+    proxy.cut()
+    sink.client.rpush(gate, "go")
+    wait_for("the record deferred", lambda: "dead letter not recorded" in worker.log)
+    proxy.restore()
+    # Then, once it is back, one record and one sealed copy are written; the body ran once
+    record = wait_for("the record", lambda: DeadLetter.objects.filter(task_id=result.id).first())
+    assert record.kwargs["api_token"] == "[redacted]" and len(sink.items()) == 1
+    sealed = SealedMessage.objects.get(dead_letter=record)
+    assert secret not in sealed.token and secret not in repr(list(DeadLetter.objects.values()))
+    # And the sealed copy holds the real token for a replay
+    from celery_guardrails.sealing import Sealer
+
+    assert Sealer(keys=[SEAL_KEY]).open(sealed.token)["kwargs"]["api_token"] == secret

@@ -270,3 +270,25 @@ def kill_my_worker_keyed(self: GuardedTask, order_id: int, marker: str) -> str:
 def plain_add(x: int, y: int) -> int:
     """A plain Celery task (no guardrails), for what must refuse one."""
     return x + y
+
+
+@shared_task(base=GuardedTask, bind=True, idempotency_key="sync:{account}", backoff_base=0.05)
+def sync_account(
+    self: GuardedTask,
+    account: str,
+    sink: str,
+    *,
+    api_token: str,
+    options: dict[str, Any] | None = None,
+    gate: str | None = None,
+) -> str:
+    """Calls a provider with ``api_token`` (a secret: redacted from its dead letter). The provider refuses it
+    until ``<sink>:fixed`` is set (the cause fixed); each run reports the token and options it was given, then
+    waits for an item on the Redis list ``gate`` when given one."""
+    client = redis.Redis.from_url(REDIS_URL)
+    seen(self, sink, token=api_token, account=account, options=options, key=self.request.idempotency_key)
+    if gate and client.blpop([gate], timeout=120) is None:
+        raise RuntimeError(f"gate {gate} never opened")
+    if not client.exists(f"{sink}:fixed"):
+        raise PermanentError(f"provider refused account {account}")
+    return f"synced {account}"
