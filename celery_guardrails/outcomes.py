@@ -35,6 +35,23 @@ MISSING_TENANT = "missing_tenant"
 BAD_IDEMPOTENCY_KEY = "bad_idempotency_key"
 POISON = "poison"
 STORE_REFUSED = "store_refused"
+MALFORMED_MESSAGE = "malformed_message"
+TIME_LIMIT = "time_limit"
+#: Every reason a dead letter can give (the commands check ``--reason`` against it).
+REASONS = (
+    PERMANENT,
+    NOT_IDEMPOTENT,
+    ATTEMPTS_EXHAUSTED,
+    RETRY_LATER_EXHAUSTED,
+    RETRY_BUDGET_EXHAUSTED,
+    CIRCUIT_OPEN,
+    MISSING_TENANT,
+    BAD_IDEMPOTENCY_KEY,
+    POISON,
+    STORE_REFUSED,
+    MALFORMED_MESSAGE,
+    TIME_LIMIT,
+)
 
 #: Header field of a final failure whose dead letter could not be recorded yet (the message came back).
 PENDING_DEAD_LETTER = headers.PENDING_DEAD_LETTER

@@ -33,12 +33,10 @@ from celery.worker.request import Request
 
 from celery_guardrails import headers, signals
 from celery_guardrails.context import activate, deactivate
+from celery_guardrails.outcomes import MALFORMED_MESSAGE, TIME_LIMIT
 
 logger = logging.getLogger(__name__)
 
-#: Final-failure reasons of this module.
-MALFORMED_MESSAGE = "malformed_message"
-TIME_LIMIT = "time_limit"
 #: Tries (a second apart) at writing a malformed message's dead letter before giving the message back.
 RECORD_TRIES = 3
 

@@ -8,6 +8,7 @@ from typing import Any
 from django.db import models
 
 from celery_guardrails.ledger import OPEN
+from celery_guardrails.stores.base import INTERNAL_KEY_PREFIX
 
 
 class DependencyStateQuerySet(models.QuerySet[Any]):
@@ -19,8 +20,16 @@ class DependencyStateQuerySet(models.QuerySet[Any]):
 
 class IdempotencyKeyQuerySet(models.QuerySet[Any]):
     def finished_before(self, moment: datetime) -> models.QuerySet[Any]:
-        """Completed or failed keys whose retention has run out at ``moment``."""
-        return self.filter(state__in=["completed", "failed"], finished_at__lt=moment)
+        """Completed or failed keys whose retention has run out at ``moment``, and claims whose lease ran out
+        before it (their holder died long ago, and no delivery came back for them)."""
+        return self.filter(
+            models.Q(state__in=["completed", "failed"], finished_at__lt=moment)
+            | models.Q(state="claimed", lease_until__lt=moment)
+        )
+
+    def of_tasks(self) -> models.QuerySet[Any]:
+        """Keys of tasks, without the guardrails' own (the watchdog's turn, schedule slots)."""
+        return self.exclude(key__startswith=INTERNAL_KEY_PREFIX)
 
 
 class ProcessedMessageQuerySet(models.QuerySet[Any]):
@@ -33,8 +42,8 @@ class DeadLetterQuerySet(models.QuerySet[Any]):
         return self.filter(status="open")
 
     def closed_before(self, moment: datetime) -> models.QuerySet[Any]:
-        """Discarded or resolved records handled before ``moment`` (open ones are never pruned)."""
-        return self.filter(status__in=["discarded", "resolved"], handled_at__lt=moment)
+        """Replayed, discarded or resolved records handled before ``moment`` (open ones are never pruned)."""
+        return self.filter(status__in=["replayed", "discarded", "resolved"], handled_at__lt=moment)
 
 
 class ScheduledRunQuerySet(models.QuerySet[Any]):

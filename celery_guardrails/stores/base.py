@@ -30,6 +30,9 @@ from celery_guardrails.ledger import RunLedger
 CLOSED, OPEN, HALF_OPEN = "closed", "open", "half_open"
 #: Outcomes a run reports to its dependency's breaker.
 SUCCESS, FAILURE, RELEASE = "success", "failure", "release"
+#: Keys the guardrails claim for themselves (the watchdog's turn, a schedule's run slot) start with this; a
+#: task's keys start with its name.
+INTERNAL_KEY_PREFIX = "guardrails:"
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

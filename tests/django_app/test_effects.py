@@ -11,7 +11,7 @@ from django.db import transaction
 
 from django_celery_guardrails.effects import mark_processed, transition
 from django_celery_guardrails.maintenance import prune
-from django_celery_guardrails.models import DeadLetter, IdempotencyKey, ProcessedMessage, ScheduledRun
+from django_celery_guardrails.models import DeadLetter, IdempotencyKey, ProcessedMessage, ScheduledRun, SealedMessage
 from tests.testapp.models import Order
 
 pytestmark = pytest.mark.django_db
@@ -38,6 +38,8 @@ def test_prune_deletes_only_what_is_past_retention() -> None:
     IdempotencyKey.objects.create(key="old-failed", state="failed", finished_at=old)
     IdempotencyKey.objects.create(key="fresh", state="completed", finished_at=fresh)
     IdempotencyKey.objects.create(key="running", state="claimed", lease_until=now)
+    # a claim whose holder died 8 days ago and whose message never came back
+    IdempotencyKey.objects.create(key="abandoned", state="claimed", lease_until=old)
     ProcessedMessage.objects.create(key="p-old")
     ProcessedMessage.objects.filter(key="p-old").update(processed_at=old)
     letters = {
@@ -50,27 +52,30 @@ def test_prune_deletes_only_what_is_past_retention() -> None:
             status=status,
             handled_at=now - timedelta(days=100),
         )
-        for status in ("open", "resolved", "discarded")
+        for status in ("open", "resolved", "discarded", "replayed")
     }
+    # a closed record's sealed copy goes with it
+    SealedMessage.objects.create(dead_letter=letters["discarded"], token="sealed-token")
     # scheduled runs: two old records and a fresh one of one schedule; the only (old) record of another
     # schedule is its horizon and stays
     for schedule, age in (("nightly", 100), ("nightly", 95), ("nightly", 1), ("quarterly", 120)):
         ScheduledRun.objects.create(schedule=schedule, period=now - timedelta(days=age), status="ok")
     assert prune(dry_run=True) == {
-        "idempotency_keys": 2,
+        "idempotency_keys": 3,
         "processed_messages": 1,
-        "dead_letters": 2,
+        "dead_letters": 3,
         "scheduled_runs": 2,
     }
     out = StringIO()
     call_command("guardrails_prune", stdout=out)
     assert out.getvalue().strip() == (
-        "Deleted 2 idempotency key(s), 1 processed-message record(s), 2 closed dead letter(s) and 2 "
+        "Deleted 3 idempotency key(s), 1 processed-message record(s), 3 closed dead letter(s) and 2 "
         "scheduled-run record(s)."
     )
     assert sorted(ScheduledRun.objects.values_list("schedule", flat=True)) == ["nightly", "quarterly"]
     assert sorted(IdempotencyKey.objects.values_list("key", flat=True)) == ["fresh", "running"]
     assert list(DeadLetter.objects.values_list("pk", flat=True)) == [letters["open"].pk]  # open: never pruned
+    assert not SealedMessage.objects.exists()
     assert prune(older_than=3600) == {
         "idempotency_keys": 1,
         "processed_messages": 0,
@@ -89,3 +94,14 @@ def test_the_prune_task_for_beat() -> None:
         "dead_letters": 0,
         "scheduled_runs": 0,
     }
+
+
+def test_prune_takes_ages() -> None:
+    # Given a completed key finished three hours ago
+    IdempotencyKey.objects.create(key="3h", state="completed", finished_at=datetime.now(UTC) - timedelta(hours=3))
+    # When the command is asked for what is older than 4h, then 2h
+    for age, expected in (("4h", "Would delete 0 idempotency key(s)"), ("2h", "Would delete 1 idempotency key(s)")):
+        out = StringIO()
+        call_command("guardrails_prune", "--older-than", age, "--dry-run", stdout=out)
+        # Then the age is read in hours
+        assert out.getvalue().startswith(expected), out.getvalue()

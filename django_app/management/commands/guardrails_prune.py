@@ -1,4 +1,4 @@
-"""``manage.py guardrails_prune``: delete idempotency records past their retention (cron, Kubernetes, beat)."""
+"""``manage.py guardrails_prune``: delete records past their retention (cron, Kubernetes, beat)."""
 
 from __future__ import annotations
 
@@ -7,25 +7,28 @@ from typing import Any
 from django.core.management.base import BaseCommand, CommandParser
 
 from ...maintenance import prune
+from ..arguments import AGE_HELP, age
 
 
 class Command(BaseCommand):
     help = (
-        "Delete idempotency records, closed dead letters and old scheduled-run records past their retention "
-        "(never open dead letters)."
+        "Delete idempotency records (and claims whose lease ran out long ago), closed and replayed dead letters "
+        "and old scheduled-run records past their retention (never open dead letters)."
     )
 
     def add_arguments(self, parser: CommandParser) -> None:
         parser.add_argument(
             "--older-than",
-            type=float,
             default=None,
-            help="Seconds, for every table (default: idempotency_retention, 7 days; dead_letter_retention, 90 days).",
+            metavar="AGE",
+            help=f"One age for every table: {AGE_HELP} (default: idempotency_retention, 7 days; "
+            "dead_letter_retention, 90 days; the ledger's 90 days).",
         )
         parser.add_argument("--dry-run", action="store_true", help="Count what would be deleted; delete nothing.")
 
-    def handle(self, *args: Any, older_than: float | None, dry_run: bool, **options: Any) -> None:
-        counts = prune(older_than=older_than, dry_run=dry_run)
+    def handle(self, *args: Any, older_than: str | None, dry_run: bool, **options: Any) -> None:
+        seconds = None if older_than is None else age(older_than, option="--older-than").total_seconds()
+        counts = prune(older_than=seconds, dry_run=dry_run)
         verb = "Would delete" if dry_run else "Deleted"
         self.stdout.write(
             f"{verb} {counts['idempotency_keys']} idempotency key(s), {counts['processed_messages']} "

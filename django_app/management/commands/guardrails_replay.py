@@ -2,61 +2,74 @@
 
 from __future__ import annotations
 
-import re
-from datetime import datetime, timedelta
 from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError, CommandParser
-from django.utils import timezone
+
+from celery_guardrails.context import validate_tenant
+from celery_guardrails.exceptions import ContextError
+from celery_guardrails.outcomes import REASONS
 
 from ...models import DeadLetter
-from ...replay import replay_dead_letters
-
-
-def since(value: str) -> datetime:
-    """An ISO date/time, or an age such as 30m, 2h, 7d."""
-    match = re.fullmatch(r"(\d+)([smhd])", value)
-    if match:
-        amount, unit = int(match[1]), match[2]
-        return timezone.now() - timedelta(**{{"s": "seconds", "m": "minutes", "h": "hours", "d": "days"}[unit]: amount})
-    try:
-        moment = datetime.fromisoformat(value)
-    except ValueError:
-        raise CommandError(f"--since {value!r}: give an ISO date/time or an age like 30m, 2h, 7d") from None
-    return moment if timezone.is_aware(moment) else timezone.make_aware(moment)
+from ...replay import Refused, plan, replay_dead_letters
+from ..arguments import AGE_HELP, choice, since
 
 
 class Command(BaseCommand):
-    help = "Replay open dead letters (all of them, or those matching --task, --reason, --since)."
+    help = (
+        "Replay open dead letters (all of them, or those matching --task, --reason, --since). Exits 1 when a "
+        "record was refused (each is named on stderr with the reason)."
+    )
 
     def add_arguments(self, parser: CommandParser) -> None:
         parser.add_argument("--task", help="Only this task name.")
-        parser.add_argument("--reason", help="Only this reason (permanent, attempts_exhausted, poison, ...).")
-        parser.add_argument("--since", type=since, help="Only failures since: ISO date/time or age (2h, 7d).")
-        parser.add_argument("--dry-run", action="store_true", help="List what would be replayed; publish nothing.")
+        parser.add_argument("--reason", help=f"Only this reason: {', '.join(REASONS)}.")
+        parser.add_argument("--since", help=f"Only failures since an ISO date/time or {AGE_HELP}.")
+        parser.add_argument("--tenant", help="Replay them as this tenant (e.g. missing_tenant records).")
+        parser.add_argument(
+            "--dry-run", action="store_true", help="Say what would be replayed or refused; publish nothing."
+        )
 
-    def handle(
-        self, *args: Any, task: str | None, reason: str | None, since: datetime | None, dry_run: bool, **options: Any
-    ) -> None:
+    def handle(self, *args: Any, dry_run: bool, **options: Any) -> None:
         records = DeadLetter.objects.open()
-        if task:
-            records = records.filter(task_name=task)
-        if reason:
-            records = records.filter(reason=reason)
-        if since:
-            records = records.filter(last_failed_at__gte=since)
+        if options["task"]:
+            records = records.filter(task_name=options["task"])
+        if options["reason"]:
+            records = records.filter(reason=choice(options["reason"], REASONS, option="--reason"))
+        if options["since"]:
+            records = records.filter(last_failed_at__gte=since(options["since"], option="--since"))
+        tenant = options["tenant"] or None
+        if tenant is not None:
+            try:
+                validate_tenant(tenant)
+            except ContextError as exc:
+                raise CommandError(f"--tenant: {exc}") from None
         ids = list(records.order_by("pk").values_list("pk", flat=True))
-        if dry_run:
-            for record in DeadLetter.objects.filter(pk__in=ids).order_by("pk"):
-                self.stdout.write(f"would replay {record.pk}: {record.task_name}[{record.task_id}] {record.reason}")
-            self.stdout.write(f"{len(ids)} dead letter(s) would be replayed.")
-            return
-        replayed = skipped = 0
+        refused = self._dry_run(ids, tenant) if dry_run else self._replay(ids, tenant)
+        if refused:
+            raise CommandError(f"{refused} dead letter(s) {'would be ' if dry_run else ''}refused (reasons above)")
+
+    def _dry_run(self, ids: list[int], tenant: str | None) -> int:
+        refused = 0
+        for record in DeadLetter.objects.filter(pk__in=ids).order_by("pk"):
+            try:
+                plan(record, tenant=tenant)
+            except Refused as why:
+                refused += 1
+                self.stderr.write(f"would refuse {record.pk}: {record.task_name}[{record.task_id}]: {why}")
+                continue
+            self.stdout.write(f"would replay {record.pk}: {record.task_name}[{record.task_id}] {record.reason}")
+        self.stdout.write(f"{len(ids) - refused} dead letter(s) would be replayed, {refused} refused.")
+        return refused
+
+    def _replay(self, ids: list[int], tenant: str | None) -> int:
+        replayed = refused = 0
         for done, pk in enumerate(ids, start=1):
-            result = replay_dead_letters([pk])
+            result = replay_dead_letters([pk], tenant=tenant)
             replayed += len(result.replayed)
-            skipped += len(result.skipped)
+            refused += len(result.skipped)
             for record_id, why in result.skipped:
-                self.stderr.write(f"skipped {record_id}: {why}")
+                self.stderr.write(f"refused {record_id}: {why}")
             self.stdout.write(f"\r[{'#' * (20 * done // len(ids)):<20}] {done}/{len(ids)}", ending="")
-        self.stdout.write(f"\nReplayed {replayed} dead letter(s); skipped {skipped}.")
+        self.stdout.write(f"\nReplayed {replayed} dead letter(s); refused {refused}.")
+        return refused

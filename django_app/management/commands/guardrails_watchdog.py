@@ -11,10 +11,12 @@ import time
 from typing import Any
 
 from celery import current_app
-from django.core.management.base import BaseCommand, CommandParser
+from django.core.management.base import BaseCommand, CommandError, CommandParser
 
 from celery_guardrails.beat import moment
 from celery_guardrails.watchdog import check
+
+from ..arguments import AGE_HELP, age
 
 
 class Command(BaseCommand):
@@ -22,10 +24,19 @@ class Command(BaseCommand):
 
     def add_arguments(self, parser: CommandParser) -> None:
         parser.add_argument(
-            "--loop", type=float, default=None, metavar="SECONDS", help="Check again every SECONDS until stopped."
+            "--loop", default=None, metavar="AGE", help=f"Check again every AGE until stopped ({AGE_HELP})."
         )
 
-    def handle(self, *args: Any, loop: float | None, **options: Any) -> None:
+    def handle(self, *args: Any, loop: str | None, **options: Any) -> None:
+        every = None if loop is None else age(loop, option="--loop").total_seconds()
+        if every is not None and every <= 0:
+            raise CommandError(f"--loop {loop!r}: give a positive age")
+        try:
+            self._run(every)
+        except KeyboardInterrupt:  # Ctrl-C ends a --loop: a stop asked for, not an error
+            self.stdout.write("Stopped.")
+
+    def _run(self, every: float | None) -> None:
         app = current_app._get_current_object()
         while True:
             findings = check(app)
@@ -33,6 +44,6 @@ class Command(BaseCommand):
                 for schedule, period in found:
                     self.stdout.write(f"{kind}: {schedule} {moment(period):%Y-%m-%d %H:%M:%S}Z")
             self.stdout.write(f"Recorded {len(findings.missed)} missed and {len(findings.overdue)} overdue run(s).")
-            if loop is None:
+            if every is None:
                 return
-            time.sleep(loop)
+            time.sleep(every)

@@ -1,0 +1,147 @@
+"""``manage.py guardrails_deadletters``: dead letters from a shell (list, show, discard, resolve, reseal).
+
+``list`` and ``show`` print a table or, with ``--json``, JSON for scripts (arguments as recorded: redacted;
+a sealed copy is never printed). ``discard`` and ``resolve`` close open records, as the admin's actions do.
+``reseal`` seals every sealed copy again with the first of ``seal_keys`` (key rotation: put the new key
+first, run this, then drop the old key). Bad input is a one-line error and exit status 1.
+"""
+
+from __future__ import annotations
+
+import getpass
+import json
+from typing import Any
+
+from celery import current_app
+from django.core.management.base import BaseCommand, CommandError, CommandParser
+from django.core.serializers.json import DjangoJSONEncoder
+
+from celery_guardrails.exceptions import SealError
+from celery_guardrails.outcomes import REASONS
+from celery_guardrails.sealing import sealer_for
+
+from ...maintenance import close_dead_letters
+from ...models import DeadLetter, SealedMessage
+from ..arguments import AGE_HELP, choice, since
+
+#: Fields of a record in ``list`` (``show`` prints every field).
+LISTED = ("id", "task_name", "reason", "status", "owner", "tenant", "attempts", "last_failed_at", "task_id")
+STATUSES = [value for value, _ in DeadLetter.Status.choices]
+
+
+class Command(BaseCommand):
+    help = "List, show, discard or resolve dead letters; reseal their sealed copies after a key rotation."
+
+    def add_arguments(self, parser: CommandParser) -> None:
+        commands = parser.add_subparsers(dest="command", metavar="{list,show,discard,resolve,reseal}")
+        commands.required = True
+        listing = commands.add_parser("list", help="Records, newest failure first.")
+        listing.add_argument("--status", default="open", help=f"One of {', '.join(STATUSES)} or all (default open).")
+        listing.add_argument("--reason", help=f"Only this reason: {', '.join(REASONS)}.")
+        listing.add_argument("--task", help="Only this task name.")
+        listing.add_argument("--owner", help="Only this owner.")
+        listing.add_argument("--tenant", help="Only this tenant.")
+        listing.add_argument("--since", help=f"Only failures since an ISO date/time or {AGE_HELP}.")
+        listing.add_argument("--limit", default="50", help="At most this many records (default 50).")
+        listing.add_argument("--json", action="store_true", help="JSON lines, one record each.")
+        show = commands.add_parser("show", help="One record, every field.")
+        show.add_argument("id", help="The record's id.")
+        show.add_argument("--json", action="store_true", help="One JSON object.")
+        for name, verb in (("discard", "Discard"), ("resolve", "Mark resolved")):
+            closing = commands.add_parser(name, help=f"{verb} open records.")
+            closing.add_argument("ids", nargs="+", help="Record ids.")
+            closing.add_argument("--by", default="", help="Who did it (default: the shell user).")
+        commands.add_parser("reseal", help="Seal every sealed copy again with the first of seal_keys.")
+
+    def handle(self, *args: Any, command: str, **options: Any) -> None:
+        if command == "list":
+            self._list(options)
+        elif command == "show":
+            self._show(_id(options["id"]), as_json=options["json"])
+        elif command in ("discard", "resolve"):
+            self._close(command, [_id(value) for value in options["ids"]], options["by"] or _shell_user())
+        else:
+            self._reseal()
+
+    def _list(self, options: dict[str, Any]) -> None:
+        records = DeadLetter.objects.all()
+        status = choice(options["status"], [*STATUSES, "all"], option="--status")
+        if status != "all":
+            records = records.filter(status=status)
+        if options["reason"]:
+            records = records.filter(reason=choice(options["reason"], REASONS, option="--reason"))
+        for field in ("task", "owner", "tenant"):
+            if options[field]:
+                records = records.filter(**{"task_name" if field == "task" else field: options[field]})
+        if options["since"]:
+            records = records.filter(last_failed_at__gte=since(options["since"], option="--since"))
+        rows = list(records.order_by("-last_failed_at", "-pk").values(*LISTED)[: _count(options["limit"])])
+        if options["json"]:
+            for row in rows:
+                self.stdout.write(json.dumps(row, cls=DjangoJSONEncoder))
+            return
+        for row in rows:
+            self.stdout.write(
+                f"{row['id']:>8}  {row['last_failed_at']:%Y-%m-%d %H:%M:%S}  {row['status']:<9} "
+                f"{row['reason']:<22} {row['task_name']}[{row['task_id']}] owner={row['owner'] or '-'} "
+                f"tenant={row['tenant'] or '-'} attempts={row['attempts']}"
+            )
+        self.stdout.write(f"{len(rows)} record(s).")
+
+    def _show(self, pk: int, *, as_json: bool) -> None:
+        record = DeadLetter.objects.filter(pk=pk).values().first()
+        if record is None:
+            raise CommandError(f"no dead letter {pk}")
+        record["sealed"] = SealedMessage.objects.filter(dead_letter_id=pk).exists()
+        if as_json:
+            self.stdout.write(json.dumps(record, cls=DjangoJSONEncoder, indent=2))
+            return
+        for name, value in record.items():
+            shown = json.dumps(value, cls=DjangoJSONEncoder) if isinstance(value, dict | list) else value
+            self.stdout.write(f"{name}: {shown}")
+
+    def _close(self, command: str, ids: list[int], by: str) -> None:
+        missing = sorted(set(ids) - set(DeadLetter.objects.filter(pk__in=ids).values_list("pk", flat=True)))
+        if missing:
+            raise CommandError(f"no dead letter {', '.join(map(str, missing))}; nothing was changed")
+        status = DeadLetter.Status.DISCARDED if command == "discard" else DeadLetter.Status.RESOLVED
+        changed = close_dead_letters(DeadLetter.objects.filter(pk__in=ids), status, by=by)
+        self.stdout.write(f"{status.capitalize()} {changed} of {len(ids)} dead letter(s) (the others were not open).")
+
+    def _reseal(self) -> None:
+        sealer = sealer_for(current_app._get_current_object())
+        if sealer is None:
+            raise CommandError("no seal_keys are configured (CELERY_GUARDRAILS['seal_keys'])")
+        resealed, failed = 0, []
+        for pk in SealedMessage.objects.order_by("pk").values_list("pk", flat=True).iterator():
+            token = SealedMessage.objects.filter(pk=pk).values_list("token", flat=True).first()
+            if token is None:  # deleted with its record meanwhile
+                continue
+            try:
+                SealedMessage.objects.filter(pk=pk, token=token).update(token=sealer.reseal(token))
+                resealed += 1
+            except SealError:
+                failed.append(pk)
+        self.stdout.write(f"Sealed {resealed} copy(ies) again with the first key.")
+        if failed:
+            shown = ", ".join(map(str, failed[:20]))
+            raise CommandError(f"{len(failed)} sealed copy(ies) open with none of the keys (dead letters {shown})")
+
+
+def _id(value: str) -> int:
+    if not value.isdigit():
+        raise CommandError(f"{value!r} is not a dead letter id (a whole number)")
+    return int(value)
+
+
+def _count(value: str) -> int:
+    if not value.isdigit() or int(value) < 1:
+        raise CommandError(f"--limit {value!r}: give a whole number of at least 1")
+    return int(value)
+
+
+def _shell_user() -> str:
+    try:
+        return f"shell:{getpass.getuser()}"
+    except (KeyError, OSError):  # no login name in a container
+        return "shell"
