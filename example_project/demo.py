@@ -241,11 +241,17 @@ def main() -> None:
         )
 
         print("\n-- 7. dead letters: the provider declines order 88's card (HTTP 402: permanent)")
-        from django_celery_guardrails.models import DeadLetter
+        from django_celery_guardrails.models import DeadLetter, SealedMessage
         from django_celery_guardrails.replay import replay_dead_letters
 
         provider.declined.add(88)
-        response = client.post("/orders/88/charge?amount=4200", headers={"X-Tenant": "acme"})
+        card = "tok_live_4242_demo"  # a secret: the record shows it redacted and keeps it only sealed
+        response = client.post(
+            "/orders/88/charge?amount=4200",
+            data=json.dumps({"card_token": card}),
+            content_type="application/json",
+            headers={"X-Tenant": "acme"},
+        )
         declined = app.AsyncResult(response.json()["task_id"])
         with contextlib.suppress(Exception):  # the failure itself; the record says what it was
             declined.get(timeout=30)
@@ -254,6 +260,12 @@ def main() -> None:
         print(
             f"   dead letter #{record.pk}: reason {record.reason}, owner {record.owner}, tenant {record.tenant}, "
             f"status {record.status}, {len(record.history)} attempt record(s)"
+        )
+        stored = repr(list(DeadLetter.objects.filter(pk=record.pk).values()))
+        sealed = SealedMessage.objects.filter(dead_letter=record).exists()
+        print(
+            f"   arguments as stored: {record.args} {record.kwargs}; card token in the row: {card in stored}; "
+            f"sealed copy kept for replay: {sealed}"
         )
         print(
             f"   admin: http://127.0.0.1:8000/admin/guardrails/deadletter/{record.pk}/change/ "
@@ -265,7 +277,8 @@ def main() -> None:
         recharged = app.AsyncResult(new_task_id).get(timeout=60)
         record.refresh_from_db()
         print(
-            f"   fixed and replayed as {new_task_id}: charged {recharged['charge']}; dead letter status {record.status}"
+            f"   fixed and replayed as {new_task_id}: charged {recharged['charge']} with card "
+            f"{provider.cards[88]!r} (the real token, from the sealed copy); dead letter status {record.status}"
         )
 
         scheduled_work(app, log_path)

@@ -98,6 +98,26 @@ CELERY_GUARDRAILS: dict[str, Any] = {
         },
     },
 }
+# Dead letters keep their original message sealed for replay (a redacted card token replays with the real one).
+# In production the key comes from the environment; the example makes one once, beside its database.
+if os.environ.get("GUARDRAILS_SEAL_KEY"):
+    CELERY_GUARDRAILS["seal_keys"] = [os.environ["GUARDRAILS_SEAL_KEY"]]
+else:
+    from cryptography.fernet import Fernet
+
+    _seal_key = VAR_DIR / "seal.key"
+    if not _seal_key.exists():  # written whole, then linked: a worker starting alongside never reads half a key
+        VAR_DIR.mkdir(parents=True, exist_ok=True)
+        _draft = VAR_DIR / f"seal.key.{os.getpid()}"
+        _draft.write_bytes(Fernet.generate_key())
+        _draft.chmod(0o600)
+        try:
+            os.link(_draft, _seal_key)
+        except FileExistsError:
+            pass
+        finally:
+            _draft.unlink()
+    CELERY_GUARDRAILS["seal_keys"] = [_seal_key.read_text().strip()]
 # The demo runs a minute in a few seconds (see celery_guardrails.beat.accelerated_clock) and checks often.
 if os.environ.get("GUARDRAILS_CLOCK"):
     CELERY_GUARDRAILS["clock"] = "celery_guardrails.beat.accelerated_clock"

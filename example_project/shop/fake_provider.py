@@ -2,7 +2,8 @@
 
 A real HTTP server on 127.0.0.1. ``POST /charges`` for an order listed in ``flaky`` fails with 503 that many
 times, then answers 201 with a charge id; a request repeating an Idempotency-Key gets the same charge back and
-never charges twice, as a real provider's idempotency keys promise. ``calls`` and ``charges`` count by order.
+never charges twice, as a real provider's idempotency keys promise. ``calls`` and ``charges`` count by order;
+``cards`` keeps the card token each order was last charged with.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ class FlakyProvider:
         self.calls: Counter[int] = Counter()
         self.by_key: dict[str, dict[str, Any]] = {}
         self.charges: Counter[int] = Counter()
+        self.cards: dict[int, str] = {}  # the card token each order was last charged with
         provider = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -29,6 +31,7 @@ class FlakyProvider:
                 body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))) or b"{}")
                 order = int(body.get("order_id", 0))
                 provider.calls[order] += 1
+                provider.cards[order] = str(body.get("card_token", ""))
                 if order in provider.declined:
                     self._answer(402, {"error": "card declined"})
                     return

@@ -1,3 +1,5 @@
+import json
+
 from django.http import HttpRequest, JsonResponse
 from django.views.decorators.csrf import csrf_exempt
 from django.views.decorators.http import require_POST
@@ -23,9 +25,15 @@ def send_receipt_view(request: HttpRequest, order_id: int) -> JsonResponse:
 @csrf_exempt
 @require_POST
 def charge_order_view(request: HttpRequest, order_id: int) -> JsonResponse:
-    """Enqueue the charge of an order (amount in cents from ?amount=)."""
+    """Enqueue the charge of an order (amount in cents from ?amount=, the card token from a JSON body)."""
+    body: dict[str, str] = {}
+    if request.content_type == "application/json" and request.body:
+        try:
+            body = json.loads(request.body)
+        except ValueError:
+            return JsonResponse({"error": "the body is not JSON"}, status=400)
     try:
-        result = charge_order.delay(order_id, int(request.GET.get("amount", "0")))
+        result = charge_order.delay(order_id, int(request.GET.get("amount", "0")), body.get("card_token", ""))
     except MissingTenantError as exc:
         return JsonResponse({"error": str(exc)}, status=400)
     return JsonResponse({"task_id": result.id, "tenant": current_tenant()}, status=202)

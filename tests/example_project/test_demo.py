@@ -55,7 +55,14 @@ def check_output(out: str) -> None:
     assert "worker: urllib.error.HTTPError: HTTP Error 402: Payment Required" in out
     assert "reason permanent, owner payments, tenant acme, status open" in out
     assert "admin: http://127.0.0.1:8000/admin/guardrails/deadletter/" in out
-    assert "charged ch_3; dead letter status replayed" in out
+    assert (
+        "arguments as stored: [88, 4200, '[redacted]'] {}; card token in the row: False; sealed copy kept for "
+        "replay: True" in out
+    )
+    assert (
+        "charged ch_3 with card 'tok_live_4242_demo' (the real token, from the sealed copy); dead letter status "
+        "replayed" in out
+    )
     assert "8. scheduled work: 'settle-payments' every minute, Europe/Berlin" in out
     assert "it ran ok, since=None" in out
     assert out.count("missed: not dispatched within 30s of its due time") == 2
