@@ -10,6 +10,12 @@ Throttling, shared by every worker through the store: per (owner, task, reason),
 count is sent when the window is over (by the next dead letter, by the worker's guardrails timer, or by
 :func:`flush_alert_summaries`). A flood of ten thousand failures sends one alert and one summary.
 
+Missed and overdue scheduled runs are throttled per (owner, schedule, kind) with ``run_alert_throttle``: the
+first alerts at once; each later one is counted and pushes the window's end (an outage that goes on stays one
+incident), for at most :data:`RUN_ALERT_WINDOWS` windows; the summary says how many more periods there were.
+A beat outage of ten periods sends one alert and one summary per schedule. The ``run_missed`` and
+``run_overdue`` signals are still sent once per period.
+
 Off the ack path: the ``log`` channel writes at once; mail and webhooks are handed to one sender thread per
 process (:class:`Sender`), so a slow SMTP server or webhook never holds a message's ack. Each delivery is
 tried three times (1 s, then 2 s apart); at most :data:`MAX_PENDING` wait (more are logged and dropped);
@@ -55,11 +61,43 @@ def _on_dead_lettered(sender: Any = None, failure: FinalFailure | None = None, *
         logger.exception("Alert for dead letter %s could not be sent", getattr(failure, "task_id", None))
 
 
+#: A schedule's run alerts are counted for at most this many ``run_alert_throttle`` windows after the alert
+#: that opened them: an outage that goes on gets a summary (and, next, an alert) about once an hour.
+RUN_ALERT_WINDOWS = 12
+#: Reason part of the throttle group of run alerts: ``owner|schedule|run_missed`` or ``...|run_overdue``.
+RUN_ALERT = "run_"
+
+
+def run_alert_due(app: Any, *, owner: str | None, schedule: str, kind: str) -> bool:
+    """Whether a missed or overdue run of ``schedule`` alerts now (False: counted for the summary)."""
+    window = app_value(app, "run_alert_throttle")
+    if not window:
+        return True
+    group = f"{owner or '-'}|{schedule}|{RUN_ALERT}{kind}"
+    return get_store(app).throttle(group, window=window, now=clock.now(app), extend_for=window * RUN_ALERT_WINDOWS)
+
+
 def flush_alert_summaries(app: Any) -> int:
     """Send the summaries of throttle windows that are over; how many were sent."""
     due = get_store(app).due_summaries(now=clock.now(app))
     for group, count in due:
-        owner, task_name, reason = group.split("|", 2)
+        owner, rest = group.split("|", 1)
+        name, reason = rest.rsplit("|", 1)  # a schedule's name may hold "|"; an owner's and a reason's do not
+        if reason.startswith(RUN_ALERT):
+            kind = reason.removeprefix(RUN_ALERT)
+            send(
+                app,
+                subject=f"{count} more {kind} run(s): {name}",
+                summary={
+                    "owner": None if owner == "-" else owner,
+                    "schedule": name,
+                    "kind": kind,
+                    "count": count,
+                    "window_seconds": app_value(app, "run_alert_throttle"),
+                },
+            )
+            continue
+        task_name = name
         send(
             app,
             subject=f"{count} more dead letter(s): {task_name} ({reason})",

@@ -20,7 +20,10 @@ rules) from the entry's *horizon*, the newest period the ledger says was handled
   older ones are recorded missed). At most :data:`LOOKBACK` seconds are looked back at.
 
 The horizon is read from the ledger when beat starts, so a restart neither repeats nor forgets a period
-(django-celery-beat #634 is the bug this avoids). Entries without a policy are left to Celery as they are.
+(django-celery-beat #634 is the bug this avoids). A disabled django-celery-beat row is not dispatched: each of
+its periods that comes due is recorded ``skipped_disabled`` (by beat, or by the watchdog when beat is down),
+so that enabled again it goes on from its next period instead of owing (and alerting) its disabled time.
+Entries without a policy are left to Celery as they are.
 An entry may also give its schedule as a 5-field crontab string (``"30 2 * * *"``).
 """
 
@@ -44,7 +47,7 @@ from celery_guardrails import headers, signals
 # accelerated_clock stays importable from here: settings name it as celery_guardrails.beat.accelerated_clock.
 from celery_guardrails.clock import accelerated_clock, now
 from celery_guardrails.exceptions import ConfigurationError
-from celery_guardrails.ledger import DISPATCHED, MISSED, period_key
+from celery_guardrails.ledger import DISPATCHED, MISSED, SKIPPED_DISABLED, period_key
 from celery_guardrails.options import SchedulePolicy, app_value
 from celery_guardrails.schedules import Every, parse_crontab, periods_between, timetable
 from celery_guardrails.stores import django_apps_installed, get_store
@@ -184,6 +187,37 @@ def configured_entries(app: Any, *, warned: set[str] | None = None) -> dict[str,
     return build_entries(app, raw, known=known, warned=warned)
 
 
+def configured_disabled_entries(app: Any, *, warned: set[str] | None = None) -> dict[str, Entry]:
+    """The guarded entries that are disabled now (django-celery-beat rows with ``enabled`` off)."""
+    policies = app_value(app, "schedules")
+    if not policies or not django_apps_installed("django_celery_beat"):
+        return {}
+    from django_celery_guardrails.schedulers import periodic_task_rows
+
+    _, disabled, _ = periodic_task_rows(app, names=set(policies) - set(app.conf.beat_schedule or {}))
+    return build_entries(app, disabled, known=policies, warned=warned)
+
+
+def skip_disabled(app: Any, entry: Entry, current: float) -> float | None:
+    """Record the newest period of a disabled schedule that came due ``skipped_disabled``, so that when it is
+    enabled again it goes on from the next period instead of counting its disabled time as missed.
+
+    Called by beat on each tick and by the watchdog on each check (once a period is enough: the newest record
+    is the schedule's horizon). Returns the horizon, None when the schedule has no record (never run: nothing
+    is owed when it is enabled)."""
+    store = get_store(app)
+    newest = store.run_list(entry.name, limit=1)
+    if not newest:
+        return None
+    periods = entry.periods(newest[0].period, current)
+    if not periods:
+        return newest[0].period
+    reason = "its schedule was disabled when it came due"
+    if store.run_record(entry.name, periods[-1], status=SKIPPED_DISABLED, now=current, reason=reason):
+        logger.info("Guarded beat entry %r is disabled: period %s skipped", entry.name, moment(periods[-1]))
+    return periods[-1]
+
+
 def check_tasks(app: Any, entries: Mapping[str, Entry]) -> None:
     """A guarded entry's task must be a GuardedTask where it is registered (only it keeps the ledger)."""
     for entry in entries.values():
@@ -211,8 +245,10 @@ def moment(seconds: float | None) -> datetime | None:
 
 
 def report(app: Any, entry: Entry, period: float, *, kind: str, reason: str, **extra: Any) -> None:
-    """A missed or overdue period was recorded (once, by whoever recorded it): signal and alert."""
-    from celery_guardrails.alerts import send
+    """A missed or overdue period was recorded (once, by whoever recorded it): signal, and alert its owner
+    unless an alert about this schedule went out within ``run_alert_throttle`` (then it is counted for the
+    summary: see :func:`celery_guardrails.alerts.run_alert_due`)."""
+    from celery_guardrails.alerts import run_alert_due, send
 
     owner = owner_of_entry(app, entry)
     details = {"schedule": entry.name, "task": entry.task, "period": moment(period), "reason": reason, **extra}
@@ -220,7 +256,9 @@ def report(app: Any, entry: Entry, period: float, *, kind: str, reason: str, **e
     signal = signals.run_missed if kind == "missed" else signals.run_overdue
     try:
         signal.send(sender=app, owner=owner, **details)
-        send(app, subject=f"Run {kind}: {entry.name} at {moment(period):%Y-%m-%d %H:%M:%S}Z", run=details, owner=owner)
+        if run_alert_due(app, owner=owner, schedule=entry.name, kind=kind):
+            subject = f"Run {kind}: {entry.name} at {moment(period):%Y-%m-%d %H:%M:%S}Z"
+            send(app, subject=subject, run=details, owner=owner)
     except Exception:  # an alert must never stop beat or the watchdog
         logger.exception("Alert for the %s run %s of %r could not be sent", kind, moment(period), entry.name)
 
@@ -310,6 +348,7 @@ class GuardedSchedulerMixin:
 
     def setup_schedule(self) -> None:
         self._guardrails_horizons = {}
+        self._guardrails_skipped: dict[str, float] = {}  # disabled entry -> when its next period comes due
         self._guardrails_warned = set()
         # Crontab strings become Celery crontabs before Celery reads the entries (it cannot read strings).
         for name, item in (self.app.conf.beat_schedule or {}).items():
@@ -334,6 +373,10 @@ class GuardedSchedulerMixin:
         while it runs re-reads them here)."""
         return self._guardrails_entries
 
+    def current_disabled_entries(self) -> dict[str, Entry]:
+        """The guarded entries that are disabled now (a scheduler whose entries can be disabled says which)."""
+        return {}
+
     def dispatched(self, entry: Entry, period: float, task_id: str) -> None:
         """Called after this scheduler dispatched a period (a hook for the scheduler's own bookkeeping)."""
 
@@ -352,11 +395,25 @@ class GuardedSchedulerMixin:
         """Dispatch or record every due period of the guarded entries; seconds until the next look."""
         current = now(self.app)
         wait = TICK
-        for entry in self.current_entries().values():
+        entries = self.current_entries()
+        # An entry gone from the schedule (disabled, deleted) is read from the ledger again if it comes back:
+        # its horizon moved on meanwhile (skipped_disabled records), and a cached one would owe every period.
+        for name in set(self._guardrails_horizons) - set(entries):
+            del self._guardrails_horizons[name]
+        for entry in entries.values():
             try:
                 wait = min(wait, self._tick_entry(entry, current))
             except Exception:  # one broken entry (or a store outage) must not stop the others
                 logger.exception("Guarded beat entry %r: tick failed", entry.name)
+        skipped = self._guardrails_skipped
+        for entry in self.current_disabled_entries().values():
+            if skipped.get(entry.name, 0.0) > current:
+                continue  # its newest due period is recorded; nothing new is due before this
+            try:
+                horizon = skip_disabled(self.app, entry, current)
+                skipped[entry.name] = entry.next_due(max(horizon or current, current))
+            except Exception:
+                logger.exception("Guarded beat entry %r (disabled): tick failed", entry.name)
         return max(wait, 0.05)
 
     def _tick_entry(self, entry: Entry, current: float) -> float:

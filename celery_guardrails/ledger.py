@@ -13,9 +13,12 @@ Statuses and who sets them::
     running          a worker started it (run_start)
     ok / failed      it finished (run_finish)
     skipped_overlap  its predecessor was still running and overlap="skip" (run_finish)
+    skipped_disabled its schedule (a django-celery-beat row) was disabled when it came due (beat or the
+                     watchdog: run_record); re-enabled, the schedule goes on from the next period
     missed           beat did not dispatch it within grace, or it was not started within grace
                      (the watchdog, or beat's catch-up: run_record / run_transition)
-    overdue          it started and ran past max_runtime (the watchdog: run_transition)
+    overdue          it started and ran past max_runtime (the watchdog: run_transition); it keeps
+                     ``overdue_at`` when it finishes, and its reason says it was overdue
 
 A record moves on only through these operations, each atomic in the store. A ``missed`` record that no
 message was sent for (``task_id`` empty) may still be dispatched once by a catch-up policy.
@@ -37,13 +40,16 @@ RUNNING = "running"
 OK = "ok"
 FAILED = "failed"
 SKIPPED_OVERLAP = "skipped_overlap"
+SKIPPED_DISABLED = "skipped_disabled"
 MISSED = "missed"
 OVERDUE = "overdue"
 
 #: Every status, in the order the admin lists them.
-STATUSES = (DISPATCHED, RUNNING, OK, FAILED, SKIPPED_OVERLAP, MISSED, OVERDUE)
+STATUSES = (DISPATCHED, RUNNING, OK, FAILED, SKIPPED_OVERLAP, SKIPPED_DISABLED, MISSED, OVERDUE)
 #: Statuses of a record whose run has not ended.
 OPEN = (DISPATCHED, RUNNING, OVERDUE)
+#: What a finished run's reason starts with when it had been overdue.
+WAS_OVERDUE = "finished after being overdue: "
 #: Longest reason kept on a record.
 REASON_MAX_LENGTH = 500
 #: Seconds a record is kept (90 days): the Redis store drops older ones as it writes, the Django app's
@@ -67,6 +73,8 @@ class Run:
     reason: str = ""
     #: When the period was first recorded missed (it stays set through a catch-up and its run).
     missed_at: float | None = None
+    #: When the run was first recorded overdue (it stays set once the run finishes).
+    overdue_at: float | None = None
 
 
 def period_key(schedule: str, period: float) -> str:

@@ -83,6 +83,12 @@ def _seconds(value: Any) -> float:
     return float(value)
 
 
+def _seconds_or_off(value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
+        raise ValueError(f"must be a number of seconds, 0 to turn it off, got {value!r:.80}")
+    return float(value)
+
+
 def _ratio(value: Any) -> float:
     if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value <= 10:
         raise ValueError(f"must be a number from 0 to 10 (retries per first attempt), got {value!r:.80}")
@@ -575,6 +581,15 @@ OPTIONS: Mapping[str, Option] = {
             default=300.0,
             doc="Seconds of a throttle window per (owner, task, reason): one alert, then one summary.",
             check=_seconds,
+            scopes=frozenset({APP}),
+        ),
+        Option(
+            name="run_alert_throttle",
+            default=300.0,
+            doc="Seconds: missed and overdue runs of one schedule alert its owner once, then are counted while "
+            "they go on (each pushes the window's end this far, up to 12 windows after the alert) and summed up in "
+            "one summary when they stop. 0: an alert for every period.",
+            check=_seconds_or_off,
             scopes=frozenset({APP}),
         ),
         Option(

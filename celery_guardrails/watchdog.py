@@ -5,12 +5,15 @@ One check (:func:`check`), for every beat entry with a policy whose schedule has
 * each period due more than ``grace`` ago with no record (beat is down, or stuck) is recorded ``missed``;
 * a record still ``dispatched`` more than ``grace`` after its period, or after its dispatch for a catch-up
   (no worker started it: the message is stuck in a queue or was lost) moves to ``missed``;
-* a record ``running`` longer than ``max_runtime`` moves to ``overdue``.
+* a record ``running`` longer than ``max_runtime`` moves to ``overdue``;
+* a disabled django-celery-beat row's newest due period is recorded ``skipped_disabled`` (see
+  :func:`celery_guardrails.beat.skip_disabled`), so its disabled time is never reported missed.
 
 Each of these is one atomic insert or conditional update in the store, and only the check that made it
-sends ``run_missed`` / ``run_overdue`` and alerts the entry's owner through ``alert_channels``: once per
-period, however many watchdogs and beats run (a period already reported missed is not reported again; see
-:mod:`celery_guardrails.ledger`). A schedule with no record yet (beat never dispatched it) is not checked.
+reports it: ``run_missed`` / ``run_overdue`` once per period, however many watchdogs and beats run (a period
+already reported missed is not reported again; see :mod:`celery_guardrails.ledger`), and an alert to the
+entry's owner through ``alert_channels``, throttled per schedule by ``run_alert_throttle``. A schedule with no record yet (beat never
+dispatched it) is not checked.
 
 Where it runs:
 
@@ -34,7 +37,7 @@ from typing import Any
 
 from celery import bootsteps
 
-from celery_guardrails.beat import Entry, configured_entries, moment, report
+from celery_guardrails.beat import Entry, configured_disabled_entries, configured_entries, moment, report, skip_disabled
 from celery_guardrails.clock import now
 from celery_guardrails.ledger import DISPATCHED, MISSED, OVERDUE, RUNNING
 from celery_guardrails.options import app_value
@@ -56,9 +59,15 @@ class Findings:
 
 def check(app: Any, *, entries: dict[str, Entry] | None = None, current: float | None = None) -> Findings:
     """Check every guarded schedule against the ledger once (see the module docstring)."""
+    disabled = configured_disabled_entries(app) if entries is None else {}
     entries = configured_entries(app) if entries is None else entries
     current = now(app) if current is None else current
     findings = Findings()
+    for entry in disabled.values():  # their due periods are skipped, not missed (beat may be down)
+        try:
+            skip_disabled(app, entry, current)
+        except Exception:
+            logger.exception("Watchdog: recording the disabled %r skipped failed", entry.name)
     for entry in entries.values():
         try:
             _check_entry(app, entry, current, findings)

@@ -3,9 +3,11 @@
 :func:`schedule_health` lists every beat entry with a policy in the ``schedules`` setting, and every schedule
 the ledger has records of that no longer has one. Each line says when the schedule last succeeded, what its
 newest record is, when it is due next, how many of its runs were missed, overdue or failed in a window
-(default the last 7 days), and one ``state`` word, the first of these that holds:
+(default the last 7 days; a run that was missed or overdue counts as such after it ran or finished: its
+``missed_at`` / ``overdue_at`` stay), and one ``state`` word, the first of these that holds:
 
     no policy   the ledger has records of it, the ``schedules`` setting has no policy for it
+    disabled    its django-celery-beat row is disabled (its due periods are recorded skipped, not missed)
     never run   it has a policy and no record yet
     overdue     a run past ``max_runtime`` is still open (an ``overdue`` record)
     missed      its newest decided run (ok, failed or missed) was missed, or a period due more than ``grace``
@@ -31,7 +33,7 @@ from typing import Any
 
 from django.db.models import Count, Max, OuterRef, Q, Subquery
 
-from celery_guardrails.beat import Entry, configured_entries, owner_of_entry
+from celery_guardrails.beat import Entry, configured_disabled_entries, configured_entries, owner_of_entry
 from celery_guardrails.clock import now as current_time
 from celery_guardrails.ledger import DISPATCHED, FAILED, MISSED, OK, OVERDUE, RUNNING
 
@@ -41,6 +43,7 @@ from .models import ScheduledRun
 DEFAULT_WINDOW = timedelta(days=7)
 
 NO_POLICY = "no policy"
+DISABLED = "disabled"
 NEVER_RUN = "never run"
 STATE_OVERDUE = "overdue"
 STATE_MISSED = "missed"
@@ -48,7 +51,7 @@ FAILING = "failing"
 STATE_RUNNING = "running"
 STATE_OK = "ok"
 #: Every state word, worst first (the order the admin page's legend lists them).
-STATES = (STATE_OVERDUE, STATE_MISSED, FAILING, STATE_RUNNING, NEVER_RUN, STATE_OK, NO_POLICY)
+STATES = (STATE_OVERDUE, STATE_MISSED, FAILING, STATE_RUNNING, NEVER_RUN, STATE_OK, DISABLED, NO_POLICY)
 
 
 #: Entries already warned about (a crontab without a zone): once per process, not on every page view.
@@ -132,8 +135,8 @@ def _ledger(since: datetime) -> dict[str, dict[str, Any]]:
             last_missed=Max("period", filter=Q(status=MISSED)),
             open_overdue=Count("pk", filter=Q(status=OVERDUE)),
             in_flight=Count("pk", filter=Q(status__in=(DISPATCHED, RUNNING))),
-            missed_count=Count("pk", filter=in_window & Q(status=MISSED)),
-            overdue_count=Count("pk", filter=in_window & Q(status=OVERDUE)),
+            missed_count=Count("pk", filter=in_window & (Q(status=MISSED) | Q(missed_at__isnull=False))),
+            overdue_count=Count("pk", filter=in_window & (Q(status=OVERDUE) | Q(overdue_at__isnull=False))),
             failed_count=Count("pk", filter=in_window & Q(status=FAILED)),
         )
     )
@@ -148,10 +151,14 @@ def _utc(value: datetime) -> str:
     return f"{value:%Y-%m-%d %H:%M:%S} UTC"
 
 
-def _state(entry: Entry | None, row: dict[str, Any] | None, current: float) -> tuple[str, str]:
+def _state(
+    entry: Entry | None, row: dict[str, Any] | None, current: float, *, disabled: bool = False
+) -> tuple[str, str]:
     """The state word and its explanation."""
     if entry is None:
         return NO_POLICY, "the ledger has records of it, but the schedules setting has no policy for it"
+    if disabled:
+        return DISABLED, "its periodic task is disabled: periods that come due are recorded skipped, not missed"
     if row is None:
         return NEVER_RUN, "no record yet (beat has not dispatched it)"
     if row["open_overdue"]:
@@ -172,8 +179,10 @@ def _state(entry: Entry | None, row: dict[str, Any] | None, current: float) -> t
     return STATE_OK, f"the run due {_utc(newest_decided[0])} succeeded"
 
 
-def _health(name: str, entry: Entry | None, row: dict[str, Any] | None, app: Any, current: float) -> ScheduleHealth:
-    state, detail = _state(entry, row, current)
+def _health(
+    name: str, entry: Entry | None, row: dict[str, Any] | None, app: Any, current: float, *, disabled: bool = False
+) -> ScheduleHealth:
+    state, detail = _state(entry, row, current, disabled=disabled)
     newest = None if row is None else row["newest_period"].timestamp()
     policy = None if entry is None else entry.policy
     return ScheduleHealth(
@@ -187,7 +196,7 @@ def _health(name: str, entry: Entry | None, row: dict[str, Any] | None, app: Any
         max_runtime=None if policy is None else policy.max_runtime,
         last_success=None if row is None else row["last_ok"],
         last_record=None if row is None else LastRecord(period=row["newest_period"], status=row["newest_status"]),
-        next_due=None if entry is None else _at(entry.next_due(max(newest or current, current))),
+        next_due=None if entry is None or disabled else _at(entry.next_due(max(newest or current, current))),
         missed_count=0 if row is None else row["missed_count"],
         overdue_count=0 if row is None else row["overdue_count"],
         failed_count=0 if row is None else row["failed_count"],
@@ -205,7 +214,13 @@ def schedule_health(app: Any, *, now: float | None = None, window: timedelta = D
     """
     current = current_time(app) if now is None else now
     entries = configured_entries(app, warned=_WARNED)
+    disabled = configured_disabled_entries(app, warned=_WARNED)
     ledger = _ledger(_at(current - window.total_seconds()))
-    configured = [_health(name, entries[name], ledger.get(name), app, current) for name in sorted(entries)]
-    orphans = [_health(name, None, ledger[name], app, current) for name in sorted(set(ledger) - set(entries))]
+    configured = [
+        _health(name, {**disabled, **entries}[name], ledger.get(name), app, current, disabled=name in disabled)
+        for name in sorted(set(entries) | set(disabled))
+    ]
+    orphans = [
+        _health(name, None, ledger[name], app, current) for name in sorted(set(ledger) - set(entries) - set(disabled))
+    ]
     return configured + orphans

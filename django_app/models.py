@@ -327,6 +327,11 @@ class AlertThrottle(models.Model):
 
     group = models.CharField(_("group"), max_length=255, unique=True, help_text=_("owner|task|reason"))
     until = models.FloatField(_("window ends"), default=0.0, help_text=_("Epoch seconds the window ends."))
+    opened = models.FloatField(
+        _("opened"),
+        default=0.0,
+        help_text=_("Epoch seconds of the alert that opened the window (an extending window grows only so far)."),
+    )
     suppressed = models.PositiveIntegerField(
         _("suppressed"), default=0, help_text=_("Dead letters in the window not alerted one by one yet.")
     )
@@ -354,6 +359,7 @@ class ScheduledRun(models.Model):
         OK = ledger.OK, _("ok")
         FAILED = ledger.FAILED, _("failed")
         SKIPPED_OVERLAP = ledger.SKIPPED_OVERLAP, _("skipped (overlap)")
+        SKIPPED_DISABLED = ledger.SKIPPED_DISABLED, _("skipped (disabled)")
         MISSED = ledger.MISSED, _("missed")
         OVERDUE = ledger.OVERDUE, _("overdue")
 
@@ -371,8 +377,8 @@ class ScheduledRun(models.Model):
         choices=Status.choices,
         help_text=_(
             "Dispatched: beat sent it. Running: a worker started it. Ok, failed: it finished. Skipped (overlap): "
-            "its predecessor was still running. Missed: not dispatched or not started in time. Overdue: it ran "
-            "past its maximum run time."
+            "its predecessor was still running. Skipped (disabled): its schedule was disabled when it came due. "
+            "Missed: not dispatched or not started in time. Overdue: it ran past its maximum run time."
         ),
     )
     task_id = models.CharField(
@@ -403,6 +409,12 @@ class ScheduledRun(models.Model):
             "When the period was first recorded missed, and its owner alerted (once). Kept when a catch-up "
             "runs it later."
         ),
+    )
+    overdue_at = models.DateTimeField(
+        _("overdue at"),
+        null=True,
+        blank=True,
+        help_text=_("When the run was first recorded past its maximum run time. Kept when it finishes."),
     )
     updated_at = models.DateTimeField(_("updated at"), auto_now=True, help_text=_("Last change of this record."))
 

@@ -39,17 +39,25 @@ def periodic_tasks(app: Any = None, *, names: Iterable[str]) -> tuple[dict[str, 
     A row whose schedule cannot be read is kept, standing for its error (django-celery-beat itself skips
     it with a log line, so a guarded entry would silently never run).
     """
-    entries: dict[str, Any] = {}
+    enabled, _, found = periodic_task_rows(app, names=names)
+    return enabled, found
+
+
+def periodic_task_rows(app: Any = None, *, names: Iterable[str]) -> tuple[dict[str, Any], dict[str, Any], set[str]]:
+    """Rows named ``names``, in one query: (enabled ones as beat entries, disabled ones as beat entries, the names
+    of all). A disabled row whose schedule cannot be read is left out (it is not due anyway)."""
+    enabled: dict[str, Any] = {}
+    disabled: dict[str, Any] = {}
     found = set()
     for row in PeriodicTask.objects.filter(name__in=list(names)):
         found.add(row.name)
-        if not row.enabled:
-            continue
         try:
-            entries[row.name] = ModelEntry(row, app=app or current_app)
+            (enabled if row.enabled else disabled)[row.name] = ModelEntry(row, app=app or current_app)
         except (ValueError, TypeError) as exc:
-            entries[row.name] = {"task": row.task, "schedule": Unparsable(f"its schedule does not parse: {exc}")}
-    return entries, found
+            if row.enabled:
+                error = Unparsable(f"its schedule does not parse: {exc}")
+                enabled[row.name] = {"task": row.task, "schedule": error}
+    return enabled, disabled, found
 
 
 class GuardedDatabaseScheduler(GuardedSchedulerMixin, DatabaseScheduler):  # type: ignore[misc]
@@ -69,17 +77,28 @@ class GuardedDatabaseScheduler(GuardedSchedulerMixin, DatabaseScheduler):  # typ
         return super().tick_guarded()
 
     def current_entries(self) -> dict[str, Entry]:
-        # Rows can be added, changed or renamed while beat runs: read them again on every tick.
+        # Rows can be added, changed, disabled or renamed while beat runs: read them again on every tick.
         try:
-            self._guardrails_entries = self.guarded_entries()
+            self._guardrails_entries, self._guardrails_disabled_entries = self._read_rows()
         except ConfigurationError:  # a policy's row renamed or broken meanwhile: keep the last good entries
             logger.exception("celery-guardrails: guarded beat entries not reloaded")
         except DatabaseError:  # a database blip: keep the last entries, try again next tick
             logger.exception("celery-guardrails: guarded beat entries not reloaded (database error)")
         return self._guardrails_entries
 
+    def current_disabled_entries(self) -> dict[str, Entry]:
+        return getattr(self, "_guardrails_disabled_entries", {})
+
     def guarded_entries(self) -> dict[str, Entry]:
+        return self._read_rows()[0]
+
+    def _read_rows(self) -> tuple[dict[str, Entry], dict[str, Entry]]:
         # Straight from the rows with a policy (one query a tick), not from self.schedule: a row
         # django-celery-beat cannot read is missing there, and must stop beat instead.
-        rows, names = periodic_tasks(self.app, names=app_value(self.app, "schedules"))
-        return build_entries(self.app, rows, known=names, warned=self._guardrails_warned)
+        policies = app_value(self.app, "schedules")
+        enabled, disabled, names = periodic_task_rows(self.app, names=policies)
+        warned = self._guardrails_warned
+        return (
+            build_entries(self.app, enabled, known=names, warned=warned),
+            build_entries(self.app, disabled, known=policies, warned=warned),
+        )

@@ -16,11 +16,12 @@ from datetime import UTC, datetime, timedelta
 from typing import Any, ParamSpec, TypeVar
 
 from django.db import DatabaseError, IntegrityError, InterfaceError, OperationalError, connection, transaction
-from django.db.models import F, Q, QuerySet
+from django.db.models import F, Q, QuerySet, Value
+from django.db.models.functions import Concat
 from django.utils import timezone
 
 from celery_guardrails.exceptions import StoreError, StoreUnavailableError
-from celery_guardrails.ledger import DISPATCHED, MISSED, REASON_MAX_LENGTH, RUNNING, Run
+from celery_guardrails.ledger import DISPATCHED, MISSED, OVERDUE, REASON_MAX_LENGTH, RUNNING, WAS_OVERDUE, Run
 from celery_guardrails.stores.base import (
     ACQUIRED,
     BUSY,
@@ -92,6 +93,7 @@ def _run(row: ScheduledRun) -> Run:
         finished_at=_seconds(row.finished_at),
         reason=row.reason,
         missed_at=_seconds(row.missed_at),
+        overdue_at=_seconds(row.overdue_at),
     )
 
 
@@ -243,15 +245,17 @@ class DjangoStore:
     # Alert throttling: one row per (owner, task, reason) group.
 
     @translated("throttle an alert")
-    def throttle(self, group: str, *, window: float, now: float) -> bool:
+    def throttle(self, group: str, *, window: float, now: float, extend_for: float = 0.0) -> bool:
         with transaction.atomic():
             row, _ = AlertThrottle.objects.select_for_update().get_or_create(group=group)
             if row.until > now:
                 row.suppressed = F("suppressed") + 1
-                row.save(update_fields=["suppressed"])
+                if extend_for > 0:
+                    row.until = max(row.until, min(now + window, row.opened + extend_for))
+                row.save(update_fields=["suppressed", "until"])
                 return False
-            row.until = now + window
-            row.save(update_fields=["until"])
+            row.until, row.opened = now + window, now
+            row.save(update_fields=["until", "opened"])
             return True
 
     @translated("read the alert summaries due")
@@ -331,6 +335,10 @@ class DjangoStore:
         values = {"status": to, "reason": reason[:REASON_MAX_LENGTH]}
 
         def move() -> bool:
+            if to == OVERDUE:  # overdue_at is kept once set: the record says so after the run finishes
+                return self._update(records.filter(overdue_at__isnull=True), overdue_at=_moment(now), **values) or (
+                    self._update(records, **values)
+                )
             if to != MISSED:
                 return self._update(records, **values)
             # Reported once: only the update that first sets missed_at answers True; one that moves a period
@@ -350,9 +358,19 @@ class DjangoStore:
 
     def run_finish(self, schedule: str, period: float, *, status: str, now: float, reason: str = "") -> None:
         values: dict[str, Any] = {"status": status, "finished_at": _moment(now)}
-        if reason:  # no reason keeps the one the record has (why it was overdue, say)
+        if reason:
             values["reason"] = reason[:REASON_MAX_LENGTH]
-        self._ledger(f"finish {schedule!r} @ {period}", lambda: self._upsert(schedule, period, **values))
+
+        def finish() -> None:
+            # No reason keeps the one the record has; a run that was overdue says so first (one UPDATE, from
+            # overdue only: a finish delivered twice does not say it twice).
+            if not reason:
+                was_overdue = self._record(schedule, period).filter(status=OVERDUE)
+                if self._update(was_overdue, reason=Concat(Value(WAS_OVERDUE), F("reason")), **values):
+                    return
+            self._upsert(schedule, period, **values)
+
+        self._ledger(f"finish {schedule!r} @ {period}", finish)
 
     def run_list(
         self,

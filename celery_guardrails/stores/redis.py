@@ -218,15 +218,22 @@ return 0
 
 _THROTTLE = """
 local key, pending, group = KEYS[1], KEYS[2], ARGV[1]
-local now, window = tonumber(ARGV[2]), tonumber(ARGV[3])
+local now, window, extend = tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4])
 local untill = tonumber(redis.call('HGET', key, 'until') or '0')
+local ttl = math.floor(math.max(window, extend) * 10) + 60
 if untill > now then
   redis.call('HINCRBY', key, 'suppressed', 1)
   redis.call('SADD', pending, group)
+  if extend > 0 then
+    local opened = tonumber(redis.call('HGET', key, 'opened') or tostring(now))
+    local later = math.min(now + window, opened + extend)
+    if later > untill then redis.call('HSET', key, 'until', string.format('%.6f', later)) end
+    redis.call('EXPIRE', key, ttl)
+  end
   return 0
 end
-redis.call('HSET', key, 'until', string.format('%.6f', now + window))
-redis.call('EXPIRE', key, math.floor(window * 10) + 60)
+redis.call('HSET', key, 'until', string.format('%.6f', now + window), 'opened', string.format('%.6f', now))
+redis.call('EXPIRE', key, ttl)
 return 1
 """
 
@@ -376,11 +383,13 @@ class RedisIdempotency:
             raise self._failure(exc) from exc
         return {k.decode(): v.decode() for k, v in raw.items()} or None
 
-    def throttle(self, group: str, *, window: float, now: float) -> bool:
-        """True: alert now (first of a window); False: counted for the window's summary."""
+    def throttle(self, group: str, *, window: float, now: float, extend_for: float = 0.0) -> bool:
+        """True: alert now (first of a window); False: counted for the window's summary (see the protocol)."""
         try:
             return bool(
-                self._throttle(keys=[ALERT_PREFIX + group, ALERT_PENDING], args=[group, repr(now), repr(window)])
+                self._throttle(
+                    keys=[ALERT_PREFIX + group, ALERT_PENDING], args=[group, repr(now), repr(window), repr(extend_for)]
+                )
             )
         except self._errors as exc:
             raise self._failure(exc) from exc

@@ -14,14 +14,14 @@ from collections.abc import Callable
 from typing import Any
 
 from celery_guardrails.exceptions import StoreError
-from celery_guardrails.ledger import REASON_MAX_LENGTH, RETENTION, Run
+from celery_guardrails.ledger import REASON_MAX_LENGTH, RETENTION, WAS_OVERDUE, Run
 
 RUNS_PREFIX = "guardrails:runs:"
 INDEX_PREFIX = "guardrails:runs-index:"
 
 # KEYS: hash, index. ARGV: op, schedule, period field, now, retention, then per op:
 #   dispatch: task_id           record: status, reason          transition: to, reason, from...
-#   start: task_id              finish: status, reason          undispatch: task_id
+#   start: task_id              finish: status, reason, prefix  undispatch: task_id
 LEDGER_SCRIPT = """
 local runs, index = KEYS[1], KEYS[2]
 local op, schedule, field, now, retention = ARGV[1], ARGV[2], ARGV[3], ARGV[4], tonumber(ARGV[5])
@@ -68,6 +68,7 @@ elseif op == 'transition' then
   for i = 8, #ARGV do if r.status == ARGV[i] then allowed = true end end
   if not allowed then return 0 end
   r.status, r.reason = ARGV[6], ARGV[7]
+  if ARGV[6] == 'overdue' and not r.overdue_at then r.overdue_at = now end
   local first = 1
   if ARGV[6] == 'missed' then
     -- A period is reported missed once: moved to missed again (a lost catch-up), it answers 0.
@@ -82,8 +83,12 @@ elseif op == 'start' then
   return 1
 elseif op == 'finish' then
   r = r or fresh(ARGV[6])
+  if ARGV[7] ~= '' then
+    r.reason = ARGV[7]
+  elseif r.status == 'overdue' then
+    r.reason = ARGV[8] .. r.reason
+  end
   r.status, r.finished_at = ARGV[6], now
-  if ARGV[7] ~= '' then r.reason = ARGV[7] end
   save(r)
   return 1
 end
@@ -111,6 +116,7 @@ def _run(raw: bytes | str) -> Run:
         finished_at=_time(record.get("finished_at")),
         reason=record.get("reason") or "",
         missed_at=_time(record.get("missed_at")),
+        overdue_at=_time(record.get("overdue_at")),
     )
 
 
@@ -152,7 +158,7 @@ class RedisRunLedger:
         self._change("start", schedule, period, now, task_id)
 
     def run_finish(self, schedule: str, period: float, *, status: str, now: float, reason: str = "") -> None:
-        self._change("finish", schedule, period, now, status, reason[:REASON_MAX_LENGTH])
+        self._change("finish", schedule, period, now, status, reason[:REASON_MAX_LENGTH], WAS_OVERDUE)
 
     def run_list(
         self,

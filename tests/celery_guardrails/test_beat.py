@@ -81,7 +81,8 @@ def test_beat_down_for_three_periods_watchdog_records_and_alerts_then_each_catch
             names["all"]: {"catch_up": "all", "grace": GRACE},
         },
         start=start,
-        settings={"alert_channels": ["log", "webhook"], "alert_webhooks": [url]},
+        # every period alerts (run_alert_throttle 0): the test counts one report per period through the alerts
+        settings={"alert_channels": ["log", "webhook"], "alert_webhooks": [url], "run_alert_throttle": 0},
     )
     rigs.append(rig)
     # Given a worker (with its watchdog) and a guarded beat that has run each one-minute entry once

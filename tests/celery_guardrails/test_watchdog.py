@@ -222,7 +222,13 @@ def test_two_watchdogs_and_a_restarting_beat_race_on_the_same_missed_periods_one
     uid = uuid.uuid4().hex[:6]
     names = [f"race-latest-{uid}", f"race-all-{uid}"]
     start = a_whole_minute() + 30
-    settings: dict[str, Any] = {"alert_channels": ["webhook"], "alert_webhooks": [url], "watchdog": False}
+    # Every period alerts (run_alert_throttle 0): the test counts reports, one per period, through the alerts.
+    settings: dict[str, Any] = {
+        "alert_channels": ["webhook"],
+        "alert_webhooks": [url],
+        "watchdog": False,
+        "run_alert_throttle": 0,
+    }
     if store == "django":
         test_app = Celery("race", set_as_current=False)
         test_app.conf.guardrails = {"store": "django"}
@@ -293,3 +299,52 @@ def _iso(period: float) -> str:
     from datetime import UTC, datetime
 
     return str(datetime.fromtimestamp(period, UTC))
+
+
+def test_a_beat_outage_of_ten_periods_alerts_once_then_sends_one_summary(
+    app: Any, entry: Entry, received: Any, webhook: tuple[str, list[dict[str, Any]]]
+) -> None:
+    from celery_guardrails.alerts import flush_alert_summaries
+    from celery_guardrails.stores import get_store
+    from tests.support.waiting import wait_for
+
+    url, posted = webhook
+    clock = [T0]
+    app.conf.guardrails = {
+        **app.conf.guardrails,
+        "alert_channels": ["webhook"],
+        "alert_webhooks": [url],
+        "clock": lambda: clock[0],
+    }
+    missed = received(signals.run_missed)
+    store = get_store(app)
+    # Given a schedule whose last period ran
+    store.run_dispatch(entry.name, T0, task_id="t0", now=T0)
+    store.run_finish(entry.name, T0, status=OK, now=T0 + 1)
+    # When beat is down for ten periods, and the watchdog records each as it passes its grace
+    periods = [T0 + 60 * k for k in range(1, 11)]
+    for period in periods:
+        clock[0] = period + 11
+        check(app, entries={entry.name: entry}, current=clock[0])
+    # Then each period is recorded and signalled missed once
+    assert [call["period"].timestamp() for call in missed] == periods
+
+    def mine() -> list[dict[str, Any]]:
+        return [
+            post
+            for post in list(posted)
+            if (post.get("run") or post.get("summary") or {}).get("schedule") == entry.name
+        ]
+
+    # And its owner got one alert, for the first period; the others are counted while the outage goes on
+    wait_for("the first alert", mine)
+    flush_alert_summaries(app)  # the window is still open (each period pushed its end): no summary yet
+    # When the outage has been over for a window
+    clock[0] = periods[-1] + 11 + 300 + 1
+    flush_alert_summaries(app)
+    # Then one summary counts the nine other periods: two posts in all
+    wait_for("the summary", lambda: len(mine()) >= 2)
+    first, summary = mine()
+    assert first["run"]["period"] == _iso(periods[0]) and first["subject"].startswith("Run missed:")
+    assert summary["summary"]["count"] == 9 and summary["subject"] == f"9 more missed run(s): {entry.name}"
+    assert len(mine()) == 2

@@ -312,3 +312,30 @@ def test_a_ledger_kept_in_redis_is_pointed_out(admin_client: Client, app: Celery
     page = admin_client.get(reverse(HEALTH))
     assert page.status_code == 200 and b'id="health-other-store"' in page.content
     assert b"6379" not in page.content  # no store URL (it may hold a password) on the page
+
+
+def test_a_disabled_row_shows_disabled_and_a_finished_overdue_run_stays_counted() -> None:
+    from django_celery_beat.models import IntervalSchedule, PeriodicTask
+
+    # Given a django-celery-beat row with a policy, disabled, and a schedule whose run went overdue, then finished
+    every = IntervalSchedule.objects.create(every=60, period=IntervalSchedule.SECONDS)
+    PeriodicTask.objects.create(name="nightly row", task="tasks.nightly", interval=every, enabled=False)
+    ran("nightly row", NOW - 5 * MINUTE)
+    STORE.run_dispatch("d overdue", NOW - MINUTE, task_id="slow", now=NOW - MINUTE)
+    STORE.run_start("d overdue", NOW - MINUTE, task_id="slow", now=NOW - MINUTE + 1)
+    STORE.run_transition("d overdue", NOW - MINUTE, from_=(RUNNING,), to=OVERDUE, now=NOW - 20, reason="too long")
+    STORE.run_finish("d overdue", NOW - MINUTE, status=OK, now=NOW - 5)
+    app = make_app({"nightly row": {}, "d overdue": {"max_runtime": 30}})
+    app.conf.beat_schedule = {"d overdue": {"task": "tasks.overdue", "schedule": MINUTE}}
+    # When the health is read
+    rows = {row.schedule: row for row in schedule_health(app, now=NOW)}
+    # Then the disabled row says so (not "no policy"), with no next due time
+    assert (rows["nightly row"].state, rows["nightly row"].next_due) == ("disabled", None)
+    assert "disabled" in rows["nightly row"].detail
+    # And the run that was overdue is ok now, still counted overdue, its reason saying it was
+    assert (rows["d overdue"].state, rows["d overdue"].overdue_count) == ("ok", 1)
+    (run,) = STORE.run_list("d overdue")
+    assert run.reason == "finished after being overdue: too long" and run.overdue_at == NOW - 20
+    # And a finish delivered twice does not say it twice
+    STORE.run_finish("d overdue", NOW - MINUTE, status=OK, now=NOW - 4)
+    assert STORE.run_list("d overdue")[0].reason == "finished after being overdue: too long"

@@ -28,8 +28,8 @@ TASK = "tests.proj.tasks.scheduled_job"
 SCHEDULER = "django_celery_guardrails.schedulers:GuardedDatabaseScheduler"
 
 
-def database_rig(tmp_path: Path, policies: dict[str, Any]) -> Rig:
-    rig = Rig(tmp_path, entries={}, policies=policies)
+def database_rig(tmp_path: Path, policies: dict[str, Any], settings: dict[str, Any] | None = None) -> Rig:
+    rig = Rig(tmp_path, entries={}, policies=policies, settings=settings)
     # The beat and worker subprocesses run with the test Django settings, on this test's database.
     rig.env.update(proj_env(queue=rig.queue, django=True))
     return rig
@@ -175,3 +175,56 @@ def test_beat_keeps_running_through_a_database_outage_and_catches_up(
         rig.stop()
         proxy.close()
     assert [item["period"] for item in sink.items()] == [first, late]
+
+
+def test_a_schedule_disabled_for_ten_minutes_and_enabled_again_owes_nothing_for_that_time(
+    tmp_path: Path, sink: Sink, webhook: tuple[str, list[dict[str, Any]]]
+) -> None:
+    from django.contrib.auth.models import User
+    from django.test import Client
+    from django.urls import reverse
+
+    from celery_guardrails.ledger import SKIPPED_DISABLED
+
+    require("redis")
+    url, posted = webhook
+    name = f"db every minute {uuid.uuid4().hex[:6]}"
+    every = IntervalSchedule.objects.create(every=60, period=IntervalSchedule.SECONDS)
+    row = periodic_task(name, sink, interval=every)
+    admin = Client()
+    admin.force_login(User.objects.create_superuser("ops", "ops@example.com", "pw"))
+    changelist = reverse("admin:django_celery_beat_periodictask_changelist")
+    settings = {"alert_channels": ["webhook"], "alert_webhooks": [url]}
+    rig = database_rig(tmp_path, {name: {"grace": 20}}, settings)
+    try:
+        # Given a guarded row every minute that has run, a beat and a worker (with its watchdog)
+        rig.worker()
+        rig.looking(rig.beat(scheduler=SCHEDULER), name)
+        first = rig.now() + 60
+        rig.set_clock(first + 1)
+        rig.wait("the first run", lambda: (run := rig.run_of(name, first)) and run.status == OK)
+        # When an operator disables it in django-celery-beat's admin (its action is an UPDATE: no save signal)
+        admin.post(changelist, {"action": "disable_tasks", "_selected_action": [row.pk]})
+        assert not PeriodicTask.objects.get(pk=row.pk).enabled
+        # and ten minutes pass, each period past its grace
+        disabled = [first + 60.0 * k for k in range(1, 11)]
+        for period in disabled:
+            rig.set_clock(period + 21)
+            rig.wait(
+                f"{period} skipped",
+                lambda period=period: (run := rig.run_of(name, period)) and run.status == SKIPPED_DISABLED,
+            )
+        # and enables it again
+        admin.post(changelist, {"action": "enable_tasks", "_selected_action": [row.pk]})
+        assert PeriodicTask.objects.get(pk=row.pk).enabled
+        # Then it goes on from the next period
+        resumed = disabled[-1] + 60
+        rig.set_clock(resumed + 1)
+        rig.wait("the run after", lambda: (run := rig.run_of(name, resumed)) and run.status == OK)
+    finally:
+        rig.stop()
+    statuses = {run.period: run.status for run in rig.runs(name)}
+    assert statuses == {first: OK, **{period: SKIPPED_DISABLED for period in disabled}, resumed: OK}
+    assert [item["period"] for item in sink.items()] == [first, resumed]
+    # And nobody was alerted of a missed run
+    assert not [post for post in posted if "run" in post or "summary" in post]

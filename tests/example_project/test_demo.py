@@ -66,7 +66,8 @@ def check_output(out: str) -> None:
     assert "8. scheduled work: 'settle-payments' every minute, Europe/Berlin" in out
     assert "it ran ok, since=None" in out
     assert out.count("missed: not dispatched within 30s of its due time") == 2
-    assert out.count("alert for payments: Run missed: settle-payments at") == 2
+    assert out.count("alert for payments: Run missed: settle-payments at") == 1
+    assert "0 more alert(s); the outage is one incident, counted for one summary when it ends" in out
     assert "beat restarted: caught up the latest missed period" in out
     assert "the end of the last settlement, read from the run ledger" in out
     assert "== worker stopped (exit code 0)" in out

@@ -198,14 +198,20 @@ def test_finish_records_the_outcome(store: Any, schedule: str) -> None:
     store.run_finish(schedule, T0 + MINUTE, status=FAILED, now=T0 + MINUTE + 10, reason="PermanentError: gone")
     store.run_finish(schedule, T0 + 2 * MINUTE, status=OK, now=T0 + 2 * MINUTE + 40)
 
-    # Then each record has its end and status; the overdue one keeps why it was overdue
+    # Then each record has its end and status; the overdue one keeps when and why it was overdue
     def started(period: float, status: str, **fields: Any) -> Run:
         return run(
             schedule, period, status, task_id=f"t{period:.0f}", dispatched_at=period, started_at=period + 1, **fields
         )
 
     assert store.run_list(schedule) == [
-        started(T0 + 2 * MINUTE, OK, finished_at=T0 + 2 * MINUTE + 40, reason="ran 30s"),
+        started(
+            T0 + 2 * MINUTE,
+            OK,
+            finished_at=T0 + 2 * MINUTE + 40,
+            reason="finished after being overdue: ran 30s",
+            overdue_at=T0 + 150,
+        ),
         started(T0 + MINUTE, FAILED, finished_at=T0 + MINUTE + 10, reason="PermanentError: gone"),
         started(T0, OK, finished_at=T0 + 10),
     ]
