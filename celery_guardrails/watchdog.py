@@ -12,8 +12,8 @@ One check (:func:`check`), for every beat entry with a policy whose schedule has
 Each of these is one atomic insert or conditional update in the store, and only the check that made it
 reports it: ``run_missed`` / ``run_overdue`` once per period, however many watchdogs and beats run (a period
 already reported missed is not reported again; see :mod:`celery_guardrails.ledger`), and an alert to the
-entry's owner through ``alert_channels``, throttled per schedule by ``run_alert_throttle``. A schedule with no record yet (beat never
-dispatched it) is not checked.
+entry's owner through ``alert_channels``, throttled per schedule by ``run_alert_throttle``. A schedule with
+no record yet (beat never dispatched it) is not checked.
 
 Where it runs:
 
