@@ -46,7 +46,8 @@ from celery_guardrails import headers, signals
 
 # accelerated_clock stays importable from here: settings name it as celery_guardrails.beat.accelerated_clock.
 from celery_guardrails.clock import accelerated_clock, now
-from celery_guardrails.exceptions import ConfigurationError
+from celery_guardrails.context import validate_tenant
+from celery_guardrails.exceptions import ConfigurationError, ContextError
 from celery_guardrails.ledger import DISPATCHED, MISSED, SKIPPED_DISABLED, period_key
 from celery_guardrails.options import SchedulePolicy, app_value
 from celery_guardrails.schedules import Every, parse_crontab, periods_between, timetable
@@ -75,6 +76,9 @@ class Entry:
     args: tuple[Any, ...] = ()
     kwargs: dict[str, Any] = field(default_factory=dict)
     options: dict[str, Any] = field(default_factory=dict)
+    #: The tenant its runs carry: the entry's own (``options["tenant"]``, or ``tenant`` in a django-celery-beat
+    #: row's headers), else the policy's; None: none.
+    tenant: str | None = None
     #: Read from ``schedule`` once, when the entry is made (raises ValueError for a schedule it cannot read).
     timetable: Any = field(init=False)
 
@@ -117,6 +121,24 @@ def _zone(app: Any, name: str, schedule: Any, policy: SchedulePolicy, warned: se
     return ZoneInfo(str(app.conf.timezone or "UTC"))
 
 
+def _tenant_of(options: dict[str, Any], policy: SchedulePolicy) -> tuple[dict[str, Any], str | None]:
+    """(options without the tenant, the tenant): a beat_schedule entry names it as ``options={"tenant": ...}``,
+    a django-celery-beat row in its headers (``{"tenant": "acme"}``: the row has no other place for it; its
+    kwargs are the task's arguments), else the policy's ``tenant``. A bad one is a ValueError naming it."""
+    tenant = options.pop("tenant", None)
+    message_headers = options.get("headers")
+    if isinstance(message_headers, Mapping) and "tenant" in message_headers:
+        message_headers = dict(message_headers)
+        tenant = tenant or message_headers.pop("tenant")
+        options["headers"] = message_headers
+    if tenant is None:
+        return options, policy.tenant
+    try:
+        return options, validate_tenant(tenant)
+    except ContextError as exc:
+        raise ValueError(f"its tenant: {exc}") from None
+
+
 def build_entries(
     app: Any, raw: Mapping[str, Any], *, known: Iterable[str] | None = None, warned: set[str] | None = None
 ) -> dict[str, Entry]:
@@ -150,6 +172,7 @@ def build_entries(
         try:
             if isinstance(schedule, str):
                 schedule = parse_crontab(schedule)
+            options, tenant = _tenant_of(dict(get("options") or {}), policy)
             entry = Entry(
                 name=name,
                 task=str(get("task")),
@@ -158,7 +181,8 @@ def build_entries(
                 zone=_zone(app, name, schedule, policy, warned if warned is not None else set()),
                 args=tuple(get("args") or ()),
                 kwargs=dict(get("kwargs") or {}),
-                options=dict(get("options") or {}),
+                options=options,
+                tenant=tenant,
             )
             table = entry.timetable
             if isinstance(table, Every) and (
@@ -300,6 +324,8 @@ def dispatch(app: Any, entry: Entry, period: float, *, current: float, catch_up:
             headers.IDEMPOTENCY_KEY: period_key(entry.name, period),
         }
     )
+    if entry.tenant is not None:
+        guardrails[headers.TENANT] = entry.tenant
     message_headers[headers.HEADER] = guardrails
     logger.info(
         "Dispatching %r period %s as %s%s", entry.name, moment(period), task_id, " (catch-up)" if catch_up else ""

@@ -210,6 +210,9 @@ class SchedulePolicy:
     fall_back: str = "first"
     #: Who hears of missed and overdue runs (else the task's owner).
     owner: str | None = None
+    #: The tenant every run of the entry runs as, unless the entry names its own (a beat_schedule entry's
+    #: ``options={"tenant": ...}``, a django-celery-beat row's headers ``{"tenant": ...}``).
+    tenant: str | None = None
 
 
 def _zone(value: Any) -> ZoneInfo | None:
@@ -231,7 +234,14 @@ _POLICY_CHECKS: Mapping[str, Callable[[Any], Any]] = {
     "since": _boolean,
     "fall_back": _choice("first", "both"),
     "owner": _name,
+    "tenant": lambda value: None if value is None else _tenant(value),
 }
+
+
+def _tenant(value: Any) -> str:
+    from celery_guardrails.context import validate_tenant  # context reads no settings; no cycle at import
+
+    return validate_tenant(value)
 
 
 def _schedules(value: Any) -> dict[str, SchedulePolicy]:

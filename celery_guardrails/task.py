@@ -125,6 +125,11 @@ class GuardedTask(Task):  # type: ignore[misc]
         given = check_call_options({name: options.pop(name) for name in list(options) if name in OPTIONS})
         overrides = {name: options.pop(name) for name in CONTEXT_OVERRIDES & options.keys()}
         message_headers = dict(options.pop("headers", None) or {})
+        # A django-celery-beat row can add message headers only (its kwargs are the task's arguments): a
+        # "tenant" there is the row's tenant, as options={"tenant": ...} is a beat_schedule entry's.
+        row_tenant = message_headers.pop("tenant", None)
+        if row_tenant is not None:
+            overrides.setdefault("tenant", row_tenant)
         header = headers.from_message_headers(message_headers)
         # A retry brings its own header back (Celery copies custom headers since celery#7555), per-call
         # options included; options given now win.

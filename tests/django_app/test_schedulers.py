@@ -228,3 +228,50 @@ def test_a_schedule_disabled_for_ten_minutes_and_enabled_again_owes_nothing_for_
     assert [item["period"] for item in sink.items()] == [first, resumed]
     # And nobody was alerted of a missed run
     assert not [post for post in posted if "run" in post or "summary" in post]
+
+
+def test_a_row_carries_its_tenant_in_its_headers_and_a_policy_names_one_for_its_entry(
+    tmp_path: Path, sink: Sink
+) -> None:
+    require("redis")
+    uid = uuid.uuid4().hex[:6]
+    guarded, plain, by_policy = f"acme nightly {uid}", f"globex plain {uid}", f"initech by policy {uid}"
+    # Given a guarded row whose headers name its tenant, a row without a policy that does the same (every
+    # second, on Celery's own clock), and a guarded row whose policy names the tenant
+    every_minute = IntervalSchedule.objects.create(every=60, period=IntervalSchedule.SECONDS)
+    every_second = IntervalSchedule.objects.create(every=1, period=IntervalSchedule.SECONDS)
+    periodic_task(guarded, sink, interval=every_minute, headers=json.dumps({"tenant": "acme"}))
+    periodic_task(plain, sink, interval=every_second, headers=json.dumps({"tenant": "globex"}))
+    periodic_task(by_policy, sink, interval=every_minute)
+    rig = database_rig(tmp_path, {guarded: {"grace": 30}, by_policy: {"grace": 30, "tenant": "initech"}})
+    try:
+        rig.worker()
+        rig.looking(rig.beat(scheduler=SCHEDULER), guarded, by_policy)
+        # When their periods come due
+        due = rig.now() + 60
+        rig.set_clock(due + 1)
+
+        def tenants() -> dict[str, str] | None:
+            seen = {item["schedule"] or "plain": item["tenant"] for item in sink.items()}
+            return seen if len(seen) == 3 else None
+
+        # Then each run carried its tenant
+        assert rig.wait("a run of each", tenants) == {guarded: "acme", "plain": "globex", by_policy: "initech"}
+    finally:
+        rig.stop()
+
+
+def test_a_bad_tenant_of_an_entry_is_refused_naming_it() -> None:
+    from celery import Celery
+
+    from celery_guardrails.beat import build_entries
+    from celery_guardrails.exceptions import ConfigurationError
+
+    app = Celery("bad-tenant", set_as_current=False)
+    app.conf.guardrails = {"schedules": {"nightly": {}}}
+    for options in ({"tenant": "a/b"}, {"headers": {"tenant": ""}}):
+        with pytest.raises(ConfigurationError, match="beat entry 'nightly': its tenant: tenant id"):
+            build_entries(app, {"nightly": {"task": TASK, "schedule": 60.0, "options": options}})
+    with pytest.raises(ConfigurationError, match="'schedules'"):
+        app.conf.guardrails = {"schedules": {"nightly": {"tenant": "a b"}}}
+        build_entries(app, {"nightly": {"task": TASK, "schedule": 60.0}})
