@@ -36,6 +36,7 @@ from . import health
 from .forms import EditAndReplayForm
 from .maintenance import close_dead_letters
 from .models import DeadLetter, DependencyState, IdempotencyKey, ScheduledRun, SealedMessage
+from .overview import dead_letter_overview
 from .replay import Refused, ReplayResult, plan, replay_dead_letters, replay_with_changes
 
 
@@ -83,9 +84,11 @@ class DeadLetterAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
     readonly_fields = [f.name for f in DeadLetter._meta.fields if f.name not in ("history", "traceback")] + [
         "attempt_history",
         "traceback_text",
+        "replayed_as",
     ]
-    exclude = ("history", "traceback")
+    exclude = ("history", "traceback", "replayed_task_id")
     change_form_template = "admin/guardrails/deadletter/change_form.html"
+    change_list_template = "admin/guardrails/deadletter/change_list.html"  # adds the "Overview" link
 
     def has_add_permission(self, request: HttpRequest) -> bool:
         return False  # dead letters are recorded by workers, never typed in
@@ -126,6 +129,22 @@ class DeadLetterAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
             "<th>class</th><th>rule</th><th>exception</th><th>delay s</th></tr></thead><tbody>{}</tbody></table>",
             rows,
         )
+
+    @admin.display(description="replayed as")
+    def replayed_as(self, obj: DeadLetter) -> str:
+        """The replay's task id, its state in the result backend, and its own dead letter if it failed again."""
+        if not obj.replayed_task_id:
+            return "-"
+        again = DeadLetter.objects.filter(task_id=obj.replayed_task_id).values_list("pk", flat=True).first()
+        if again is not None:
+            url = reverse("admin:guardrails_deadletter_change", args=[again])
+            link = '{} (<a href="{}" class="replayed-again">failed again: dead letter {}</a>)'
+            return format_html(link, obj.replayed_task_id, url, again)
+        try:
+            state = health.celery_app().AsyncResult(obj.replayed_task_id).state
+        except Exception:  # no result backend, or it is out of reach: the id is still worth showing
+            state = "unknown"
+        return format_html('{} <span class="replay-state">({})</span>', obj.replayed_task_id, state)
 
     @admin.display(description="traceback")
     def traceback_text(self, obj: DeadLetter) -> str:
@@ -210,11 +229,33 @@ class DeadLetterAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
     def get_urls(self) -> list[Any]:
         replay = self.admin_site.admin_view(self.replay_view)
         edit = self.admin_site.admin_view(self.edit_and_replay_view)
+        overview = self.admin_site.admin_view(self.overview_view)
         return [
+            path("overview/", overview, name="guardrails_deadletter_overview"),
             path("<int:pk>/replay/", replay, name="guardrails_deadletter_replay"),
             path("<int:pk>/edit-and-replay/", edit, name="guardrails_deadletter_edit_and_replay"),
             *super().get_urls(),
         ]
+
+    def overview_view(self, request: HttpRequest) -> HttpResponse:
+        """Open records by reason, owner and task, and the last 24 hours by hour (see :mod:`.overview`)."""
+        if not self.has_view_permission(request):
+            raise PermissionDenied
+        changelist = reverse("admin:guardrails_deadletter_changelist")
+        summary = dead_letter_overview()
+        context = {
+            **self.admin_site.each_context(request),
+            "title": "Dead letters: overview",
+            "opts": self.model._meta,
+            "overview": summary,
+            "groups": [
+                ("reason", "Open by reason", summary.by_reason),
+                ("owner", "Open by owner", summary.by_owner),
+                ("task_name", "Open by task", summary.by_task),
+            ],
+            "changelist": changelist,
+        }
+        return TemplateResponse(request, "admin/guardrails/deadletter/overview.html", context)
 
     def change_view(
         self, request: HttpRequest, object_id: str, form_url: str = "", extra_context: dict[str, Any] | None = None

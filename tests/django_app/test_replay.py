@@ -229,3 +229,39 @@ def test_an_action_on_one_selected_row_of_four_changes_that_row_only(celery_work
     assert set(DeadLetter.objects.filter(pk__in=[r.pk for r in records]).values_list("status", flat=True)) == {
         "discarded"
     }
+
+
+def test_the_overview_counts_open_records_and_the_last_day_and_a_replay_links_its_outcome(
+    celery_worker: Any, sink: Sink, oid: int
+) -> None:
+    from datetime import timedelta
+
+    from django.utils import timezone
+
+    # Given three real open dead letters of one task, one of them owned by payments, and an older one
+    records = [dead_letter(Sink.of(f"{sink.key}:{i}"), oid + i) for i in range(3)]
+    DeadLetter.objects.filter(pk=records[0].pk).update(owner="payments")
+    moment = timezone.now() - timedelta(days=3)
+    DeadLetter.objects.create(
+        task_name="t.old", task_id=f"old-{oid}", reason="poison", first_failed_at=moment, last_failed_at=moment
+    )
+    client = Client()
+    client.force_login(user_with("replay_deadletter"))
+    # When the overview is opened from the change list
+    listing = client.get(reverse("admin:guardrails_deadletter_changelist"))
+    assert b"overview-link" in listing.content
+    page = client.get(reverse("admin:guardrails_deadletter_overview"))
+    # Then it counts the open ones by reason, owner and task, and the last 24 hours hour by hour
+    assert page.status_code == 200
+    overview = page.context["overview"]
+    assert overview.open_count == 4 and overview.last_day_count == 3
+    assert [(g.value, g.count) for g in overview.by_reason] == [("permanent", 3), ("poison", 1)]
+    assert [(g.value, g.count) for g in overview.by_task] == [("tests.proj.tasks.charge", 3), ("t.old", 1)]
+    assert ("payments", 1) in [(g.value, g.count) for g in overview.by_owner]
+    assert len(overview.hours) == 24 and overview.hours[-1].count == 3
+    # When one record is replayed (the charge script says it succeeds on its second run)
+    ((_, task_id),) = replay_dead_letters([records[1].pk]).replayed
+    tasks.charge.AsyncResult(task_id).get(timeout=TIMEOUT)
+    # Then its page shows the replay's task id and its state
+    detail = client.get(reverse("admin:guardrails_deadletter_change", args=[records[1].pk]))
+    assert f'{task_id} <span class="replay-state">(SUCCESS)</span>'.encode() in detail.content

@@ -218,3 +218,22 @@ def test_without_the_replay_permission_no_replay_is_offered(celery_worker: Any, 
     client.force_login(user_with("replay_deadletter"))
     detail = client.get(reverse("admin:guardrails_deadletter_change", args=[record.pk]))
     assert b"replay-link" in detail.content and b"edit-replay-link" in detail.content
+
+
+def test_a_replay_that_fails_again_links_its_new_dead_letter(
+    celery_worker: Any, celery_app: Any, sink: Sink, secret: str
+) -> None:
+    # Given a dead letter replayed before its cause was fixed
+    record = failed_sync(sink, secret)
+    ((_, task_id),) = replay_dead_letters([record.pk]).replayed
+    with pytest.raises(Exception, match="provider refused"):
+        celery_app.AsyncResult(task_id).get(timeout=TIMEOUT)
+    again = DeadLetter.objects.get(task_id=task_id)
+    # When its page is opened
+    client = Client()
+    client.force_login(user_with("replay_deadletter"))
+    detail = client.get(reverse("admin:guardrails_deadletter_change", args=[record.pk]))
+    # Then "replayed as" links the new dead letter (which keeps the real token sealed too)
+    url = reverse("admin:guardrails_deadletter_change", args=[again.pk])
+    assert f'href="{url}" class="replayed-again">failed again: dead letter {again.pk}</a>'.encode() in detail.content
+    assert plan(again).kwargs["api_token"] == secret
