@@ -81,7 +81,9 @@ class DeadLetterAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
     list_per_page = 50
     actions = ["replay_selected", "discard_selected", "resolve_selected"]
     # The raw history and traceback are shown formatted (a table, a <pre>) instead.
-    readonly_fields = [f.name for f in DeadLetter._meta.fields if f.name not in ("history", "traceback")] + [
+    readonly_fields = [
+        f.name for f in DeadLetter._meta.fields if f.name not in ("history", "traceback", "replayed_task_id")
+    ] + [
         "attempt_history",
         "traceback_text",
         "replayed_as",
