@@ -302,7 +302,7 @@ def _iso(period: float) -> str:
 
 
 def test_a_beat_outage_of_ten_periods_alerts_once_then_sends_one_summary(
-    app: Any, entry: Entry, received: Any, webhook: tuple[str, list[dict[str, Any]]]
+    app: Any, received: Any, webhook: tuple[str, list[dict[str, Any]]], mailoutbox: list[Any]
 ) -> None:
     from celery_guardrails.alerts import flush_alert_summaries
     from celery_guardrails.stores import get_store
@@ -310,10 +310,14 @@ def test_a_beat_outage_of_ten_periods_alerts_once_then_sends_one_summary(
 
     url, posted = webhook
     clock = [T0]
+    name = f"owned-every-minute-{uuid.uuid4().hex[:8]}"
+    policy = SchedulePolicy(grace=10, owner="ops")
+    entry = Entry(name=name, task="tests.proj.tasks.scheduled_job", schedule=60.0, policy=policy, zone=ZoneInfo("UTC"))
     app.conf.guardrails = {
         **app.conf.guardrails,
-        "alert_channels": ["webhook"],
+        "alert_channels": ["webhook", "mail"],
         "alert_webhooks": [url],
+        "owner_emails": {"ops": ["ops@example.com"]},
         "clock": lambda: clock[0],
     }
     missed = received(signals.run_missed)
@@ -348,3 +352,14 @@ def test_a_beat_outage_of_ten_periods_alerts_once_then_sends_one_summary(
     assert first["run"]["period"] == _iso(periods[0]) and first["subject"].startswith("Run missed:")
     assert summary["summary"]["count"] == 9 and summary["subject"] == f"9 more missed run(s): {entry.name}"
     assert len(mine()) == 2
+    # And the owner got two mails about it: the alert and the summary
+    mails = wait_for(
+        "two mails",
+        lambda: (
+            [m for m in mailoutbox if name in m.subject]
+            if len([m for m in mailoutbox if name in m.subject]) >= 2
+            else None
+        ),
+    )
+    assert [m.to for m in mails] == [["ops@example.com"], ["ops@example.com"]]
+    assert mails[1].subject == f"[guardrails] 9 more missed run(s): {name}"
