@@ -265,3 +265,38 @@ def test_the_overview_counts_open_records_and_the_last_day_and_a_replay_links_it
     # Then its page shows the replay's task id and its state
     detail = client.get(reverse("admin:guardrails_deadletter_change", args=[records[1].pk]))
     assert f'{task_id} <span class="replay-state">(SUCCESS)</span>'.encode() in detail.content
+
+
+def test_many_refusals_are_one_message_and_internal_tables_are_read_only(
+    celery_worker: Any, sink: Sink, oid: int
+) -> None:
+    from django_celery_guardrails.models import DependencyState, IdempotencyKey
+
+    # Given three open records of a task that is no longer registered
+    records = [dead_letter(Sink.of(f"{sink.key}:{i}"), oid + i) for i in range(3)]
+    DeadLetter.objects.filter(pk__in=[r.pk for r in records]).update(task_name="tests.proj.tasks.gone")
+    client = Client()
+    client.force_login(User.objects.create_superuser(f"root{oid}", "root@example.com", "pw"))
+    changelist = reverse("admin:guardrails_deadletter_changelist")
+    # When all three are replayed from the change list
+    form = {"action": "replay_selected", "_selected_action": [r.pk for r in records], "post": "yes"}
+    done = client.post(changelist, form, follow=True)
+    # Then one message names the three and the reason, once
+    texts = [str(m) for m in done.context["messages"]]
+    ids = ", ".join(str(r.pk) for r in records)
+    assert texts == [
+        f"3 dead letter(s) not replayed ({ids}): task 'tests.proj.tasks.gone' is no longer registered; the record "
+        "stays open"
+    ]
+    # And the internal tables offer no Add, the key list hides the guardrails' own keys
+    IdempotencyKey.objects.create(key="guardrails:watchdog:abc", state="claimed")
+    IdempotencyKey.objects.create(key=f"tests.proj.tasks.charge:-:charge:{oid}", state="completed")
+    DependencyState.objects.create(dependency="payments-api")
+    keys = client.get(reverse("admin:guardrails_idempotencykey_changelist"))
+    shown = {row.key for row in keys.context["cl"].result_list}
+    assert "guardrails:watchdog:abc" not in shown and f"tests.proj.tasks.charge:-:charge:{oid}" in shown
+    for model in ("idempotencykey", "dependencystate", "deadletter"):
+        assert client.get(reverse(f"admin:guardrails_{model}_add")).status_code == 403
+    row = DependencyState.objects.get(dependency="payments-api")
+    page = client.get(reverse("admin:guardrails_dependencystate_change", args=[row.pk]))
+    assert page.status_code == 200 and b'name="_save"' not in page.content
