@@ -83,32 +83,14 @@ def flush_alert_summaries(app: Any) -> int:
     for group, count in due:
         owner, rest = group.split("|", 1)
         name, reason = rest.rsplit("|", 1)  # a schedule's name may hold "|"; an owner's and a reason's do not
-        if reason.startswith(RUN_ALERT):
+        if reason.startswith(RUN_ALERT):  # missed or overdue runs of a schedule
             kind = reason.removeprefix(RUN_ALERT)
-            send(
-                app,
-                subject=f"{count} more {kind} run(s): {name}",
-                summary={
-                    "owner": None if owner == "-" else owner,
-                    "schedule": name,
-                    "kind": kind,
-                    "count": count,
-                    "window_seconds": app_value(app, "run_alert_throttle"),
-                },
-            )
-            continue
-        task_name = name
-        send(
-            app,
-            subject=f"{count} more dead letter(s): {task_name} ({reason})",
-            summary={
-                "owner": None if owner == "-" else owner,
-                "task_name": task_name,
-                "reason": reason,
-                "count": count,
-                "window_seconds": app_value(app, "alert_throttle"),
-            },
-        )
+            subject = f"{count} more {kind} run(s): {name}"
+            about = {"schedule": name, "kind": kind, "window_seconds": app_value(app, "run_alert_throttle")}
+        else:  # dead letters of a task
+            subject = f"{count} more dead letter(s): {name} ({reason})"
+            about = {"task_name": name, "reason": reason, "window_seconds": app_value(app, "alert_throttle")}
+        send(app, subject=subject, summary={"owner": None if owner == "-" else owner, "count": count, **about})
     return len(due)
 
 

@@ -60,6 +60,15 @@ def browser(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
             chromium.close()
 
 
+def log_in(page: Any, live_server: Any, next_path: str, landing: str) -> None:
+    """Log in as "admin" through the login page, and wait for the page it leads to."""
+    page.goto(f"{live_server.url}/admin/login/?next={next_path}")
+    page.fill("#id_username", "admin")
+    page.fill("#id_password", "pw-for-tests")
+    page.click("input[type=submit]")
+    page.wait_for_url(landing)
+
+
 @pytest.fixture
 def celery_app(celery_app: Any) -> Any:
     celery_app.conf.guardrails = {**celery_app.conf.guardrails, "dead_letter_sinks": ["django"]}
@@ -82,11 +91,7 @@ def test_replay_a_dead_letter_in_the_admin(celery_worker: Any, live_server: Any,
         page.screenshot(path=str(ARTIFACTS / f"{name}.png"), full_page=True)
 
     # When an operator logs in
-    page.goto(f"{live_server.url}/admin/login/?next=/admin/guardrails/deadletter/")
-    page.fill("#id_username", "admin")
-    page.fill("#id_password", "pw-for-tests")
-    page.click("input[type=submit]")
-    page.wait_for_url("**/admin/guardrails/deadletter/")
+    log_in(page, live_server, "/admin/guardrails/deadletter/", "**/admin/guardrails/deadletter/")
     shot("1-changelist")
     # filters by reason
     page.click("#changelist-filter a[href*='reason=permanent']")
@@ -131,11 +136,7 @@ def test_the_schedule_health_page(schedules: None, live_server: Any, browser: An
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
     page = browser.new_page()
     # When an operator logs in to the run ledger and follows its "Schedule health" link
-    page.goto(f"{live_server.url}/admin/login/?next=/admin/guardrails/scheduledrun/")
-    page.fill("#id_username", "admin")
-    page.fill("#id_password", "pw-for-tests")
-    page.click("input[type=submit]")
-    page.wait_for_url("**/admin/guardrails/scheduledrun/")
+    log_in(page, live_server, "/admin/guardrails/scheduledrun/", "**/admin/guardrails/scheduledrun/")
     page.click("a.health-link")
     page.wait_for_selector("table#schedule-health")
     page.screenshot(path=str(ARTIFACTS / "6-schedule-health.png"), full_page=True)
@@ -173,11 +174,7 @@ def test_an_action_on_one_ticked_row_of_four_changes_that_row_only_and_select_al
     ids = [record.pk for record in records]
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
     page = browser.new_page()
-    page.goto(f"{live_server.url}/admin/login/?next=/admin/guardrails/deadletter/?status__exact=open")
-    page.fill("#id_username", "admin")
-    page.fill("#id_password", "pw-for-tests")
-    page.click("input[type=submit]")
-    page.wait_for_url("**/admin/guardrails/deadletter/**")
+    log_in(page, live_server, "/admin/guardrails/deadletter/?status__exact=open", "**/admin/guardrails/deadletter/**")
 
     def run(action: str) -> None:
         page.select_option("select[name=action]", action)
@@ -235,11 +232,7 @@ def wide_records(monkeypatch: pytest.MonkeyPatch) -> DeadLetter:
 
 def test_the_admin_pages_fit_a_1366_pixel_screen(wide_records: DeadLetter, live_server: Any, browser: Any) -> None:
     page = browser.new_page(viewport={"width": 1366, "height": 768})
-    page.goto(f"{live_server.url}/admin/login/?next=/admin/guardrails/deadletter/")
-    page.fill("#id_username", "admin")
-    page.fill("#id_password", "pw-for-tests")
-    page.click("input[type=submit]")
-    page.wait_for_url("**/admin/guardrails/deadletter/")
+    log_in(page, live_server, "/admin/guardrails/deadletter/", "**/admin/guardrails/deadletter/")
     pages = {
         "dead letters": "/admin/guardrails/deadletter/",
         "dead letter": f"/admin/guardrails/deadletter/{wide_records.pk}/change/",
