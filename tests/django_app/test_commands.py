@@ -147,6 +147,11 @@ def test_discard_and_resolve_close_the_records_named_only() -> None:
     assert statuses == {one.pk: "open", two.pk: "discarded", three.pk: "resolved"}
     assert DeadLetter.objects.get(pk=two.pk).handled_by == "alice"
     assert DeadLetter.objects.get(pk=three.pk).handled_by.startswith("shell")
+    # And --json says which changed
+    out = StringIO()
+    call_command("guardrails_deadletters", "discard", str(one.pk), str(two.pk), "--json", "--by", "bob", stdout=out)
+    assert json.loads(out.getvalue()) == {"status": "discarded", "changed": [one.pk], "by": "bob"}
+    DeadLetter.objects.filter(pk=one.pk).update(status="open")
     # And an id that does not exist changes nothing
     with pytest.raises(CommandError, match="no dead letter 0"):
         call_command("guardrails_deadletters", "discard", str(one.pk), "0")

@@ -51,6 +51,7 @@ class Command(BaseCommand):
             closing = commands.add_parser(name, help=f"{verb} open records.")
             closing.add_argument("ids", nargs="+", help="Record ids.")
             closing.add_argument("--by", default="", help="Who did it (default: the shell user).")
+            closing.add_argument("--json", action="store_true", help="One JSON object: what changed.")
         commands.add_parser("reseal", help="Seal every sealed copy again with the first of seal_keys.")
 
     def handle(self, *args: Any, command: str, **options: Any) -> None:
@@ -59,7 +60,8 @@ class Command(BaseCommand):
         elif command == "show":
             self._show(_id(options["id"]), as_json=options["json"])
         elif command in ("discard", "resolve"):
-            self._close(command, [_id(value) for value in options["ids"]], options["by"] or _shell_user())
+            ids = [_id(value) for value in options["ids"]]
+            self._close(command, ids, options["by"] or _shell_user(), as_json=options["json"])
         else:
             self._reseal()
 
@@ -100,13 +102,20 @@ class Command(BaseCommand):
             shown = json.dumps(value, cls=DjangoJSONEncoder) if isinstance(value, dict | list) else value
             self.stdout.write(f"{name}: {shown}")
 
-    def _close(self, command: str, ids: list[int], by: str) -> None:
+    def _close(self, command: str, ids: list[int], by: str, *, as_json: bool) -> None:
         missing = sorted(set(ids) - set(DeadLetter.objects.filter(pk__in=ids).values_list("pk", flat=True)))
         if missing:
             raise CommandError(f"no dead letter {', '.join(map(str, missing))}; nothing was changed")
         status = DeadLetter.Status.DISCARDED if command == "discard" else DeadLetter.Status.RESOLVED
-        changed = close_dead_letters(DeadLetter.objects.filter(pk__in=ids), status, by=by)
-        self.stdout.write(f"{status.capitalize()} {changed} of {len(ids)} dead letter(s) (the others were not open).")
+        was_open = list(DeadLetter.objects.open().filter(pk__in=ids).values_list("pk", flat=True))
+        close_dead_letters(DeadLetter.objects.filter(pk__in=was_open), status, by=by)
+        changed = sorted(DeadLetter.objects.filter(pk__in=was_open, status=status).values_list("pk", flat=True))
+        if as_json:
+            self.stdout.write(json.dumps({"status": status.value, "changed": changed, "by": by}))
+            return
+        self.stdout.write(
+            f"{status.capitalize()} {len(changed)} of {len(ids)} dead letter(s) (the others were not open)."
+        )
 
     def _reseal(self) -> None:
         sealer = sealer_for(current_app._get_current_object())
