@@ -8,6 +8,12 @@ from pathlib import Path
 from django.conf import settings
 from django.test import Client
 
+# Imported here, at collection: a shared task registers with apps not yet finalized through a finalizer, and
+# celery.contrib.testing's setup_default_app (around every test on the celery_app fixture) restores the set of
+# finalizers when its test ends. Imported first inside such a test (a worker there imports every task module),
+# the example tasks were never registered with the example app, and this test failed with NotRegistered when
+# it ran right after one.
+import example_project.shop.tasks  # noqa: F401
 from example_project.celery_app import app as example_app
 from tests.support.services import require
 from tests.support.workers import WorkerProcess
