@@ -126,13 +126,17 @@ def send(
     if summary is not None:
         payload["summary"] = summary
     for channel in app_value(app, "alert_channels"):
-        if channel == "log":
-            logger.error("ALERT for %s: %s %s", owner or "nobody", subject, json.dumps(payload, default=str))
-        elif channel == "mail":
-            _mail(app, owner, subject, payload)
-        elif channel == "webhook":
-            for url in app_value(app, "alert_webhooks"):
-                SENDER.submit(f"webhook {url} of {subject!r}", _post, url, payload, app_value(app, "alert_timeout"))
+        try:  # one channel that fails (mail settings, say) must not silence the others
+            if channel == "log":
+                logger.error("ALERT for %s: %s %s", owner or "nobody", subject, json.dumps(payload, default=str))
+            elif channel == "mail":
+                _mail(app, owner, subject, payload)
+            elif channel == "webhook":
+                for url in app_value(app, "alert_webhooks"):
+                    timeout = app_value(app, "alert_timeout")
+                    SENDER.submit(f"webhook {url} of {subject!r}", _post, url, payload, timeout)
+        except Exception:
+            logger.exception("Alert channel %s failed for %s", channel, subject)
 
 
 #: Deliveries waiting at most, per process; more are logged and dropped.
@@ -147,7 +151,7 @@ class Sender:
     """One daemon thread per process that delivers alerts (mail, webhooks) off the task's path."""
 
     def __init__(self) -> None:
-        self.pending: queue.Queue[tuple[str, Callable[..., Any], tuple[Any, ...]] | None] = queue.Queue(MAX_PENDING)
+        self.pending: queue.Queue[tuple[str, Callable[..., Any], tuple[Any, ...]]] = queue.Queue(MAX_PENDING)
         self.pid = 0
         self.lock = threading.Lock()
         self.thread: threading.Thread | None = None
@@ -166,11 +170,8 @@ class Sender:
 
     def _run(self) -> None:
         while True:
-            item = self.pending.get()
+            what, deliver, args = self.pending.get()
             try:
-                if item is None:
-                    return
-                what, deliver, args = item
                 for pause in (*RETRY_PAUSES, None):
                     try:
                         deliver(*args)

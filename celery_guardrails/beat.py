@@ -198,28 +198,35 @@ def build_entries(
 
 def configured_entries(app: Any, *, warned: set[str] | None = None) -> dict[str, Entry]:
     """The guarded entries of the app: ``beat_schedule``, and django-celery-beat rows when installed."""
-    if not app_value(app, "schedules"):
-        return {}
+    return all_configured_entries(app, warned=warned)[0]
+
+
+def all_configured_entries(app: Any, *, warned: set[str] | None = None) -> tuple[dict[str, Entry], dict[str, Entry]]:
+    """(the guarded entries, the guarded entries disabled now: django-celery-beat rows with ``enabled`` off),
+    from one read of the rows."""
+    policies = app_value(app, "schedules")
+    if not policies:
+        return {}, {}
     raw: dict[str, Any] = dict(app.conf.beat_schedule or {})
     known = set(raw)
+    disabled: dict[str, Any] = {}
     if django_apps_installed("django_celery_beat"):
-        from django_celery_guardrails.schedulers import periodic_tasks
+        from django_celery_guardrails.schedulers import periodic_task_rows
 
-        rows, names = periodic_tasks(app, names=set(app_value(app, "schedules")) - known)
+        rows, disabled, names = periodic_task_rows(app, names=set(policies) - known)
         raw.update(rows)
         known |= names
-    return build_entries(app, raw, known=known, warned=warned)
+    return build_entries(app, raw, known=known, warned=warned), build_disabled_entries(app, disabled, warned=warned)
 
 
-def configured_disabled_entries(app: Any, *, warned: set[str] | None = None) -> dict[str, Entry]:
-    """The guarded entries that are disabled now (django-celery-beat rows with ``enabled`` off)."""
-    policies = app_value(app, "schedules")
-    if not policies or not django_apps_installed("django_celery_beat"):
+def build_disabled_entries(app: Any, raw: Mapping[str, Any], *, warned: set[str] | None = None) -> dict[str, Entry]:
+    """The guarded entries among disabled rows ``raw``; none when one cannot be read (a disabled row is not due:
+    it must not stop beat or the watchdog from handling the others)."""
+    try:
+        return build_entries(app, raw, known=app_value(app, "schedules"), warned=warned)
+    except ConfigurationError:
+        logger.exception("celery-guardrails: a disabled guarded row cannot be read; its periods are not skipped")
         return {}
-    from django_celery_guardrails.schedulers import periodic_task_rows
-
-    _, disabled, _ = periodic_task_rows(app, names=set(policies) - set(app.conf.beat_schedule or {}))
-    return build_entries(app, disabled, known=policies, warned=warned)
 
 
 def skip_disabled(app: Any, entry: Entry, current: float) -> float | None:

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import json
 import logging
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any, Protocol
 
 from celery_guardrails.exceptions import StoreError, StoreUnavailableError
@@ -162,7 +162,7 @@ class DjangoSink:
         values = {**fields}
         sealed = values.pop("sealed", "")
         for name in ("first_failed_at", "last_failed_at"):
-            values[name] = datetime.fromisoformat(values[name])
+            values[name] = _moment(values.get(name))
         for column in DeadLetter._meta.concrete_fields:  # a value longer than its column is cut, not refused
             value = values.get(column.name)
             if isinstance(value, str) and column.max_length and len(value) > column.max_length:
@@ -174,27 +174,39 @@ class DjangoSink:
                     SealedMessage.objects.create(dead_letter=record, token=sealed)
         except DatabaseError as exc:
             raise failure("record a dead letter", exc) from exc
+        except (TypeError, ValueError) as exc:  # a value the JSON columns cannot take: refused as data
+            raise StoreError(f"dead letter not recorded: {exc}") from exc
         return bool(created)
 
 
+def _moment(value: Any) -> datetime:
+    """A record's time, read back from ISO 8601; now when it is missing or unreadable (a pending dead letter
+    carried in a header needs only its task, id, reason and exception: see headers.PENDING_REQUIRED)."""
+    try:
+        return datetime.fromisoformat(value)
+    except (TypeError, ValueError):
+        return datetime.now(UTC)
+
+
 class RedisStreamSink:
-    def __init__(self, url: str) -> None:
+    def __init__(self, url: str, *, timeout: float) -> None:
         import redis
 
         self.url = url
-        self.client = redis.Redis.from_url(url)
+        # The store's timeouts: a half-open connection must not hold the message (and its worker) for ever.
+        self.client = redis.Redis.from_url(url, socket_timeout=timeout, socket_connect_timeout=timeout)
         self._record = self.client.register_script(_RECORD)
 
     def record(self, fields: dict[str, Any]) -> bool:
         import redis
 
+        from celery_guardrails.stores.redis import failure
+
         marker = f"{STREAM}:seen:{fields['task_id']}"
         try:  # one entry per task id
             new = self._record(keys=[marker, STREAM], args=[json.dumps(fields, default=str), MARKER_TTL, STREAM_MAXLEN])
-        except redis.RedisError as exc:
-            unavailable = isinstance(exc, redis.ConnectionError | redis.TimeoutError)
-            kind = StoreUnavailableError if unavailable else StoreError
-            raise kind(f"dead letter not recorded in Redis at {self.url}: {exc}") from exc
+        except (redis.RedisError, OSError) as exc:  # the store's rule: an outage comes back, a refusal is final
+            raise failure("dead-letter stream", self.url, exc) from exc
         return bool(new)
 
 
@@ -207,7 +219,8 @@ def sinks_for(app: Any) -> list[Sink]:
     cached = getattr(app, "_guardrails_sinks", None)
     if cached is not None and cached[0] == urls:
         return cached[1]  # type: ignore[no-any-return]
-    sinks: list[Sink] = [DjangoSink() if url == "django" else RedisStreamSink(url) for url in urls]
+    timeout = app_value(app, "store_timeout")
+    sinks: list[Sink] = [DjangoSink() if url == "django" else RedisStreamSink(url, timeout=timeout) for url in urls]
     app._guardrails_sinks = (urls, sinks)
     return sinks
 

@@ -56,8 +56,17 @@ class GuardedRequest(Request):  # type: ignore[misc]
         if not soft and not state.should_terminate:
             try:
                 retried = _time_limit_reached(self, timeout)
-            except Exception:  # Celery's own handling goes on whatever became of ours
-                logger.exception("Task %s[%s]: its hard time limit could not be handed over", self.name, self.id)
+            except Exception:
+                # Neither a dead letter (or its pending re-publish) nor a retry is sure: Celery would store FAILURE
+                # and ack. The message goes back to the broker instead (its redeliveries are counted: poison).
+                logger.exception(
+                    "Task %s[%s]: its hard time limit could not be handed over; the message goes back",
+                    self.name,
+                    self.id,
+                )
+                state.task_ready(self)
+                self.reject(requeue=True)
+                return
         # A task tried again already says RETRY (stored before the retry was published, so that the retry's own
         # result is never overwritten): Celery must not store FAILURE over it.
         self._guardrails_retried = retried
@@ -124,14 +133,13 @@ def _refuse_malformed(message: Any, task: Any, error: Exception) -> None:
     if task is None or not task_id:
         raise InvalidTaskError(f"malformed message {task_id or '(no id)'}: {error}") from error
     from celery_guardrails import dead_letters
-    from celery_guardrails.exceptions import StoreError
     from celery_guardrails.outcomes import owner_of
 
     failure = FinalFailure.from_dict({**failure.to_dict(), "owner": owner_of(task)})
     for attempt in range(1, RECORD_TRIES + 1):
         try:
             new = dead_letters.record(task, failure)
-        except StoreError as exc:
+        except Exception as exc:  # a store error or anything else: never out of the consumer (it would stop)
             logger.error("Dead letter of malformed message %s not recorded (%s), try %d", task_id, exc, attempt)
             if attempt < RECORD_TRIES:
                 time.sleep(1.0)

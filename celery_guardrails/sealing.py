@@ -31,6 +31,7 @@ logger = logging.getLogger(__name__)
 SEAL_LIMIT = 1024 * 1024
 #: Version of the sealed JSON document.
 VERSION = 1
+_UNOPENED = "none of the configured seal_keys opens this sealed copy (was its key dropped?)"
 
 
 class Sealer:
@@ -65,7 +66,7 @@ class Sealer:
         try:
             document = json.loads(self._fernet.decrypt(token.encode()))
         except (InvalidToken, ValueError):
-            raise SealError("none of the configured seal_keys opens this sealed copy (was its key dropped?)") from None
+            raise SealError(_UNOPENED) from None
         if not isinstance(document, dict) or document.get("v") != VERSION:
             raise SealError("the sealed copy is not a document this release can read")
         return {
@@ -81,7 +82,7 @@ class Sealer:
         try:
             return self._fernet.rotate(token.encode()).decode()
         except InvalidToken:
-            raise SealError("none of the configured seal_keys opens this sealed copy (was its key dropped?)") from None
+            raise SealError(_UNOPENED) from None
 
 
 def sealer_for(app: Any) -> Sealer | None:

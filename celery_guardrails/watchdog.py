@@ -37,7 +37,7 @@ from typing import Any
 
 from celery import bootsteps
 
-from celery_guardrails.beat import Entry, configured_disabled_entries, configured_entries, moment, report, skip_disabled
+from celery_guardrails.beat import Entry, all_configured_entries, moment, report, skip_disabled
 from celery_guardrails.clock import now
 from celery_guardrails.ledger import DISPATCHED, MISSED, OVERDUE, RUNNING
 from celery_guardrails.options import app_value
@@ -59,8 +59,7 @@ class Findings:
 
 def check(app: Any, *, entries: dict[str, Entry] | None = None, current: float | None = None) -> Findings:
     """Check every guarded schedule against the ledger once (see the module docstring)."""
-    disabled = configured_disabled_entries(app) if entries is None else {}
-    entries = configured_entries(app) if entries is None else entries
+    entries, disabled = all_configured_entries(app) if entries is None else (entries, {})
     current = now(app) if current is None else current
     findings = Findings()
     for entry in disabled.values():  # their due periods are skipped, not missed (beat may be down)

@@ -33,7 +33,7 @@ from typing import Any
 
 from django.db.models import Count, Max, OuterRef, Q, Subquery
 
-from celery_guardrails.beat import Entry, configured_disabled_entries, configured_entries, owner_of_entry
+from celery_guardrails.beat import Entry, all_configured_entries, owner_of_entry
 from celery_guardrails.clock import now as current_time
 from celery_guardrails.ledger import DISPATCHED, FAILED, MISSED, OK, OVERDUE, RUNNING
 
@@ -213,12 +213,12 @@ def schedule_health(app: Any, *, now: float | None = None, window: timedelta = D
     (a policy for an entry that does not exist), as beat would.
     """
     current = current_time(app) if now is None else now
-    entries = configured_entries(app, warned=_WARNED)
-    disabled = configured_disabled_entries(app, warned=_WARNED)
+    entries, disabled = all_configured_entries(app, warned=_WARNED)
     ledger = _ledger(_at(current - window.total_seconds()))
+    guarded = {**disabled, **entries}
     configured = [
-        _health(name, {**disabled, **entries}[name], ledger.get(name), app, current, disabled=name in disabled)
-        for name in sorted(set(entries) | set(disabled))
+        _health(name, guarded[name], ledger.get(name), app, current, disabled=name in disabled)
+        for name in sorted(guarded)
     ]
     orphans = [
         _health(name, None, ledger[name], app, current) for name in sorted(set(ledger) - set(entries) - set(disabled))

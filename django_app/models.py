@@ -325,7 +325,10 @@ class DeliveryCounter(models.Model):
 class AlertThrottle(models.Model):
     """The alert throttle window of one (owner, task, reason) group."""
 
-    group = models.CharField(_("group"), max_length=255, unique=True, help_text=_("owner|task|reason"))
+    # owner (100) | task or schedule name (200) | reason (at most 40): 400 holds the longest.
+    group = models.CharField(
+        _("group"), max_length=400, unique=True, help_text=_("owner|task|reason, or owner|schedule|run_<kind>")
+    )
     until = models.FloatField(_("window ends"), default=0.0, help_text=_("Epoch seconds the window ends."))
     opened = models.FloatField(
         _("opened"),

@@ -19,7 +19,7 @@ from django.utils import timezone
 from django_celery_beat.models import PeriodicTask
 from django_celery_beat.schedulers import DatabaseScheduler, ModelEntry
 
-from celery_guardrails.beat import Entry, GuardedSchedulerMixin, build_entries
+from celery_guardrails.beat import Entry, GuardedSchedulerMixin, build_disabled_entries, build_entries
 from celery_guardrails.exceptions import ConfigurationError
 from celery_guardrails.options import app_value
 
@@ -33,19 +33,11 @@ class Unparsable:
         self.error = error
 
 
-def periodic_tasks(app: Any = None, *, names: Iterable[str]) -> tuple[dict[str, Any], set[str]]:
-    """Rows named ``names``: (the enabled ones as beat entries, by name; the names of all, disabled included).
-
-    A row whose schedule cannot be read is kept, standing for its error (django-celery-beat itself skips
-    it with a log line, so a guarded entry would silently never run).
-    """
-    enabled, _, found = periodic_task_rows(app, names=names)
-    return enabled, found
-
-
 def periodic_task_rows(app: Any = None, *, names: Iterable[str]) -> tuple[dict[str, Any], dict[str, Any], set[str]]:
     """Rows named ``names``, in one query: (enabled ones as beat entries, disabled ones as beat entries, the names
-    of all). A disabled row whose schedule cannot be read is left out (it is not due anyway)."""
+    of all). An enabled row whose schedule cannot be read is kept, standing for its error (django-celery-beat
+    itself skips it with a log line, so a guarded entry would silently never run); a disabled one is left out
+    (it is not due anyway)."""
     enabled: dict[str, Any] = {}
     disabled: dict[str, Any] = {}
     found = set()
@@ -100,5 +92,5 @@ class GuardedDatabaseScheduler(GuardedSchedulerMixin, DatabaseScheduler):  # typ
         warned = self._guardrails_warned
         return (
             build_entries(self.app, enabled, known=names, warned=warned),
-            build_entries(self.app, disabled, known=policies, warned=warned),
+            build_disabled_entries(self.app, disabled, warned=warned),
         )

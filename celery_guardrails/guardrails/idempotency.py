@@ -248,8 +248,9 @@ def _summary(retval: Any) -> str:
 
 def original_task_id(owner: str) -> str:
     """The task id of the delivery that completed or failed a key (its owner names it), or ""."""
-    parts = owner.rsplit(":", 2)
-    return parts[-2] if len(parts) == 3 else ""
+    # hostname:pid:task id:delivery number; a task id may hold ":" itself
+    parts = owner.split(":", 2)
+    return parts[2].rpartition(":")[0] if len(parts) == 3 else ""
 
 
 def original_result(task: Any, original: str, summary: str) -> Any:
@@ -268,14 +269,15 @@ def original_result(task: Any, original: str, summary: str) -> Any:
 
 def holder_gone(holder: str, request: Any, header: dict[str, Any]) -> bool:
     """Whether the delivery holding a claim is known to be over: it gave up without releasing (an earlier
-    delivery of this message, named in its header), or it ran in a process of this host that no longer exists
-    (SIGKILLed, its pool child replaced). Unknown: False, and its lease decides."""
+    delivery of this message, named in its header), or it ran in a process of this worker that no longer exists
+    (SIGKILLed, its pool child replaced). Unknown: False, and its lease decides. Only this worker's own processes
+    are judged (its full node name): another worker of the same host name may live in another PID namespace
+    (a container), where a pid seen missing here is alive."""
     if holder in header.get(headers.GAVE_UP, ()):
         return True
     node, _, rest = holder.partition(":")
     pid = rest.partition(":")[0]
-    here = str(request.hostname or "").rpartition("@")[2]
-    if not pid.isdigit() or not here or node.rpartition("@")[2] != here:
+    if not pid.isdigit() or not request.hostname or node != str(request.hostname):
         return False
     try:
         os.kill(int(pid), 0)

@@ -10,11 +10,8 @@ from __future__ import annotations
 from typing import Any
 
 from celery_guardrails.exceptions import ConfigurationError
-from celery_guardrails.options import app_settings
+from celery_guardrails.options import app_settings, app_value
 from celery_guardrails.stores.base import Store
-
-#: Seconds a Redis store operation may take by default (the ``store_timeout`` option).
-STORE_TIMEOUT = 5.0
 
 
 def django_apps_installed(*names: str) -> bool:
@@ -53,6 +50,6 @@ def get_store(app: Any) -> Store:
     else:
         from celery_guardrails.stores.redis import RedisStore
 
-        store = RedisStore(url, timeout=app_settings(app).get("store_timeout", STORE_TIMEOUT))
+        store = RedisStore(url, timeout=app_value(app, "store_timeout"))
     app._guardrails_store = (url, store)
     return store

@@ -27,6 +27,22 @@ SKEW_CHECK_SECONDS = 60.0
 #: Error replies of a server that cannot answer now but will (a cluster or replica in the middle of a change).
 _NOT_YET = ("MASTERDOWN", "TRYAGAIN", "CLUSTERDOWN", "LOADING")
 
+
+def failure(what: str, url: str, exc: BaseException) -> StoreError:
+    """The error for a redis-py error of ``what`` (the store, a dead-letter sink) at ``url``: unavailable for a
+    connection that failed or timed out, or a server that cannot answer yet (loading, read-only or without its
+    master during a failover); refused for anything else."""
+    import redis
+
+    # redis-py raises MASTERDOWN, TRYAGAIN and CLUSTERDOWN replies as classes of their own, the code taken out of
+    # the text (LOADING is a ConnectionError); a script's error reply keeps the code in its text.
+    not_yet = (redis.exceptions.MasterDownError, redis.exceptions.TryAgainError, redis.exceptions.ClusterDownError)
+    unavailable = (redis.ConnectionError, redis.TimeoutError, redis.ReadOnlyError, OSError, *not_yet)
+    if not isinstance(exc, unavailable) and not str(exc).startswith(_NOT_YET):
+        return StoreError(f"{what} at {url} refused: {exc}")
+    return StoreUnavailableError(f"{what} at {url} unavailable: {exc}")
+
+
 KEY_PREFIX = "guardrails:dependency:"
 
 # Shared prologue: read the hash into locals, roll the two-bucket window.
@@ -279,14 +295,7 @@ class RedisIdempotency:
     _skew_checked: float
 
     def _failure(self, exc: BaseException) -> StoreError:
-        """The store's error for a redis-py error: unavailable for a connection that failed or timed out, or a
-        server that cannot answer yet (loading, read-only during a failover); refused for anything else."""
-        import redis
-
-        reachable = not isinstance(exc, redis.ConnectionError | redis.TimeoutError | redis.ReadOnlyError | OSError)
-        if reachable and not str(exc).startswith(_NOT_YET):
-            return StoreError(f"Redis store at {self.url} refused: {exc}")
-        return StoreUnavailableError(f"Redis store at {self.url} unavailable: {exc}")
+        return failure("Redis store", self.url, exc)
 
     def _eval(self, script: Any, key: str, args: list[Any]) -> Any:
         """Run a registered script on this thread's lane (see :mod:`~celery_guardrails.stores.redis_lane`)."""

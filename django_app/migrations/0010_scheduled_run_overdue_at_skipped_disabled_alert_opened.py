@@ -17,6 +17,11 @@ class Migration(migrations.Migration):
     ]
 
     operations = [
+        migrations.AlterField(
+            model_name='alertthrottle',
+            name='group',
+            field=models.CharField(help_text='owner|task|reason, or owner|schedule|run_<kind>', max_length=400, unique=True, verbose_name='group'),
+        ),
         migrations.AddField(
             model_name='alertthrottle',
             name='opened',

@@ -281,3 +281,25 @@ def test_a_key_that_cannot_be_made_on_the_worker_is_dead_lettered(celery_worker:
         "platform",
         "celery_guardrails.exceptions.IdempotencyKeyError",
     )
+
+
+def test_a_record_with_missing_times_or_a_value_json_refuses_is_still_recorded() -> None:
+    from celery_guardrails.dead_letters import DjangoSink
+
+    # Given what a pending dead letter may carry back in a header: the required fields only, no times, and a
+    # header value the JSON column cannot take
+    fields: dict[str, Any] = {
+        "task_name": "tests.proj.tasks.charge",
+        "task_id": f"pending-{uuid.uuid4().hex}",
+        "reason": "permanent",
+        "exc_type": "PermanentError",
+        "exc_message": "card refused",
+        "first_failed_at": "",
+        "header": {"raw": b"\x00bytes"},
+    }
+    # When it is recorded, Then it is, cut of the message's contents, at the time it was written
+    assert DjangoSink().record(fields) is True
+    record = DeadLetter.objects.get(task_id=fields["task_id"])
+    assert (record.reason, record.header) == ("permanent", {})
+    assert record.exc_message.startswith("[record cut: the store refused it:")
+    assert record.first_failed_at is not None and record.last_failed_at is not None

@@ -122,11 +122,8 @@ class Command(BaseCommand):
         if sealer is None:
             raise CommandError("no seal_keys are configured (CELERY_GUARDRAILS['seal_keys'])")
         resealed, failed = 0, []
-        for pk in SealedMessage.objects.order_by("pk").values_list("pk", flat=True).iterator():
-            token = SealedMessage.objects.filter(pk=pk).values_list("token", flat=True).first()
-            if token is None:  # deleted with its record meanwhile
-                continue
-            try:
+        for pk, token in SealedMessage.objects.order_by("pk").values_list("pk", "token").iterator():
+            try:  # conditional: a copy deleted with its record or changed meanwhile is left as it is
                 SealedMessage.objects.filter(pk=pk, token=token).update(token=sealer.reseal(token))
                 resealed += 1
             except SealError:

@@ -138,3 +138,22 @@ def test_leases_are_measured_on_the_servers_clock(monkeypatch: pytest.MonkeyPatc
     # Then the lease is live (on its own clock the slow worker's lease ended 90 s ago: it would be taken over)
     assert (busy.state, busy.owner) == ("busy", "late")
     assert busy.lease_until == pytest.approx(time.time() + 10, abs=2)
+
+
+def test_a_server_in_a_failover_is_unavailable_not_refusing(store: RedisStore) -> None:
+    from celery_guardrails.exceptions import StoreError, StoreUnavailableError
+
+    # Given the errors redis-py raises for replies of a server that will answer later (the code taken out of
+    # the text), for a script's error reply that keeps it, and for a reply that refuses the data
+    later = [
+        redis.exceptions.MasterDownError("Link with MASTER is down and replica-serve-stale-data is set to 'no'."),
+        redis.exceptions.TryAgainError("Multiple keys request during rehashing of slot"),
+        redis.exceptions.ClusterDownError("The cluster is down"),
+        redis.exceptions.BusyLoadingError("Redis is loading the dataset in memory"),
+        redis.exceptions.ReadOnlyError("You can't write against a read only replica."),
+        redis.ResponseError("MASTERDOWN Link with MASTER is down (from a script)"),
+    ]
+    refused = redis.ResponseError("WRONGTYPE Operation against a key holding the wrong kind of value")
+    # Then the first are outages (the message comes back later), the last is a refusal
+    assert [type(store._failure(exc)) for exc in later] == [StoreUnavailableError] * len(later)
+    assert type(store._failure(refused)) is StoreError
