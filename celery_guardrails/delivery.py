@@ -61,6 +61,8 @@ class Delivery:
     republishing: bool = False
     #: The body ran (returned or raised): its effects may have happened.
     body_ran: bool = False
+    #: What the body itself raised (a store error from the task's own code is the task's, not the guardrails').
+    body_error: BaseException | None = None
     #: What the body returned.
     retval: Any = None
 

@@ -171,13 +171,15 @@ class GuardedTask(Task):  # type: ignore[misc]
             state = begin(self.request)
             try:
                 return self._run_guarded(state, args, kwargs)
-            except StoreUnavailableError as exc:
-                # The store cannot be reached: the infrastructure's fault, not the message's. It comes back
-                # later, no attempt spent (what it held is released first, or lapses with its lease).
-                raise store_unavailable(self, exc) from exc
             except StoreError as exc:
-                # The store refused something about this message (data it cannot hold): a final failure
-                # with the reason, never an ack with nothing recorded.
+                if exc is state.body_error:  # the task's own (a guarded publish it made): Retries classified it
+                    raise
+                if isinstance(exc, StoreUnavailableError):
+                    # The store cannot be reached: the infrastructure's fault, not the message's. It comes back
+                    # later, no attempt spent (what it held is released first, or lapses with its lease).
+                    raise store_unavailable(self, exc) from exc
+                # The store refused something about this message (data it cannot hold): a final failure with
+                # the reason, never an ack with nothing recorded.
                 record = attempt_record(self, kind="permanent", rule="store", exc=exc)
                 history = [*getattr(self.request, "attempt_history", ()), record]
                 pending = fail_finally(self, exc, reason=STORE_REFUSED, history=history)
@@ -199,6 +201,9 @@ class GuardedTask(Task):  # type: ignore[misc]
             body = super().__call__ if self.request.called_directly else self.run
             try:
                 retval = body(*args, **kwargs)
+            except BaseException as exc:
+                state.body_error = exc
+                raise
             finally:
                 state.body_ran = True
             state.retval = retval  # for a body context that completes with the result

@@ -79,9 +79,12 @@ class Retries(Guardrail):
     def _classified(self, task: GuardedTask) -> Iterator[None]:
         try:
             yield
-        except StoreError:  # the guardrails' own store failed, not the task: GuardedTask settles it
-            raise
         except Exception as exc:
+            # The guardrails' own store failed (a commit after the body, a transaction that would not open): not
+            # the task's doing, GuardedTask settles it. One the body raised (a guarded publish from the task's own
+            # code, say) is classified like any error: retried only when that is safe.
+            if isinstance(exc, StoreError) and exc is not delivery(task).body_error:
+                raise
             retry = self.handle(task, exc)
             if retry is not None:
                 raise retry from exc

@@ -141,6 +141,10 @@ def _behave(task: GuardedTask, sink: str, script: list[str]) -> dict[str, Any]:
         raise RuntimeError(arg)
     if kind == "until" and not redis.Redis.from_url(REDIS_URL).exists(arg):  # down until the key exists
         raise TransientError("dependency down")
+    if kind == "store_down":  # the task's own call into the guardrails (a guarded publish) found the store down
+        from celery_guardrails.exceptions import StoreUnavailableError
+
+        raise StoreUnavailableError(f"run {runs}: the store of a publish from the body is unavailable")
     if kind == "later":
         raise RetryLater("not readable yet", delay=float(arg or 0.05))
     if kind == "sleep":  # longer than a time limit, say

@@ -155,6 +155,19 @@ def test_unknown_error_not_retried_unless_idempotent(celery_worker: Any, sink: S
     ]
 
 
+def test_a_store_error_the_body_raises_is_the_tasks_error_not_an_outage(
+    celery_worker: Any, sink: Sink, received: Any
+) -> None:
+    finals = received(signals.final_failure)
+    # Given a task that is not idempotent whose own code meets the guardrails store down (a guarded publish)
+    # When it runs, Then it is not put back as an outage (run again, no attempt spent, for ever): it is
+    # classified as any error, and not retried (the body may have acted)
+    with pytest.raises(Exception, match="unavailable"):
+        tasks.behave_not_idempotent.delay(sink.key, ["store_down", "ok"]).get(timeout=TIMEOUT)
+    assert len(runs(sink)) == 1
+    assert finals[0]["failure"].reason == "not_idempotent"
+
+
 def test_a_task_that_is_not_idempotent_runs_once_on_a_read_timeout_and_is_dead_lettered(
     celery_worker: Any, celery_app: Any, sink: Sink, received: Any, provider: str, provider_requests: list[str]
 ) -> None:
