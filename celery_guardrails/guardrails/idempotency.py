@@ -57,7 +57,7 @@ from celery_guardrails.options import resolve
 from celery_guardrails.outcomes import BAD_IDEMPOTENCY_KEY, attempt_record, fail_finally
 from celery_guardrails.pipeline import Guardrail, Publication, SkipBody, SkipPublish
 from celery_guardrails.stores import get_store
-from celery_guardrails.stores.base import ACQUIRED, BUSY, COMPLETED, FAILED, Store
+from celery_guardrails.stores.base import ACQUIRED, BUSY, COMPLETED, FAILED, Claim, Store
 
 if TYPE_CHECKING:
     from celery_guardrails.task import GuardedTask
@@ -288,6 +288,58 @@ def holder_gone(holder: str, request: Any, header: dict[str, Any]) -> bool:
     return False
 
 
+def claim_key(
+    task: GuardedTask, store: Store, scoped: str, *, owner: str, header: dict[str, Any], now: float
+) -> tuple[Claim, bool]:
+    """Claim ``scoped`` for this delivery, taking it over at once from a holder known to be over; returns the
+    claim and whether it was such a takeover."""
+    call = task.call_options()
+    lease = resolve(task, "idempotency_lease", call)
+    retention = resolve(task, "idempotency_retention", call)
+    claim = store.claim(scoped, owner=owner, now=now, lease=lease, retention=retention)
+    gone = claim.state == BUSY and holder_gone(claim.owner, task.request, header)
+    if gone:  # an earlier delivery that is known to be over: no need to wait out its lease
+        claim = store.claim(scoped, owner=owner, now=now, lease=lease, retention=retention, replaces=claim.owner)
+    return claim, gone
+
+
+def fail_abandoned(task: GuardedTask, args: tuple[Any, ...], kwargs: dict[str, Any], *, reason: str) -> None:
+    """Mark failed the key a message's dead deliveries left claimed, when the message is dead-lettered before
+    it could claim (a poison message): left claimed, the key would say a run is still going, and a copy of the
+    message would wait on it. A key held by a live delivery (another copy), completed or failed is left as it
+    is. Raises StoreError like any claim."""
+    request = task.request
+    header = headers.from_request(request)
+    key = header.get(headers.IDEMPOTENCY_KEY)
+    if key is None:
+        spec = resolve(task, "idempotency_key", task.call_options())
+        if spec is None:
+            return
+        try:
+            key = render_key(task, spec, args, kwargs)
+        except IdempotencyKeyError:
+            return
+    scoped = scoped_key(task.name, current_tenant(), key)
+    store = get_store(task.app)
+    owner = delivery_owner(request)
+    claim, _ = claim_key(task, store, scoped, owner=owner, header=header, now=time.time())
+    if claim.state == BUSY and original_task_id(claim.owner) == request.id:
+        # Held by an earlier delivery of this very message, on another worker (holder_gone judges only this
+        # worker's processes): it is the message being dead-lettered, so that delivery is taken to be over.
+        call = task.call_options()
+        claim = store.claim(
+            scoped,
+            owner=owner,
+            now=time.time(),
+            lease=resolve(task, "idempotency_lease", call),
+            retention=resolve(task, "idempotency_retention", call),
+            replaces=claim.owner,
+        )
+    if claim.state == ACQUIRED:
+        retention = resolve(task, "idempotency_retention", task.call_options())
+        store.fail(scoped, owner=owner, now=time.time(), reason=reason[:200], retention=retention)
+
+
 def _raise(error: BaseException) -> bool:
     raise error
 
@@ -348,12 +400,7 @@ class Idempotency(Guardrail):
         store = get_store(task.app)
         owner = delivery_owner(request)
         now = time.time()
-        lease = resolve(task, "idempotency_lease", call)
-        retention = resolve(task, "idempotency_retention", call)
-        claim = store.claim(scoped, owner=owner, now=now, lease=lease, retention=retention)
-        gone = claim.state == BUSY and holder_gone(claim.owner, request, header)
-        if gone:  # an earlier delivery that is known to be over: no need to wait out its lease
-            claim = store.claim(scoped, owner=owner, now=now, lease=lease, retention=retention, replaces=claim.owner)
+        claim, gone = claim_key(task, store, scoped, owner=owner, header=header, now=now)
         if claim.state == ACQUIRED:
             if claim.takeover:
                 logger.warning(

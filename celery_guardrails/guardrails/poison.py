@@ -7,7 +7,8 @@ off before its body ran (a wait behind its own earlier delivery's claim, a defer
 message redelivered more than ``max_deliveries`` times without its run ever ending is not run again: it is
 dead-lettered with reason ``poison`` and the worker goes on with the queue. A keyed one does not wait out
 the lease of the claim its dead delivery left: a holder whose process on this host is gone is taken over at
-once (:func:`celery_guardrails.guardrails.idempotency.holder_gone`).
+once (:func:`celery_guardrails.guardrails.idempotency.holder_gone`), and once the dead letter is recorded the key
+is marked failed (a replay reopens it), not left claimed by a delivery that will never end.
 
 For the worker to give such a message back, ``GuardedTask`` acks late and rejects on a lost worker
 (``acks_late``, ``reject_on_worker_lost``); with Redis the broker gives it back after the transport's
@@ -16,10 +17,12 @@ For the worker to give such a message back, ``GuardedTask`` acks late and reject
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING, Any
 
 from celery_guardrails.delivery import delivery
-from celery_guardrails.exceptions import PoisonMessageError
+from celery_guardrails.exceptions import PoisonMessageError, StoreError
+from celery_guardrails.guardrails.idempotency import fail_abandoned
 from celery_guardrails.options import resolve
 from celery_guardrails.outcomes import POISON, attempt_record, fail_finally
 from celery_guardrails.pipeline import Guardrail
@@ -27,6 +30,8 @@ from celery_guardrails.stores import get_store
 
 if TYPE_CHECKING:
     from celery_guardrails.task import GuardedTask
+
+logger = logging.getLogger(__name__)
 
 #: Seconds a start count is kept (a message not seen again for a day starts counting afresh).
 COUNT_TTL = 24 * 3600
@@ -48,6 +53,13 @@ class PoisonMessages(Guardrail):
             error = PoisonMessageError(task.name, request.id, starts)
             record = attempt_record(task, kind="permanent", rule="max_deliveries", exc=error)
             pending = fail_finally(task, error, reason=POISON, history=[record])
+            if pending is None:  # recorded: the key its dead deliveries left claimed is failed, not left held
+                try:
+                    fail_abandoned(task, args, kwargs, reason=f"{POISON}: {error}")
+                except StoreError as exc:  # the record stands; the claim's lease runs out on its own
+                    logger.warning(
+                        "Task %s[%s]: key of a poison message not marked failed: %s", task.name, request.id, exc
+                    )
             raise pending or error
 
     def _clear(self, task: GuardedTask) -> None:

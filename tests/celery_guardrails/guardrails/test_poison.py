@@ -11,6 +11,8 @@ import random
 from pathlib import Path
 from typing import Any
 
+from celery_guardrails.guardrails.idempotency import scoped_key
+from celery_guardrails.stores import get_store
 from tests.conftest import Sink, unacked, waiting_messages
 from tests.proj import tasks
 from tests.support.dead_letters import dead_letter_of
@@ -25,7 +27,8 @@ def test_a_keyed_poison_message_is_dead_lettered_as_poison(
     # deliveries' claims would outlive the test), queued before an ordinary one
     env = proj_env(queue=queue_name, GUARDRAILS_TEST_GUARDRAILS=json.dumps({"max_deliveries": 2}))
     marker = f"{sink.key}:pids"
-    poison = tasks.kill_my_worker_keyed.delay(random.randrange(10**9), marker)
+    order_id = random.randrange(10**9)
+    poison = tasks.kill_my_worker_keyed.delay(order_id, marker)
     behind = tasks.observe.delay()
     with WorkerProcess(app=PROJ_APP, queue=queue_name, log_path=tmp_path / "worker.log", env=env) as worker:
         # When the worker runs it: each redelivery finds the claim of a process that is gone, and takes it over
@@ -36,3 +39,7 @@ def test_a_keyed_poison_message_is_dead_lettered_as_poison(
     assert dead_letter_of(celery_app, poison.id)["reason"] == "poison"
     assert worker.log.count("that is over (it gave up, or its process is gone)") == 2
     assert "retry_later_exhausted" not in worker.log and waiting_messages("redis", queue_name) == 0
+    # And its key is failed as poison, not left claimed by a delivery that will never end
+    key = scoped_key(tasks.kill_my_worker_keyed.name, None, f"poison:{order_id}")
+    state = get_store(celery_app).inspect(key)
+    assert state is not None and state["state"] == "failed" and state["reason"].startswith("poison: ")
