@@ -3,7 +3,9 @@
 ``GuardedTask`` calls :func:`install` when it is bound to an app, so switching a task's base class is all a
 project does. Installing adds :class:`GuardrailsBootstep` to the app's worker blueprint: it validates the
 ``guardrails`` config and every guarded task's options as the worker starts, so a typo stops the worker with
-an error that names the key, instead of silently running without a guardrail.
+an error that names the key, instead of silently running without a guardrail. It also adds the watchdog
+(:mod:`celery_guardrails.watchdog`) and, to the consumer blueprint, the guard that keeps a worker alive through
+a restart of its Redis broker (:mod:`celery_guardrails.broker_restart`).
 
 The publish/run signal handlers of the context guardrail are connected when :mod:`celery_guardrails` is
 imported; they do not depend on the app.
@@ -102,7 +104,7 @@ def warn_about(app: Any, guarded: list[Any]) -> None:
 
 
 def install(app: Any) -> None:
-    """Add the guardrails start-up step to ``app`` (idempotent)."""
+    """Add the guardrails bootsteps to ``app`` (idempotent)."""
     if getattr(app, "_guardrails_installed", False):
         return
     app._guardrails_installed = True
@@ -110,6 +112,9 @@ def install(app: Any) -> None:
     from celery_guardrails.watchdog import WatchdogStep
 
     app.steps["worker"].add(WatchdogStep)
+    from celery_guardrails.broker_restart import BrokerRestartGuard
+
+    app.steps["consumer"].add(BrokerRestartGuard)
 
 
 def _add_context_filter(logger: logging.Logger | None = None, **_: Any) -> None:

@@ -659,6 +659,16 @@ OPTIONS: Mapping[str, Option] = {
             scopes=frozenset({APP}),
         ),
         Option(
+            name="broker_restart_guard",
+            default=True,
+            doc="Redis broker, Celery 5.7: a worker outlives a restart of the broker's Redis (else it stops with "
+            "\"'NoneType' object has no attribute 'hostname'\"), and the messages it had prefetched are given "
+            "back to their queues as it reconnects, not after the visibility_timeout. False: Celery's own "
+            "behaviour. See celery_guardrails.broker_restart.",
+            check=_boolean,
+            scopes=frozenset({APP}),
+        ),
+        Option(
             name="request_id_headers",
             default=("X-Request-ID", "X-Correlation-ID"),
             doc="Django: request headers read, in order, for the correlation id of a request.",
