@@ -260,7 +260,7 @@ def run_variant(options: Options) -> Result:
     try:
         broker = None
         if options.broker == "redis":
-            broker = PrivateRedis(workdir, "broker").start()
+            broker = PrivateRedis(workdir=workdir / "broker").start()
             stack.append(broker)
             broker_url = broker.url
         else:
@@ -275,7 +275,7 @@ def run_variant(options: Options) -> Result:
             stack.append(SharedDatabase(db_name))
         store_redis = None
         if options.store == "redis":
-            store_redis = PrivateRedis(workdir, "store").start()
+            store_redis = PrivateRedis(workdir=workdir / "store").start()
             stack.append(store_redis)
         # The workers reach the store through the forwarder the soak cuts: the database itself for the
         # Django store, the store's Redis for the Redis store.
@@ -327,7 +327,7 @@ def run_variant(options: Options) -> Result:
 
         events: list[tuple] = []
         if options.broker_restart and broker is not None:
-            events.append((0.25, "broker Redis killed and restarted", broker.restart))
+            events.append((0.25, "broker Redis SIGKILLed and restarted", lambda: restart_redis(broker)))
         if options.db_restart and database is not None:
             events.append((0.5, "PostgreSQL restarted", database.restart))
         if options.store_cut:
@@ -335,7 +335,9 @@ def run_variant(options: Options) -> Result:
         chaos = Chaos(options=options, supervisor=supervisor, progress=counter.progress, events=events)
         chaos.start()
         publish(soak_app.job, messages, kinds)
-        counter.wait_settled(timeout=options.settle_timeout, label="jobs")
+        # A message a killed worker held comes back after the visibility timeout: wait well past it.
+        quiet = max(60.0, 3 * options.visibility_timeout)
+        counter.wait_settled(timeout=options.settle_timeout, label="jobs", quiet=quiet)
         chaos.stopping.set()
         chaos.join(60)
         counter.wait_drained(timeout=options.settle_timeout)
@@ -349,13 +351,13 @@ def run_variant(options: Options) -> Result:
         replay = replay_dead_letters(permanent, app=soak_app.app)
         result.replayed = len(getattr(replay, "replayed", []) or [])
         counter.replaying = {job for job, kind in kinds.items() if kind == "permanent"}
-        counter.wait_settled(timeout=options.settle_timeout, label="replayed jobs")
+        counter.wait_settled(timeout=options.settle_timeout, label="replayed jobs", quiet=quiet)
         counter.wait_drained(timeout=options.settle_timeout)
         supervisor.stop()
         stack.remove(supervisor)
         result.seconds = time.monotonic() - start
         after = counter.effects()
-        tally(result, kinds, before, after, counter.dead_letters())
+        tally(result, kinds, collections.Counter(messages), before, after, counter.dead_letters())
         result.claimed_keys = claimed_keys(store_redis.url if store_redis else None)
         result.killed = supervisor.kills
         result.deaths = supervisor.deaths
@@ -365,9 +367,18 @@ def run_variant(options: Options) -> Result:
         return result
     finally:
         for item in reversed(stack):
-            item.stop() if hasattr(item, "stop") else item.close()
+            for verb in ("stop", "kill", "close"):
+                if hasattr(item, verb):
+                    getattr(item, verb)()
+                    break
         if options.broker == "rabbitmq":
             _delete_rabbit_queue(queue)
+
+
+def restart_redis(server: Any, *, down_for: float = 2.0) -> None:
+    server.kill()
+    time.sleep(down_for)
+    server.start()
 
 
 def publish(task: Any, messages: list[str], kinds: dict[str, str]) -> None:
@@ -423,13 +434,19 @@ class Counter:
         total = len(self.expect_effect) + len(self.expect_dead)
         return self.settled() / total
 
-    def wait_settled(self, *, timeout: float, label: str) -> None:
-        """Until every job has its effect (or, for a failing kind, its dead letter)."""
+    def wait_settled(self, *, timeout: float, label: str, quiet: float) -> None:
+        """Until every job has its effect (or, for a failing kind, its dead letter); or, once nothing has
+        settled for ``quiet`` seconds and the broker holds nothing for the queue, the rest are lost."""
         total = len(self.expect_effect | self.replaying) + len(self.expect_dead - self.replaying)
         deadline, last = time.monotonic() + timeout, -1
+        moved, before = time.monotonic(), -1
         while (done := self.settled()) < total:
-            if time.monotonic() > deadline:
-                print(f"  {label}: {total - done} of {total} never settled within {timeout:g}s", flush=True)
+            if done != before:
+                moved, before = time.monotonic(), done
+            stalled = time.monotonic() - moved > quiet and self.pending() == 0
+            if stalled or time.monotonic() > deadline:
+                why = f"nothing moved for {quiet:g}s and the broker holds nothing" if stalled else f"{timeout:g}s"
+                print(f"  {label}: {total - done} of {total} never settled ({why})", flush=True)
                 return
             if done // max(1, total // 10) != last:
                 last = done // max(1, total // 10)
@@ -470,6 +487,7 @@ class Counter:
 def tally(
     result: Result,
     kinds: dict[str, str],
+    copies: collections.Counter[str],
     before: collections.Counter[str],
     after: collections.Counter[str],
     dead: list[tuple[str, str]],
@@ -490,9 +508,11 @@ def tally(
             "dead_expected": len(jobs) if kind in EXPECTED_REASON else 0,
             "dead_found": sum(dead_per_job[job] for job in jobs),
             "misfiled": sum(count for reason, count in reasons[kind].items() if reason != EXPECTED_REASON.get(kind))
-            + sum(1 for job in jobs if kind in EXPECTED_REASON and dead_per_job[job] != 1),
+            # one dead letter per failing job; two when both copies of a job published twice died as poison
+            + sum(1 for job in jobs if kind in EXPECTED_REASON and not 1 <= dead_per_job[job] <= copies[job]),
             "effects_before_fix": sum(1 for job in jobs if before[job]) if kind in EXPECTED_REASON else None,
         }
+        row["lost_jobs"] = [job for job in jobs if wants_effect and final[job] == 0][:10]
         result.per_kind[kind] = row
         result.reasons[kind] = dict(reasons[kind])
     result.replay_duplicates = sum(max(0, after[job] - 1) for job, kind in kinds.items() if kind == "permanent")
@@ -550,6 +570,9 @@ def render(results: list[Result]) -> str:
                 f"{kind:<10} {row['jobs']:>6} {row['lost']:>5} {row['doubled']:>8} "
                 f"{row['dead_found']:>14}/{row['dead_expected']:<15}  {reasons}"
             )
+        lost = [job for row in result.per_kind.values() for job in row.get("lost_jobs", [])]
+        if lost:
+            lines.append("lost: " + ", ".join(lost))
         lines.append(
             f"keys left claimed: {result.claimed_keys}; replayed {result.replayed}, "
             f"duplicates the replay added: {result.replay_duplicates}"
@@ -625,7 +648,12 @@ def parse(argv: list[str]) -> tuple[Options, list[str], list[str], bool]:
     return options, stores, brokers, args.json
 
 
+def _interrupted(signum: int, frame: Any) -> None:
+    raise SystemExit(f"soak: stopped by signal {signum}")  # the finally blocks stop what the soak started
+
+
 def main(argv: list[str]) -> int:
+    signal.signal(signal.SIGTERM, _interrupted)
     if argv[:1] == ["--variant"]:  # one store and broker in a process of its own (Django is set up once)
         options = Options(**json.loads(argv[1]))
         result = run_variant(options)
@@ -647,11 +675,15 @@ def main(argv: list[str]) -> int:
             )
             assert child.stdout is not None
             found = []
-            for line in child.stdout:  # progress as it comes; the result line kept
-                if line.startswith("RESULT "):
-                    found.append(line)
-                else:
-                    print(line, end="", flush=True)
+            try:
+                for line in child.stdout:  # progress as it comes; the result line kept
+                    if line.startswith("RESULT "):
+                        found.append(line)
+                    else:
+                        print(line, end="", flush=True)
+            finally:
+                if child.poll() is None and not found:  # this process was stopped: so is the variant
+                    child.terminate()
             if child.wait() or not found:
                 print(f"soak [{store} store, {broker} broker] did not finish (exit {child.returncode})")
                 return 2
