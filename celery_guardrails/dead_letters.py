@@ -190,11 +190,11 @@ def _moment(value: Any) -> datetime:
 
 class RedisStreamSink:
     def __init__(self, url: str, *, timeout: float) -> None:
-        import redis
+        from celery_guardrails.stores.redis_client import connect
 
         self.url = url
         # The store's timeouts: a half-open connection must not hold the message (and its worker) for ever.
-        self.client = redis.Redis.from_url(url, socket_timeout=timeout, socket_connect_timeout=timeout)
+        self.client = connect(url, timeout=timeout)
         self._record = self.client.register_script(_RECORD)
 
     def record(self, fields: dict[str, Any]) -> bool:
@@ -205,7 +205,8 @@ class RedisStreamSink:
         marker = f"{STREAM}:seen:{fields['task_id']}"
         try:  # one entry per task id
             new = self._record(keys=[marker, STREAM], args=[json.dumps(fields, default=str), MARKER_TTL, STREAM_MAXLEN])
-        except (redis.RedisError, OSError) as exc:  # the store's rule: an outage comes back, a refusal is final
+        except (redis.RedisError, redis.exceptions.RedisClusterException, OSError) as exc:
+            # the store's rule: an outage comes back, a refusal is final
             raise failure("dead-letter stream", self.url, exc) from exc
         return bool(new)
 

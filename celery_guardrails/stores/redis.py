@@ -17,6 +17,7 @@ from typing import Any
 
 from celery_guardrails.exceptions import StoreError, StoreUnavailableError
 from celery_guardrails.stores.base import Admission, BudgetPolicy, Claim, DependencyState, status
+from celery_guardrails.stores.redis_client import connect, is_cluster
 from celery_guardrails.stores.redis_lane import Lane
 from celery_guardrails.stores.redis_ledger import LEDGER_SCRIPT, RedisRunLedger
 
@@ -26,6 +27,9 @@ logger = logging.getLogger(__name__)
 SKEW_CHECK_SECONDS = 60.0
 #: Error replies of a server that cannot answer now but will (a cluster or replica in the middle of a change).
 _NOT_YET = ("MASTERDOWN", "TRYAGAIN", "CLUSTERDOWN", "LOADING")
+#: How redis-py's cluster client says that no node answered while it reloaded the slot map (it raises a bare
+#: RedisClusterException; a key-to-slot mistake of the caller is one too, and is refused).
+_CLUSTER_UNREACHABLE = ("Redis Cluster cannot be connected", "All slots are not covered")
 
 
 def failure(what: str, url: str, exc: BaseException) -> StoreError:
@@ -35,10 +39,18 @@ def failure(what: str, url: str, exc: BaseException) -> StoreError:
     import redis
 
     # redis-py raises MASTERDOWN, TRYAGAIN and CLUSTERDOWN replies as classes of their own, the code taken out of
-    # the text (LOADING is a ConnectionError); a script's error reply keeps the code in its text.
-    not_yet = (redis.exceptions.MasterDownError, redis.exceptions.TryAgainError, redis.exceptions.ClusterDownError)
+    # the text (LOADING is a ConnectionError); a script's error reply keeps the code in its text. Its cluster
+    # client follows MOVED and ASK itself; it gives up with ClusterError (redirected too often: slots moving),
+    # SlotNotCoveredError, or a RedisClusterException when no node answers while it reloads the slot map.
+    errors = redis.exceptions
+    not_yet = (errors.MasterDownError, errors.TryAgainError, errors.ClusterError, errors.SlotNotCoveredError)
     unavailable = (redis.ConnectionError, redis.TimeoutError, redis.ReadOnlyError, OSError, *not_yet)
-    if not isinstance(exc, unavailable) and not str(exc).startswith(_NOT_YET):
+    text = str(exc)
+    if not (
+        isinstance(exc, unavailable)
+        or text.startswith(_NOT_YET)
+        or (isinstance(exc, errors.RedisClusterException) and text.startswith(_CLUSTER_UNREACHABLE))
+    ):
         return StoreError(f"{what} at {url} refused: {exc}")
     return StoreUnavailableError(f"{what} at {url} unavailable: {exc}")
 
@@ -451,7 +463,8 @@ _INT_FIELDS = (
 
 
 class RedisStore(RedisIdempotency, RedisRunLedger):
-    """Store on a Redis server, given by URL (``redis://127.0.0.1:6379/1``)."""
+    """Store on a Redis server, a Redis Cluster or the master a Sentinel names, given by URL
+    (``redis://127.0.0.1:6379/1``; see :mod:`~celery_guardrails.stores.redis_client`)."""
 
     def __init__(self, url: str, *, timeout: float | None = None) -> None:
         try:
@@ -461,7 +474,8 @@ class RedisStore(RedisIdempotency, RedisRunLedger):
         self.url = url
         # A timeout on every socket (the lane's too: it is made from the pool's settings): a half-open
         # connection fails in ``timeout`` seconds instead of stalling the heartbeat thread, whose leases lapse.
-        self.client = redis.Redis.from_url(url, socket_timeout=timeout, socket_connect_timeout=timeout)
+        self.client = connect(url, timeout=timeout)
+        self._cluster = is_cluster(url)
         self._skew, self._skew_checked = 0.0, 0.0
         # Registered once: each is loaded on the server at its first call, then called by its SHA.
         self._admit = self.client.register_script(_ADMIT)
@@ -472,8 +486,9 @@ class RedisStore(RedisIdempotency, RedisRunLedger):
         self._throttle = self.client.register_script(_THROTTLE)
         self._due = self.client.register_script(_DUE)
         self._ledger = self.client.register_script(LEDGER_SCRIPT)
-        self._lane = Lane(self.client.connection_pool)
-        self._errors: tuple[type[BaseException], ...] = (redis.RedisError,)
+        # A cluster client routes each command to its slot's node: there is no one pool to make a lane from.
+        self._lane = Lane(None if self._cluster else self.client.connection_pool)
+        self._errors: tuple[type[BaseException], ...] = (redis.RedisError, redis.exceptions.RedisClusterException)
 
     @staticmethod
     def _ttl(policy: BudgetPolicy) -> int:

@@ -14,7 +14,8 @@ repeat for its owner (a budget count may count twice, as with redis-py's own ret
 
 Not under green threads: gevent and eventlet make ``threading.local`` local to a greenlet, and Celery's green
 pools run each task in a new greenlet, so a lane there would open a connection per task. There
-``Lane.available`` is False and the store uses its pooled client.
+``Lane.available`` is False and the store uses its pooled client. So it is on a Redis Cluster, whose client
+sends each command to the node that serves its key's slot (and follows that slot when it moves).
 """
 
 from __future__ import annotations
@@ -63,8 +64,9 @@ class Lane:
     def __init__(self, pool: Any) -> None:
         self.pool = pool
         self.local = threading.local()
-        #: False when ``threading.local`` was patched for green threads (see the module docstring).
-        self.available = threading.local is _thread._local
+        #: False when ``threading.local`` was patched for green threads (see the module docstring), or
+        #: without a pool (a Redis Cluster: its client picks a node per command).
+        self.available = pool is not None and threading.local is _thread._local
 
     def _ready(self) -> Any:
         local = self.local
