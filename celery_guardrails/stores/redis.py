@@ -238,6 +238,15 @@ return 1
 """
 
 
+# A delivery counter: one more, and its expiry, atomically (a script, not MULTI: a cluster client's pipeline
+# is not a transaction, and a counter left without its expiry would outlive its message).
+_COUNT = """
+local count = redis.call('INCR', KEYS[1])
+redis.call('EXPIRE', KEYS[1], ARGV[1])
+return count
+"""
+
+
 _REOPEN = """
 if redis.call('HGET', KEYS[1], 'state') == 'failed' then return redis.call('DEL', KEYS[1]) end
 return 0
@@ -265,24 +274,36 @@ redis.call('EXPIRE', key, ttl)
 return 1
 """
 
+# KEYS: the pending set, then each group's throttle key; ARGV: now, then the groups (ARGV[i] is KEYS[i]'s).
+# Each group still pending whose window is over is handed out once, with its count, and leaves the set. The
+# caller read the set first (a script may touch only the keys it is given: a Redis Cluster routes it by them).
 _DUE = """
-local pending, prefix, now = KEYS[1], ARGV[1], tonumber(ARGV[2])
+local pending, now = KEYS[1], tonumber(ARGV[1])
 local due = {}
-for _, group in ipairs(redis.call('SMEMBERS', pending)) do
-  local key = prefix .. group
-  local untill = tonumber(redis.call('HGET', key, 'until') or '0')
-  if untill <= now then
-    local count = tonumber(redis.call('HGET', key, 'suppressed') or '0')
-    redis.call('HSET', key, 'suppressed', 0)
-    redis.call('SREM', pending, group)
-    if count > 0 then table.insert(due, group); table.insert(due, tostring(count)) end
+for i = 2, #KEYS do
+  local key, group = KEYS[i], ARGV[i]
+  if redis.call('SISMEMBER', pending, group) == 1 then
+    local untill = tonumber(redis.call('HGET', key, 'until') or '0')
+    if untill <= now then
+      local count = tonumber(redis.call('HGET', key, 'suppressed') or '0')
+      -- only a live key is reset: HSET on an expired one would make a key that never expires
+      if count > 0 then redis.call('HSET', key, 'suppressed', 0) end
+      redis.call('SREM', pending, group)
+      if count > 0 then table.insert(due, group); table.insert(due, tostring(count)) end
+    end
   end
 end
 return due
 """
 
-ALERT_PREFIX = "guardrails:alert:"
-ALERT_PENDING = "guardrails:alert-pending"
+# Alert throttles share one hash tag, so the pending set and every group's key are in one slot of a cluster.
+ALERT_PREFIX = "guardrails:{alerts}:group:"
+ALERT_PENDING = "guardrails:{alerts}:pending"
+#: The names of releases before the hash tag: summaries pending there are still handed out (one server only).
+LEGACY_ALERT_PREFIX = "guardrails:alert:"
+LEGACY_ALERT_PENDING = "guardrails:alert-pending"
+#: Groups one due-summaries script is given at most (its keys travel in one command).
+DUE_BATCH = 100
 
 
 def _finish(owner: str, state: str, text: str, now: float, retention: float) -> list[Any]:
@@ -301,8 +322,10 @@ class RedisIdempotency:
     _claim: Any
     _if_owner: Any
     _reopen: Any
+    _count: Any
     _throttle: Any
     _due: Any
+    _cluster: bool
     _skew: float
     _skew_checked: float
 
@@ -417,21 +440,30 @@ class RedisIdempotency:
 
     def due_summaries(self, *, now: float) -> list[tuple[str, int]]:
         """(group, count) of finished windows with suppressed alerts, each handed out once."""
+        due = self._take_due(ALERT_PENDING, ALERT_PREFIX, now)
+        if not self._cluster:  # windows a release before the hash tag left open (a cluster never had them)
+            due += self._take_due(LEGACY_ALERT_PENDING, LEGACY_ALERT_PREFIX, now)
+        return due
+
+    def _take_due(self, pending: str, prefix: str, now: float) -> list[tuple[str, int]]:
+        due: list[tuple[str, int]] = []
         try:
-            flat = self._due(keys=[ALERT_PENDING], args=[ALERT_PREFIX, repr(now)])
+            groups = sorted(self.client.smembers(pending))
+            for start in range(0, len(groups), DUE_BATCH):
+                batch = groups[start : start + DUE_BATCH]
+                keys = [pending, *(prefix.encode() + group for group in batch)]
+                flat = self._due(keys=keys, args=[repr(now), *batch])
+                due += [(flat[i].decode(), int(flat[i + 1])) for i in range(0, len(flat), 2)]
         except self._errors as exc:
-            raise self._failure(exc) from exc
-        return [(flat[i].decode(), int(flat[i + 1])) for i in range(0, len(flat), 2)]
+            if not due:
+                raise self._failure(exc) from exc
+            # the groups already taken are handed out; the rest stay pending for the next flush
+            logger.warning("Redis store at %s: alert summaries cut short: %s", self.url, exc)
+        return due
 
     def count_delivery(self, message_id: str, *, ttl: float) -> int:
         """One more start of a redelivered message; the starts so far (one round trip)."""
-        try:
-            pipe = self.client.pipeline()
-            pipe.incr(DELIVERIES_PREFIX + message_id)
-            pipe.expire(DELIVERIES_PREFIX + message_id, int(ttl))
-            return int(pipe.execute()[0])
-        except self._errors as exc:
-            raise self._failure(exc) from exc
+        return int(self._eval(self._count, DELIVERIES_PREFIX + message_id, [int(ttl)]))
 
     def clear_delivery(self, message_id: str) -> None:
         try:
@@ -483,6 +515,7 @@ class RedisStore(RedisIdempotency, RedisRunLedger):
         self._claim = self.client.register_script(_CLAIM)
         self._if_owner = self.client.register_script(_IF_OWNER)
         self._reopen = self.client.register_script(_REOPEN)
+        self._count = self.client.register_script(_COUNT)
         self._throttle = self.client.register_script(_THROTTLE)
         self._due = self.client.register_script(_DUE)
         self._ledger = self.client.register_script(LEDGER_SCRIPT)
