@@ -27,6 +27,17 @@ from collections.abc import Callable
 from typing import Any
 
 
+def _connected(connection: Any) -> None:
+    """Connect ``connection`` the way its class does (nothing when it is connected already).
+
+    redis-py's ``send_command`` connects a closed connection by itself, but through the base class's
+    ``connect_check_health``, past a subclass's ``connect``: a Sentinel-managed connection would connect to
+    its default address (localhost:6379), not to the master the Sentinels name (redis-py 6.4,
+    ``Connection.send_packed_command``). Its pool calls ``connect()`` first; so does the lane.
+    """
+    connection.connect()
+
+
 class InFlight:
     """The answer of a command sent and not read yet."""
 
@@ -87,6 +98,7 @@ class Lane:
         connection: its answer, left unread, would be read as the next command's."""
         connection = self._ready()
         try:
+            _connected(connection)
             connection.send_command(*command)
             return connection.read_response()
         except BaseException:
@@ -97,6 +109,7 @@ class Lane:
         """Send ``command``; the callable reads its answer (call it from the same thread)."""
         connection = self._ready()
         try:
+            _connected(connection)
             connection.send_command(*command)
         except BaseException:
             connection.disconnect()

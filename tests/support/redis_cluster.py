@@ -64,7 +64,7 @@ class Cluster:
         """Start the node on ``port`` again, from its nodes file (it rejoins with its slots)."""
         index = self.ports.index(port)
         self.processes[index] = subprocess.Popen(self.commands[index], cwd=self.folder)
-        wait_for(f"cluster node on {port}", lambda: _answers(port))
+        wait_for(f"cluster node on {port}", lambda: pings(port))
 
 
 def binaries_or_skip() -> tuple[str, str]:
@@ -77,14 +77,14 @@ def binaries_or_skip() -> tuple[str, str]:
     pytest.skip(message)
 
 
-def _free_ports(count: int) -> list[int]:
+def free_ports(count: int) -> list[int]:
     """``count`` distinct ports free now (each bound at once, so none is handed out twice)."""
     with contextlib.ExitStack() as stack:
         sockets = [stack.enter_context(socket.create_server((HOST, 0))) for _ in range(count)]
         return [s.getsockname()[1] for s in sockets]
 
 
-def _answers(port: int) -> bool:
+def pings(port: int) -> bool:
     try:
         return bool(redis.Redis(host=HOST, port=port, socket_timeout=1).ping())
     except redis.RedisError:
@@ -101,7 +101,7 @@ def start(*, node_timeout_ms: int = 5000) -> Cluster:
     silent before the others count it failed (and, without replicas, the cluster down)."""
     server, cli = binaries_or_skip()
     folder = Path(tempfile.mkdtemp(prefix="guardrails-cluster-"))
-    ports = _free_ports(2 * NODES)
+    ports = free_ports(2 * NODES)
     cluster = Cluster(url="", ports=ports[:NODES], folder=folder)
     try:
         for port, bus in zip(ports[:NODES], ports[NODES:], strict=True):
@@ -112,7 +112,7 @@ def start(*, node_timeout_ms: int = 5000) -> Cluster:
             cluster.commands.append(command)
             cluster.processes.append(subprocess.Popen(command, cwd=folder))
         for port in cluster.ports:
-            wait_for(f"cluster node on {port}", lambda port=port: _answers(port))
+            wait_for(f"cluster node on {port}", lambda port=port: pings(port))
         nodes = [f"{HOST}:{port}" for port in cluster.ports]
         subprocess.run(
             [cli, "--cluster", "create", *nodes, "--cluster-replicas", "0", "--cluster-yes"],

@@ -171,7 +171,7 @@ def test_a_dead_letter_is_recorded_once_in_the_stream(redis_cluster: Cluster, na
 
 def test_a_store_made_while_no_node_answers_reports_an_outage_when_used() -> None:
     # Given a cluster URL where nothing listens (made, not connected)
-    nowhere = harness._free_ports(1)[0]
+    nowhere = harness.free_ports(1)[0]
     store = RedisStore(f"redis+cluster://127.0.0.1:{nowhere}", timeout=1.0)
     # When it is used, Then it is unavailable: the message comes back later
     with pytest.raises(StoreUnavailableError, match="not reachable"):
