@@ -152,11 +152,19 @@ def test_a_server_in_a_failover_is_unavailable_not_refusing(store: RedisStore) -
         redis.exceptions.BusyLoadingError("Redis is loading the dataset in memory"),
         redis.exceptions.ReadOnlyError("You can't write against a read only replica."),
         redis.ResponseError("MASTERDOWN Link with MASTER is down (from a script)"),
+        # and what redis-py's cluster client raises when it gives up following slots or finding a node
+        redis.exceptions.ClusterError("TTL exhausted."),
+        redis.exceptions.SlotNotCoveredError("Command # 1 (EVALSHA) of slot 42 is not covered by the cluster"),
+        redis.exceptions.RedisClusterException("Redis Cluster cannot be connected. Please provide at least one"),
+        redis.exceptions.RedisClusterException("All slots are not covered after query all startup_nodes."),
     ]
-    refused = redis.ResponseError("WRONGTYPE Operation against a key holding the wrong kind of value")
-    # Then the first are outages (the message comes back later), the last is a refusal
+    refused = [
+        redis.ResponseError("WRONGTYPE Operation against a key holding the wrong kind of value"),
+        redis.exceptions.RedisClusterException("EVALSHA - all keys must map to the same key slot"),
+    ]
+    # Then the first are outages (the message comes back later), the last are refusals
     assert [type(store._failure(exc)) for exc in later] == [StoreUnavailableError] * len(later)
-    assert type(store._failure(refused)) is StoreError
+    assert [type(store._failure(exc)) for exc in refused] == [StoreError] * len(refused)
 
 
 def test_a_ledger_written_before_the_hash_tag_is_adopted_on_upgrade(store: RedisStore) -> None:
