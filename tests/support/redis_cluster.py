@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 import redis
 
+from tests.support.private_redis import require_redis_server
 from tests.support.waiting import wait_for
 
 HOST = "127.0.0.1"
@@ -68,10 +69,11 @@ class Cluster:
 
 
 def binaries_or_skip() -> tuple[str, str]:
-    found = shutil.which("redis-server"), shutil.which("redis-cli")
-    if all(found):
-        return found  # type: ignore[return-value]
-    message = "redis-server and redis-cli are needed to start a local Redis Cluster (apt-get install redis-server)"
+    """redis-server and redis-cli (which joins the nodes); skip (locally) or fail (CI) without them."""
+    server, cli = require_redis_server(), shutil.which("redis-cli")
+    if cli is not None:
+        return server, cli
+    message = "redis-cli is not installed (Debian package redis-tools); it joins the local Redis Cluster"
     if os.environ.get("CI"):
         pytest.fail(message + " (CI is set, so this is a failure)", pytrace=False)
     pytest.skip(message)
