@@ -129,6 +129,9 @@ def _cluster_nodes(url: str) -> tuple[str, list[tuple[str, int]]]:
     return first, others
 
 
+_SENTINEL_OPTIONS = {"master_name", "sentinel_password", "db", "username", "password"}
+
+
 def _sentinel_parts(url: str) -> tuple[list[tuple[str, int]], str, dict[str, str]]:
     """The Sentinels' (host, port), the master's name, and the options (db, credentials, query)."""
     hosts: list[tuple[str, int]] = []
@@ -146,6 +149,9 @@ def _sentinel_parts(url: str) -> tuple[list[tuple[str, int]], str, dict[str, str
                 options["username"] = unquote(parts.username)
             if parts.password:
                 options["password"] = unquote(parts.password)
+    unknown = sorted(set(options) - _SENTINEL_OPTIONS)
+    if unknown:  # e.g. ssl=true: silently ignored, it would connect in clear
+        raise ValueError(f"a Sentinel URL takes master_name, sentinel_password and db; not {', '.join(unknown)}")
     master = options.pop("master_name", "")
     if not master:
         raise ValueError(f"a Sentinel URL names its master: add ?master_name=... to {url!r:.80}")

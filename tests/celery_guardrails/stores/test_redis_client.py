@@ -42,6 +42,7 @@ def test_store_urls_of_each_kind_are_accepted(url: str) -> None:
         ("redis+cluster://a:7000;redis://b:7000", "each node of a cluster URL"),
         ("sentinel://127.0.0.1:26379/1", "master_name"),
         ("sentinel://127.0.0.1:26379/one?master_name=m", "is a number"),
+        ("sentinel://127.0.0.1:26379/1?master_name=m&ssl=true", "not ssl"),
         ("memcached://127.0.0.1:11211", "Redis URL"),
     ],
 )
