@@ -6,7 +6,9 @@ Sinks (``dead_letter_sinks``, in order, all of them must succeed):
   replayable in the Django admin;
 * ``"redis"`` (the store's Redis) or a Redis URL: an entry in the stream ``guardrails:dead_letters``
   (``XADD``, one JSON field ``record``), for deployments without Django. The stream keeps about the newest
-  :data:`STREAM_MAXLEN` entries; the entry and its per-task marker are written by one script.
+  :data:`STREAM_MAXLEN` entries; the entry and its per-task marker are written by one script. The markers
+  are named ``{guardrails:dead_letters}:seen:<task id>``: the stream's name as a Redis Cluster hash tag, so
+  marker and stream share a slot.
 
 Arguments are redacted first (:mod:`celery_guardrails.redaction`); with ``seal_keys`` set, the originals
 travel with the record only as a sealed copy (:mod:`celery_guardrails.sealing`), for replay. Recording is
@@ -37,6 +39,10 @@ STREAM = "guardrails:dead_letters"
 STREAM_MAXLEN = 100_000
 #: Seconds the Redis sink remembers that a task id was recorded (30 days).
 MARKER_TTL = 30 * 24 * 3600
+#: A task's marker: the stream's name as hash tag (it has no braces, so both hash to the same slot).
+MARKER = "{" + STREAM + "}:seen:"
+#: The marker's name before the hash tag, still honoured (it lives MARKER_TTL: drop this after that long).
+LEGACY_MARKER = STREAM + ":seen:"
 
 # KEYS: marker, stream. ARGV: record, marker ttl, maxlen. The entry, then its marker: a script that fails
 # part-way (nothing but the XADD can) leaves neither, so a message is never "recorded already" unrecorded.
@@ -190,11 +196,11 @@ def _moment(value: Any) -> datetime:
 
 class RedisStreamSink:
     def __init__(self, url: str, *, timeout: float) -> None:
-        import redis
+        from celery_guardrails.stores.redis_client import connect
 
         self.url = url
         # The store's timeouts: a half-open connection must not hold the message (and its worker) for ever.
-        self.client = redis.Redis.from_url(url, socket_timeout=timeout, socket_connect_timeout=timeout)
+        self.client = connect(url, timeout=timeout)
         self._record = self.client.register_script(_RECORD)
 
     def record(self, fields: dict[str, Any]) -> bool:
@@ -202,10 +208,15 @@ class RedisStreamSink:
 
         from celery_guardrails.stores.redis import failure
 
-        marker = f"{STREAM}:seen:{fields['task_id']}"
+        task_id = fields["task_id"]
         try:  # one entry per task id
-            new = self._record(keys=[marker, STREAM], args=[json.dumps(fields, default=str), MARKER_TTL, STREAM_MAXLEN])
-        except (redis.RedisError, OSError) as exc:  # the store's rule: an outage comes back, a refusal is final
+            # Recorded by a release before the hash tag (another slot: read on its own; nothing writes it now)
+            if self.client.exists(LEGACY_MARKER + task_id):
+                return False
+            record = json.dumps(fields, default=str)
+            new = self._record(keys=[MARKER + task_id, STREAM], args=[record, MARKER_TTL, STREAM_MAXLEN])
+        except (redis.RedisError, redis.exceptions.RedisClusterException, OSError) as exc:
+            # the store's rule: an outage comes back, a refusal is final
             raise failure("dead-letter stream", self.url, exc) from exc
         return bool(new)
 

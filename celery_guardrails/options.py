@@ -137,8 +137,10 @@ def _name(value: Any) -> str:
 
 
 def _store(value: Any) -> str:
-    if value == "django" or (isinstance(value, str) and value.startswith(("redis://", "rediss://", "unix://"))):
-        return str(value)
+    from celery_guardrails.stores.redis_client import SCHEMES, check_url
+
+    if value == "django" or (isinstance(value, str) and value.startswith(SCHEMES)):
+        return value if value == "django" else check_url(value)
     raise ValueError(f"must be 'django' or a Redis URL such as 'redis://127.0.0.1:6379/1', got {value!r:.80}")
 
 
@@ -151,10 +153,14 @@ def _owners(value: Any) -> dict[str, str]:
 def _sinks(value: Any) -> list[str] | None:
     if value is None:
         return None
+    from celery_guardrails.stores.redis_client import SCHEMES, check_url
+
     names = [value] if isinstance(value, str) else value
     for name in names:
-        if name not in ("django", "redis") and not str(name).startswith(("redis://", "rediss://")):
+        if name not in ("django", "redis") and not str(name).startswith(SCHEMES):
             raise ValueError(f"sinks are 'django', 'redis' or Redis URLs, got {name!r:.80}")
+        if name not in ("django", "redis"):
+            check_url(name)
     return list(names)
 
 
@@ -521,8 +527,10 @@ OPTIONS: Mapping[str, Option] = {
         Option(
             name="store",
             default=None,
-            doc="Where budgets and circuit states live: 'django' (the Django app's tables) or a Redis URL. "
-            "Default: 'django' when the Django app is installed, else the broker's Redis.",
+            doc="Where budgets and circuit states live: 'django' (the Django app's tables) or a Redis URL: one "
+            "server (redis://, rediss://, unix://), a Redis Cluster (redis+cluster://host:7000) or Sentinel "
+            "(sentinel://host:26379/1?master_name=mymaster). Default: 'django' when the Django app is "
+            "installed, else the broker's Redis (a sentinel:// broker with its master_name transport option).",
             check=_store,
             scopes=frozenset({APP}),
         ),

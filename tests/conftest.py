@@ -25,6 +25,8 @@ import pytest
 import redis
 from kombu import Connection
 
+from tests.support.redis_cluster import redis_cluster  # noqa: F401  (a session fixture, started on first use)
+from tests.support.redis_sentinel import redis_sentinel  # noqa: F401  (a test's own master, replica, Sentinel)
 from tests.support.services import BROKER_SERVICE, BROKER_URLS, REDIS_URL, require
 from tests.support.waiting import BOUND, wait_for
 from tests.support.workers import STARTED

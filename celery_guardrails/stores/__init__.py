@@ -1,13 +1,15 @@
 """Guardrails stores: where state shared by every worker lives (see :mod:`celery_guardrails.stores.base`).
 
-The ``store`` setting picks one: ``"django"`` (the Django app's tables) or a Redis URL. Unset, it is
-``"django"`` when ``django_celery_guardrails`` is an installed Django app, else the broker's URL when the
-broker is Redis.
+The ``store`` setting picks one: ``"django"`` (the Django app's tables) or a Redis URL (one server, a
+Redis Cluster or Sentinel: see :mod:`~celery_guardrails.stores.redis_client`). Unset, it is ``"django"`` when
+``django_celery_guardrails`` is an installed Django app, else the broker's URL when the broker is Redis (a
+``sentinel://`` broker with the ``master_name`` of its transport options).
 """
 
 from __future__ import annotations
 
 from typing import Any
+from urllib.parse import quote
 
 from celery_guardrails.exceptions import ConfigurationError
 from celery_guardrails.options import app_settings, app_value
@@ -33,6 +35,11 @@ def store_url(app: Any) -> str:
     broker = str(app.conf.broker_url or "")
     if broker.startswith(("redis://", "rediss://")):
         return broker
+    master = (app.conf.broker_transport_options or {}).get("master_name")
+    if broker.startswith("sentinel://") and master:
+        # Celery takes the master's name from the transport options; the store's URL carries it.
+        joiner = "&" if "?" in broker else "?"
+        return broker if "master_name=" in broker else f"{broker}{joiner}master_name={quote(master, safe='')}"
     raise ConfigurationError("store", "no store: set it to 'django' or a Redis URL (the broker is not Redis)")
 
 

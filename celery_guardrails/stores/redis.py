@@ -17,6 +17,7 @@ from typing import Any
 
 from celery_guardrails.exceptions import StoreError, StoreUnavailableError
 from celery_guardrails.stores.base import Admission, BudgetPolicy, Claim, DependencyState, status
+from celery_guardrails.stores.redis_client import connect, is_cluster
 from celery_guardrails.stores.redis_lane import Lane
 from celery_guardrails.stores.redis_ledger import LEDGER_SCRIPT, RedisRunLedger
 
@@ -26,6 +27,9 @@ logger = logging.getLogger(__name__)
 SKEW_CHECK_SECONDS = 60.0
 #: Error replies of a server that cannot answer now but will (a cluster or replica in the middle of a change).
 _NOT_YET = ("MASTERDOWN", "TRYAGAIN", "CLUSTERDOWN", "LOADING")
+#: How redis-py's cluster client says that no node answered while it reloaded the slot map (it raises a bare
+#: RedisClusterException; a key-to-slot mistake of the caller is one too, and is refused).
+_CLUSTER_UNREACHABLE = ("Redis Cluster cannot be connected", "All slots are not covered")
 
 
 def failure(what: str, url: str, exc: BaseException) -> StoreError:
@@ -35,10 +39,18 @@ def failure(what: str, url: str, exc: BaseException) -> StoreError:
     import redis
 
     # redis-py raises MASTERDOWN, TRYAGAIN and CLUSTERDOWN replies as classes of their own, the code taken out of
-    # the text (LOADING is a ConnectionError); a script's error reply keeps the code in its text.
-    not_yet = (redis.exceptions.MasterDownError, redis.exceptions.TryAgainError, redis.exceptions.ClusterDownError)
+    # the text (LOADING is a ConnectionError); a script's error reply keeps the code in its text. Its cluster
+    # client follows MOVED and ASK itself; it gives up with ClusterError (redirected too often: slots moving),
+    # SlotNotCoveredError, or a RedisClusterException when no node answers while it reloads the slot map.
+    errors = redis.exceptions
+    not_yet = (errors.MasterDownError, errors.TryAgainError, errors.ClusterError, errors.SlotNotCoveredError)
     unavailable = (redis.ConnectionError, redis.TimeoutError, redis.ReadOnlyError, OSError, *not_yet)
-    if not isinstance(exc, unavailable) and not str(exc).startswith(_NOT_YET):
+    text = str(exc)
+    if not (
+        isinstance(exc, unavailable)
+        or text.startswith(_NOT_YET)
+        or (isinstance(exc, errors.RedisClusterException) and text.startswith(_CLUSTER_UNREACHABLE))
+    ):
         return StoreError(f"{what} at {url} refused: {exc}")
     return StoreUnavailableError(f"{what} at {url} unavailable: {exc}")
 
@@ -226,6 +238,15 @@ return 1
 """
 
 
+# A delivery counter: one more, and its expiry, atomically (a script, not MULTI: a cluster client's pipeline
+# is not a transaction, and a counter left without its expiry would outlive its message).
+_COUNT = """
+local count = redis.call('INCR', KEYS[1])
+redis.call('EXPIRE', KEYS[1], ARGV[1])
+return count
+"""
+
+
 _REOPEN = """
 if redis.call('HGET', KEYS[1], 'state') == 'failed' then return redis.call('DEL', KEYS[1]) end
 return 0
@@ -253,24 +274,36 @@ redis.call('EXPIRE', key, ttl)
 return 1
 """
 
+# KEYS: the pending set, then each group's throttle key; ARGV: now, then the groups (ARGV[i] is KEYS[i]'s).
+# Each group still pending whose window is over is handed out once, with its count, and leaves the set. The
+# caller read the set first (a script may touch only the keys it is given: a Redis Cluster routes it by them).
 _DUE = """
-local pending, prefix, now = KEYS[1], ARGV[1], tonumber(ARGV[2])
+local pending, now = KEYS[1], tonumber(ARGV[1])
 local due = {}
-for _, group in ipairs(redis.call('SMEMBERS', pending)) do
-  local key = prefix .. group
-  local untill = tonumber(redis.call('HGET', key, 'until') or '0')
-  if untill <= now then
-    local count = tonumber(redis.call('HGET', key, 'suppressed') or '0')
-    redis.call('HSET', key, 'suppressed', 0)
-    redis.call('SREM', pending, group)
-    if count > 0 then table.insert(due, group); table.insert(due, tostring(count)) end
+for i = 2, #KEYS do
+  local key, group = KEYS[i], ARGV[i]
+  if redis.call('SISMEMBER', pending, group) == 1 then
+    local untill = tonumber(redis.call('HGET', key, 'until') or '0')
+    if untill <= now then
+      local count = tonumber(redis.call('HGET', key, 'suppressed') or '0')
+      -- only a live key is reset: HSET on an expired one would make a key that never expires
+      if count > 0 then redis.call('HSET', key, 'suppressed', 0) end
+      redis.call('SREM', pending, group)
+      if count > 0 then table.insert(due, group); table.insert(due, tostring(count)) end
+    end
   end
 end
 return due
 """
 
-ALERT_PREFIX = "guardrails:alert:"
-ALERT_PENDING = "guardrails:alert-pending"
+# Alert throttles share one hash tag, so the pending set and every group's key are in one slot of a cluster.
+ALERT_PREFIX = "guardrails:{alerts}:group:"
+ALERT_PENDING = "guardrails:{alerts}:pending"
+#: The names of releases before the hash tag: summaries pending there are still handed out (one server only).
+LEGACY_ALERT_PREFIX = "guardrails:alert:"
+LEGACY_ALERT_PENDING = "guardrails:alert-pending"
+#: Groups one due-summaries script is given at most (its keys travel in one command).
+DUE_BATCH = 100
 
 
 def _finish(owner: str, state: str, text: str, now: float, retention: float) -> list[Any]:
@@ -289,8 +322,10 @@ class RedisIdempotency:
     _claim: Any
     _if_owner: Any
     _reopen: Any
+    _count: Any
     _throttle: Any
     _due: Any
+    _cluster: bool
     _skew: float
     _skew_checked: float
 
@@ -405,21 +440,30 @@ class RedisIdempotency:
 
     def due_summaries(self, *, now: float) -> list[tuple[str, int]]:
         """(group, count) of finished windows with suppressed alerts, each handed out once."""
+        due = self._take_due(ALERT_PENDING, ALERT_PREFIX, now)
+        if not self._cluster:  # windows a release before the hash tag left open (a cluster never had them)
+            due += self._take_due(LEGACY_ALERT_PENDING, LEGACY_ALERT_PREFIX, now)
+        return due
+
+    def _take_due(self, pending: str, prefix: str, now: float) -> list[tuple[str, int]]:
+        due: list[tuple[str, int]] = []
         try:
-            flat = self._due(keys=[ALERT_PENDING], args=[ALERT_PREFIX, repr(now)])
+            groups = sorted(self.client.smembers(pending))
+            for start in range(0, len(groups), DUE_BATCH):
+                batch = groups[start : start + DUE_BATCH]
+                keys = [pending, *(prefix.encode() + group for group in batch)]
+                flat = self._due(keys=keys, args=[repr(now), *batch])
+                due += [(flat[i].decode(), int(flat[i + 1])) for i in range(0, len(flat), 2)]
         except self._errors as exc:
-            raise self._failure(exc) from exc
-        return [(flat[i].decode(), int(flat[i + 1])) for i in range(0, len(flat), 2)]
+            if not due:
+                raise self._failure(exc) from exc
+            # the groups already taken are handed out; the rest stay pending for the next flush
+            logger.warning("Redis store at %s: alert summaries cut short: %s", self.url, exc)
+        return due
 
     def count_delivery(self, message_id: str, *, ttl: float) -> int:
         """One more start of a redelivered message; the starts so far (one round trip)."""
-        try:
-            pipe = self.client.pipeline()
-            pipe.incr(DELIVERIES_PREFIX + message_id)
-            pipe.expire(DELIVERIES_PREFIX + message_id, int(ttl))
-            return int(pipe.execute()[0])
-        except self._errors as exc:
-            raise self._failure(exc) from exc
+        return int(self._eval(self._count, DELIVERIES_PREFIX + message_id, [int(ttl)]))
 
     def clear_delivery(self, message_id: str) -> None:
         try:
@@ -451,7 +495,8 @@ _INT_FIELDS = (
 
 
 class RedisStore(RedisIdempotency, RedisRunLedger):
-    """Store on a Redis server, given by URL (``redis://127.0.0.1:6379/1``)."""
+    """Store on a Redis server, a Redis Cluster or the master a Sentinel names, given by URL
+    (``redis://127.0.0.1:6379/1``; see :mod:`~celery_guardrails.stores.redis_client`)."""
 
     def __init__(self, url: str, *, timeout: float | None = None) -> None:
         try:
@@ -461,7 +506,8 @@ class RedisStore(RedisIdempotency, RedisRunLedger):
         self.url = url
         # A timeout on every socket (the lane's too: it is made from the pool's settings): a half-open
         # connection fails in ``timeout`` seconds instead of stalling the heartbeat thread, whose leases lapse.
-        self.client = redis.Redis.from_url(url, socket_timeout=timeout, socket_connect_timeout=timeout)
+        self.client = connect(url, timeout=timeout)
+        self._cluster = is_cluster(url)
         self._skew, self._skew_checked = 0.0, 0.0
         # Registered once: each is loaded on the server at its first call, then called by its SHA.
         self._admit = self.client.register_script(_ADMIT)
@@ -469,11 +515,13 @@ class RedisStore(RedisIdempotency, RedisRunLedger):
         self._claim = self.client.register_script(_CLAIM)
         self._if_owner = self.client.register_script(_IF_OWNER)
         self._reopen = self.client.register_script(_REOPEN)
+        self._count = self.client.register_script(_COUNT)
         self._throttle = self.client.register_script(_THROTTLE)
         self._due = self.client.register_script(_DUE)
         self._ledger = self.client.register_script(LEDGER_SCRIPT)
-        self._lane = Lane(self.client.connection_pool)
-        self._errors: tuple[type[BaseException], ...] = (redis.RedisError,)
+        # A cluster client routes each command to its slot's node: there is no one pool to make a lane from.
+        self._lane = Lane(None if self._cluster else self.client.connection_pool)
+        self._errors: tuple[type[BaseException], ...] = (redis.RedisError, redis.exceptions.RedisClusterException)
 
     @staticmethod
     def _ttl(policy: BudgetPolicy) -> int:

@@ -14,7 +14,8 @@ repeat for its owner (a budget count may count twice, as with redis-py's own ret
 
 Not under green threads: gevent and eventlet make ``threading.local`` local to a greenlet, and Celery's green
 pools run each task in a new greenlet, so a lane there would open a connection per task. There
-``Lane.available`` is False and the store uses its pooled client.
+``Lane.available`` is False and the store uses its pooled client. So it is on a Redis Cluster, whose client
+sends each command to the node that serves its key's slot (and follows that slot when it moves).
 """
 
 from __future__ import annotations
@@ -24,6 +25,17 @@ import os
 import threading
 from collections.abc import Callable
 from typing import Any
+
+
+def _connected(connection: Any) -> None:
+    """Connect ``connection`` the way its class does (nothing when it is connected already).
+
+    redis-py's ``send_command`` connects a closed connection by itself, but through the base class's
+    ``connect_check_health``, past a subclass's ``connect``: a Sentinel-managed connection would connect to
+    its default address (localhost:6379), not to the master the Sentinels name (redis-py 6.4,
+    ``Connection.send_packed_command``). Its pool calls ``connect()`` first; so does the lane.
+    """
+    connection.connect()
 
 
 class InFlight:
@@ -63,8 +75,9 @@ class Lane:
     def __init__(self, pool: Any) -> None:
         self.pool = pool
         self.local = threading.local()
-        #: False when ``threading.local`` was patched for green threads (see the module docstring).
-        self.available = threading.local is _thread._local
+        #: False when ``threading.local`` was patched for green threads (see the module docstring), or
+        #: without a pool (a Redis Cluster: its client picks a node per command).
+        self.available = pool is not None and threading.local is _thread._local
 
     def _ready(self) -> Any:
         local = self.local
@@ -85,6 +98,7 @@ class Lane:
         connection: its answer, left unread, would be read as the next command's."""
         connection = self._ready()
         try:
+            _connected(connection)
             connection.send_command(*command)
             return connection.read_response()
         except BaseException:
@@ -95,6 +109,7 @@ class Lane:
         """Send ``command``; the callable reads its answer (call it from the same thread)."""
         connection = self._ready()
         try:
+            _connected(connection)
             connection.send_command(*command)
         except BaseException:
             connection.disconnect()

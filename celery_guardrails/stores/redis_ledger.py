@@ -1,10 +1,17 @@
 """The run ledger on Redis (the :class:`~celery_guardrails.ledger.RunLedger` half of the Redis store).
 
-Per schedule, one hash ``guardrails:runs:<schedule>`` maps a period (epoch seconds, as an integer string) to
-its record (a JSON object, times as strings), and one sorted set ``guardrails:runs-index:<schedule>`` orders
-the periods. Every change is one Lua script, so "insert unless present" and "move from status A to B" are
-atomic across beat processes and workers. Records older than :data:`~celery_guardrails.ledger.RETENTION`
+Per schedule, one hash ``guardrails:{runs:<schedule>}`` maps a period (epoch seconds, as an integer string)
+to its record (a JSON object, times as strings), and one sorted set ``guardrails:{runs:<schedule>}:index``
+orders the periods. Every change is one Lua script, so "insert unless present" and "move from status A to B"
+are atomic across beat processes and workers. Records older than :data:`~celery_guardrails.ledger.RETENTION`
 are dropped as new ones are written; both keys expire when a schedule has been quiet that long.
+
+The braces are a Redis Cluster hash tag: both keys of a schedule hash to one slot, so one script may change
+both on a cluster. Releases before it named them ``guardrails:runs:<schedule>`` and
+``guardrails:runs-index:<schedule>``; on one server (or Sentinel's master) the script renames a schedule's
+old keys to the new names the first time it touches a schedule that has no keys under the new names, and a
+listing that finds nothing asks it to, so no history is lost on upgrade. A cluster never held the old names
+(the old script could not run there), unless they were copied into it: see the README.
 """
 
 from __future__ import annotations
@@ -16,15 +23,35 @@ from typing import Any
 from celery_guardrails.exceptions import StoreError
 from celery_guardrails.ledger import REASON_MAX_LENGTH, RETENTION, WAS_OVERDUE, Run
 
-RUNS_PREFIX = "guardrails:runs:"
-INDEX_PREFIX = "guardrails:runs-index:"
+#: The names of releases before the hash tag (read on one server only, to adopt them: see the docstring).
+LEGACY_RUNS_PREFIX = "guardrails:runs:"
+LEGACY_INDEX_PREFIX = "guardrails:runs-index:"
 
-# KEYS: hash, index. ARGV: op, schedule, period field, now, retention, then per op:
+
+def runs_key(schedule: str) -> str:
+    """The hash of ``schedule``'s records. The tag is ``runs:`` and the name up to its first ``}``: never
+    empty, and the same in the index's name whatever the name holds."""
+    return f"guardrails:{{runs:{schedule}}}"
+
+
+def index_key(schedule: str) -> str:
+    return f"{runs_key(schedule)}:index"
+
+
+# KEYS: hash, index, and on one server the legacy hash and index. ARGV: op, schedule, period field, now,
+# retention, then per op:
 #   dispatch: task_id           record: status, reason          transition: to, reason, from...
 #   start: task_id              finish: status, reason, prefix  undispatch: task_id
+#   adopt: (nothing: only the renaming below)
 LEDGER_SCRIPT = """
 local runs, index = KEYS[1], KEYS[2]
 local op, schedule, field, now, retention = ARGV[1], ARGV[2], ARGV[3], ARGV[4], tonumber(ARGV[5])
+if KEYS[4] and redis.call('EXISTS', runs, index) == 0 and redis.call('EXISTS', KEYS[3]) == 1 then
+  -- a schedule written by a release before the hash tag: its keys take the new names, TTLs kept
+  redis.call('RENAME', KEYS[3], runs)
+  if redis.call('EXISTS', KEYS[4]) == 1 then redis.call('RENAME', KEYS[4], index) end
+end
+if op == 'adopt' then return 0 end
 local raw = redis.call('HGET', runs, field)
 local r = nil
 if raw then r = cjson.decode(raw) end
@@ -127,13 +154,20 @@ class RedisRunLedger:
     url: str
     _errors: tuple[type[BaseException], ...]
     _ledger: Any
+    _cluster: bool
 
     _failure: Callable[[BaseException], StoreError]  # RedisIdempotency's
+
+    def _keys(self, schedule: str) -> list[str]:
+        keys = [runs_key(schedule), index_key(schedule)]
+        if not self._cluster:  # the old names, to adopt (another slot on a cluster, which never had them)
+            keys += [LEGACY_RUNS_PREFIX + schedule, LEGACY_INDEX_PREFIX + schedule]
+        return keys
 
     def _change(self, op: str, schedule: str, period: float, now: float, *args: str) -> bool:
         try:
             changed = self._ledger(
-                keys=[RUNS_PREFIX + schedule, INDEX_PREFIX + schedule],
+                keys=self._keys(schedule),
                 args=[op, schedule, _field(period), f"{now:.6f}", int(RETENTION), *args],
             )
         except self._errors as exc:
@@ -171,13 +205,18 @@ class RedisRunLedger:
         top = "+inf" if before is None else f"({_field(before)}"
         found: list[Run] = []
         offset, page = 0, max(limit, 100)
+        adopt = not self._cluster  # a schedule with no record may have them under the legacy names
         try:
             while len(found) < limit:
-                fields = self.client.zrevrangebyscore(INDEX_PREFIX + schedule, top, "-inf", start=offset, num=page)
+                fields = self.client.zrevrangebyscore(index_key(schedule), top, "-inf", start=offset, num=page)
+                if not fields and adopt and offset == 0:
+                    adopt = False
+                    self._change("adopt", schedule, 0.0, 0.0)
+                    continue  # and read again
                 if not fields:
                     break
                 offset += len(fields)
-                for raw in self.client.hmget(RUNS_PREFIX + schedule, fields):
+                for raw in self.client.hmget(runs_key(schedule), fields):
                     if raw is None:
                         continue
                     run = _run(raw)

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import redis
 
-from celery_guardrails.dead_letters import STREAM
+from celery_guardrails.dead_letters import LEGACY_MARKER, MARKER, STREAM, RedisStreamSink
 from celery_guardrails.redaction import redact_arguments
 from tests.proj import tasks
 from tests.support.services import REDIS_URL
@@ -57,3 +57,18 @@ def test_arguments_that_are_not_json_are_kept_as_repr_with_a_flag() -> None:
     assert as_repr is True
     assert args[0].startswith("[{1, 2}, <object object") and "p" not in kwargs["repr"].replace("password", "")
     assert kwargs == {"repr": "{'password': '[redacted]'}"}
+
+
+def test_a_task_recorded_before_the_hash_tag_is_not_recorded_again() -> None:
+    # Given a dead letter a previous release recorded (its marker under the old name) and one it did not
+    old, new = f"tests-legacy-{uuid.uuid4().hex}", f"tests-new-{uuid.uuid4().hex}"
+    client = redis.Redis.from_url(REDIS_URL)
+    client.set(LEGACY_MARKER + old, 1, ex=600)
+    sink = RedisStreamSink(REDIS_URL, timeout=5.0)
+    # When the new release records both (the first redelivered after the upgrade)
+    results = sink.record({"task_id": old}), sink.record({"task_id": new})
+    # Then only the new one is recorded, its marker under the new name
+    assert results == (False, True)
+    assert (stream_records(old), len(stream_records(new))) == ([], 1)
+    assert client.exists(MARKER + new) == 1
+    client.delete(LEGACY_MARKER + old, MARKER + new)

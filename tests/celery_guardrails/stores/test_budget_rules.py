@@ -1,7 +1,7 @@
 """Both real stores follow the same budget and circuit rules (clock controlled, whole sequences checked).
 
 The Redis store runs them as a Lua script, the Django store as Python under a row lock; each scenario runs
-against Redis and against the Django database (PostgreSQL or SQLite, per GUARDRAILS_TEST_DB).
+against Redis, the local Redis Cluster and the Django database (PostgreSQL or SQLite, per GUARDRAILS_TEST_DB).
 """
 
 from __future__ import annotations
@@ -14,25 +14,12 @@ from typing import Any
 import pytest
 
 from celery_guardrails.stores.base import FAILURE, RELEASE, SUCCESS, BudgetPolicy
-from celery_guardrails.stores.redis import RedisStore
-from tests.support.services import REDIS_URL, require
 
 # Every test may use the Django store from several threads: committed transactions, a real test database.
 pytestmark = pytest.mark.django_db(transaction=True)
 
 POLICY = BudgetPolicy(window=60.0, ratio=0.5, floor=2, threshold=3, open_seconds=30.0, probes=1)
 T0 = 1_800_000_000.0  # a window boundary: 1_800_000_000 / 60 is a whole number
-
-
-@pytest.fixture(params=["redis", "django"])
-def store(request: pytest.FixtureRequest) -> Iterator[Any]:
-    if request.param == "redis":
-        require("redis")
-        yield RedisStore(REDIS_URL)
-    else:
-        from django_celery_guardrails.store import DjangoStore
-
-        yield DjangoStore()
 
 
 @pytest.fixture

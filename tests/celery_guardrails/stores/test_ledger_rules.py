@@ -15,7 +15,6 @@ from dataclasses import replace
 from typing import Any
 
 import pytest
-import redis
 
 from celery_guardrails.ledger import (
     DISPATCHED,
@@ -30,8 +29,7 @@ from celery_guardrails.ledger import (
     SKIPPED_OVERLAP,
     Run,
 )
-from tests.support.services import REDIS_URL
-from tests.support.stores import make_store
+from tests.support.stores import forget, make_store
 
 # The race test forks processes that use the Django store: committed transactions, a real test database.
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -41,10 +39,7 @@ MINUTE = 60.0
 
 def _forget(kind: str, name: str) -> None:
     """Redis state outlives the test run (the database's is rolled back): drop the schedule's keys."""
-    if kind == "redis":
-        client = redis.Redis.from_url(REDIS_URL)
-        for key in client.scan_iter(match=f"*{name}*"):
-            client.delete(key)
+    forget(kind, f"*{name}*")
 
 
 @pytest.fixture

@@ -152,8 +152,59 @@ def test_a_server_in_a_failover_is_unavailable_not_refusing(store: RedisStore) -
         redis.exceptions.BusyLoadingError("Redis is loading the dataset in memory"),
         redis.exceptions.ReadOnlyError("You can't write against a read only replica."),
         redis.ResponseError("MASTERDOWN Link with MASTER is down (from a script)"),
+        # and what redis-py's cluster client raises when it gives up following slots or finding a node
+        redis.exceptions.ClusterError("TTL exhausted."),
+        redis.exceptions.SlotNotCoveredError("Command # 1 (EVALSHA) of slot 42 is not covered by the cluster"),
+        redis.exceptions.RedisClusterException("Redis Cluster cannot be connected. Please provide at least one"),
+        redis.exceptions.RedisClusterException("All slots are not covered after query all startup_nodes."),
     ]
-    refused = redis.ResponseError("WRONGTYPE Operation against a key holding the wrong kind of value")
-    # Then the first are outages (the message comes back later), the last is a refusal
+    refused = [
+        redis.ResponseError("WRONGTYPE Operation against a key holding the wrong kind of value"),
+        redis.exceptions.RedisClusterException("EVALSHA - all keys must map to the same key slot"),
+    ]
+    # Then the first are outages (the message comes back later), the last are refusals
     assert [type(store._failure(exc)) for exc in later] == [StoreUnavailableError] * len(later)
-    assert type(store._failure(refused)) is StoreError
+    assert [type(store._failure(exc)) for exc in refused] == [StoreError] * len(refused)
+
+
+def test_a_ledger_written_before_the_hash_tag_is_adopted_on_upgrade(store: RedisStore) -> None:
+    import json
+
+    from celery_guardrails.stores.redis_ledger import LEGACY_INDEX_PREFIX, LEGACY_RUNS_PREFIX, index_key, runs_key
+
+    # Given two schedules a previous release recorded under the old names (one run each, expiring in a day)
+    listed, written = f"tests.legacy.{uuid.uuid4().hex}", f"tests.legacy.{uuid.uuid4().hex}"
+    for schedule in (listed, written):
+        record = {"schedule": schedule, "period": "1800000000", "status": "ok", "task_id": "t1", "reason": ""}
+        store.client.hset(LEGACY_RUNS_PREFIX + schedule, "1800000000", json.dumps(record))
+        store.client.zadd(LEGACY_INDEX_PREFIX + schedule, {"1800000000": T0})
+        store.client.expire(LEGACY_RUNS_PREFIX + schedule, 86400)
+    # When the new release lists one, and records the next period of the other
+    runs = store.run_list(listed)
+    assert store.run_dispatch(written, T0 + 60, task_id="t2", now=T0 + 60) is True
+    # Then the old runs are read, and kept beside the new one, under the new names, their expiry kept
+    assert [(r.period, r.status, r.task_id) for r in runs] == [(T0, "ok", "t1")]
+    assert [(r.period, r.task_id) for r in store.run_list(written)] == [(T0 + 60, "t2"), (T0, "t1")]
+    for schedule in (listed, written):
+        assert store.client.exists(LEGACY_RUNS_PREFIX + schedule, LEGACY_INDEX_PREFIX + schedule) == 0
+        assert store.client.exists(runs_key(schedule), index_key(schedule)) == 2
+        assert store.client.ttl(runs_key(schedule)) > 0
+        store.client.delete(runs_key(schedule), index_key(schedule))
+    assert store.run_list(f"tests.legacy.{uuid.uuid4().hex}") == []  # a schedule with no record at all
+
+
+def test_alert_summaries_pending_before_the_hash_tag_are_still_sent_once(store: RedisStore) -> None:
+    from celery_guardrails.stores.redis import LEGACY_ALERT_PENDING, LEGACY_ALERT_PREFIX
+
+    # Given a throttle window a previous release left open, with 4 alerts held back for its summary
+    group = f"tests.legacy|{uuid.uuid4().hex}"
+    store.client.hset(LEGACY_ALERT_PREFIX + group, mapping={"until": f"{T0 + 60:.6f}", "suppressed": 4})
+    store.client.expire(LEGACY_ALERT_PREFIX + group, 3600)
+    store.client.sadd(LEGACY_ALERT_PENDING, group)
+    # When the summaries are taken during the window, after it, and again
+    during, after, again = (store.due_summaries(now=now) for now in (T0 + 30, T0 + 61, T0 + 62))
+    # Then the window's summary is handed out once, when it is over
+    assert [(g, n) for g, n in during + again if g == group] == []
+    assert [(g, n) for g, n in after if g == group] == [(group, 4)]
+    assert not store.client.sismember(LEGACY_ALERT_PENDING, group)
+    store.client.delete(LEGACY_ALERT_PREFIX + group)
