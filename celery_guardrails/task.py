@@ -14,6 +14,7 @@ from contextlib import ExitStack
 from typing import Any, ClassVar
 
 from celery import Task
+from celery.exceptions import Reject
 from celery.utils import uuid
 
 from celery_guardrails import headers
@@ -154,6 +155,24 @@ class GuardedTask(Task):  # type: ignore[misc]
         return super().apply_async(
             args, kwargs, task_id, producer, link, link_error, shadow, headers=message_headers, **options
         )
+
+    def retry(self, *args: Any, **kwargs: Any) -> Any:
+        """Celery's ``retry``, except when the new message cannot be published: Celery then rejects the running
+        message without requeue (``Reject(exc, requeue=False)`` in ``Task.retry``), which on an acks-late
+        delivery removes it from the broker with nothing recorded. The ack is sacred: it is given back to the
+        broker unacked instead, and runs again when it is redelivered (no attempt is recorded for it)."""
+        try:
+            return super().retry(*args, **kwargs)
+        except Reject as rejected:
+            if rejected.requeue:
+                raise
+            logger.error(
+                "Task %s[%s]: its retry could not be published (%s); given back to the broker unacked",
+                self.name,
+                self.request.id,
+                rejected.reason,
+            )
+            raise Reject(rejected.reason, requeue=True) from rejected
 
     def call_options(self) -> Mapping[str, Any]:
         """The per-call guardrail options of the message being executed (empty outside a task run)."""

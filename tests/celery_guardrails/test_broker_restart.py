@@ -196,3 +196,27 @@ def test_the_guard_is_installed_only_for_the_releases_checked(
     monkeypatch.setattr(kombu, "VERSION", kombu_version)
     # Then the guard is installed only where the crash was reproduced
     assert affected() is installed
+
+
+def test_a_retry_that_cannot_be_published_gives_the_message_back_instead_of_acking_it_away(
+    celery_app: Any, broker_redis: PrivateRedis, sinks: list[Sink], queue_name: str, tmp_path: Path
+) -> None:
+    # Given a task whose first run waits at a gate, then fails transiently (its second run succeeds)
+    sink, gate = sinks[0], f"{sinks[0].key}:gate"
+    with worker_on(broker_redis, queue_name, tmp_path / "worker.log", guard=True) as worker:
+        result = tasks.behave.delay(sink.key, [f"gate_then_transient:{gate}", "ok"])
+        wait_for("the first run at its gate", lambda: len(sink.items()) == 1)
+
+        # When the broker goes away while it runs, so that its retry cannot be published
+        broker_redis.kill()
+        wait_for("the worker to see its broker go", lambda: "Connection to broker lost" in worker.log)
+        sink.client.rpush(gate, "open")
+        # (Celery logs the rejection either way)
+        wait_for("the retry's publish to fail", lambda: "Reject(" in worker.log or "rejected" in worker.log)
+        broker_redis.start()
+
+        # Then the message was not acked away (Celery rejects it without requeue): it comes back and runs again
+        assert result.get(timeout=TIMEOUT)["run"] == 2
+        assert [report["run"] for report in sink.items()] == [1, 2]
+        assert "given back to the broker unacked" in worker.log
+        wait_for("every message acked", lambda: broker_redis.client().hlen("unacked") == 0)

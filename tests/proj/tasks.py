@@ -149,6 +149,10 @@ def _behave(task: GuardedTask, sink: str, script: list[str]) -> dict[str, Any]:
         raise RetryLater("not readable yet", delay=float(arg or 0.05))
     if kind == "gate" and redis.Redis.from_url(REDIS_URL).blpop([arg], timeout=120) is None:
         raise RuntimeError(f"gate {arg} never opened")  # gate:<list>: runs until an item is pushed to the list
+    if kind == "gate_then_transient":  # waits at the gate (a Redis list), then fails transiently
+        if redis.Redis.from_url(REDIS_URL).blpop([arg], timeout=120) is None:
+            raise RuntimeError(f"gate {arg} never opened")
+        raise TransientError(f"run {runs} failed after its gate")
     if kind == "sleep":  # longer than a time limit, say
         time.sleep(float(arg))
     if kind == "kill_once" and redis.Redis.from_url(REDIS_URL).set(arg, 1, nx=True, ex=600):
