@@ -59,6 +59,7 @@ class Options:
     visibility_timeout: float = 30.0
     settle_timeout: float = 1500.0
     seed: int = 13
+    strict: bool = False
     workdir: str = ""
 
 
@@ -82,6 +83,7 @@ class Result:
     replay_duplicates: int = 0
     killed: int = 0
     deaths: list[Death] = field(default_factory=list)
+    lost_causes: dict[str, str] = field(default_factory=dict)
     events: list[str] = field(default_factory=list)
     failures: list[str] = field(default_factory=list)
 
@@ -362,7 +364,12 @@ def run_variant(options: Options) -> Result:
         result.killed = supervisor.kills
         result.deaths = supervisor.deaths
         result.events = chaos.log
-        judge(result)
+        lost = [job for row in result.per_kind.values() for job in row["lost_jobs"]]
+        if lost and broker is not None:
+            from soak.trace import lost_causes
+
+            result.lost_causes = lost_causes(broker.workdir, lost)
+        judge(result, strict=options.strict)
         (workdir / f"result-{options.store}-{options.broker}.json").write_text(json.dumps(asdict(result), indent=1))
         return result
     finally:
@@ -544,9 +551,15 @@ def claimed_keys(redis_url: str | None) -> int:
     return len(claimed)
 
 
-def judge(result: Result) -> None:
+def judge(result: Result, *, strict: bool) -> None:
+    """The failures: any loss (but, unless ``strict``, one traced to kombu's pop window, which no guardrail
+    sees: listed, not failed), a doubled effect with the Django store or from the replay, a misfiled dead
+    letter, a key left claimed."""
+    from soak.trace import KOMBU_POP_WINDOW
+
     for kind, row in result.per_kind.items():
-        if row["lost"]:
+        ours = [job for job in row["lost_jobs"] if strict or result.lost_causes.get(job) != KOMBU_POP_WINDOW]
+        if row["lost"] > len(row["lost_jobs"]) or ours:  # (only the first ten are named)
             result.failures.append(f"{row['lost']} {kind} job(s) lost")
         if row["doubled"] and (result.store == "django" or kind == "permanent"):
             result.failures.append(f"{row['doubled']} {kind} job(s) with a doubled effect")
@@ -580,8 +593,8 @@ def render(results: list[Result]) -> str:
                 f"{row['dead_found']:>14}/{expected(row):<15}  {reasons}"
             )
         lost = [job for row in result.per_kind.values() for job in row.get("lost_jobs", [])]
-        if lost:
-            lines.append("lost: " + ", ".join(lost))
+        for job in lost:
+            lines.append(f"lost: {job}: {result.lost_causes.get(job, 'no trace read (RabbitMQ)')}")
         lines.append(
             f"keys left claimed: {result.claimed_keys}; replayed {result.replayed}, "
             f"duplicates the replay added: {result.replay_duplicates}"
@@ -643,11 +656,19 @@ def parse(argv: list[str]) -> tuple[Options, list[str], list[str], bool]:
     parser.add_argument("--store-cut", type=float, default=10.0, help="seconds the store is cut (0: never)")
     parser.add_argument("--short", action="store_true", help="the suite's soak: one kill, one store cut")
     parser.add_argument("--json", action="store_true", help="print the results as JSON")
+    parser.add_argument(
+        "--strict", action="store_true", help="fail on a loss traced to kombu's pop window too (celery/kombu#305)"
+    )
     parser.add_argument("--workdir", default="")
     parser.add_argument("--seed", type=int, default=13)
     args = parser.parse_args(argv)
     options = Options(
-        jobs=args.jobs, kill_every=args.kill_every, store_cut=args.store_cut, seed=args.seed, workdir=args.workdir
+        jobs=args.jobs,
+        kill_every=args.kill_every,
+        store_cut=args.store_cut,
+        seed=args.seed,
+        workdir=args.workdir,
+        strict=args.strict,
     )
     if args.short:
         options.kills, options.broker_restart, options.db_restart = 1, False, False
