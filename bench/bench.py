@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import gc
 import os
+import shutil
 import signal
 import statistics
 import subprocess
@@ -159,6 +160,7 @@ def run_worker(store: str, groups: list[Group]) -> dict[str, Measured]:
     finally:
         if env.get("BENCH_PG_NAME"):
             pg_admin(f'DROP DATABASE IF EXISTS "{env["BENCH_PG_NAME"]}" WITH (FORCE)')
+        shutil.rmtree(scratch, ignore_errors=True)
 
 
 def _run_worker(env: dict[str, str], groups: list[Group]) -> dict[str, Measured]:
