@@ -1,10 +1,16 @@
-"""The Celery app ``make bench`` measures: the same no-op task in each kind, on one worker process.
+"""The Celery app ``make bench`` measures: the same task in each kind, on one worker process.
 
 Configured from the environment by bench.py: BENCH_REDIS_URL (broker, results), BENCH_QUEUE, BENCH_STORE
-("redis" or "django"), BENCH_RUN (keeps idempotency keys of different runs apart).
+("redis" or "django"; the Django database is bench.settings'), BENCH_RUN (keeps idempotency keys of
+different runs apart).
+
+Every task takes ``done``: the name of a Redis list the task pushes its number to when it is given one
+(the last task of a batch), so a batch whose results are ignored is waited for without a result backend.
+The tasks whose names end in ``_insert`` INSERT one row (``tests.testapp.Effect``) in the Django database.
 """
 
 import os
+from typing import Any
 
 from celery import Celery
 
@@ -12,6 +18,7 @@ from celery_guardrails import GuardedTask
 
 REDIS = os.environ.get("BENCH_REDIS_URL", "redis://127.0.0.1:6379/12")
 RUN = os.environ.get("BENCH_RUN", "run")
+KEY = "bench-" + RUN + ":{n}"
 
 app = Celery("bench", broker=REDIS, backend=REDIS)
 app.conf.update(
@@ -25,27 +32,92 @@ app.conf.update(
     },
 )
 
+_client: list[Any] = []
+
+
+def finished(n: int, done: str) -> int:
+    """Tell the publisher, when asked (``done`` names the list it waits on), that task ``n`` ran."""
+    if done:
+        if not _client:
+            import redis
+
+            _client.append(redis.Redis.from_url(REDIS))
+        _client[0].rpush(done, n)
+    return n
+
+
+def insert(n: int) -> None:
+    from tests.testapp.models import Effect
+
+    Effect.objects.create(key=f"bench-{RUN}:{n}")
+
+
+# Results stored (Celery's default).
+
 
 @app.task
-def plain(n: int) -> int:
-    return n
+def plain(n: int, done: str = "") -> int:
+    return finished(n, done)
 
 
 @app.task(acks_late=True)
-def plain_acks_late(n: int) -> int:
-    return n
+def plain_acks_late(n: int, done: str = "") -> int:
+    return finished(n, done)
 
 
 @app.task(base=GuardedTask, owner="bench")
-def guarded(n: int) -> int:
-    return n
+def guarded(n: int, done: str = "") -> int:
+    return finished(n, done)
 
 
-@app.task(base=GuardedTask, owner="bench", idempotency_key="bench-" + RUN + ":{n}")
-def guarded_key(n: int) -> int:
-    return n
+@app.task(base=GuardedTask, owner="bench", idempotency_key=KEY)
+def guarded_key(n: int, done: str = "") -> int:
+    return finished(n, done)
 
 
 @app.task(base=GuardedTask, owner="bench", dependency="bench-dependency", retry_budget_floor=1000)
-def guarded_dependency(n: int) -> int:
-    return n
+def guarded_dependency(n: int, done: str = "") -> int:
+    return finished(n, done)
+
+
+# Results ignored: waited for through ``done``.
+
+
+@app.task(ignore_result=True)
+def plain_ignored(n: int, done: str = "") -> int:
+    return finished(n, done)
+
+
+@app.task(base=GuardedTask, owner="bench", ignore_result=True)
+def guarded_ignored(n: int, done: str = "") -> int:
+    return finished(n, done)
+
+
+@app.task(base=GuardedTask, owner="bench", idempotency_key=KEY, ignore_result=True)
+def guarded_key_ignored(n: int, done: str = "") -> int:
+    return finished(n, done)
+
+
+# One INSERT in the Django database: plain Celery in a transaction of its own, and a keyed guarded task
+# with ``atomic=True`` (the body's transaction also commits the key's completion) or without.
+
+
+@app.task
+def plain_insert(n: int, done: str = "") -> int:
+    from django.db import transaction
+
+    with transaction.atomic():
+        insert(n)
+    return finished(n, done)
+
+
+@app.task(base=GuardedTask, owner="bench", idempotency_key=KEY, atomic=True)
+def guarded_key_atomic_insert(n: int, done: str = "") -> int:
+    insert(n)
+    return finished(n, done)
+
+
+@app.task(base=GuardedTask, owner="bench", idempotency_key=KEY)
+def guarded_key_insert(n: int, done: str = "") -> int:
+    insert(n)
+    return finished(n, done)

@@ -1,19 +1,28 @@
 """``make bench``: what the guardrails cost, as ratios against plain Celery measured in the same run.
 
-One real ``celery worker`` process (solo pool) on the local Redis runs N no-op tasks of each kind, published
-from this process; each kind is measured end to end (publish N, wait for every result) once in each of
-BENCH_ROUNDS rounds, and compared with plain Celery in the same round (the median of those ratios is
-printed, with their range: this machine's speed drifts by more than the differences measured). Kinds:
-plain Celery (early and late acks); GuardedTask; GuardedTask with an idempotency key; GuardedTask with a
-dependency (retry budget). A first worker uses the Redis store, a second one the Django store (SQLite):
-each prints its own plain baseline. For the Redis store it also counts, from Redis' own statistics, the
-extra commands and round trips (script calls) per task over plain Celery. Prints ratios; asserts nothing.
+One real ``celery worker`` process (solo pool) per store runs N tasks of each kind, published from this
+process; each kind is measured end to end (publish N, wait until every one ran) once in each of BENCH_ROUNDS
+rounds, and compared with its plain Celery baseline in the same round (the median of those ratios is
+printed, with their range: this machine's speed drifts by more than the differences measured). Workers:
+
+* Redis store: no-op tasks, results stored (plain Celery with early and late acks; GuardedTask; with an
+  idempotency key; with a dependency, i.e. a retry budget) and results ignored (``ignore_result=True`` on
+  plain and guarded kinds alike: the last task of a batch pushes to a Redis list the publisher waits on).
+  It also counts, from Redis' own statistics, the extra commands and round trips (script calls) per task.
+* Django store on PostgreSQL, in a database made for the run on the local server (BENCH_PG_HOST,
+  BENCH_PG_PORT, BENCH_PG_USER) and dropped after it: a task that INSERTs one row, plain Celery in a
+  transaction of its own against a keyed GuardedTask with ``atomic=True`` (the key's completion commits in
+  the body's transaction) and without. BENCH_CONN_MAX_AGE sets Django's CONN_MAX_AGE (default 0).
+* Django store on SQLite (a fresh file): the no-op kinds, and the INSERT kinds.
+
+BENCH_STORES picks workers (default ``redis,postgres,sqlite``). Prints ratios; asserts nothing.
 """
 
 from __future__ import annotations
 
 import gc
 import os
+import shutil
 import signal
 import statistics
 import subprocess
@@ -29,6 +38,42 @@ ROOT = Path(__file__).resolve().parents[1]
 N = int(os.environ.get("BENCH_TASKS", "500"))
 ROUNDS = int(os.environ.get("BENCH_ROUNDS", "12"))
 REDIS = os.environ.get("BENCH_REDIS_URL", "redis://127.0.0.1:6379/12")
+PG = {
+    "host": os.environ.get("BENCH_PG_HOST", "127.0.0.1"),
+    "port": os.environ.get("BENCH_PG_PORT", "5432"),
+    "user": os.environ.get("BENCH_PG_USER", "postgres"),
+}
+
+
+@dataclass(frozen=True)
+class Group:
+    """Kinds compared with one baseline (the first kind); ``stored``: wait for results, else for ``done``."""
+
+    title: str
+    kinds: list[str]
+    stored: bool = True
+
+
+#: Per worker (store): its groups.
+WORKERS: dict[str, list[Group]] = {
+    "redis": [
+        Group(
+            "Redis store, results stored",
+            ["plain", "plain_acks_late", "guarded", "guarded_key", "guarded_dependency"],
+        ),
+        Group("Redis store, results ignored", ["plain_ignored", "guarded_ignored", "guarded_key_ignored"], False),
+    ],
+    "postgres": [
+        Group(
+            "Django store (PostgreSQL), one INSERT per task",
+            ["plain_insert", "guarded_key_atomic_insert", "guarded_key_insert"],
+        ),
+    ],
+    "sqlite": [
+        Group("Django store (SQLite), no-op", ["plain", "guarded_key", "guarded_dependency"]),
+        Group("Django store (SQLite), one INSERT per task", ["plain_insert", "guarded_key_atomic_insert"]),
+    ],
+}
 
 
 def redis_stats(client: Any) -> tuple[int, int]:
@@ -47,29 +92,78 @@ class Measured:
     scripts: int = 0
 
 
-def run_worker(store: str, kinds: list[str]) -> dict[str, Measured]:
-    """Every kind measured in every round on one worker process."""
+def pg_admin(statement: str) -> None:
+    import psycopg
+
+    with psycopg.connect(dbname="postgres", autocommit=True, connect_timeout=5, **PG) as admin:
+        admin.execute(statement)  # a statement made here, not user input
+
+
+def django_env(store: str, scratch: Path) -> dict[str, str]:
+    """The environment of a Django-store worker: bench.settings on a fresh, migrated database."""
+    env = {
+        "DJANGO_SETTINGS_MODULE": "bench.settings",
+        "EXAMPLE_VAR_DIR": str(scratch),
+        "EXAMPLE_SQLITE_PATH": str(scratch / "bench.sqlite3"),
+    }
+    if store == "postgres":
+        name = f"guardrails_bench_{uuid.uuid4().hex[:12]}"
+        pg_admin(f'CREATE DATABASE "{name}"')
+        env.update({"BENCH_PG_NAME": name, "BENCH_PG_HOST": PG["host"], "BENCH_PG_PORT": PG["port"]})
+        env["BENCH_PG_USER"] = PG["user"]
+    return env
+
+
+def measure(bench_app: Any, client: Any, group: Group, name: str, first: int) -> tuple[float, int, int]:
+    """Publish N tasks of kind ``name`` (numbered from ``first``) and wait until all ran: (seconds, commands,
+    scripts)."""
+    task = getattr(bench_app, name)
+    done = f"bench-done-{uuid.uuid4().hex[:8]}"
+    before = redis_stats(client)
+    start = time.perf_counter()
+    pending = [task.delay(first + i, done if i == N - 1 else "") for i in range(N)]
+    if group.stored:
+        for result in pending:
+            result.get(timeout=300)
+    elif client.blpop([done], timeout=300) is None:
+        raise TimeoutError(f"{name}: the last task did not run within 300 s")
+    seconds = time.perf_counter() - start
+    after = redis_stats(client)
+    client.delete(done)
+    # Results unsubscribe from their channels when collected: here, not inside the next kind's measurement
+    # (which paid for this kind's unsubscribes).
+    del pending
+    gc.collect()
+    return seconds, after[0] - before[0], after[1] - before[1]
+
+
+def run_worker(store: str, groups: list[Group]) -> dict[str, Measured]:
+    """Every kind of ``groups`` measured in every round on one worker process."""
+    scratch = Path(tempfile.mkdtemp(prefix="guardrails-bench-"))
     env = {
         **os.environ,
-        "BENCH_STORE": store,
+        "BENCH_STORE": "redis" if store == "redis" else "django",
         "BENCH_QUEUE": f"bench-{uuid.uuid4().hex[:8]}",
         "BENCH_RUN": uuid.uuid4().hex[:8],
         "BENCH_REDIS_URL": REDIS,
         "PYTHONPATH": str(ROOT),
         "EXAMPLE_LOG_LEVEL": "WARNING",
     }
-    if store == "django":  # the worker sets Django up (Celery's fixup) on a fresh, migrated SQLite file
-        env.update(
-            {
-                "DJANGO_SETTINGS_MODULE": "example_project.settings",
-                "EXAMPLE_SQLITE_PATH": str(Path(tempfile.mkdtemp()) / "bench.sqlite3"),
-            }
-        )
-        subprocess.run(
-            [sys.executable, str(ROOT / "example_project" / "manage.py"), "migrate", "-v", "0"], env=env, check=True
-        )
-    else:
-        env.pop("DJANGO_SETTINGS_MODULE", None)
+    env.pop("DJANGO_SETTINGS_MODULE", None)
+    if store != "redis":
+        env.update(django_env(store, scratch))
+    try:
+        if store != "redis":  # the worker sets Django up (Celery's fixup) on the migrated database
+            manage = [sys.executable, str(ROOT / "example_project" / "manage.py")]
+            subprocess.run([*manage, "migrate", "--run-syncdb", "-v", "0"], env=env, check=True)
+        return _run_worker(env, groups)
+    finally:
+        if env.get("BENCH_PG_NAME"):
+            pg_admin(f'DROP DATABASE IF EXISTS "{env["BENCH_PG_NAME"]}" WITH (FORCE)')
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _run_worker(env: dict[str, str], groups: list[Group]) -> dict[str, Measured]:
     os.environ.update({k: env[k] for k in ("BENCH_STORE", "BENCH_QUEUE", "BENCH_RUN")})
     sys.modules.pop("bench.app", None)  # this run's queue and store (one store per process anyway)
     import redis
@@ -101,45 +195,37 @@ def run_worker(store: str, kinds: list[str]) -> dict[str, Measured]:
     )
     try:
         bench_app.plain.delay(0).get(timeout=60)  # the worker is up
-        results = {name: Measured() for name in kinds}
+        kinds = [(group, name) for group in groups for name in group.kinds]
+        results = {name: Measured() for _, name in kinds}
         for round_ in range(ROUNDS):
             # Each round starts with another kind: the first measured after a pause ran measurably faster.
             shift = round_ % len(kinds)
-            for index, name in enumerate(kinds[shift:] + kinds[:shift]):
-                task = getattr(bench_app, name)
-                before = redis_stats(client)
-                start = time.perf_counter()
-                pending = [task.delay((round_ * len(kinds) + index + 1) * N + i) for i in range(N)]
-                for result in pending:
-                    result.get(timeout=300)
-                seconds = time.perf_counter() - start
-                after = redis_stats(client)
-                # Results unsubscribe from their channels when collected: here, not inside the next kind's
-                # measurement (which paid for this kind's unsubscribes).
-                del pending, result
-                gc.collect()
+            for index, (group, name) in enumerate(kinds[shift:] + kinds[:shift]):
+                first = (round_ * len(kinds) + index + 1) * N
+                seconds, commands, scripts = measure(bench_app, client, group, name, first)
                 results[name].seconds.append(seconds)
-                results[name].commands, results[name].scripts = after[0] - before[0], after[1] - before[1]
+                results[name].commands, results[name].scripts = commands, scripts
         return results
     finally:
         os.killpg(worker.pid, signal.SIGTERM)
         worker.wait(30)
 
 
-def report(title: str, results: dict[str, Measured], *, counts: bool) -> None:
-    """Per kind: its best time; throughput as the median over rounds of plain's time over its time in the
-    same round (paired, so a slow spell of the machine slows both), with the lowest and highest."""
-    base = results["plain"]
-    print(f"\n{title}")
+def report(group: Group, results: dict[str, Measured], *, counts: bool) -> None:
+    """Per kind: its best time; throughput as the median over rounds of the baseline's time over its time in
+    the same round (paired, so a slow spell of the machine slows both), with the lowest and highest."""
+    base = results[group.kinds[0]]
+    print(f"\n{group.title} (against {group.kinds[0]})")
     print(
-        f"{'kind':<20} {'best s':>7} {'tasks/s':>8} {'throughput':>10} {'(range)':>11}"
+        f"{'kind':<26} {'best s':>7} {'tasks/s':>8} {'throughput':>10} {'(range)':>11}"
         + (f" {'+cmds/task':>10} {'+round trips/task':>17}" if counts else "")
     )
-    for name, kind in results.items():
+    for name in group.kinds:
+        kind = results[name]
         ratios = [b / s for b, s in zip(base.seconds, kind.seconds, strict=True)]
         best = min(kind.seconds)
         line = (
-            f"{name:<20} {best:>7.3f} {N / best:>8.0f} {statistics.median(ratios):>10.2f} "
+            f"{name:<26} {best:>7.3f} {N / best:>8.0f} {statistics.median(ratios):>10.2f} "
             f"{f'{min(ratios):.2f}-{max(ratios):.2f}':>11}"
         )
         if counts:
@@ -147,32 +233,40 @@ def report(title: str, results: dict[str, Measured], *, counts: bool) -> None:
         print(line)
 
 
+def pg_answers() -> bool:
+    try:
+        pg_admin("SELECT 1")
+    except Exception as exc:
+        print(f"\nDjango store (PostgreSQL): skipped, no PostgreSQL on {PG['host']}:{PG['port']} ({exc})")
+        return False
+    return True
+
+
 def main() -> None:
     sys.path.insert(0, str(ROOT))
     if len(sys.argv) == 3 and sys.argv[1] == "--store":  # one store, in a process of its own
-        if sys.argv[2] == "redis":
-            kinds = ["plain", "plain_acks_late", "guarded", "guarded_key", "guarded_dependency"]
-            report("Redis store", run_worker("redis", kinds), counts=True)
-        else:
-            report(
-                "Django store (SQLite)",
-                run_worker("django", ["plain", "guarded_key", "guarded_dependency"]),
-                counts=False,
-            )
+        store = sys.argv[2]
+        if store == "postgres" and not pg_answers():
+            return
+        results = run_worker(store, WORKERS[store])
+        for group in WORKERS[store]:
+            report(group, results, counts=store == "redis")
+        sys.stdout.flush()
         return
+    stores = [s for s in os.environ.get("BENCH_STORES", "redis,postgres,sqlite").split(",") if s]
     print(
-        f"{N} no-op tasks per kind, one `celery worker -P solo` process, broker and results on {REDIS}; "
+        f"{N} tasks per kind, one `celery worker -P solo` process per store, broker and results on {REDIS}; "
         f"{ROUNDS} rounds",
         flush=True,
     )
-    for store in ("redis", "django"):
+    for store in stores:
         subprocess.run([sys.executable, __file__, "--store", store], check=True)
     print(
-        "\nthroughput: plain Celery's end-to-end time over this kind's in the same round on the same worker "
+        "\nthroughput: the baseline's end-to-end time over this kind's in the same round on the same worker "
         "(1.00 = as fast), median over the rounds (range: lowest-highest)."
     )
     print("GuardedTask acks late: 'plain_acks_late' separates the cost of that policy from the guardrails'.")
-    print("Publisher, worker and Redis share this machine's cores: single rounds differ widely; read the median.")
+    print("Publisher, worker and services share this machine's cores: single rounds differ widely; read the median.")
 
 
 if __name__ == "__main__":

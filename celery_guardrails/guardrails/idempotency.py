@@ -296,10 +296,13 @@ def claim_key(
     call = task.call_options()
     lease = resolve(task, "idempotency_lease", call)
     retention = resolve(task, "idempotency_retention", call)
-    claim = store.claim(scoped, owner=owner, now=now, lease=lease, retention=retention)
+    atomic = bool(resolve(task, "atomic", call))
+    claim = store.claim(scoped, owner=owner, now=now, lease=lease, retention=retention, atomic=atomic)
     gone = claim.state == BUSY and holder_gone(claim.owner, task.request, header)
     if gone:  # an earlier delivery that is known to be over: no need to wait out its lease
-        claim = store.claim(scoped, owner=owner, now=now, lease=lease, retention=retention, replaces=claim.owner)
+        claim = store.claim(
+            scoped, owner=owner, now=now, lease=lease, retention=retention, replaces=claim.owner, atomic=atomic
+        )
     return claim, gone
 
 

@@ -199,9 +199,22 @@ class Store(RunLedger, Protocol):
     ``reopen`` deletes a failed key for a deliberate replay.
     """
 
-    def claim(self, key: str, *, owner: str, now: float, lease: float, retention: float, replaces: str = "") -> Claim:
+    def claim(
+        self,
+        key: str,
+        *,
+        owner: str,
+        now: float,
+        lease: float,
+        retention: float,
+        replaces: str = "",
+        atomic: bool = False,
+    ) -> Claim:
         """Claim ``key`` for ``owner``. ``replaces``: an owner known to be gone (its delivery gave up, its
-        process is dead), whose claim is taken over at once, live lease or not."""
+        process is dead), whose claim is taken over at once, live lease or not. ``atomic``: the claim's
+        completion will commit in one database transaction with the task's effect (``atomic=True``), so a
+        store whose claim is a commit in that database need not wait for the claim to reach the disk (see
+        ``django_celery_guardrails.store``)."""
         ...
 
     def extend(self, key: str, *, owner: str, now: float, lease: float) -> bool: ...

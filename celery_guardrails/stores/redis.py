@@ -365,7 +365,17 @@ class RedisIdempotency:
                 logger.warning("Redis store at %s: this host's clock is %+.0fs off the server's", self.url, -offset)
         return now + self._skew
 
-    def claim(self, key: str, *, owner: str, now: float, lease: float, retention: float, replaces: str = "") -> Claim:
+    def claim(
+        self,
+        key: str,
+        *,
+        owner: str,
+        now: float,
+        lease: float,
+        retention: float,
+        replaces: str = "",
+        atomic: bool = False,  # the effect commits in another database: nothing to gain here
+    ) -> Claim:
         server_now = self._now(now)
         state, takeover, lease_until, text, *done_by = self._run(
             self._claim, key, [owner, repr(server_now), repr(lease), int(retention), replaces]

@@ -1,4 +1,4 @@
-"""The Django store on real workers: the completion mark commits with the effect (atomic=True)."""
+"""The Django store on real workers: the completion mark commits with the effect (atomic=True), in few statements."""
 
 from __future__ import annotations
 
@@ -8,12 +8,16 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from django.db import connection, transaction
+from django.test.utils import CaptureQueriesContext
 
 from celery_guardrails import signals
 from tests.conftest import Sink
 from tests.proj import django_tasks
 from tests.support.workers import PROJ_APP, WorkerProcess, proj_env
 from tests.testapp.models import Effect
+
+T0 = 1_800_000_000.0
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -63,3 +67,52 @@ def test_sigkill_mid_transaction_leaves_exactly_one_row(
     assert [r["run"] for r in sink.items()] == [1, 2]
     assert Effect.objects.filter(key=key).count() == 1
     assert "took over key" in second.log
+
+
+def statements(queries: CaptureQueriesContext) -> list[str]:
+    """The first word of each statement sent (BEGIN and COMMIT included)."""
+    return [query["sql"].split()[0].upper() for query in queries.captured_queries]
+
+
+def test_a_keyed_atomic_delivery_adds_two_statements_and_no_transaction(celery_app: Any, sink: Sink) -> None:
+    # Given a keyed task with atomic=True on the Django store, run on this connection so its statements count
+    key = uuid.uuid4().hex
+    # When a message with a new key runs
+    with CaptureQueriesContext(connection) as queries:
+        assert django_tasks.write_effect.apply(args=(key, sink.key)).get() == "written"
+    # Then the claim is one statement outside any transaction, and the completion rides in the effect's
+    # transaction: BEGIN, the effect, the completion, COMMIT (plain Celery sends the three of them alone)
+    claim = "WITH" if connection.vendor == "postgresql" else "INSERT"
+    assert statements(queries) == [claim, "BEGIN", "INSERT", "UPDATE", "COMMIT"]
+    assert Effect.objects.filter(key=key).count() == 1
+
+
+def synchronous_commit() -> str:
+    with connection.cursor() as cursor:
+        cursor.execute("SHOW synchronous_commit")
+        return str(cursor.fetchone()[0])
+
+
+def test_an_atomic_claim_does_not_wait_for_the_disk_and_changes_no_other_commit() -> None:
+    from django_celery_guardrails.store import DjangoStore
+
+    if connection.vendor != "postgresql":
+        pytest.skip("synchronous_commit is PostgreSQL's")
+    store, keys = DjangoStore(), [f"tests.relaxed:-:{uuid.uuid4().hex}" for _ in range(3)]
+    # Given the server's setting: every commit waits for the disk
+    assert synchronous_commit() == "on"
+    # When an atomic task's key is claimed outside a transaction
+    with CaptureQueriesContext(connection) as atomic:
+        assert store.claim(keys[0], owner="o", now=T0, lease=30, retention=60, atomic=True).state == "acquired"
+    # Then that claim's own commit does not wait (its completion's commit flushes it), and nothing after it
+    assert "set_config('synchronous_commit', 'off', true)" in atomic.captured_queries[0]["sql"]
+    assert synchronous_commit() == "on"
+    # When one is claimed inside the caller's transaction, or without atomic
+    with transaction.atomic(), CaptureQueriesContext(connection) as nested:
+        assert store.claim(keys[1], owner="o", now=T0, lease=30, retention=60, atomic=True).state == "acquired"
+        assert synchronous_commit() == "on"
+    with CaptureQueriesContext(connection) as plain:
+        assert store.claim(keys[2], owner="o", now=T0, lease=30, retention=60).state == "acquired"
+    # Then it waits for the disk: the caller's transaction keeps its setting; a claim whose effect may be
+    # outside the database must be durable on its own
+    assert not [q for q in nested.captured_queries + plain.captured_queries if "set_config" in q["sql"]]

@@ -1,0 +1,23 @@
+"""Django settings of ``make bench``'s Django-store workers: the example project's, with the bench's database.
+
+BENCH_PG_NAME: a PostgreSQL database on BENCH_PG_HOST:BENCH_PG_PORT (user BENCH_PG_USER), else the SQLite file
+EXAMPLE_SQLITE_PATH. BENCH_CONN_MAX_AGE: Django's CONN_MAX_AGE for PostgreSQL (default 0).
+"""
+
+import os
+
+from example_project.settings import *  # noqa: F403
+
+INSTALLED_APPS = [*INSTALLED_APPS, "tests.testapp"]  # noqa: F405  (the Effect model the bench INSERTs)
+
+if os.environ.get("BENCH_PG_NAME"):
+    DATABASES = {
+        "default": {
+            "ENGINE": "django.db.backends.postgresql",
+            "NAME": os.environ["BENCH_PG_NAME"],
+            "USER": os.environ.get("BENCH_PG_USER", "postgres"),
+            "HOST": os.environ.get("BENCH_PG_HOST", "127.0.0.1"),
+            "PORT": os.environ.get("BENCH_PG_PORT", "5432"),
+            "CONN_MAX_AGE": int(os.environ.get("BENCH_CONN_MAX_AGE", "0")),
+        }
+    }
