@@ -12,11 +12,14 @@ tables are read only (no Add, no Save); replay is offered only to users who may 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from datetime import timedelta
-from typing import Any
+from typing import Any, cast
 
 from django.contrib import admin, messages
 from django.contrib.admin import helpers
+from django.contrib.admin.models import CHANGE, LogEntry
+from django.contrib.contenttypes.models import ContentType
 from django.core.exceptions import PermissionDenied
 from django.db.models import QuerySet
 from django.http import HttpRequest, HttpResponse
@@ -37,6 +40,10 @@ from .models import DeadLetter, DependencyState, IdempotencyKey, ScheduledRun, S
 from .overview import dead_letter_overview
 from .paging import CappedCountPaginator, DistinctValuesFilter
 from .replay import Refused, ReplayResult, plan, replay_dead_letters, replay_with_changes
+
+#: LogEntries written per INSERT by the actions; the fields of a record its LogEntry names (``str(record)``).
+LOG_BATCH = 500
+LOGGED = ("pk", "task_name", "task_id", "reason", "status")
 
 
 def _refusal(record: DeadLetter) -> str:
@@ -209,8 +216,10 @@ class DeadLetterAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
         self._report(request, replay_dead_letters(queryset, user=request.user))
 
     def _report(self, request: HttpRequest, result: ReplayResult, changes: str = "") -> None:
-        for record in DeadLetter.objects.filter(pk__in=[pk for pk, _ in result.replayed]):
-            self.log_change(request, record, f"Replayed as task {record.replayed_task_id}{changes}")
+        replayed_as = dict(result.replayed)
+        self._log_changes(
+            request, list(replayed_as), lambda record: f"Replayed as task {replayed_as[record.pk]}{changes}"
+        )
         if result.replayed:
             self.message_user(request, f"Replayed {len(result.replayed)} dead letter(s).", messages.SUCCESS)
         # One message per reason, not per record: replaying 500 records of a task that is gone says so once.
@@ -224,9 +233,27 @@ class DeadLetterAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
     def _close(self, request: HttpRequest, queryset: QuerySet[DeadLetter], status: str, verb: str) -> None:
         ids = list(queryset.filter(status=DeadLetter.Status.OPEN).values_list("pk", flat=True))
         changed = close_dead_letters(DeadLetter.objects.filter(pk__in=ids), status, user=request.user)
-        for record in DeadLetter.objects.filter(pk__in=ids, status=status):
-            self.log_change(request, record, f"Marked {status}")
+        closed = list(DeadLetter.objects.filter(pk__in=ids, status=status).values_list("pk", flat=True))
+        self._log_changes(request, closed, lambda record: f"Marked {status}")
         self.message_user(request, f"{verb} {changed} dead letter(s).", messages.SUCCESS)
+
+    def _log_changes(self, request: HttpRequest, ids: list[int], message: Callable[[DeadLetter], str]) -> None:
+        """One LogEntry per record, as ``log_change`` writes it, inserted :data:`LOG_BATCH` at a time (an action
+        on 10,000 records is 20 INSERTs, not 10,000)."""
+        content_type = ContentType.objects.get_for_model(DeadLetter, for_concrete_model=False)
+        for start in range(0, len(ids), LOG_BATCH):
+            records = DeadLetter.objects.filter(pk__in=ids[start : start + LOG_BATCH]).only(*LOGGED).order_by("pk")
+            LogEntry.objects.bulk_create(
+                LogEntry(
+                    user_id=cast(int, request.user.pk),  # an admin view's user is logged in
+                    content_type_id=content_type.pk,
+                    object_id=str(record.pk),
+                    object_repr=str(record)[:200],
+                    action_flag=CHANGE,
+                    change_message=message(record),
+                )
+                for record in records
+            )
 
     @admin.action(description="Discard selected dead letters", permissions=["discard"])
     def discard_selected(self, request: HttpRequest, queryset: QuerySet[DeadLetter]) -> HttpResponse | None:

@@ -10,7 +10,7 @@ Idempotency keys and the run ledger take no lock: a unique INSERT and conditiona
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import fields
 from datetime import UTC, datetime, timedelta
 from typing import Any, ParamSpec, TypeVar
@@ -204,6 +204,15 @@ class DjangoStore:
     def reopen(self, key: str) -> bool:
         deleted, _ = IdempotencyKey.objects.filter(key=key, state="failed").delete()
         return bool(deleted)
+
+    @translated("reopen keys")
+    def reopen_keys(self, keys: Iterable[str]) -> int:
+        wanted = list(keys)
+        # A few hundred keys a statement: one round trip each, and well inside SQLite's limit of parameters.
+        return sum(
+            IdempotencyKey.objects.filter(key__in=wanted[start : start + 500], state="failed").delete()[0]
+            for start in range(0, len(wanted), 500)
+        )
 
     @translated("read a key")
     def inspect(self, key: str) -> dict[str, Any] | None:
