@@ -17,11 +17,12 @@ from typing import Any, ParamSpec, TypeVar
 
 from django.db import DatabaseError, IntegrityError, InterfaceError, OperationalError, connection, transaction
 from django.db.models import F, Q, QuerySet, Value
+from django.db.models.expressions import RawSQL
 from django.db.models.functions import Concat
 from django.utils import timezone
 
 from celery_guardrails.exceptions import StoreError, StoreUnavailableError
-from celery_guardrails.ledger import DISPATCHED, MISSED, OVERDUE, REASON_MAX_LENGTH, RUNNING, WAS_OVERDUE, Run
+from celery_guardrails.ledger import DISPATCHED, MISSED, OVERDUE, REASON_MAX_LENGTH, RUNNING, WAS_OVERDUE, Heads, Run
 from celery_guardrails.stores.base import (
     ACQUIRED,
     BUSY,
@@ -40,6 +41,8 @@ from .models import AlertThrottle, DeliveryCounter, IdempotencyKey, ScheduledRun
 from .models import DependencyState as Row
 
 _FIELDS = [f.name for f in fields(DependencyState)]
+#: Schedules read per query by run_heads.
+HEADS_CHUNK = 500
 T = TypeVar("T")
 P = ParamSpec("P")
 
@@ -82,18 +85,33 @@ def _seconds(moment: datetime | None) -> float | None:
     return None if moment is None else moment.timestamp()
 
 
-def _run(row: ScheduledRun) -> Run:
+#: The fields of a ledger record, read as values (no model instance made for each of thousands of rows).
+RUN_FIELDS = (
+    "schedule",
+    "period",
+    "status",
+    "task_id",
+    "dispatched_at",
+    "started_at",
+    "finished_at",
+    "reason",
+    "missed_at",
+    "overdue_at",
+)
+
+
+def _run(row: dict[str, Any]) -> Run:
     return Run(
-        schedule=row.schedule,
-        period=row.period.timestamp(),
-        status=row.status,
-        task_id=row.task_id,
-        dispatched_at=_seconds(row.dispatched_at),
-        started_at=_seconds(row.started_at),
-        finished_at=_seconds(row.finished_at),
-        reason=row.reason,
-        missed_at=_seconds(row.missed_at),
-        overdue_at=_seconds(row.overdue_at),
+        schedule=row["schedule"],
+        period=row["period"].timestamp(),
+        status=row["status"],
+        task_id=row["task_id"],
+        dispatched_at=_seconds(row["dispatched_at"]),
+        started_at=_seconds(row["started_at"]),
+        finished_at=_seconds(row["finished_at"]),
+        reason=row["reason"],
+        missed_at=_seconds(row["missed_at"]),
+        overdue_at=_seconds(row["overdue_at"]),
     )
 
 
@@ -395,5 +413,41 @@ class DjangoStore:
         if before is not None:
             records = records.filter(period__lt=_period(before))
         return self._ledger(
-            f"list the runs of {schedule!r}", lambda: [_run(row) for row in records.order_by("-period")[:limit]]
+            f"list the runs of {schedule!r}",
+            lambda: [_run(row) for row in records.order_by("-period").values(*RUN_FIELDS)[:limit]],
         )
+
+    def run_heads(self, schedules: Iterable[str], *, limit: int = 500) -> dict[str, Heads]:
+        names = list(dict.fromkeys(schedules))
+
+        def read() -> dict[str, Heads]:
+            newest: dict[str, float] = {}
+            pending: dict[str, list[Run]] = {}
+            for start in range(0, len(names), HEADS_CHUNK):
+                chunk = names[start : start + HEADS_CHUNK]
+                newest_records = ScheduledRun.objects.filter(pk__in=_newest_ids(chunk))
+                newest.update(
+                    (name, period.timestamp()) for name, period in newest_records.values_list("schedule", "period")
+                )
+                records = ScheduledRun.objects.filter(schedule__in=chunk, status__in=(DISPATCHED, RUNNING))
+                for row in records.order_by("schedule", "-period").values(*RUN_FIELDS):
+                    runs = pending.setdefault(row["schedule"], [])
+                    if len(runs) < limit:
+                        runs.append(_run(row))
+            return {name: Heads(newest_period=newest.get(name), pending=tuple(pending.get(name, ()))) for name in names}
+
+        return self._ledger(f"read the newest runs of {len(names)} schedule(s)", read)
+
+
+def _newest_ids(names: list[str]) -> RawSQL:
+    """The id of each schedule's newest record: one probe of the (schedule, -period) index per name, driven by
+    the names (a VALUES list: PostgreSQL and SQLite both call its column column1); a GROUP BY over the ledger
+    would read every record of every schedule (90 days of them)."""
+    quote = connection.ops.quote_name
+    table, pk, schedule, period = (quote(name) for name in (ScheduledRun._meta.db_table, "id", "schedule", "period"))
+    values = ", ".join(["(%s)"] * len(names))
+    return RawSQL(
+        f"SELECT (SELECT {pk} FROM {table} WHERE {schedule} = wanted.column1 ORDER BY {period} DESC LIMIT 1) "
+        f"FROM (VALUES {values}) AS wanted",
+        names,
+    )

@@ -10,11 +10,11 @@ are dropped as new ones are written; both keys expire when a schedule has been q
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from celery_guardrails.exceptions import StoreError
-from celery_guardrails.ledger import REASON_MAX_LENGTH, RETENTION, WAS_OVERDUE, Run
+from celery_guardrails.ledger import DISPATCHED, REASON_MAX_LENGTH, RETENTION, RUNNING, WAS_OVERDUE, Heads, Run
 
 RUNS_PREFIX = "guardrails:runs:"
 INDEX_PREFIX = "guardrails:runs-index:"
@@ -186,3 +186,12 @@ class RedisRunLedger:
         except self._errors as exc:
             raise self._failure(exc) from exc
         return found[:limit]
+
+    def run_heads(self, schedules: Iterable[str], *, limit: int = 500) -> dict[str, Heads]:
+        # Per schedule, as the watchdog read it before: records are kept in one hash per schedule.
+        heads = {}
+        for name in dict.fromkeys(schedules):
+            newest = self.run_list(name, limit=1)
+            pending = tuple(self.run_list(name, statuses=(DISPATCHED, RUNNING), limit=limit))
+            heads[name] = Heads(newest_period=newest[0].period if newest else None, pending=pending)
+        return heads
