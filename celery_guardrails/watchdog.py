@@ -64,8 +64,9 @@ def check(app: Any, *, entries: dict[str, Entry] | None = None, current: float |
     entries, disabled = all_configured_entries(app) if entries is None else (entries, {})
     current = now(app) if current is None else current
     findings = Findings()
+    store = get_store(app)
     try:
-        heads = get_store(app).run_heads([*disabled, *entries])
+        heads = store.run_heads([*disabled, *entries])
     except Exception:  # a store outage: nothing can be checked now; the next check will
         logger.exception("Watchdog: reading the ledger of %d schedule(s) failed", len(disabled) + len(entries))
         return findings
@@ -76,14 +77,13 @@ def check(app: Any, *, entries: dict[str, Entry] | None = None, current: float |
             logger.exception("Watchdog: recording the disabled %r skipped failed", entry.name)
     for entry in entries.values():
         try:
-            _check_entry(app, entry, current, findings, heads[entry.name])
+            _check_entry(app, store, entry, current, findings, heads[entry.name])
         except Exception:  # one schedule (or a store hiccup) must not hide the others
             logger.exception("Watchdog: checking %r failed", entry.name)
     return findings
 
 
-def _check_entry(app: Any, entry: Entry, current: float, findings: Findings, heads: Heads) -> None:
-    store = get_store(app)
+def _check_entry(app: Any, store: Any, entry: Entry, current: float, findings: Findings, heads: Heads) -> None:
     grace = entry.policy.grace
     if heads.newest_period is None:
         return
