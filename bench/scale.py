@@ -125,6 +125,10 @@ def seconds(value: float) -> str:
     return f"{value * 1000:.0f} ms" if value < 1 else f"{value:.2f} s"
 
 
+def load() -> str:
+    return " ".join(f"{value:.1f}" for value in os.getloadavg())
+
+
 def free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
@@ -575,6 +579,9 @@ def bench_prune(figures: list[Figure], database: str) -> None:
 def main() -> None:
     figures: list[Figure] = []
     print(f"Scale: {ROWS:,} dead letters, replay {REPLAY:,}, {SCHEDULES:,} schedules x {RUNS} runs, {ROUNDS} rounds.")
+    print(
+        f"Load average at the start: {load()} ({os.cpu_count()} cores; other work on the machine slows every figure)."
+    )
     with private_redis() as broker, private_database() as database:
         set_up_django(database, broker)
         from django.core.management import call_command
@@ -595,6 +602,7 @@ def main() -> None:
         print(f"\n{header}\n{'-' * len(header)}")
         for figure in figures:
             print(figure.line())
+        print(f"Load average at the end: {load()}.")
 
 
 if __name__ == "__main__":
