@@ -91,15 +91,24 @@ def _entry(row: dict[str, Any], schedules: dict[tuple[str, int], Any]) -> dict[s
     if isinstance(schedule, ValueError):
         raise schedule
     try:
-        args, kwargs = json.loads(row["args"] or "[]"), json.loads(row["kwargs"] or "{}")
-        headers = json.loads(row["headers"] or "{}")
+        args, kwargs = _json(row["args"], empty="[]"), _json(row["kwargs"], empty="{}")
+        headers = _json(row["headers"], empty="{}")
     except ValueError as exc:
         raise ValueError(f"its args, kwargs or headers are not JSON: {exc}") from None
+    if not isinstance(headers, dict):
+        raise ValueError(f"its headers are not a JSON object: {row['headers']!r:.80}")
     options = {name: row[name] for name in ("queue", "exchange", "routing_key", "priority") if row[name] is not None}
     if row["expires"] or row["expire_seconds"]:
         options["expires"] = row["expires"] or row["expire_seconds"]
     options["headers"] = {**headers, "periodic_task_name": row["name"]}
     return {"task": row["task"], "schedule": schedule, "args": args, "kwargs": kwargs, "options": options}
+
+
+def _json(text: str | None, *, empty: str) -> Any:
+    # Most rows hold "[]" and "{}": those are not parsed (30,000 texts a tick for 10,000 rows).
+    if not text or text == empty:
+        return [] if empty == "[]" else {}
+    return json.loads(text)
 
 
 class GuardedDatabaseScheduler(GuardedSchedulerMixin, DatabaseScheduler):  # type: ignore[misc]

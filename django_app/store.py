@@ -10,14 +10,13 @@ Idempotency keys and the run ledger take no lock: a unique INSERT and conditiona
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import fields
 from datetime import UTC, datetime, timedelta
 from typing import Any, ParamSpec, TypeVar
 
 from django.db import DatabaseError, IntegrityError, InterfaceError, OperationalError, connection, transaction
 from django.db.models import F, Q, QuerySet, Value
-from django.db.models.expressions import RawSQL
 from django.db.models.functions import Concat
 from django.utils import timezone
 
@@ -425,10 +424,7 @@ class DjangoStore:
             pending: dict[str, list[Run]] = {}
             for start in range(0, len(names), HEADS_CHUNK):
                 chunk = names[start : start + HEADS_CHUNK]
-                newest_records = ScheduledRun.objects.filter(pk__in=_newest_ids(chunk))
-                newest.update(
-                    (name, period.timestamp()) for name, period in newest_records.values_list("schedule", "period")
-                )
+                newest.update(_newest_periods(chunk))
                 records = ScheduledRun.objects.filter(schedule__in=chunk, status__in=(DISPATCHED, RUNNING))
                 for row in records.order_by("schedule", "-period").values(*RUN_FIELDS):
                     runs = pending.setdefault(row["schedule"], [])
@@ -439,15 +435,27 @@ class DjangoStore:
         return self._ledger(f"read the newest runs of {len(names)} schedule(s)", read)
 
 
-def _newest_ids(names: list[str]) -> RawSQL:
-    """The id of each schedule's newest record: one probe of the (schedule, -period) index per name, driven by
-    the names (a VALUES list: PostgreSQL and SQLite both call its column column1); a GROUP BY over the ledger
-    would read every record of every schedule (90 days of them)."""
+def _newest_periods(names: list[str]) -> Iterator[tuple[str, float]]:
+    """(name, period of its newest record) of each schedule that has one: one index-only probe of the
+    (schedule, -period) index per name, driven by the names (a VALUES list: PostgreSQL and SQLite both call its
+    column column1). A GROUP BY over the ledger would read every record of every schedule (90 days of them)."""
     quote = connection.ops.quote_name
-    table, pk, schedule, period = (quote(name) for name in (ScheduledRun._meta.db_table, "id", "schedule", "period"))
+    table, schedule, period = (quote(name) for name in (ScheduledRun._meta.db_table, "schedule", "period"))
     values = ", ".join(["(%s)"] * len(names))
-    return RawSQL(
-        f"SELECT (SELECT {pk} FROM {table} WHERE {schedule} = wanted.column1 ORDER BY {period} DESC LIMIT 1) "
-        f"FROM (VALUES {values}) AS wanted",
-        names,
-    )
+    with connection.cursor() as cursor:
+        cursor.execute(
+            f"SELECT wanted.column1, (SELECT {period} FROM {table} WHERE {schedule} = wanted.column1 "
+            f"ORDER BY {period} DESC LIMIT 1) FROM (VALUES {values}) AS wanted",
+            names,
+        )
+        for name, newest in cursor.fetchall():
+            if newest is not None:
+                yield name, _timestamp(newest)
+
+
+def _timestamp(value: datetime | str) -> float:
+    """Epoch seconds of a raw query's timestamp: PostgreSQL's driver gives an aware datetime, SQLite the text
+    Django stored (UTC, without its zone: USE_TZ, which the ledger's aware periods need)."""
+    if isinstance(value, str):
+        value = datetime.fromisoformat(value).replace(tzinfo=UTC)
+    return value.timestamp()
