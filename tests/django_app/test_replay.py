@@ -382,7 +382,7 @@ def test_the_command_prints_progress_and_the_admin_logs_many_replays_in_few_inse
     form = {"action": "replay_selected", "select_across": "1", "index": "0", "_selected_action": [more[0].pk]}
     with CaptureQueriesContext(connection) as queries:
         done = client.post(f"{changelist}?status=open&reason=circuit_open", {**form, "post": "yes"}, follow=True)
-    # Then each record has its LogEntry, written in two INSERTs, and one message says how many
+    # Then each record has its LogEntry, written 500 an INSERT, and one message says how many
     assert [str(m) for m in done.context["messages"]] == ["Replayed 600 dead letter(s)."]
     entries = dict(
         LogEntry.objects.filter(object_id__in=[str(r.pk) for r in more]).values_list("object_id", "change_message")
@@ -390,4 +390,4 @@ def test_the_command_prints_progress_and_the_admin_logs_many_replays_in_few_inse
     held = DeadLetter.objects.filter(pk__in=[r.pk for r in more]).values_list("pk", "replayed_task_id")
     assert entries == {str(pk): f"Replayed as task {task_id}" for pk, task_id in held}
     inserts = [q for q in queries.captured_queries if q["sql"].startswith('INSERT INTO "django_admin_log"')]
-    assert len(inserts) == 2
+    assert len(inserts) == (2 if connection.vendor == "postgresql" else 5)  # SQLite: 999 parameters an INSERT
