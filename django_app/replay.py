@@ -66,6 +66,8 @@ PUT_BACK_TRIES = 3
 #: Records read, claimed, reopened and published together: two queries read them with their sealed copies,
 #: one UPDATE claims them, one store call reopens their keys, one broker connection publishes them.
 BATCH = 500
+#: Fields of a record a replay does not read.
+UNREAD = ("history", "traceback", "exc_message", "exc_type")
 #: ``progress(done, total)``: records handled so far, of all the records asked for.
 Progress = Callable[[int, int], None]
 
@@ -122,7 +124,8 @@ def read_batches(ids: list[int]) -> Iterator[tuple[int, list[tuple[DeadLetter, s
     for start in range(0, len(ids), BATCH):
         chunk = ids[start : start + BATCH]
         tokens = dict(SealedMessage.objects.filter(dead_letter_id__in=chunk).values_list("dead_letter_id", "token"))
-        records = DeadLetter.objects.filter(pk__in=chunk).order_by("pk")
+        # Without what a replay never reads: the attempt history (JSON, often the largest field) and the error.
+        records = DeadLetter.objects.filter(pk__in=chunk).defer(*UNREAD).order_by("pk")
         yield start + len(chunk), [(record, tokens.get(record.pk)) for record in records]
 
 
