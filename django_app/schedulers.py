@@ -70,14 +70,14 @@ def periodic_task_rows(app: Any = None, *, names: Iterable[str]) -> tuple[dict[s
 def _schedules(rows: list[dict[str, Any]]) -> dict[tuple[str, int], Any]:
     """The Celery schedule of each schedule row the rows use, made once by django-celery-beat's own
     ``schedule`` property (many rows share one crontab: parsing it for each is most of the time of a read), or
-    the error it raised."""
+    an :class:`Unparsable` saying what is wrong with it."""
     made: dict[tuple[str, int], Any] = {}
     for column, model in KINDS:
         for pk, schedule_row in model.objects.in_bulk({row[column] for row in rows if row[column] is not None}).items():
             try:
                 made[column, pk] = schedule_row.schedule
             except (ValueError, TypeError) as exc:
-                made[column, pk] = ValueError(f"its schedule does not parse: {exc}")
+                made[column, pk] = Unparsable(f"its schedule does not parse: {exc}")
     return made
 
 
@@ -88,8 +88,8 @@ def _entry(row: dict[str, Any], schedules: dict[tuple[str, int], Any]) -> dict[s
     schedule = schedules.get((column, row[column])) if column is not None else None
     if schedule is None:
         raise ValueError("its schedule does not parse: it has none (or it was deleted meanwhile)")
-    if isinstance(schedule, ValueError):
-        raise schedule
+    if isinstance(schedule, Unparsable):
+        raise ValueError(schedule.error)
     try:
         args, kwargs = _json(row["args"], empty="[]"), _json(row["kwargs"], empty="{}")
         headers = _json(row["headers"], empty="{}")
