@@ -48,7 +48,7 @@ from celery_guardrails import headers, signals
 from celery_guardrails.clock import accelerated_clock, now
 from celery_guardrails.context import validate_tenant
 from celery_guardrails.exceptions import ConfigurationError, ContextError
-from celery_guardrails.ledger import DISPATCHED, MISSED, SKIPPED_DISABLED, period_key
+from celery_guardrails.ledger import DISPATCHED, MISSED, SKIPPED_DISABLED, Heads, period_key
 from celery_guardrails.options import SchedulePolicy, app_value
 from celery_guardrails.schedules import Every, parse_crontab, periods_between, timetable
 from celery_guardrails.stores import django_apps_installed, get_store
@@ -229,20 +229,21 @@ def build_disabled_entries(app: Any, raw: Mapping[str, Any], *, warned: set[str]
         return {}
 
 
-def skip_disabled(app: Any, entry: Entry, current: float) -> float | None:
+def skip_disabled(app: Any, entry: Entry, current: float, *, heads: Heads | None = None) -> float | None:
     """Record the newest period of a disabled schedule that came due ``skipped_disabled``, so that when it is
     enabled again it goes on from the next period instead of counting its disabled time as missed.
 
     Called by beat on each tick and by the watchdog on each check (once a period is enough: the newest record
-    is the schedule's horizon). Returns the horizon, None when the schedule has no record (never run: nothing
-    is owed when it is enabled)."""
+    is the schedule's horizon), which passes the ``heads`` it read for every schedule at once. Returns the
+    horizon, None when the schedule has no record (never run: nothing is owed when it is enabled)."""
     store = get_store(app)
-    newest = store.run_list(entry.name, limit=1)
-    if not newest:
+    if heads is None:
+        heads = Heads(newest_period=next((run.period for run in store.run_list(entry.name, limit=1)), None))
+    if heads.newest_period is None:
         return None
-    periods = entry.periods(newest[0].period, current)
+    periods = entry.periods(heads.newest_period, current)
     if not periods:
-        return newest[0].period
+        return heads.newest_period
     reason = "its schedule was disabled when it came due"
     if store.run_record(entry.name, periods[-1], status=SKIPPED_DISABLED, now=current, reason=reason):
         logger.info("Guarded beat entry %r is disabled: period %s skipped", entry.name, moment(periods[-1]))

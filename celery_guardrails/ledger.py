@@ -31,6 +31,7 @@ record to missed again, without a second report (the owner already knows the per
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Protocol
 from urllib.parse import quote
@@ -75,6 +76,15 @@ class Run:
     missed_at: float | None = None
     #: When the run was first recorded overdue (it stays set once the run finishes).
     overdue_at: float | None = None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Heads:
+    """What the watchdog reads of one schedule: the period of its newest record (None: it has none) and its
+    records still dispatched or running, newest period first."""
+
+    newest_period: float | None = None
+    pending: tuple[Run, ...] = ()
 
 
 def period_key(schedule: str, period: float) -> str:
@@ -129,4 +139,10 @@ class RunLedger(Protocol):
         limit: int = 100,
     ) -> list[Run]:
         """Records of ``schedule``, newest period first: only ``statuses`` if given, periods < ``before``."""
+        ...
+
+    def run_heads(self, schedules: Iterable[str], *, limit: int = 500) -> dict[str, Heads]:
+        """:class:`Heads` of each of ``schedules`` (its records still dispatched or running: at most ``limit``):
+        the watchdog's one read of a check. The Django store reads them in a few queries whatever the number of
+        schedules (two per 500 schedules); the Redis store two round trips a schedule."""
         ...

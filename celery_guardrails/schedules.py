@@ -233,6 +233,21 @@ def _runs_on(cron: Cron, day: date) -> tuple[datetime, ...]:
     return cron._compute_runs_on(day)
 
 
+@lru_cache(maxsize=1024)
+def _cron(
+    minutes: frozenset[int],
+    hours: frozenset[int],
+    days_of_week: frozenset[int],
+    days_of_month: frozenset[int],
+    months_of_year: frozenset[int],
+    zone: ZoneInfo,
+    fall_back: str,
+) -> Cron:
+    # Cached (a Cron is immutable): thousands of django-celery-beat rows share a few crontabs, and beat and the
+    # watchdog make every entry's timetable again on each tick and check (checking a Cron's fields is most of it).
+    return Cron(minutes, hours, days_of_week, days_of_month, months_of_year, zone, fall_back)
+
+
 def timetable(schedule: object, *, zone: ZoneInfo, fall_back: str = "first") -> Cron | Every:
     """The timetable of a Celery schedule, read in ``zone``.
 
@@ -248,14 +263,14 @@ def timetable(schedule: object, *, zone: ZoneInfo, fall_back: str = "first") -> 
     if isinstance(schedule, str):
         schedule = parse_crontab(schedule)
     if isinstance(schedule, celery.schedules.crontab):
-        return Cron(
-            minutes=frozenset(schedule.minute),
-            hours=frozenset(schedule.hour),
-            days_of_week=frozenset(schedule.day_of_week),
-            days_of_month=frozenset(schedule.day_of_month),
-            months_of_year=frozenset(schedule.month_of_year),
-            zone=zone,
-            fall_back=fall_back,
+        return _cron(
+            frozenset(schedule.minute),
+            frozenset(schedule.hour),
+            frozenset(schedule.day_of_week),
+            frozenset(schedule.day_of_month),
+            frozenset(schedule.month_of_year),
+            zone,
+            fall_back,
         )
     if isinstance(schedule, celery.schedules.solar):
         raise ValueError(

@@ -39,7 +39,7 @@ from celery import bootsteps
 
 from celery_guardrails.beat import Entry, all_configured_entries, moment, report, skip_disabled
 from celery_guardrails.clock import now
-from celery_guardrails.ledger import DISPATCHED, MISSED, OVERDUE, RUNNING
+from celery_guardrails.ledger import DISPATCHED, MISSED, OVERDUE, RUNNING, Heads
 from celery_guardrails.options import app_value
 from celery_guardrails.stores import get_store
 from celery_guardrails.stores.base import ACQUIRED
@@ -58,35 +58,41 @@ class Findings:
 
 
 def check(app: Any, *, entries: dict[str, Entry] | None = None, current: float | None = None) -> Findings:
-    """Check every guarded schedule against the ledger once (see the module docstring)."""
+    """Check every guarded schedule against the ledger once (see the module docstring). The ledger is read
+    once for all of them (:meth:`~celery_guardrails.ledger.RunLedger.run_heads`): a few queries for 10,000
+    schedules on the Django store, not two each."""
     entries, disabled = all_configured_entries(app) if entries is None else (entries, {})
     current = now(app) if current is None else current
     findings = Findings()
+    store = get_store(app)
+    try:
+        heads = store.run_heads([*disabled, *entries])
+    except Exception:  # a store outage: nothing can be checked now; the next check will
+        logger.exception("Watchdog: reading the ledger of %d schedule(s) failed", len(disabled) + len(entries))
+        return findings
     for entry in disabled.values():  # their due periods are skipped, not missed (beat may be down)
         try:
-            skip_disabled(app, entry, current)
+            skip_disabled(app, entry, current, heads=heads[entry.name])
         except Exception:
             logger.exception("Watchdog: recording the disabled %r skipped failed", entry.name)
     for entry in entries.values():
         try:
-            _check_entry(app, entry, current, findings)
+            _check_entry(app, store, entry, current, findings, heads[entry.name])
         except Exception:  # one schedule (or a store hiccup) must not hide the others
             logger.exception("Watchdog: checking %r failed", entry.name)
     return findings
 
 
-def _check_entry(app: Any, entry: Entry, current: float, findings: Findings) -> None:
-    store = get_store(app)
+def _check_entry(app: Any, store: Any, entry: Entry, current: float, findings: Findings, heads: Heads) -> None:
     grace = entry.policy.grace
-    newest = store.run_list(entry.name, limit=1)
-    if not newest:
+    if heads.newest_period is None:
         return
-    for period in entry.periods(newest[0].period, current - grace - 1e-6):  # late: more than grace
+    for period in entry.periods(heads.newest_period, current - grace - 1e-6):  # late: more than grace
         reason = f"not dispatched within {grace:g}s of its due time (is beat running?)"
         if store.run_record(entry.name, period, status=MISSED, now=current, reason=reason):
             findings.missed.append((entry.name, period))
             report(app, entry, period, kind="missed", reason=reason)
-    for run in store.run_list(entry.name, statuses=(DISPATCHED, RUNNING), limit=500):
+    for run in heads.pending:
         # Late from its dispatch, not its due time: a catch-up dispatched after its period's grace is not
         # lost the moment it is sent (seen as a second missed alert when the worker was slower than a check).
         sent = max(run.period, run.dispatched_at or run.period)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
+from django.db import transaction
 from django.db.models import QuerySet
 from django.utils import timezone
 
@@ -13,17 +14,30 @@ from celery_guardrails.options import OPTIONS, django_settings
 
 from .models import DeadLetter, IdempotencyKey, ProcessedMessage, ScheduledRun
 
+#: Rows deleted per transaction by prune: a few milliseconds of row locks each.
+PRUNE_BATCH = 1000
+
 
 def _setting(name: str) -> float:
     return float(django_settings().get(name, OPTIONS[name].default))
 
 
-def prune(*, older_than: float | None = None, now: datetime | None = None, dry_run: bool = False) -> dict[str, int]:
+def prune(
+    *,
+    older_than: float | None = None,
+    now: datetime | None = None,
+    dry_run: bool = False,
+    batch: int = PRUNE_BATCH,
+) -> dict[str, int]:
     """Delete what is past its retention: completed or failed idempotency keys and processed-message records
     (``idempotency_retention``, 7 days), discarded or resolved dead letters (``dead_letter_retention``, 90
     days), scheduled-run records whose period is older than the ledger's retention (90 days; the newest
     record of a schedule is its horizon, so it is kept whatever its age). Open dead letters are never
     pruned. ``older_than`` (seconds) overrides all three. Counts by table.
+
+    Deleted ``batch`` rows at a time, each batch its own short transaction (see :func:`delete_in_batches`): a
+    prune of a million records never holds a lock for long, and workers recording dead letters meanwhile
+    never wait for it.
     """
     moment = now or datetime.now(UTC)
     keys_age = older_than if older_than is not None else _setting("idempotency_retention")
@@ -38,8 +52,30 @@ def prune(*, older_than: float | None = None, now: datetime | None = None, dry_r
     }
     if dry_run:
         return {name: queryset.count() for name, queryset in found.items()}
-    # Counted by table: a dead letter's sealed copy goes with it, and is not a record of its own.
-    return {name: queryset.delete()[1].get(queryset.model._meta.label, 0) for name, queryset in found.items()}
+    return {name: delete_in_batches(queryset, batch=batch) for name, queryset in found.items()}
+
+
+def delete_in_batches(queryset: QuerySet[Any], *, batch: int = PRUNE_BATCH) -> int:
+    """Delete what ``queryset`` matches, ``batch`` rows a transaction; how many rows of its model went.
+
+    The next batch's ids are read outside any transaction, walking the primary key upwards from the last batch
+    (each row is looked at once however many batches there are; starting from the lowest id each time would
+    look at every row deleted before again). Each batch is deleted with ``queryset``'s own conditions, so a
+    row that stopped matching meanwhile stays; its sealed copies go with it (counted by the model's label, so
+    a dead letter's sealed copy is not a record of its own).
+    """
+    label = queryset.model._meta.label
+    deleted, after = 0, None
+    while True:
+        remaining = queryset if after is None else queryset.filter(pk__gt=after)
+        ids = list(remaining.order_by("pk").values_list("pk", flat=True)[:batch])
+        if not ids:
+            return deleted
+        with transaction.atomic():
+            deleted += queryset.filter(pk__in=ids).delete()[1].get(label, 0)
+        if len(ids) < batch:
+            return deleted
+        after = ids[-1]
 
 
 def close_dead_letters(queryset: QuerySet[DeadLetter], status: str, *, user: Any = None, by: str = "") -> int:

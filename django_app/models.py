@@ -188,7 +188,7 @@ class DeadLetter(models.Model):
         DISCARDED = "discarded", _("discarded")
         RESOLVED = "resolved", _("resolved")
 
-    task_name = models.CharField(_("task"), max_length=200, db_index=True, help_text=_("Registered task name."))
+    task_name = models.CharField(_("task"), max_length=200, help_text=_("Registered task name."))
     task_id = models.CharField(
         _("task id"), max_length=255, unique=True, help_text=_("Id of the message that failed; one record per id.")
     )
@@ -207,12 +207,12 @@ class DeadLetter(models.Model):
         default=False,
         help_text=_("The arguments could not be stored as JSON: args holds their repr; replay is not possible."),
     )
-    tenant = models.CharField(_("tenant"), max_length=128, blank=True, db_index=True, help_text=_("Tenant id."))
+    tenant = models.CharField(_("tenant"), max_length=128, blank=True, help_text=_("Tenant id."))
     correlation_id = models.CharField(
-        _("correlation id"), max_length=128, blank=True, db_index=True, help_text=_("Request or workflow id.")
+        _("correlation id"), max_length=128, blank=True, help_text=_("Request or workflow id.")
     )
     idempotency_key = models.CharField(
-        _("idempotency key"), max_length=255, blank=True, db_index=True, help_text=_("Scoped idempotency key.")
+        _("idempotency key"), max_length=255, blank=True, help_text=_("Scoped idempotency key.")
     )
     header = models.JSONField(
         _("guardrails header"),
@@ -223,7 +223,6 @@ class DeadLetter(models.Model):
     reason = models.CharField(
         _("reason"),
         max_length=40,
-        db_index=True,
         help_text=_(
             "permanent, attempts_exhausted, retry_later_exhausted, retry_budget_exhausted, circuit_open, "
             "not_idempotent, missing_tenant, bad_idempotency_key or poison."
@@ -238,15 +237,12 @@ class DeadLetter(models.Model):
     attempts = models.PositiveIntegerField(_("attempts"), default=1, help_text=_("Attempts consumed."))
     first_failed_at = models.DateTimeField(_("first failure"), help_text=_("Start of the first attempt."))
     last_failed_at = models.DateTimeField(_("last failure"), db_index=True, help_text=_("The final failure."))
-    owner = models.CharField(
-        _("owner"), max_length=100, blank=True, db_index=True, help_text=_("Who is alerted and fixes it.")
-    )
+    owner = models.CharField(_("owner"), max_length=100, blank=True, help_text=_("Who is alerted and fixes it."))
     status = models.CharField(
         _("status"),
         max_length=10,
         choices=Status.choices,
         default=Status.OPEN,
-        db_index=True,
         help_text=_("Open until someone replays, discards or resolves it."),
     )
     replayed_task_id = models.CharField(
@@ -269,7 +265,19 @@ class DeadLetter(models.Model):
             ("discard_deadletter", _("Can discard dead letters")),
             ("resolve_deadletter", _("Can mark dead letters resolved")),
         ]
-        indexes = [models.Index(fields=["status", "-last_failed_at"], name="guardrails_dl_status_last")]
+        # Each change-list filter (the admin's, the commands') leads an index that goes on with the status and the
+        # newest failure first: a filter, with or without a status, finds its first page and counts up to the
+        # paginator's cap through one index, and lists its distinct values one probe each. Ids are looked up
+        # by equality only: plain indexes (db_index would add a second, LIKE-pattern index on PostgreSQL).
+        indexes = [
+            models.Index(fields=["status", "-last_failed_at"], name="guardrails_dl_status_last"),
+            models.Index(fields=["reason", "status", "-last_failed_at"], name="guardrails_dl_reason_status"),
+            models.Index(fields=["owner", "status", "-last_failed_at"], name="guardrails_dl_owner_status"),
+            models.Index(fields=["task_name", "status", "-last_failed_at"], name="guardrails_dl_task_status"),
+            models.Index(fields=["tenant", "status", "-last_failed_at"], name="guardrails_dl_tenant_status"),
+            models.Index(fields=["correlation_id"], name="guardrails_dl_correlation"),
+            models.Index(fields=["idempotency_key"], name="guardrails_dl_idempotency_key"),
+        ]
 
     def __str__(self) -> str:
         return f"{self.task_name}[{self.task_id}] {self.reason} ({self.status})"

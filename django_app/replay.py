@@ -9,10 +9,13 @@ deliberately), a fresh attempt count, and links the new task id to the record (s
 values. :func:`plan` says, without publishing, what a replay would do (the command's ``--dry-run``).
 
 Safe to run twice: each record moves from ``open`` to ``replayed`` by a conditional UPDATE before anything
-is published, so two concurrent replays of one record publish once. A record is left open, with the reason
-in the result, when its task is no longer registered, its sealed copy cannot be opened with the configured
-keys, or its arguments were not stored as JSON or had secrets redacted and no sealed copy holds them.
-Without the ``guardrails.replay_deadletter`` permission, a given ``user`` gets
+is published, so two concurrent replays of one record publish once. Records go :data:`BATCH` (500) at a time:
+a few queries read them with their sealed copies, one UPDATE claims them (each with its own new task id), one
+store call reopens their keys, one broker connection publishes them; ``progress`` hears of each batch.
+
+A record is left open, with the reason in the result, when its task is no longer registered, its sealed copy
+cannot be opened with the configured keys, or its arguments were not stored as JSON or had secrets redacted
+and no sealed copy holds them. Without the ``guardrails.replay_deadletter`` permission, a given ``user`` gets
 :class:`~django.core.exceptions.PermissionDenied`.
 """
 
@@ -21,14 +24,16 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 from celery import current_app
 from celery.utils import uuid
 from django.core.exceptions import PermissionDenied
-from django.db.models import QuerySet
+from django.db import connection
+from django.db.models import CharField, QuerySet
+from django.db.models.expressions import RawSQL
 from django.utils import timezone
 
 from celery_guardrails import headers
@@ -58,6 +63,13 @@ FRESH = (
 )
 #: Tries at putting a record back to open when its replay could not be published (a second apart).
 PUT_BACK_TRIES = 3
+#: Records read, claimed, reopened and published together: two queries read them with their sealed copies,
+#: one UPDATE claims them, one store call reopens their keys, one broker connection publishes them.
+BATCH = 500
+#: Fields of a record a replay does not read.
+UNREAD = ("history", "traceback", "exc_message", "exc_type")
+#: ``progress(done, total)``: records handled so far, of all the records asked for.
+Progress = Callable[[int, int], None]
 
 
 @dataclass
@@ -85,19 +97,36 @@ def replay_dead_letters(
     user: Any = None,
     tenant: str | None = None,
     app: Any = None,
+    progress: Progress | None = None,
 ) -> ReplayResult:
-    """Replay each open record; ``tenant`` gives every one of them that tenant (e.g. ``missing_tenant`` ones)."""
+    """Replay each open record; ``tenant`` gives every one of them that tenant (e.g. ``missing_tenant`` ones).
+
+    Records are handled :data:`BATCH` at a time, in id order; ``progress(done, total)`` is called after each
+    batch (the command prints it)."""
     _check_permission(user)
     app = app or current_app
-    records = (
-        queryset_or_ids
+    ids = (
+        list(queryset_or_ids.order_by("pk").values_list("pk", flat=True))
         if isinstance(queryset_or_ids, QuerySet)
-        else DeadLetter.objects.filter(pk__in=list(queryset_or_ids))
+        else sorted({int(pk) for pk in queryset_or_ids})
     )
     result = ReplayResult()
-    for record in records.order_by("pk"):
-        _replay_one(record, app, user, result, tenant=tenant)
+    for done, batch in read_batches(ids):
+        _replay_batch(batch, app, user, result, tenant=tenant)
+        if progress is not None:
+            progress(done, len(ids))
     return result
+
+
+def read_batches(ids: list[int]) -> Iterator[tuple[int, list[tuple[DeadLetter, str | None]]]]:
+    """(records read so far, [(record, its sealed copy or None)]) for ``ids``, :data:`BATCH` at a time: two
+    queries a batch, whatever its size. Ids without a record are left out."""
+    for start in range(0, len(ids), BATCH):
+        chunk = ids[start : start + BATCH]
+        tokens = dict(SealedMessage.objects.filter(dead_letter_id__in=chunk).values_list("dead_letter_id", "token"))
+        # Without what a replay never reads: the attempt history (JSON, often the largest field) and the error.
+        records = DeadLetter.objects.filter(pk__in=chunk).defer(*UNREAD).order_by("pk")
+        yield start + len(chunk), [(record, tokens.get(record.pk)) for record in records]
 
 
 def replay_with_changes(
@@ -115,8 +144,8 @@ def replay_with_changes(
     _check_permission(user)
     app = app or current_app
     result = ReplayResult()
-    for record in DeadLetter.objects.filter(pk=pk):
-        _replay_one(record, app, user, result, tenant=tenant, args=args, kwargs=kwargs)
+    for _, batch in read_batches([pk]):
+        _replay_batch(batch, app, user, result, tenant=tenant, args=args, kwargs=kwargs)
     if not result.replayed and not result.skipped:
         result.skipped.append((pk, "no such dead letter"))
     return result
@@ -132,12 +161,25 @@ def plan(
 ) -> Message:
     """What replaying ``record`` would publish, or :class:`Refused` saying why it cannot be replayed (a dry run
     and the real run ask this same question)."""
-    app = app or current_app
+    token = SealedMessage.objects.filter(dead_letter_id=record.pk).values_list("token", flat=True).first()
+    return _plan(record, token, app or current_app, tenant=tenant, args=args, kwargs=kwargs)
+
+
+def _plan(
+    record: DeadLetter,
+    token: str | None,
+    app: Any,
+    *,
+    tenant: str | None = None,
+    args: list[Any] | None = None,
+    kwargs: dict[str, Any] | None = None,
+) -> Message:
+    """:func:`plan`, with the record's sealed copy (``token``) read already."""
     if record.status != DeadLetter.Status.OPEN:
         raise Refused(f"status is {record.status}")
     if record.task_name not in app.tasks:
         raise Refused(f"task {record.task_name!r} is no longer registered; the record stays open")
-    original = _unsealed(record, app)
+    original = _unsealed(token, app)
     base_args, base_kwargs = (original["args"], original["kwargs"]) if original else (record.args, record.kwargs)
     header = dict(original["header"] if original else (record.header or {}))
     if original is None and record.arguments_are_repr and (args is None or kwargs is None):
@@ -160,14 +202,27 @@ def plan(
     return Message(args=list(new_args), kwargs=dict(new_kwargs), header=header)
 
 
+def refusals(ids: list[int], *, tenant: str | None = None, app: Any = None) -> Iterator[tuple[DeadLetter, str]]:
+    """Each record of ``ids`` (in id order) with why a replay would refuse it, "" when it would go through:
+    :func:`plan` for many records, read in batches (the command's ``--dry-run``)."""
+    app = app or current_app
+    for _, batch in read_batches(ids):
+        for record, token in batch:
+            try:
+                _plan(record, token, app, tenant=tenant)
+            except Refused as why:
+                yield record, str(why)
+            else:
+                yield record, ""
+
+
 def _check_permission(user: Any) -> None:
     if user is not None and not user.has_perm(PERMISSION):
         raise PermissionDenied(f"{user} may not replay dead letters (needs {PERMISSION})")
 
 
-def _unsealed(record: DeadLetter, app: Any) -> dict[str, Any] | None:
+def _unsealed(token: str | None, app: Any) -> dict[str, Any] | None:
     """The record's sealed original, None when it has none; Refused when it has one nobody can open."""
-    token = SealedMessage.objects.filter(dead_letter_id=record.pk).values_list("token", flat=True).first()
     if not token:
         return None
     try:
@@ -179,48 +234,99 @@ def _unsealed(record: DeadLetter, app: Any) -> dict[str, Any] | None:
         raise Refused(f"its sealed copy cannot be opened: {exc}") from None
 
 
-def _replay_one(record: DeadLetter, app: Any, user: Any, result: ReplayResult, **changes: Any) -> None:
+@dataclass(frozen=True)
+class _Claimed:
+    record: DeadLetter
+    message: Message
+    task_id: str
+
+
+def _replay_batch(
+    batch: list[tuple[DeadLetter, str | None]], app: Any, user: Any, result: ReplayResult, **changes: Any
+) -> None:
+    """Plan each record, claim the planned ones with one conditional UPDATE (open -> replayed, each with its new
+    task id), reopen their idempotency keys with one store call, publish each on one broker connection."""
+    planned: list[_Claimed] = []
+    for record, token in batch:
+        try:
+            planned.append(_Claimed(record, _plan(record, token, app, **changes), uuid()))
+        except Refused as why:
+            result.skipped.append((record.pk, str(why)))
+    won = _claim(planned, user)
+    won_ids = {item.record.pk for item in won}
+    result.skipped.extend(
+        (item.record.pk, "already handled by someone else") for item in planned if item.record.pk not in won_ids
+    )
+    pending = {item.record.pk: item for item in won}
     try:
-        message = plan(record, app=app, **changes)
-    except Refused as why:
-        result.skipped.append((record.pk, str(why)))
-        return
-    task_id = uuid()
-    won = DeadLetter.objects.filter(pk=record.pk, status=DeadLetter.Status.OPEN).update(
+        # The keys failed with their messages: reopened deliberately, or the replays would be skipped.
+        keys = [item.record.idempotency_key for item in won if item.record.idempotency_key]
+        if keys:
+            get_store(app).reopen_keys(keys)
+        with app.producer_or_acquire() as producer:
+            for item in won:
+                try:
+                    _publish(item, app, producer)
+                except Exception as exc:  # put it back: a record must never be marked replayed for nothing
+                    logger.exception("Replay of dead letter %s (%s) failed", item.record.pk, item.record.task_name)
+                    _put_back({item.record.pk: item.task_id})
+                    result.skipped.append((item.record.pk, f"publishing failed: {exc}"))
+                else:
+                    _replayed(item, user)
+                    result.replayed.append((item.record.pk, item.task_id))
+                del pending[item.record.pk]
+    except Exception as exc:  # the store or the broker out of reach: what was not published goes back to open
+        logger.exception("Replay of %s dead letter(s) failed", len(pending))
+        _put_back({pk: item.task_id for pk, item in pending.items()})
+        result.skipped.extend((pk, f"publishing failed: {exc}") for pk in pending)
+
+
+def _claim(planned: list[_Claimed], user: Any) -> list[_Claimed]:
+    """The planned records this call moved from open to replayed. One UPDATE sets each its own new task id, so
+    reading the ids back tells which ones this call won: two concurrent replays of a record publish once."""
+    if not planned:
+        return []
+    task_ids = {item.record.pk: item.task_id for item in planned}
+    # CASE id WHEN <pk> THEN <task id> ... END, written out: Django's Case(When(pk=...)) resolves a lookup for
+    # each of the 500 records, and that took longer than the UPDATE itself.
+    pk = connection.ops.quote_name(str(DeadLetter._meta.pk.column))
+    new_id = RawSQL(
+        f"CASE {pk} {' '.join(['WHEN %s THEN %s'] * len(task_ids))} END",
+        [value for pair in task_ids.items() for value in pair],
+        output_field=CharField(),
+    )
+    DeadLetter.objects.filter(pk__in=task_ids, status=DeadLetter.Status.OPEN).update(
         status=DeadLetter.Status.REPLAYED,
-        replayed_task_id=task_id,
+        replayed_task_id=new_id,
         handled_by=getattr(user, "username", "") or "",
         handled_at=timezone.now(),
     )
-    if not won:
-        result.skipped.append((record.pk, "already handled by someone else"))
-        return
-    try:
-        _publish(record, message, task_id, app)
-    except Exception as exc:  # put it back: a record must never be marked replayed for nothing
-        logger.exception("Replay of dead letter %s (%s) failed", record.pk, record.task_name)
-        _put_back(record.pk, task_id)
-        result.skipped.append((record.pk, f"publishing failed: {exc}"))
-        return
+    now_held = dict(DeadLetter.objects.filter(pk__in=task_ids).values_list("pk", "replayed_task_id"))
+    return [item for item in planned if now_held.get(item.record.pk) == item.task_id]
+
+
+def _replayed(item: _Claimed, user: Any) -> None:
     logger.info(
         "Dead letter %s (%s[%s]) replayed as %s by %s",
-        record.pk,
-        record.task_name,
-        record.task_id,
-        task_id,
+        item.record.pk,
+        item.record.task_name,
+        item.record.task_id,
+        item.task_id,
         getattr(user, "username", None) or "-",
     )
-    result.replayed.append((record.pk, task_id))
 
 
-def _put_back(pk: int, task_id: str) -> None:
-    """Open a record whose replay was not published again. The database may be what failed: a few tries,
-    then an error that names the record and the task id it claims, for someone to reopen it by hand."""
+def _put_back(task_ids: dict[int, str]) -> None:
+    """Open records whose replay was not published again (each still holding the task id it claimed). The
+    database may be what failed: a few tries, then an error that names the records and the task ids they
+    claim, for someone to reopen them by hand."""
     from django.db import DatabaseError, close_old_connections
 
+    if not task_ids:
+        return
     for attempt in range(1, PUT_BACK_TRIES + 1):
         try:
-            DeadLetter.objects.filter(pk=pk, replayed_task_id=task_id).update(
+            DeadLetter.objects.filter(pk__in=task_ids, replayed_task_id__in=task_ids.values()).update(
                 status=DeadLetter.Status.OPEN, replayed_task_id="", handled_by="", handled_at=None
             )
             return
@@ -229,17 +335,19 @@ def _put_back(pk: int, task_id: str) -> None:
             if attempt < PUT_BACK_TRIES:
                 time.sleep(1.0)
     logger.error(
-        "Dead letter %s says it was replayed as %s, but nothing was published: reopen it (the database could "
-        "not be reached to put it back)",
-        pk,
-        task_id,
+        "Dead letter(s) %s say they were replayed as %s, but nothing was published: reopen them (the database "
+        "could not be reached to put them back)",
+        ", ".join(map(str, task_ids)),
+        ", ".join(task_ids.values()),
     )
 
 
-def _publish(record: DeadLetter, message: Message, task_id: str, app: Any) -> None:
-    if record.idempotency_key:
-        # The key failed with the message: reopen it deliberately, or the replay would be skipped.
-        get_store(app).reopen(record.idempotency_key)
-    app.tasks[record.task_name].apply_async(
-        args=message.args, kwargs=message.kwargs, task_id=task_id, headers={headers.HEADER: message.header}
+def _publish(item: _Claimed, app: Any, producer: Any) -> None:
+    message = item.message
+    app.tasks[item.record.task_name].apply_async(
+        args=message.args,
+        kwargs=message.kwargs,
+        task_id=item.task_id,
+        headers={headers.HEADER: message.header},
+        producer=producer,
     )

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import fields
 from datetime import UTC, datetime, timedelta
 from typing import Any, ParamSpec, TypeVar
@@ -22,7 +22,7 @@ from django.db.models.functions import Concat
 from django.utils import timezone
 
 from celery_guardrails.exceptions import StoreError, StoreUnavailableError
-from celery_guardrails.ledger import DISPATCHED, MISSED, OVERDUE, REASON_MAX_LENGTH, RUNNING, WAS_OVERDUE, Run
+from celery_guardrails.ledger import DISPATCHED, MISSED, OVERDUE, REASON_MAX_LENGTH, RUNNING, WAS_OVERDUE, Heads, Run
 from celery_guardrails.stores.base import (
     ACQUIRED,
     BUSY,
@@ -41,6 +41,8 @@ from .models import AlertThrottle, DeliveryCounter, IdempotencyKey, ScheduledRun
 from .models import DependencyState as Row
 
 _FIELDS = [f.name for f in fields(DependencyState)]
+#: Schedules read per query by run_heads.
+HEADS_CHUNK = 500
 T = TypeVar("T")
 P = ParamSpec("P")
 
@@ -83,18 +85,33 @@ def _seconds(moment: datetime | None) -> float | None:
     return None if moment is None else moment.timestamp()
 
 
-def _run(row: ScheduledRun) -> Run:
+#: The fields of a ledger record, read as values (no model instance made for each of thousands of rows).
+RUN_FIELDS = (
+    "schedule",
+    "period",
+    "status",
+    "task_id",
+    "dispatched_at",
+    "started_at",
+    "finished_at",
+    "reason",
+    "missed_at",
+    "overdue_at",
+)
+
+
+def _run(row: dict[str, Any]) -> Run:
     return Run(
-        schedule=row.schedule,
-        period=row.period.timestamp(),
-        status=row.status,
-        task_id=row.task_id,
-        dispatched_at=_seconds(row.dispatched_at),
-        started_at=_seconds(row.started_at),
-        finished_at=_seconds(row.finished_at),
-        reason=row.reason,
-        missed_at=_seconds(row.missed_at),
-        overdue_at=_seconds(row.overdue_at),
+        schedule=row["schedule"],
+        period=row["period"].timestamp(),
+        status=row["status"],
+        task_id=row["task_id"],
+        dispatched_at=_seconds(row["dispatched_at"]),
+        started_at=_seconds(row["started_at"]),
+        finished_at=_seconds(row["finished_at"]),
+        reason=row["reason"],
+        missed_at=_seconds(row["missed_at"]),
+        overdue_at=_seconds(row["overdue_at"]),
     )
 
 
@@ -287,6 +304,15 @@ class DjangoStore:
         deleted, _ = IdempotencyKey.objects.filter(key=key, state="failed").delete()
         return bool(deleted)
 
+    @translated("reopen keys")
+    def reopen_keys(self, keys: Iterable[str]) -> int:
+        wanted = list(keys)
+        # A few hundred keys a statement: one round trip each, and well inside SQLite's limit of parameters.
+        return sum(
+            IdempotencyKey.objects.filter(key__in=wanted[start : start + 500], state="failed").delete()[0]
+            for start in range(0, len(wanted), 500)
+        )
+
     @translated("read a key")
     def inspect(self, key: str) -> dict[str, Any] | None:
         row: dict[str, Any] | None = IdempotencyKey.objects.filter(key=key).values().first()
@@ -468,5 +494,50 @@ class DjangoStore:
         if before is not None:
             records = records.filter(period__lt=_period(before))
         return self._ledger(
-            f"list the runs of {schedule!r}", lambda: [_run(row) for row in records.order_by("-period")[:limit]]
+            f"list the runs of {schedule!r}",
+            lambda: [_run(row) for row in records.order_by("-period").values(*RUN_FIELDS)[:limit]],
         )
+
+    def run_heads(self, schedules: Iterable[str], *, limit: int = 500) -> dict[str, Heads]:
+        names = list(dict.fromkeys(schedules))
+
+        def read() -> dict[str, Heads]:
+            newest: dict[str, float] = {}
+            pending: dict[str, list[Run]] = {}
+            for start in range(0, len(names), HEADS_CHUNK):
+                chunk = names[start : start + HEADS_CHUNK]
+                newest.update(_newest_periods(chunk))
+                records = ScheduledRun.objects.filter(schedule__in=chunk, status__in=(DISPATCHED, RUNNING))
+                for row in records.order_by("schedule", "-period").values(*RUN_FIELDS):
+                    runs = pending.setdefault(row["schedule"], [])
+                    if len(runs) < limit:
+                        runs.append(_run(row))
+            return {name: Heads(newest_period=newest.get(name), pending=tuple(pending.get(name, ()))) for name in names}
+
+        return self._ledger(f"read the newest runs of {len(names)} schedule(s)", read)
+
+
+def _newest_periods(names: list[str]) -> Iterator[tuple[str, float]]:
+    """(name, period of its newest record) of each schedule that has one: one index-only probe of the
+    (schedule, -period) index per name, driven by the names (a VALUES list: PostgreSQL and SQLite both call its
+    column column1). A GROUP BY over the ledger would read every record of every schedule (90 days of them)."""
+    quote = connection.ops.quote_name
+    table, schedule, period = (quote(name) for name in (ScheduledRun._meta.db_table, "schedule", "period"))
+    values = ", ".join(["(%s)"] * len(names))
+    with connection.cursor() as cursor:
+        cursor.execute(
+            f"SELECT wanted.column1, (SELECT {period} FROM {table} WHERE {schedule} = wanted.column1 "
+            f"ORDER BY {period} DESC LIMIT 1) FROM (VALUES {values}) AS wanted",
+            names,
+        )
+        for name, newest in cursor.fetchall():
+            if newest is not None:
+                yield name, _timestamp(newest)
+
+
+def _timestamp(value: datetime | str) -> float:
+    """Epoch seconds of a raw query's timestamp: PostgreSQL's driver gives an aware datetime, SQLite the text
+    Django stored (UTC, without its zone: USE_TZ, which the ledger's aware periods need)."""
+    if isinstance(value, str):
+        value = datetime.fromisoformat(value).replace(tzinfo=UTC)
+    return value.timestamp()

@@ -21,7 +21,7 @@ duplicate skipped, a wait, a store outage) releases its slot (``outcome=RELEASE`
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -196,7 +196,8 @@ class Store(RunLedger, Protocol):
     succeed only for the current owner (a ``complete`` or ``fail`` repeated by the owner that made it succeeds
     again: a retry after a lost answer is safe); ``begin_complete`` starts a ``complete`` and returns the
     callable that waits for its answer (a store that cannot overlap the two does it all at once);
-    ``reopen`` deletes a failed key for a deliberate replay.
+    ``reopen`` deletes a failed key for a deliberate replay; ``reopen_keys`` does it for many keys in one round
+    trip (a replay of thousands of records), and says how many were failed.
     """
 
     def claim(
@@ -230,6 +231,8 @@ class Store(RunLedger, Protocol):
     def release(self, key: str, *, owner: str) -> bool: ...
 
     def reopen(self, key: str) -> bool: ...
+
+    def reopen_keys(self, keys: Iterable[str]) -> int: ...
 
     def inspect(self, key: str) -> dict[str, Any] | None: ...
 

@@ -12,7 +12,7 @@ import contextlib
 import logging
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from celery_guardrails.exceptions import StoreError, StoreUnavailableError
@@ -429,6 +429,16 @@ class RedisIdempotency:
 
     def reopen(self, key: str) -> bool:
         return bool(self._run(self._reopen, key, []))
+
+    def reopen_keys(self, keys: Iterable[str]) -> int:
+        # One round trip: the scripts pipelined (not a transaction; each script is atomic on its own).
+        try:
+            pipe = self.client.pipeline(transaction=False)
+            for key in keys:
+                self._reopen(keys=[IDEM_PREFIX + key], args=[], client=pipe)
+            return sum(1 for deleted in pipe.execute() if deleted)
+        except self._errors as exc:
+            raise self._failure(exc) from exc
 
     def inspect(self, key: str) -> dict[str, Any] | None:
         try:

@@ -17,11 +17,11 @@ listing that finds nothing asks it to, so no history is lost on upgrade. A clust
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from celery_guardrails.exceptions import StoreError
-from celery_guardrails.ledger import REASON_MAX_LENGTH, RETENTION, WAS_OVERDUE, Run
+from celery_guardrails.ledger import DISPATCHED, REASON_MAX_LENGTH, RETENTION, RUNNING, WAS_OVERDUE, Heads, Run
 
 #: The names of releases before the hash tag (read on one server only, to adopt them: see the docstring).
 LEGACY_RUNS_PREFIX = "guardrails:runs:"
@@ -225,3 +225,12 @@ class RedisRunLedger:
         except self._errors as exc:
             raise self._failure(exc) from exc
         return found[:limit]
+
+    def run_heads(self, schedules: Iterable[str], *, limit: int = 500) -> dict[str, Heads]:
+        # Per schedule, as the watchdog read it before: records are kept in one hash per schedule.
+        heads = {}
+        for name in dict.fromkeys(schedules):
+            newest = self.run_list(name, limit=1)
+            pending = tuple(self.run_list(name, statuses=(DISPATCHED, RUNNING), limit=limit))
+            heads[name] = Heads(newest_period=newest[0].period if newest else None, pending=pending)
+        return heads

@@ -156,6 +156,46 @@ def test_a_schedule_with_no_record_is_not_checked(app: Any, entry: Entry) -> Non
     assert statuses(app, entry) == {}
 
 
+def test_a_check_of_many_schedules_reads_the_ledger_once_for_all(app: Any, received: Any) -> None:
+    from django.db import connection
+    from django.test.utils import CaptureQueriesContext
+
+    from celery_guardrails.stores import get_store
+
+    missed = received(signals.run_missed)
+    store = get_store(app)
+    # Given 1,200 guarded schedules whose period T0 + 60 ran, but for three whose message is stuck
+    policy = SchedulePolicy(grace=10)
+    run_id = uuid.uuid4().hex[:8]
+    entries = {
+        name: Entry(
+            name=name, task="tests.proj.tasks.scheduled_job", schedule=60.0, policy=policy, zone=ZoneInfo("UTC")
+        )
+        for name in (f"many-{run_id}-{n:04d}" for n in range(1200))
+    }
+    try:
+        stuck = sorted(entries)[::500]
+        for name in entries:
+            store.run_dispatch(name, T0 + 60, task_id=f"t-{name}", now=T0 + 60)
+            if name not in stuck:
+                store.run_finish(name, T0 + 60, status=OK, now=T0 + 61)
+        # When the watchdog checks after the stuck ones' grace, before the next period is due
+        with CaptureQueriesContext(connection) as queries:
+            findings = check(app, entries=entries, current=T0 + 75)
+        # Then exactly the stuck ones are missed and reported
+        assert findings.missed == [(name, T0 + 60) for name in stuck]
+        assert sorted(m["schedule"] for m in missed) == stuck
+        if app.conf.guardrails["store"] == "django":
+            # And the Django ledger was read in six queries (two per 500 schedules), not two per schedule (the
+            # three moves to missed are UPDATEs)
+            ledger = [q["sql"] for q in queries.captured_queries if 'FROM "guardrails_scheduledrun"' in q["sql"]]
+            assert len([sql for sql in ledger if sql.startswith("SELECT")]) == 6, ledger
+    finally:
+        if app.conf.guardrails["store"] != "django":  # Redis keeps them; the database is flushed
+            for key in store.client.scan_iter(match=f"guardrails:runs*:many-{run_id}-*", count=10_000):
+                store.client.delete(key)
+
+
 def test_one_watchdog_per_interval_in_the_cluster(app: Any) -> None:
     # Given a watchdog interval (no schedules: the check itself is empty)
     app.conf.guardrails = {**app.conf.guardrails, "watchdog_interval": 30.0}

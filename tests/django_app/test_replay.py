@@ -300,3 +300,94 @@ def test_many_refusals_are_one_message_and_internal_tables_are_read_only(
     row = DependencyState.objects.get(dependency="payments-api")
     page = client.get(reverse("admin:guardrails_dependencystate_change", args=[row.pk]))
     assert page.status_code == 200 and b'name="_save"' not in page.content
+
+
+def open_letters(count: int, *, keyed: int = 0) -> list[DeadLetter]:
+    """``count`` open records of a registered task (recorded as a worker would, without running one each); the
+    first ``keyed`` of them with an idempotency key."""
+    from django.utils import timezone
+
+    now = timezone.now()
+    run = uuid.uuid4().hex[:8]
+    return DeadLetter.objects.bulk_create(
+        DeadLetter(
+            task_name="tests.proj.tasks.charge",
+            task_id=f"many-{run}-{n}",
+            args=[n, f"sink-{run}", ["ok"]],
+            header={"tenant": "acme", "cid": f"req-{run}"},
+            tenant="acme",
+            reason="circuit_open",
+            idempotency_key=f"tests.proj.tasks.charge:acme:charge:{run}-{n}" if n < keyed else "",
+            first_failed_at=now,
+            last_failed_at=now,
+        )
+        for n in range(count)
+    )
+
+
+def test_a_replay_of_many_records_goes_in_batches_reports_progress_and_publishes_each_once(
+    celery_app: Any, broker: str, queue_name: str
+) -> None:
+    from celery_guardrails.stores import get_store
+    from tests.conftest import waiting_messages
+
+    # Given 1,203 open dead letters, three of them with a key that failed with its message
+    records = open_letters(1203, keyed=3)
+    store = get_store(celery_app)
+    for record in records[:3]:
+        store.claim(record.idempotency_key, owner="w", now=1.0, lease=60, retention=3600)
+        store.fail(record.idempotency_key, owner="w", now=2.0, reason="card refused", retention=3600)
+    # When they are replayed, with a progress callback
+    seen: list[tuple[int, int]] = []
+    result = replay_dead_letters([r.pk for r in records], progress=lambda done, total: seen.append((done, total)))
+    # Then progress is reported after each batch of 500
+    assert seen == [(500, 1203), (1000, 1203), (1203, 1203)]
+    # And each record is replayed once, as the task id it now holds, and published once
+    assert sorted(pk for pk, _ in result.replayed) == sorted(r.pk for r in records) and result.skipped == []
+    held = dict(DeadLetter.objects.filter(pk__in=[r.pk for r in records]).values_list("pk", "replayed_task_id"))
+    assert held == dict(result.replayed)
+    assert waiting_messages(broker, queue_name) == 1203
+    # And the failed keys were reopened for the replays
+    assert [store.inspect(r.idempotency_key) for r in records[:3]] == [None, None, None]
+    # When they are replayed again
+    again = replay_dead_letters([r.pk for r in records])
+    # Then nothing more is published
+    assert again.replayed == [] and {why for _, why in again.skipped} == {"status is replayed"}
+    assert waiting_messages(broker, queue_name) == 1203
+
+
+def test_the_command_prints_progress_and_the_admin_logs_many_replays_in_few_inserts(
+    celery_app: Any, broker: str, queue_name: str
+) -> None:
+    from django.db import connection
+    from django.test.utils import CaptureQueriesContext
+
+    # Given 600 open circuit_open records
+    first = open_letters(600)
+    # When the command replays them (its output is not a terminal)
+    out = StringIO()
+    call_command("guardrails_replay", "--reason", "circuit_open", stdout=out)
+    # Then it prints a line a batch, then the summary
+    assert out.getvalue().splitlines() == [
+        f"[{'#' * 16:<20}] 500/600",
+        f"[{'#' * 20}] 600/600",
+        "Replayed 600 dead letter(s); refused 0.",
+    ]
+    assert set(DeadLetter.objects.filter(pk__in=[r.pk for r in first]).values_list("status", flat=True)) == {"replayed"}
+    # Given 600 more, when "select all" of the filtered change list replays them
+    more = open_letters(600)
+    client = Client()
+    client.force_login(User.objects.create_superuser(f"many{uuid.uuid4().hex[:6]}", "m@example.com", "pw"))
+    changelist = reverse("admin:guardrails_deadletter_changelist")
+    form = {"action": "replay_selected", "select_across": "1", "index": "0", "_selected_action": [more[0].pk]}
+    with CaptureQueriesContext(connection) as queries:
+        done = client.post(f"{changelist}?status=open&reason=circuit_open", {**form, "post": "yes"}, follow=True)
+    # Then each record has its LogEntry, written 500 an INSERT, and one message says how many
+    assert [str(m) for m in done.context["messages"]] == ["Replayed 600 dead letter(s)."]
+    entries = dict(
+        LogEntry.objects.filter(object_id__in=[str(r.pk) for r in more]).values_list("object_id", "change_message")
+    )
+    held = DeadLetter.objects.filter(pk__in=[r.pk for r in more]).values_list("pk", "replayed_task_id")
+    assert entries == {str(pk): f"Replayed as task {task_id}" for pk, task_id in held}
+    inserts = [q for q in queries.captured_queries if q["sql"].startswith('INSERT INTO "django_admin_log"')]
+    assert len(inserts) == (2 if connection.vendor == "postgresql" else 5)  # SQLite: 999 parameters an INSERT

@@ -281,3 +281,47 @@ def test_a_bad_tenant_of_an_entry_is_refused_naming_it() -> None:
     with pytest.raises(ConfigurationError, match="'schedules'"):
         app.conf.guardrails = {"schedules": {"nightly": {"tenant": "a b"}}}
         build_entries(app, {"nightly": {"task": TASK, "schedule": 60.0}})
+
+
+def test_many_rows_are_read_as_django_celery_beat_reads_them_in_a_few_queries() -> None:
+    from django.test.utils import CaptureQueriesContext
+    from django_celery_beat.schedulers import ModelEntry
+
+    from django_celery_guardrails.schedulers import Unparsable, periodic_task_rows
+
+    # Given 300 rows sharing one crontab and one interval, with options and headers, one disabled, and a row
+    # whose arguments are not JSON
+    hourly = CrontabSchedule.objects.create(minute="5", hour="*", timezone="Europe/Berlin")
+    every = IntervalSchedule.objects.create(every=90, period=IntervalSchedule.SECONDS)
+    rows = PeriodicTask.objects.bulk_create(
+        PeriodicTask(
+            name=f"many-{n:03d}",
+            task=TASK,
+            crontab=hourly if n % 2 else None,
+            interval=None if n % 2 else every,
+            args=json.dumps([n]),
+            kwargs=json.dumps({"n": n}),
+            queue="reports" if n % 3 else None,
+            priority=n % 10 or None,
+            expire_seconds=600 if n % 5 == 0 else None,
+            headers=json.dumps({"tenant": f"t{n % 7}"}),
+            enabled=n != 7,
+        )
+        for n in range(300)
+    )
+    PeriodicTask.objects.create(name="many-bad", task=TASK, interval=every, args="[1,")
+    # When they are read
+    with CaptureQueriesContext(connection) as queries:
+        enabled, disabled, names = periodic_task_rows(names=[row.name for row in rows] + ["many-bad", "many-gone"])
+    # Then in three queries (the rows, their crontabs, their intervals)
+    assert len(queries.captured_queries) == 3, [q["sql"] for q in queries.captured_queries]
+    # And each entry is what django-celery-beat's own ModelEntry makes of its row
+    assert names == {row.name for row in rows} | {"many-bad"} and list(disabled) == ["many-007"]
+    for row in PeriodicTask.objects.filter(name__startswith="many-").exclude(name="many-bad"):
+        entry, reference = (enabled | disabled)[row.name], ModelEntry(row)
+        assert (entry["task"], entry["args"], entry["kwargs"]) == (reference.task, reference.args, reference.kwargs)
+        assert entry["options"] == reference.options, row.name
+        assert entry["schedule"] == reference.schedule and entry["schedule"].tz == reference.schedule.tz
+    # And the row whose arguments are not JSON stands for its error
+    assert isinstance(enabled["many-bad"]["schedule"], Unparsable)
+    assert "not JSON" in enabled["many-bad"]["schedule"].error

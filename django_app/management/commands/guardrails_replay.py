@@ -11,14 +11,14 @@ from celery_guardrails.exceptions import ContextError
 from celery_guardrails.outcomes import REASONS
 
 from ...models import DeadLetter
-from ...replay import Refused, plan, replay_dead_letters
+from ...replay import BATCH, refusals, replay_dead_letters
 from ..arguments import AGE_HELP, choice, since
 
 
 class Command(BaseCommand):
     help = (
-        "Replay open dead letters (all of them, or those matching --task, --reason, --since). Exits 1 when a "
-        "record was refused (each is named on stderr with the reason)."
+        f"Replay open dead letters (all of them, or those matching --task, --reason, --since), {BATCH} at a time, "
+        "printing progress. Exits 1 when a record was refused (each is named on stderr with the reason)."
     )
 
     def add_arguments(self, parser: CommandParser) -> None:
@@ -51,10 +51,8 @@ class Command(BaseCommand):
 
     def _dry_run(self, ids: list[int], tenant: str | None) -> int:
         refused = 0
-        for record in DeadLetter.objects.filter(pk__in=ids).order_by("pk"):
-            try:
-                plan(record, tenant=tenant)
-            except Refused as why:
+        for record, why in refusals(ids, tenant=tenant):
+            if why:
                 refused += 1
                 self.stderr.write(f"would refuse {record.pk}: {record.task_name}[{record.task_id}]: {why}")
                 continue
@@ -63,13 +61,17 @@ class Command(BaseCommand):
         return refused
 
     def _replay(self, ids: list[int], tenant: str | None) -> int:
-        replayed = refused = 0
-        for done, pk in enumerate(ids, start=1):
-            result = replay_dead_letters([pk], tenant=tenant)
-            replayed += len(result.replayed)
-            refused += len(result.skipped)
-            for record_id, why in result.skipped:
-                self.stderr.write(f"refused {record_id}: {why}")
-            self.stdout.write(f"\r[{'#' * (20 * done // len(ids)):<20}] {done}/{len(ids)}", ending="")
-        self.stdout.write(f"\nReplayed {replayed} dead letter(s); refused {refused}.")
-        return refused
+        # A bar redrawn in place on a terminal; a line a batch in a log (cron, a Kubernetes job).
+        redraw = self.stdout.isatty()
+
+        def progress(done: int, total: int) -> None:
+            bar = f"[{'#' * (20 * done // total):<20}] {done}/{total}"
+            self.stdout.write(f"\r{bar}" if redraw else bar, ending="" if redraw else "\n")
+            self.stdout.flush()
+
+        result = replay_dead_letters(ids, tenant=tenant, progress=progress)
+        for record_id, why in result.skipped:
+            self.stderr.write(f"refused {record_id}: {why}")
+        end_of_bar = "\n" if redraw else ""
+        self.stdout.write(f"{end_of_bar}Replayed {len(result.replayed)} dead letter(s); refused {len(result.skipped)}.")
+        return len(result.skipped)

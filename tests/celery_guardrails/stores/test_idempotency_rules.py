@@ -98,6 +98,26 @@ def test_release_and_fail_and_reopen(store: Any, key: str) -> None:
     assert store.claim(key, owner="d", now=T0 + 4, lease=5, retention=600).state == "acquired"
 
 
+def test_many_keys_reopen_in_one_call_and_only_failed_ones(store: Any, key: str) -> None:
+    # Given 600 failed keys (a replay of many dead letters), one completed and one claimed
+    failed = [f"{key}:{n}" for n in range(600)]
+    for name in failed:
+        store.claim(name, owner="a", now=T0, lease=5, retention=600)
+        store.fail(name, owner="a", now=T0 + 1, reason="card refused", retention=600)
+    store.claim(f"{key}:done", owner="a", now=T0, lease=5, retention=600)
+    store.complete(f"{key}:done", owner="a", now=T0 + 1, summary="charged", retention=600)
+    store.claim(f"{key}:busy", owner="a", now=T0, lease=5, retention=600)
+    # When all of them are reopened at once (and a key that does not exist)
+    reopened = store.reopen_keys([*failed, f"{key}:done", f"{key}:busy", f"{key}:never"])
+    # Then the failed ones are gone, the others are as they were
+    assert reopened == 600
+    assert [store.inspect(name) for name in failed[:3] + failed[-3:]] == [None] * 6
+    assert store.claim(failed[0], owner="b", now=T0 + 2, lease=5, retention=600).state == "acquired"
+    assert store.inspect(f"{key}:done")["state"] == "completed"
+    assert store.inspect(f"{key}:busy")["state"] == "claimed"
+    assert store.reopen_keys([]) == 0
+
+
 def test_reserve_publish(store: Any, key: str) -> None:
     assert store.reserve_publish(key, task_id="t1", ttl=60) is None
     assert store.reserve_publish(key, task_id="t2", ttl=60) == "t1"
