@@ -49,9 +49,11 @@ flaky: $(INSTALLED) services
 clean:
 	rm -rf $(VENV) build dist *.egg-info example_project/var
 
-# What the guardrails cost: ratios against plain Celery in the same run (needs Redis on 127.0.0.1:6379).
-bench: $(INSTALLED)
+# What the guardrails cost: ratios against plain Celery in the same run (Redis and PostgreSQL on 127.0.0.1),
+# then the Django app at scale (1,000,000 dead letters on PostgreSQL; SCALE_ROWS=... for a smaller run).
+bench: $(INSTALLED) services
 	$(PY) bench/bench.py
+	$(PY) bench/scale.py
 
 # The chaos soak: JOBS logical jobs (default 10000) per store while workers are SIGKILLed every 20 s, the
 # broker's Redis and PostgreSQL restarted once, the store cut for 10 s; exits non-zero on a loss, a doubled
