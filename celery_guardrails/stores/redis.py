@@ -431,7 +431,10 @@ class RedisIdempotency:
         return bool(self._run(self._reopen, key, []))
 
     def reopen_keys(self, keys: Iterable[str]) -> int:
-        # One round trip: the scripts pipelined (not a transaction; each script is atomic on its own).
+        # One round trip: the scripts pipelined (not a transaction; each script is atomic on its own). A cluster
+        # client pipelines no scripts (redis-py refuses EVALSHA there): one call a key, each in its own slot.
+        if self._cluster:
+            return sum(1 for key in keys if self.reopen(key))
         try:
             pipe = self.client.pipeline(transaction=False)
             for key in keys:
