@@ -10,6 +10,7 @@ Every exception the extension raises derives from one root, :class:`GuardrailsEr
     ├── IdempotencyKeyError     an idempotency key that cannot be made (missing argument, too long, bad text)
     ├── TransientError          raise from a task: this may work if tried again (retried with backoff)
     ├── PermanentError          raise from a task: trying again cannot help (never retried)
+    │   └── CheckpointError     ``self.checkpoint`` misused (outside a task run, not a sequence, state not JSON)
     ├── RetryLater              raise from a task: "not yet" (re-delivered later, no attempt consumed)
     ├── BudgetExhaustedError    a dependency's retry budget or open circuit kept a message from running
     ├── PoisonMessageError      a message whose runs kept killing their worker, dead-lettered unrun
@@ -81,6 +82,12 @@ class TransientError(GuardrailsError):
 
 class PermanentError(GuardrailsError):
     """Raise (or subclass) for a failure that trying again cannot fix (bad input, a refused request)."""
+
+
+class CheckpointError(PermanentError):
+    """``self.checkpoint`` was misused: read outside a task run, given items that are not a re-iterable sequence
+    in a stable order, a ``state`` that is not small JSON, or iterated inside a transaction. A programming error:
+    trying again cannot help, so it is a :class:`PermanentError` (the message is dead-lettered with it)."""
 
 
 class RetryLater(GuardrailsError):

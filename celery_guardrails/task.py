@@ -18,6 +18,7 @@ from celery.exceptions import Reject
 from celery.utils import uuid
 
 from celery_guardrails import headers
+from celery_guardrails.checkpoint import Checkpoint, Checkpoints, checkpoint_of
 from celery_guardrails.delivery import Delivery, begin
 from celery_guardrails.exceptions import StoreError, StoreUnavailableError
 from celery_guardrails.guardrails.budget import RetryBudget
@@ -56,6 +57,7 @@ class GuardedTask(Task):  # type: ignore[misc]
         RetryBudget(),
         Idempotency(),
         ScheduledRuns(),
+        Checkpoints(),
     )
 
     #: The ack is sacred: a message is acked only after the task finished, its retry was published or its
@@ -101,6 +103,14 @@ class GuardedTask(Task):  # type: ignore[misc]
     circuit_open_seconds: float | None = None
     circuit_half_open_probes: int | None = None
     circuit_probe_timeout: float | None = None
+
+    # Resumable chunks (issue #14): ``for item in self.checkpoint.iterate(items, every=100)`` in a bound body
+    # records the position reached, keyed by the job, and resumes from it on the next delivery. Checkpoints
+    # (last in the pipeline) is innermost around the body: a chunk commits or rolls back before the key is
+    # completed or a retry is published, and the checkpoint is cleared on success (see celery_guardrails.checkpoint).
+    @property
+    def checkpoint(self) -> Checkpoint:
+        return checkpoint_of(self)
 
     @classmethod
     def on_bound(cls, app: Any) -> None:

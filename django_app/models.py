@@ -450,3 +450,33 @@ class ScheduledRun(models.Model):
         if self.started_at is None or self.finished_at is None:
             return None
         return self.finished_at - self.started_at
+
+
+class Checkpoint(models.Model):
+    """How far a long job got (``self.checkpoint.iterate``): its next delivery resumes from here."""
+
+    key = models.CharField(
+        _("key"),
+        max_length=255,
+        unique=True,
+        help_text=_(
+            "The job's scoped idempotency key (task:tenant:key), or task:tenant:task-id:<task id> for a task "
+            "without one."
+        ),
+    )
+    position = models.BigIntegerField(
+        _("position"), default=0, help_text=_("Items done: a resumed run skips this many items of its sequence.")
+    )
+    state = models.TextField(
+        _("state"), blank=True, help_text=_("The job's small JSON state saved with the position (empty: none).")
+    )
+    updated_at = models.DateTimeField(_("updated at"), auto_now=True, help_text=_("The last chunk's commit."))
+
+    objects: models.Manager[Checkpoint] = models.Manager()
+
+    class Meta:
+        verbose_name = _("checkpoint")
+        verbose_name_plural = _("checkpoints")
+
+    def __str__(self) -> str:
+        return f"{self.key} @ {self.position}"

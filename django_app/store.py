@@ -37,7 +37,7 @@ from celery_guardrails.stores.base import (
     status,
 )
 
-from .models import AlertThrottle, DeliveryCounter, IdempotencyKey, ScheduledRun
+from .models import AlertThrottle, Checkpoint, DeliveryCounter, IdempotencyKey, ScheduledRun
 from .models import DependencyState as Row
 
 _FIELDS = [f.name for f in fields(DependencyState)]
@@ -515,6 +515,34 @@ class DjangoStore:
             return {name: Heads(newest_period=newest.get(name), pending=tuple(pending.get(name, ()))) for name in names}
 
         return self._ledger(f"read the newest runs of {len(names)} schedule(s)", read)
+
+    # Checkpoints of long jobs: one row per job. Saved on the caller's connection, in its transaction (the
+    # chunk's ``transaction.atomic()``), so the chunk's effects and its position commit together or not at all.
+    # The save is a conditional UPDATE from the expected position (an INSERT for the first, in a savepoint
+    # that a concurrent first insert refuses): of two deliveries running one job at once, one moves it.
+
+    @translated("read a checkpoint")
+    def load_checkpoint(self, key: str) -> tuple[int, str]:
+        row = Checkpoint.objects.filter(key=key).values_list("position", "state").first()
+        return (int(row[0]), row[1]) if row else (0, "")
+
+    @translated("save a checkpoint")
+    def save_checkpoint(self, key: str, *, expected: int, position: int, state: str, ttl: float) -> bool:
+        moved = Checkpoint.objects.filter(key=key, position=expected).update(
+            position=position, state=state, updated_at=timezone.now()
+        )
+        if moved or expected != 0:
+            return bool(moved)
+        try:
+            with transaction.atomic():
+                Checkpoint.objects.create(key=key, position=position, state=state)
+        except IntegrityError:  # another delivery saved first
+            return False
+        return True
+
+    @translated("clear a checkpoint")
+    def clear_checkpoint(self, key: str) -> None:
+        Checkpoint.objects.filter(key=key).delete()
 
 
 def _newest_periods(names: list[str]) -> Iterator[tuple[str, float]]:

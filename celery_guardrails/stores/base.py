@@ -259,3 +259,18 @@ class Store(RunLedger, Protocol):
     def budget_status(self, dependency: str, policy: BudgetPolicy, *, now: float) -> dict[str, Any]: ...
 
     def reset(self, dependency: str) -> None: ...
+
+    # Checkpoints of long jobs (``self.checkpoint``, :mod:`celery_guardrails.checkpoint`): per key, the position
+    # reached (items done) and a small JSON state saved with it. ``save_checkpoint`` is a compare-and-set: it
+    # writes only while the stored position is ``expected`` (0 when there is none), so two deliveries of one job
+    # running at once cannot both move it (the second is told False). The Django store writes on the caller's
+    # connection, inside its transaction, so a chunk's effects and its position commit together. ``ttl``:
+    # seconds the checkpoint is kept after its last save (the Redis store; the database keeps it until cleared).
+
+    def load_checkpoint(self, key: str) -> tuple[int, str]:
+        """(position, state as JSON text, "" for none); (0, "") when ``key`` has no checkpoint."""
+        ...
+
+    def save_checkpoint(self, key: str, *, expected: int, position: int, state: str, ttl: float) -> bool: ...
+
+    def clear_checkpoint(self, key: str) -> None: ...

@@ -17,6 +17,7 @@ from typing import Any
 
 from celery_guardrails.exceptions import StoreError, StoreUnavailableError
 from celery_guardrails.stores.base import Admission, BudgetPolicy, Claim, DependencyState, status
+from celery_guardrails.stores.redis_checkpoint import CHECKPOINT_CLEAR_SCRIPT, CHECKPOINT_SAVE_SCRIPT, RedisCheckpoints
 from celery_guardrails.stores.redis_client import connect, is_cluster
 from celery_guardrails.stores.redis_lane import Lane
 from celery_guardrails.stores.redis_ledger import LEDGER_SCRIPT, RedisRunLedger
@@ -517,7 +518,7 @@ _INT_FIELDS = (
 )
 
 
-class RedisStore(RedisIdempotency, RedisRunLedger):
+class RedisStore(RedisIdempotency, RedisRunLedger, RedisCheckpoints):
     """Store on a Redis server, a Redis Cluster or the master a Sentinel names, given by URL
     (``redis://127.0.0.1:6379/1``; see :mod:`~celery_guardrails.stores.redis_client`)."""
 
@@ -542,6 +543,8 @@ class RedisStore(RedisIdempotency, RedisRunLedger):
         self._throttle = self.client.register_script(_THROTTLE)
         self._due = self.client.register_script(_DUE)
         self._ledger = self.client.register_script(LEDGER_SCRIPT)
+        self._checkpoint_save = self.client.register_script(CHECKPOINT_SAVE_SCRIPT)
+        self._checkpoint_clear = self.client.register_script(CHECKPOINT_CLEAR_SCRIPT)
         # A cluster client routes each command to its slot's node: there is no one pool to make a lane from.
         self._lane = Lane(None if self._cluster else self.client.connection_pool)
         self._errors: tuple[type[BaseException], ...] = (redis.RedisError, redis.exceptions.RedisClusterException)
