@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import redis
 from celery import shared_task
@@ -67,3 +68,61 @@ def kill_my_worker(self: GuardedTask, marker: str) -> str:
     redis.Redis.from_url(REDIS_URL).rpush(marker, os.getpid())
     os.kill(os.getpid(), signal.SIGKILL)
     return "unreachable"
+
+
+@shared_task(base=GuardedTask, bind=True, backoff_base=0.05)
+def insert_items(
+    self: GuardedTask,
+    job: str,
+    count: int,
+    every: int = 100,
+    pause: float = 0.0,
+    gate_at: int | None = None,
+    fail_at: int | None = None,
+    sink: str | None = None,
+) -> dict[str, int]:
+    """A chunked job: one ChunkItem row per item of range(count), through self.checkpoint; its state keeps a
+    running sum. On its first run it may wait at a gate after item ``gate_at`` (Redis list ``<job>:gate``; it
+    says so in ``<job>:at-gate``), or raise TransientError after item ``fail_at``. Keyed only when published
+    with idempotency_key=..."""
+    from celery_guardrails import TransientError
+    from tests.testapp.models import ChunkItem
+
+    client = redis.Redis.from_url(REDIS_URL)
+    run = int(client.incr(f"{job}:runs"))
+    start = self.checkpoint.position
+    total = (self.checkpoint.state or {}).get("sum", 0)
+    seen(self, sink, run=run, start=start, attempt=self.request.attempt, key=self.checkpoint.key)
+    for item in self.checkpoint.iterate(range(count), every=every):
+        ChunkItem.objects.create(job=job, item=item, run=run)
+        total += item
+        self.checkpoint.state = {"sum": total}
+        if run == 1 and item == gate_at:
+            client.rpush(f"{job}:at-gate", item)
+            if client.blpop([f"{job}:gate"], timeout=120) is None:
+                raise RuntimeError("gate never opened")
+        if run == 1 and item == fail_at:
+            raise TransientError("provider hiccup mid-job")
+        if pause:
+            time.sleep(pause)
+    return {"sum": total, "start": start, "run": run}
+
+
+@shared_task(base=GuardedTask, bind=True)
+def iterate_badly(self: GuardedTask, how: str) -> int:
+    """Misuses self.checkpoint the way ``how`` says (each ends in a CheckpointError or ConfigurationError)."""
+    from django.db import transaction
+
+    items: Any = range(10)
+    if how == "generator":
+        items = (i for i in range(10))
+    elif how == "set":
+        items = {1, 2, 3}
+    elif how == "state":
+        self.checkpoint.state = {"when": object()}
+    elif how == "transaction":
+        with transaction.atomic():
+            return sum(self.checkpoint.iterate(items))
+    elif how == "twice":
+        sum(self.checkpoint.iterate(items))
+    return sum(self.checkpoint.iterate(items, every=0 if how == "every" else 5))

@@ -16,3 +16,14 @@ class Order(models.Model):
 
     def __str__(self) -> str:
         return f"order {self.pk} ({self.status})"
+
+
+class ChunkItem(models.Model):
+    """One item of a chunked job, inserted by the run that processed it (no unique constraint: a repeat shows)."""
+
+    job = models.CharField(max_length=100, verbose_name="job", help_text="The job the item belongs to.")
+    item = models.IntegerField(verbose_name="item", help_text="The item's index in the job's sequence.")
+    run = models.IntegerField(verbose_name="run", help_text="Which run of the job's body wrote it (1, 2, ...).")
+
+    def __str__(self) -> str:
+        return f"{self.job}[{self.item}] by run {self.run}"

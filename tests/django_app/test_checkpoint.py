@@ -1,0 +1,253 @@
+"""Resumable chunks (``self.checkpoint.iterate``) on real workers: a job SIGKILLed half way resumes where it
+stopped; on the Django store each item's row commits exactly once, on the Redis store at most one chunk runs
+again; a retry resumes; a store cut while saving spends no attempt; misuse is a clear error."""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections import Counter, defaultdict
+from collections.abc import Iterator
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import pytest
+from django.db import connection
+
+from celery_guardrails.exceptions import CheckpointError, ConfigurationError
+from tests.conftest import Sink
+from tests.proj import django_tasks
+from tests.support.proxy import TcpProxy
+from tests.support.services import REDIS_URL
+from tests.support.waiting import wait_for
+from tests.support.workers import PROJ_APP, WorkerProcess, proj_env
+from tests.testapp.models import ChunkItem
+
+pytestmark = pytest.mark.django_db(transaction=True)
+TIMEOUT = 90
+COUNT = 10_000
+EVERY = 100
+# Redeliveries come back quickly after a SIGKILL; the claim's lease is short, so its heartbeat must keep it.
+TRANSPORT = json.dumps({"visibility_timeout": 3, "unacked_restore_interval": 1, "unacked_restore_throttle": 1})
+
+
+@pytest.fixture
+def job(sink: Sink) -> Iterator[str]:
+    job = f"job-{uuid.uuid4().hex[:12]}"
+    yield job
+    sink.client.delete(f"{job}:runs", f"{job}:gate", f"{job}:at-gate")
+
+
+def rows(job: str) -> int:
+    return ChunkItem.objects.filter(job=job).count()
+
+
+def items_by_run(job: str) -> dict[int, list[int]]:
+    written: dict[int, list[int]] = defaultdict(list)
+    for run, item in ChunkItem.objects.filter(job=job).order_by("item", "run").values_list("run", "item"):
+        written[run].append(item)
+    return dict(written)
+
+
+def lease_renewed(sink: Sink, store: Any) -> None:
+    """The running job's claim (2 s lease) was renewed by its heartbeat while the chunks ran: it now ends later
+    than the lease the claim took as the body started."""
+    report = sink.items()[0]
+    started = datetime.fromisoformat(report["started"]).timestamp()
+    row = store.inspect(report["key"])
+    assert row is not None
+    until = row["lease_until"]
+    until = float(until) if isinstance(until, str) else until.timestamp()
+    assert until > started + 2.0, (report, row)
+
+
+def kill_half_way(
+    job: str, env: dict[str, str], queue: str, tmp_path: Path, sink: Sink, *, store: Any, done: Any, **options: Any
+) -> Any:
+    """Publish the 10,000-item job, SIGKILL its worker once about half the rows are in, restart a worker;
+    the job's result (after it completes on the second worker, and ``done()`` holds) and the rows there were
+    at the kill."""
+    result = django_tasks.insert_items.apply_async(
+        (job, COUNT), {"every": EVERY, "pause": 0.0003, "sink": sink.key}, **options
+    )
+    with WorkerProcess(app=PROJ_APP, queue=queue, log_path=tmp_path / "first.log", env=env) as first:
+        wait_for("half the rows", lambda: rows(job) >= COUNT // 2, timeout=TIMEOUT)
+        lease_renewed(sink, store)
+        first.kill()
+        first.wait(15)
+    at_kill = rows(job)
+    with WorkerProcess(app=PROJ_APP, queue=queue, log_path=tmp_path / "second.log", env=env) as second:
+        outcome = result.get(timeout=TIMEOUT)
+        assert "resuming" in second.log
+        # (the checkpoint is cleared as the task succeeds, after Celery stored its result)
+        wait_for("the job's checkpoint cleared", done)
+    return outcome, at_kill
+
+
+def test_django_store_sigkill_half_way_resumes_and_writes_every_item_exactly_once(
+    celery_app: Any, queue_name: str, sink: Sink, job: str, tmp_path: Path
+) -> None:
+    from django_celery_guardrails.models import Checkpoint, IdempotencyKey
+    from django_celery_guardrails.store import DjangoStore
+
+    # Given a keyed chunked job over 10,000 items (one INSERT each, no unique constraint) on the Django store,
+    # its claim's lease 2 s (renewed by the heartbeat while the chunks run)
+    env = proj_env(
+        queue=queue_name,
+        django=True,
+        GUARDRAILS_TEST_GUARDRAILS=json.dumps({"store": "django", "idempotency_lease": 2.0}),
+        GUARDRAILS_TEST_TRANSPORT_OPTIONS=TRANSPORT,
+    )
+    key = f"tests.proj.django_tasks.insert_items:-:chunked:{job}"
+    # When its worker is SIGKILLed once about half the rows are in, and a worker is started again
+    outcome, at_kill = kill_half_way(
+        job,
+        env,
+        queue_name,
+        tmp_path,
+        sink,
+        idempotency_key=f"chunked:{job}",
+        store=DjangoStore(),
+        done=lambda: not Checkpoint.objects.filter(key=key).exists(),
+    )
+    # Then it was killed mid-job: the rows committed at the kill are whole chunks
+    assert COUNT // 2 <= at_kill < COUNT and at_kill % EVERY == 0
+    # And after the restart every item has exactly one row
+    per_item = Counter(ChunkItem.objects.filter(job=job).values_list("item", flat=True))
+    assert sorted(per_item) == list(range(COUNT)) and set(per_item.values()) == {1}
+    # And the first run wrote the items before the kill, the second only the rest, starting from the checkpoint
+    assert items_by_run(job) == {1: list(range(at_kill)), 2: list(range(at_kill, COUNT))}
+    assert [(r["run"], r["start"]) for r in sink.items()] == [(1, 0), (2, at_kill)]
+    # And the running sum in the checkpoint's state resumed with the position: it counts each item once
+    assert outcome == {"sum": sum(range(COUNT)), "start": at_kill, "run": 2}
+    # And the checkpoint was the job's idempotency key, now completed (and the checkpoint cleared)
+    assert sink.items()[0]["key"] == key
+    assert IdempotencyKey.objects.get(key=key).state == "completed"
+
+
+def test_redis_store_sigkill_half_way_resumes_repeating_at_most_one_chunk(
+    celery_app: Any, queue_name: str, sink: Sink, job: str, tmp_path: Path
+) -> None:
+    # Given the same job on the Redis store: each INSERT commits on its own, the position is saved per chunk
+    env = proj_env(
+        queue=queue_name,
+        django=True,
+        GUARDRAILS_TEST_GUARDRAILS=json.dumps({"store": REDIS_URL, "idempotency_lease": 2.0}),
+        GUARDRAILS_TEST_TRANSPORT_OPTIONS=TRANSPORT,
+    )
+    from celery_guardrails.stores.redis import RedisStore
+    from celery_guardrails.stores.redis_checkpoint import checkpoint_key
+
+    key = checkpoint_key(f"tests.proj.django_tasks.insert_items:-:chunked:{job}")
+    # When its worker is SIGKILLed half way and a worker is started again
+    outcome, at_kill = kill_half_way(
+        job,
+        env,
+        queue_name,
+        tmp_path,
+        sink,
+        idempotency_key=f"chunked:{job}",
+        store=RedisStore(REDIS_URL),
+        done=lambda: not sink.client.exists(key),
+    )
+    resumed = outcome["start"]
+    # Then the second run started at the last saved chunk boundary, at most one chunk behind the kill
+    assert resumed % EVERY == 0 and at_kill - EVERY <= resumed <= at_kill
+    assert items_by_run(job) == {1: list(range(at_kill)), 2: list(range(resumed, COUNT))}
+    # And every item has a row; only the items of the chunk cut short have two (at most one chunk)
+    per_item = Counter(ChunkItem.objects.filter(job=job).values_list("item", flat=True))
+    assert sorted(per_item) == list(range(COUNT))
+    assert sorted(item for item, n in per_item.items() if n > 1) == list(range(resumed, at_kill))
+    # And the state saved with the position made the sum right anyway
+    assert outcome["sum"] == sum(range(COUNT))
+
+
+@pytest.fixture
+def celery_app(celery_app: Any) -> Any:
+    celery_app.conf.guardrails = {**celery_app.conf.guardrails, "store": "django"}
+    return celery_app
+
+
+def test_a_transient_error_mid_job_retries_and_resumes_from_the_last_checkpoint(
+    celery_worker: Any, sink: Sink, job: str
+) -> None:
+    from django_celery_guardrails.models import Checkpoint
+
+    # Given an unkeyed chunked job (its checkpoint keyed by the task id) that fails transiently at item 250
+    result = django_tasks.insert_items.delay(job, 1000, every=EVERY, fail_at=250, sink=sink.key)
+    # When it is retried
+    assert result.get(timeout=TIMEOUT)["sum"] == sum(range(1000))
+    # Then the failing chunk [200, 300) was rolled back, and the retry (attempt 2) resumed at 200
+    reports = sink.items()
+    assert [(r["run"], r["attempt"], r["start"]) for r in reports] == [(1, 1, 0), (2, 2, 200)]
+    assert reports[0]["key"] == reports[1]["key"] == f"tests.proj.django_tasks.insert_items:-:task-id:{result.id}"
+    assert items_by_run(job) == {1: list(range(200)), 2: list(range(200, 1000))}
+    assert not Checkpoint.objects.filter(key=reports[0]["key"]).exists()
+
+
+@pytest.mark.parametrize(
+    ("how", "error"),
+    [
+        ("generator", CheckpointError),
+        ("set", CheckpointError),
+        ("every", CheckpointError),
+        ("twice", CheckpointError),
+        ("state", CheckpointError),
+        ("transaction", CheckpointError),
+    ],
+)
+def test_misuse_is_a_clear_error(celery_worker: Any, how: str, error: type[Exception]) -> None:
+    # Given a body that misuses the checkpoint, When it runs, Then it fails with a CheckpointError (permanent:
+    # not retried), saying what is wrong
+    with pytest.raises(error) as raised:
+        django_tasks.iterate_badly.delay(how).get(timeout=TIMEOUT)
+    assert "checkpoint" in str(raised.value)
+
+
+def test_atomic_true_is_refused(celery_app: Any, celery_worker: Any) -> None:
+    # Given atomic=True (the whole body one transaction: no chunk could commit on its own)
+    celery_app.conf.guardrails = {**celery_app.conf.guardrails, "atomic": True}
+    # When a body iterates, Then it fails with a ConfigurationError naming atomic
+    with pytest.raises(ConfigurationError, match="atomic"):
+        django_tasks.iterate_badly.delay("none").get(timeout=TIMEOUT)
+
+
+def test_outside_a_task_run_is_a_clear_error() -> None:
+    with pytest.raises(CheckpointError, match="only available inside the body"):
+        django_tasks.insert_items.checkpoint.iterate(range(3))
+
+
+def test_database_cut_while_saving_a_checkpoint_rolls_the_chunk_back_and_spends_no_attempt(
+    celery_app: Any, queue_name: str, sink: Sink, job: str, tmp_path: Path
+) -> None:
+    from django_celery_guardrails.models import DeadLetter
+
+    if connection.vendor != "postgresql":
+        pytest.skip("needs a database server to take away (runs in the PostgreSQL pass)")
+    proxy = TcpProxy(5432)
+    env = proj_env(
+        queue=queue_name,
+        django=True,
+        GUARDRAILS_TEST_DB_PORT=str(proxy.port),
+        GUARDRAILS_TEST_GUARDRAILS=json.dumps({"store": "django"}),
+    )
+    try:
+        with WorkerProcess(app=PROJ_APP, queue=queue_name, log_path=tmp_path / "worker.log", env=env) as worker:
+            # Given a chunked job waiting at a gate after the last item of its second chunk [100, 200)
+            result = django_tasks.insert_items.delay(job, 300, every=EVERY, gate_at=199, sink=sink.key)
+            wait_for("the job at its gate", lambda: sink.client.llen(f"{job}:at-gate"))
+            # When the database goes away just before that chunk's checkpoint is saved
+            proxy.cut()
+            sink.client.rpush(f"{job}:gate", "go")
+            wait_for("the outage logged", lambda: "the guardrails store is unavailable" in worker.log)
+            proxy.restore()
+            # Then the message came back later and completed
+            assert result.get(timeout=TIMEOUT)["sum"] == sum(range(300))
+    finally:
+        proxy.close()
+    # And the chunk cut short was rolled back with its position: the next run redid it from 100, no attempt spent
+    reports = sink.items()
+    assert [(r["run"], r["attempt"], r["start"]) for r in reports] == [(1, 1, 0), (2, 1, 100)]
+    assert items_by_run(job) == {1: list(range(100)), 2: list(range(100, 300))}
+    assert not DeadLetter.objects.filter(task_id=result.id).exists()
