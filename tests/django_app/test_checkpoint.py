@@ -27,6 +27,8 @@ from tests.testapp.models import ChunkItem
 pytestmark = pytest.mark.django_db(transaction=True)
 TIMEOUT = 90
 COUNT = 10_000
+#: The Redis store variant's job (its rows commit one by one).
+SHORT = 2_000
 EVERY = 100
 # Redeliveries come back quickly after a SIGKILL; the claim's lease is short, so its heartbeat must keep it.
 TRANSPORT = json.dumps({"visibility_timeout": 3, "unacked_restore_interval": 1, "unacked_restore_throttle": 1})
@@ -63,16 +65,26 @@ def lease_renewed(sink: Sink, store: Any) -> None:
 
 
 def kill_half_way(
-    job: str, env: dict[str, str], queue: str, tmp_path: Path, sink: Sink, *, store: Any, done: Any, **options: Any
+    job: str,
+    env: dict[str, str],
+    queue: str,
+    tmp_path: Path,
+    sink: Sink,
+    *,
+    store: Any,
+    done: Any,
+    count: int = COUNT,
+    pause: float = 0.0003,
+    **options: Any,
 ) -> Any:
-    """Publish the 10,000-item job, SIGKILL its worker once about half the rows are in, restart a worker;
+    """Publish the job (``count`` items), SIGKILL its worker once about half the rows are in, restart a worker;
     the job's result (after it completes on the second worker, and ``done()`` holds) and the rows there were
     at the kill."""
     result = django_tasks.insert_items.apply_async(
-        (job, COUNT), {"every": EVERY, "pause": 0.0003, "sink": sink.key}, **options
+        (job, count), {"every": EVERY, "pause": pause, "sink": sink.key}, **options
     )
     with WorkerProcess(app=PROJ_APP, queue=queue, log_path=tmp_path / "first.log", env=env) as first:
-        wait_for("half the rows", lambda: rows(job) >= COUNT // 2, timeout=TIMEOUT)
+        wait_for("half the rows", lambda: rows(job) >= count // 2, timeout=TIMEOUT)
         lease_renewed(sink, store)
         first.kill()
         first.wait(15)
@@ -129,7 +141,8 @@ def test_django_store_sigkill_half_way_resumes_and_writes_every_item_exactly_onc
 def test_redis_store_sigkill_half_way_resumes_repeating_at_most_one_chunk(
     celery_app: Any, queue_name: str, sink: Sink, job: str, tmp_path: Path
 ) -> None:
-    # Given the same job on the Redis store: each INSERT commits on its own, the position is saved per chunk
+    # Given the same job over 2,000 items on the Redis store: each INSERT commits on its own (one disk flush
+    # each: slower), the position is saved after each chunk
     env = proj_env(
         queue=queue_name,
         django=True,
@@ -149,18 +162,20 @@ def test_redis_store_sigkill_half_way_resumes_repeating_at_most_one_chunk(
         sink,
         idempotency_key=f"chunked:{job}",
         store=RedisStore(REDIS_URL),
+        count=SHORT,
+        pause=0.0,
         done=lambda: not sink.client.exists(key),
     )
     resumed = outcome["start"]
     # Then the second run started at the last saved chunk boundary, at most one chunk behind the kill
     assert resumed % EVERY == 0 and at_kill - EVERY <= resumed <= at_kill
-    assert items_by_run(job) == {1: list(range(at_kill)), 2: list(range(resumed, COUNT))}
+    assert items_by_run(job) == {1: list(range(at_kill)), 2: list(range(resumed, SHORT))}
     # And every item has a row; only the items of the chunk cut short have two (at most one chunk)
     per_item = Counter(ChunkItem.objects.filter(job=job).values_list("item", flat=True))
-    assert sorted(per_item) == list(range(COUNT))
+    assert sorted(per_item) == list(range(SHORT))
     assert sorted(item for item, n in per_item.items() if n > 1) == list(range(resumed, at_kill))
     # And the state saved with the position made the sum right anyway
-    assert outcome["sum"] == sum(range(COUNT))
+    assert outcome["sum"] == sum(range(SHORT))
 
 
 @pytest.fixture
