@@ -20,6 +20,7 @@ from celery_guardrails.stores.base import Admission, BudgetPolicy, Claim, Depend
 from celery_guardrails.stores.redis_client import connect, is_cluster
 from celery_guardrails.stores.redis_lane import Lane
 from celery_guardrails.stores.redis_ledger import LEDGER_SCRIPT, RedisRunLedger
+from celery_guardrails.stores.redis_ordering import ORDERING_SCRIPT, RedisOrdering
 
 logger = logging.getLogger(__name__)
 
@@ -517,7 +518,7 @@ _INT_FIELDS = (
 )
 
 
-class RedisStore(RedisIdempotency, RedisRunLedger):
+class RedisStore(RedisIdempotency, RedisRunLedger, RedisOrdering):
     """Store on a Redis server, a Redis Cluster or the master a Sentinel names, given by URL
     (``redis://127.0.0.1:6379/1``; see :mod:`~celery_guardrails.stores.redis_client`)."""
 
@@ -542,6 +543,7 @@ class RedisStore(RedisIdempotency, RedisRunLedger):
         self._throttle = self.client.register_script(_THROTTLE)
         self._due = self.client.register_script(_DUE)
         self._ledger = self.client.register_script(LEDGER_SCRIPT)
+        self._ordering = self.client.register_script(ORDERING_SCRIPT)
         # A cluster client routes each command to its slot's node: there is no one pool to make a lane from.
         self._lane = Lane(None if self._cluster else self.client.connection_pool)
         self._errors: tuple[type[BaseException], ...] = (redis.RedisError, redis.exceptions.RedisClusterException)
