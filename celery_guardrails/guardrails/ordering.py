@@ -12,8 +12,10 @@
   - ``seq == done + 1``: its turn, the run goes on;
   - ``seq <= done``: stale (a redelivery or duplicate of a message whose turn is over): the body does not run,
     the task returns None, ``stale_skipped`` fires, the key's ``stale`` count grows, logged with the ids;
-  - ``seq > done + 1``: an earlier message has not finished: it comes back after ``retry_later_delay``
-    through ``RetryLater``, no attempt spent, not counted against ``retry_later_max`` (header ``ord_wait``);
+  - ``seq > done + 1``: an earlier message has not finished: it comes back later through ``RetryLater``, no
+    attempt spent, not counted against ``retry_later_max`` (header ``ord_wait``): after ``retry_later_delay``
+    when it is next in line, after k times that when k places further back (at most 50). A backlog drains at
+    about one message per ``retry_later_delay``: give ordered tasks a short one (a fraction of a second);
   - a malformed ``ord`` / ``ord_seq`` is dead-lettered ``malformed_message`` (running it unordered would break
     the order it was published to keep); a message without them runs unordered (published by plain Celery or
     a release without ordering; logged).
@@ -73,6 +75,9 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+#: A waiting message looks again after ``retry_later_delay`` times its distance from its turn (the turns it has
+#: to wait, each taking about that long), at most this many times.
+WAIT_SCALE = 50
 #: Pauses (seconds) between tries at moving a key on when the store does not answer after a run; then the
 #: key's successors wait until ``ordering_gap_timeout`` gives the turn up.
 ADVANCE_PAUSES = (0.1, 0.5, 1.0)
@@ -182,7 +187,11 @@ class Ordering(Guardrail):
             )
             return
         wait = RetryLater(f"ordering key {scoped}: sequence {sequence} waits for {done + 1}")
-        delay = max(0.01, min(resolve(task, "retry_later_delay", call), timeout - waited + 0.01))
+        # The next in line looks again after retry_later_delay; one k places further back after k of them (it has
+        # k turns to wait, each about one delay): a backlog costs a few checks per message, not one per message
+        # and delay, which would crowd out the next in line's. Never past the timeout (nor backoff_max).
+        distance = min(sequence - done - 1, WAIT_SCALE)
+        delay = max(0.01, min(resolve(task, "retry_later_delay", call) * distance, timeout - waited + 0.01))
         raise retry_later(task, wait, delay=delay, rule="ordering:wait", counter=headers.ORDERING_WAITS) or wait
 
     def _refuse(self, task: GuardedTask, error: OrderingError, reason: str) -> NoReturn:

@@ -302,3 +302,25 @@ def sync_account(
     if not client.exists(f"{sink}:fixed"):
         raise PermanentError(f"provider refused account {account}")
     return f"synced {account}"
+
+
+@shared_task(
+    base=GuardedTask,
+    bind=True,
+    ordering_key="stream:{stream}",
+    idempotency_key="append:{stream}:{n}",  # an ordered task should also be keyed: a duplicate runs once
+    retry_later_delay=0.1,
+    backoff_base=0.2,
+)
+def ordered_append(self: GuardedTask, stream: str, n: int, sink: str, fail: str | None = None) -> int:
+    """Message ``n`` of ``stream``, ordered per stream: appends its sequence number (and attempt, and outages
+    met) to the list ``sink`` (durable, in Redis); ``fail="permanent"`` raises PermanentError instead."""
+    from celery_guardrails import headers
+
+    if fail == "permanent":
+        raise PermanentError(f"poison in stream {stream}")
+    sequence = self.request.ordering_sequence
+    outages = headers.counter(headers.from_request(self.request), headers.OUTAGES)
+    item = {"stream": stream, "n": n, "seq": sequence, "attempt": self.request.attempt, "outages": outages}
+    redis.Redis.from_url(REDIS_URL).rpush(sink, json.dumps(item))
+    return int(sequence)
