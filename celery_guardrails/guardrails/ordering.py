@@ -29,7 +29,8 @@ the messages that wait behind it would not help: each of them would wait and be 
 the key would stop for ever. Instead, once the key has not moved for ``ordering_gap_timeout`` while messages
 wait, the lowest waiting message gives up the numbers below it (``ordering_gap_skipped`` fires, logged) and
 runs; the others follow in order. Only numbers no message has been seen waiting with are given up, so a live
-waiter is never skipped. A skipped message that turns up later is dead-lettered with reason
+waiter is never skipped (should the lowest waiter itself vanish, any waiter gives up the numbers below it
+after twice the timeout). A skipped message that turns up later is dead-lettered with reason
 ``ordering_gap`` (recorded, replayable), not dropped as stale. Keep ``ordering_gap_timeout`` above the
 longest run plus retries of one message: a message slower than that is taken for lost, and the next one runs
 beside it.
@@ -118,7 +119,8 @@ class Ordering(Guardrail):
         except (ValueError, OrderingError) as exc:
             self._refuse(task, OrderingError(f"malformed ordering header: {exc}"), MALFORMED_MESSAGE)
         if found is None:
-            if resolve(task, "ordering_key", task.call_options()) is not None:
+            eager = request.called_directly or request.is_eager  # never published: nothing to order
+            if not eager and resolve(task, "ordering_key", task.call_options()) is not None:
                 logger.warning(
                     "Task %s[%s]: ordered task delivered without a sequence number (not published through "
                     "GuardedTask); running it unordered",
@@ -168,8 +170,11 @@ class Ordering(Guardrail):
         waited = now - found_state.gap_since
         timeout = resolve(task, "ordering_gap_timeout", call)
         # The key has not moved for the whole timeout, and no message below this one was seen waiting: the
-        # numbers between are lost. Give them up and run (a lost race means the key moved: wait again).
-        lost = waited >= timeout and sequence == found_state.waiting
+        # numbers between are lost. Give them up and run (a lost race means the key moved: wait again). The
+        # lowest waiter itself may vanish (dead-lettered as poison, say): past twice the timeout, any waiter
+        # gives up the numbers below it, so no wait lasts for ever.
+        lowest = sequence == found_state.waiting
+        lost = waited >= timeout and (lowest or waited >= 2 * timeout)
         if lost and store.order_skip(scoped, done=done, to=sequence - 1, now=now, retention=retention):
             logger.warning(
                 "Task %s[%s]: ordering key %s did not move for %.0fs; sequence numbers %d..%d given up as lost, "

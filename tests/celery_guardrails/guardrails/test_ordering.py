@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import random
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -239,3 +240,23 @@ def test_store_cut_at_run_the_messages_come_back_and_keep_their_order(
     assert [item["seq"] for item in items] == [1, 2, 3, 4, 5]
     assert {item["attempt"] for item in items} == {1}
     assert any(item["outages"] for item in items)
+
+
+def test_a_waiter_that_vanished_does_not_hold_the_key_for_ever(
+    celery_worker: Any, celery_app: Any, sink: Sink, stream: str, received: Any
+) -> None:
+    skipped = received(signals.ordering_gap_skipped)
+    celery_app.conf.guardrails = {**celery_app.conf.guardrails, "ordering_gap_timeout": 0.5}
+    store = get_store(celery_app)
+    # Given numbers 1 and 2 handed out; 1 never published, 2 seen waiting once and then gone (dead-lettered
+    # where it could not say so): the key's lowest waiter is 2, and 2 will not come back
+    for _ in range(2):
+        store.order_next(scoped(stream), now=0.0, retention=3600.0)
+    store.order_check(scoped(stream), sequence=2, now=time.time(), retention=3600.0)
+    # When 3 is published
+    third = tasks.ordered_append.delay(stream, 3, sink.key)
+    # Then 3 is not the lowest waiter, so it waits past the timeout; after twice the timeout it gives up 1..2
+    assert third.get(timeout=TIMEOUT) == 3
+    assert [(s["task_id"], s["first"], s["last"]) for s in skipped] == [(third.id, 1, 2)]
+    assert skipped[0]["waited"] >= 1.0
+    assert ran(sink) == [3]
