@@ -400,14 +400,21 @@ class DjangoStore:
     @translated("read an ordering key")
     def order_check(self, key: str, *, sequence: int, now: float, retention: float) -> OrderState:
         rows = OrderingSequence.objects.filter(key=key)
+        names = ("issued", "done", "gap_since", "waiting", "skipped_from", "skipped_to", "stale")
         with transaction.atomic():
-            ahead = rows.filter(done__lt=sequence - 1)
-            ahead.filter(gap_since=0).update(gap_since=now, updated_at=timezone.now())
-            ahead.filter(Q(waiting=0) | Q(waiting__gt=sequence)).update(waiting=sequence, updated_at=timezone.now())
-            rows.filter(done__gte=sequence).update(stale=F("stale") + 1, updated_at=timezone.now())
-            names = ("issued", "done", "gap_since", "waiting", "skipped_from", "skipped_to", "stale")
-            row = rows.values(*names).first()
-        return OrderState(**row) if row else OrderState()
+            # Touch the row first: the UPDATE takes its lock (SQLite: the write lock), so the read and the
+            # change below see no advance in between (one in between would leave a gap clock that is unset).
+            if not rows.update(updated_at=timezone.now()):
+                return OrderState()
+            state = dict(rows.values(*names).get())
+            if sequence > state["done"] + 1:
+                state["gap_since"] = state["gap_since"] or now
+                state["waiting"] = min(state["waiting"] or sequence, sequence)
+                rows.update(gap_since=state["gap_since"], waiting=state["waiting"])
+            elif sequence <= state["done"]:
+                state["stale"] += 1
+                rows.update(stale=F("stale") + 1)
+        return OrderState(**state)
 
     @translated("advance an ordering key")
     def order_advance(self, key: str, *, sequence: int, now: float, retention: float) -> bool:

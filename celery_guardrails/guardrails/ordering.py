@@ -167,7 +167,7 @@ class Ordering(Guardrail):
         state.ordering = (scoped, sequence)
         if sequence == done + 1:
             return
-        waited = now - found_state.gap_since
+        waited = now - found_state.gap_since if found_state.gap_since else 0.0  # (set by the check: never 0 here)
         timeout = resolve(task, "ordering_gap_timeout", call)
         # The key has not moved for the whole timeout, and no message below this one was seen waiting: the
         # numbers between are lost. Give them up and run (a lost race means the key moved: wait again). The
