@@ -54,3 +54,28 @@ def test_shuffled_messages_of_a_key_run_in_order_on_the_django_store(worker: Wor
     rows = OrderingSequence.objects.filter(key=f"tests.proj.tasks.ordered_append:-:stream:{stream}")
     wait_for("the last turn over", lambda: rows.get().done == 20)
     assert rows.values_list("issued", "done", "gap_since", "waiting").get() == (20, 20, 0.0, 0)
+
+
+def test_a_replayed_ordered_message_takes_a_new_number_after_its_successors(
+    celery_worker: Any, celery_app: Any, sink: Sink
+) -> None:
+    from django.contrib.auth.models import User
+
+    from django_celery_guardrails.models import DeadLetter
+    from django_celery_guardrails.replay import replay_dead_letters
+
+    celery_app.conf.guardrails = {**celery_app.conf.guardrails, "dead_letter_sinks": ["django"]}
+    stream = f"s-{uuid.uuid4().hex[:10]}"
+    # Given message 1 of a key dead-lettered in its turn (its first run fails), and message 2 run after it
+    first = tasks.ordered_append.apply_async((stream, 1, sink.key), {"fail": "first"})
+    first.get(timeout=TIMEOUT, propagate=False)
+    assert tasks.ordered_append.delay(stream, 2, sink.key).get(timeout=TIMEOUT) == 2
+    record = DeadLetter.objects.get(task_id=first.id)
+    assert (record.reason, record.header["ord_seq"]) == ("permanent", 1)
+    # When it is replayed (the cause fixed)
+    admin = User.objects.create_superuser(f"u{uuid.uuid4().hex[:8]}", password="pw")
+    ((_, task_id),) = replay_dead_letters(DeadLetter.objects.filter(pk=record.pk), user=admin).replayed
+    # Then it is not skipped as stale: it takes the next number, so it runs after the messages published before
+    # the replay, one at a time with its key's others
+    assert celery_app.AsyncResult(task_id).get(timeout=TIMEOUT) == 3
+    assert [(item["n"], item["seq"]) for item in sink.items()] == [(2, 2), (1, 3)]

@@ -314,13 +314,15 @@ def sync_account(
 )
 def ordered_append(self: GuardedTask, stream: str, n: int, sink: str, fail: str | None = None) -> int:
     """Message ``n`` of ``stream``, ordered per stream: appends its sequence number (and attempt, and outages
-    met) to the list ``sink`` (durable, in Redis); ``fail="permanent"`` raises PermanentError instead."""
+    met) to the list ``sink`` (durable, in Redis); ``fail="permanent"`` raises PermanentError instead,
+    ``fail="first"`` on its first run only."""
     from celery_guardrails import headers
 
-    if fail == "permanent":
+    client = redis.Redis.from_url(REDIS_URL)
+    if fail == "permanent" or (fail == "first" and client.incr(f"{sink}:runs:{n}") == 1):
         raise PermanentError(f"poison in stream {stream}")
     sequence = self.request.ordering_sequence
     outages = headers.counter(headers.from_request(self.request), headers.OUTAGES)
     item = {"stream": stream, "n": n, "seq": sequence, "attempt": self.request.attempt, "outages": outages}
-    redis.Redis.from_url(REDIS_URL).rpush(sink, json.dumps(item))
+    client.rpush(sink, json.dumps(item))
     return int(sequence)
