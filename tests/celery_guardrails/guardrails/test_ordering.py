@@ -94,6 +94,20 @@ def test_a_wait_on_one_key_does_not_hold_another(worker: WorkerProcess, sink: Si
     assert streams == [b] * 20 + [a] * 20
 
 
+def test_a_worker_killed_mid_body_its_successors_wait_and_the_order_is_kept(
+    worker: WorkerProcess, sink: Sink, stream: str
+) -> None:
+    # Given 4 messages of a key; the process running 2 is SIGKILLed mid-body on its first run
+    results = [
+        tasks.ordered_append.apply_async((stream, n, sink.key), {"fail": "kill_first" if n == 2 else None})
+        for n in range(1, 5)
+    ]
+    # Then 2 is given back and runs again in its turn (no attempt spent); 3 and 4 waited for it
+    assert [r.get(timeout=TIMEOUT) for r in results] == [1, 2, 3, 4]
+    assert [(item["n"], item["seq"], item["attempt"]) for item in sink.items()] == [(n, n, 1) for n in range(1, 5)]
+    assert "exited prematurely: signal 9 (SIGKILL)" in worker.log
+
+
 def test_a_message_whose_turn_is_over_is_skipped_and_recorded(
     celery_worker: Any, celery_app: Any, sink: Sink, stream: str, received: Any
 ) -> None:
