@@ -55,6 +55,10 @@ class Delivery:
     slot: tuple[str, str, float] | None = None
     #: The scheduled period this delivery runs: (schedule, period).
     period: tuple[str, int] | None = None
+    #: Ordering: the (scoped key, sequence number) whose turn this delivery ends (its outcome moves the key on).
+    ordering: tuple[str, int] | None = None
+    #: Ordering looked at this delivery (else an earlier guardrail ended it first: its outcome still counts).
+    ordering_checked: bool = False
     #: What to give up before this delivery's message is published again (claims, run slots).
     holds: list[Hold] = field(default_factory=list)
     #: A guardrail is publishing the message again (so it is not taken for the body's own ``self.retry()``).

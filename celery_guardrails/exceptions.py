@@ -17,6 +17,9 @@ Every exception the extension raises derives from one root, :class:`GuardrailsEr
     ├── DeadLetteredError       a message whose dead letter was recorded late (its sinks had been down)
     ├── DuplicateOfFailureError a duplicate of a message whose key failed for good: not run, it fails too
     ├── SealError               a dead letter's sealed copy cannot be made or opened (no key, wrong keys)
+    ├── OrderingError           an ordered message that cannot take its turn (malformed ordering header,
+    │   │                       its turn given up while it was missing)
+    │   └── OrderingKeyError    an ordering key that cannot be made (missing argument, too long, bad text)
     └── StoreError              the guardrails store (Redis or the Django database) refused an operation
         └── StoreUnavailableError   ... because it cannot be reached (refused, timed out, went away): an
                                     infrastructure fault, never the message's; the message comes back later
@@ -168,3 +171,12 @@ class DeadLetteredError(GuardrailsError):
 class SealError(GuardrailsError):
     """A dead letter's sealed copy could not be made or opened: no ``seal_keys``, none of them opens it, or the
     cryptography package is missing. The message never holds the sealed content or a key."""
+
+
+class OrderingError(GuardrailsError):
+    """An ordered message cannot take its turn: its ordering header is malformed, or its key moved past it
+    while it was missing (see :mod:`celery_guardrails.guardrails.ordering`). It is dead-lettered, not run."""
+
+
+class OrderingKeyError(OrderingError, ValueError):
+    """An ordering key could not be made from the task's arguments, or is not acceptable (raised at publish)."""

@@ -23,6 +23,9 @@ is a flat mapping (an AMQP table on RabbitMQ, a JSON object on Redis)::
         "hist_n": 3,            # how many records were ever written (the list keeps the last 20)
         "sched": "nightly",     # scheduled work: the beat entry (schedule) this message runs a period of
         "period": 1796000000,   # ... and that period's due instant, epoch seconds (see celery_guardrails.beat)
+        "ord": "account:42",    # ordered work: the ordering key made at publish (unscoped: task and tenant scope it)
+        "ord_seq": 17,          # ... and the sequence number the store handed out for it then (1, 2, ...)
+        "ord_wait": 3,          # waits for an earlier message of its key so far (absent: 0)
     }
 
 An attempt record: ``{"n": 1, "start": "2026-11-30T08:00:00.123+00:00", "end": "...", "host": "celery@web1",
@@ -40,6 +43,11 @@ Version history:
 * ``1`` (0.3): ``outage``, ``busy`` and ``gave_up`` added, and the record class ``store_unavailable`` (a
   release that does not know them keeps them, and counts nothing for them); ``dl`` and ``dl_tries``, written
   since 0.1, are now part of the contract and checked.
+* ``1`` (0.4): ``ord``, ``ord_seq`` and ``ord_wait`` added (see
+  :mod:`celery_guardrails.guardrails.ordering`). Unlike other fields, a malformed ``ord`` / ``ord_seq`` (one
+  without the other, a key that is not a valid key, a sequence that is not a whole number of at least 1) is
+  not treated as missing: running it unordered would break the order it was published to keep, so the worker
+  dead-letters it (``malformed_message``). A release that does not know them runs the message unordered.
 
 Compatibility rules:
 
@@ -89,6 +97,9 @@ HISTORY = "hist"
 HISTORY_TOTAL = "hist_n"
 SCHEDULE = "sched"
 PERIOD = "period"
+ORDERING_KEY = "ord"
+ORDERING_SEQUENCE = "ord_seq"
+ORDERING_WAITS = "ord_wait"
 
 #: Latest period a header may name (9999-12-31T23:59:59Z, as far as a datetime goes).
 PERIOD_MAX = 253_402_300_799
@@ -96,7 +107,7 @@ PERIOD_MAX = 253_402_300_799
 HISTORY_LIMIT = 20
 #: Characters of an exception message kept in an attempt record.
 MESSAGE_LIMIT = 500
-_COUNTERS = (ATTEMPT, LATER, DEFERRED, OUTAGES, BUSY, HISTORY_TOTAL, PENDING_TRIES)
+_COUNTERS = (ATTEMPT, LATER, DEFERRED, OUTAGES, BUSY, HISTORY_TOTAL, PENDING_TRIES, ORDERING_WAITS)
 
 
 def from_message_headers(headers: Mapping[str, Any] | None) -> dict[str, Any]:
@@ -199,3 +210,19 @@ def call_options(header: Mapping[str, Any]) -> Mapping[str, Any]:
     """The per-call guardrail options stored in a guardrails mapping."""
     opts = header.get(OPTIONS)
     return opts if isinstance(opts, Mapping) else {}
+
+
+def ordering(header: Mapping[str, Any]) -> tuple[str, int] | None:
+    """The (ordering key, sequence) a message was published with; None when it carries neither. A malformed
+    pair raises ValueError saying what is wrong (the caller dead-letters the message: see the version history)."""
+    key, sequence = header.get(ORDERING_KEY), header.get(ORDERING_SEQUENCE)
+    if key is None and sequence is None:
+        return None
+    if not isinstance(key, str) or not key:
+        raise ValueError(f"header {HEADER!r}: ordering key {ORDERING_KEY!r} is missing or not a string: {key!r:.80}")
+    if isinstance(sequence, bool) or not isinstance(sequence, int) or sequence < 1:
+        raise ValueError(
+            f"header {HEADER!r}: ordering sequence {ORDERING_SEQUENCE!r} is missing or not a whole number of at "
+            f"least 1: {sequence!r:.80}"
+        )
+    return key, sequence

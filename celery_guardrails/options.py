@@ -360,6 +360,32 @@ OPTIONS: Mapping[str, Option] = {
             scopes=frozenset({TASK, APP}),
         ),
         Option(
+            name="ordering_key",
+            default=None,
+            doc="Opt-in ordering per key: str.format template over the task's bound arguments ('account:{id}'), "
+            "or a callable taking the task's arguments; per call, the key itself. Scoped by task name and tenant. "
+            "Messages of one key run in the order they were published; different keys are not ordered.",
+            check=_key_spec,
+            scopes=frozenset({CALL, TASK}),
+        ),
+        Option(
+            name="ordering_gap_timeout",
+            default=3600.0,
+            doc="Seconds the messages of an ordering key wait for a missing earlier one (lost before it was "
+            "published, or gone where it could not say so) before the key moves past it; one that turns up later "
+            "is dead-lettered (ordering_gap). Keep it above the longest run plus retries of one message.",
+            check=_seconds,
+            scopes=frozenset({TASK, APP}),
+        ),
+        Option(
+            name="ordering_retention",
+            default=30 * 24 * 3600.0,
+            doc="Seconds an ordering key's counters are kept after its last message was published or done (30 "
+            "days); a key idle for longer starts again at 1.",
+            check=_seconds,
+            scopes=frozenset({TASK, APP}),
+        ),
+        Option(
             name="max_attempts",
             default=5,
             doc="Runs at most, the first one included.",

@@ -37,6 +37,8 @@ POISON = "poison"
 STORE_REFUSED = "store_refused"
 MALFORMED_MESSAGE = "malformed_message"
 TIME_LIMIT = "time_limit"
+#: An ordered message that arrived after its key had moved past it (its turn was given up as lost).
+ORDERING_GAP = "ordering_gap"
 #: Every reason a dead letter can give (the commands check ``--reason`` against it).
 REASONS = (
     PERMANENT,
@@ -51,6 +53,7 @@ REASONS = (
     STORE_REFUSED,
     MALFORMED_MESSAGE,
     TIME_LIMIT,
+    ORDERING_GAP,
 )
 
 #: Header field of a final failure whose dead letter could not be recorded yet (the message came back).

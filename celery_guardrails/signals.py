@@ -59,6 +59,17 @@ store_unavailable
     published again without running (no attempt spent). Arguments: ``task_id``, ``error`` (the
     :class:`~celery_guardrails.exceptions.StoreUnavailableError`), ``delay`` (seconds until it comes back),
     ``outages`` (how many times this message met an unavailable store).
+
+stale_skipped
+    An ordered message arrived after its key had passed its sequence number (a redelivery or duplicate of a
+    message whose turn is over) and its body did not run. Arguments: ``task_id``, ``key`` (scoped),
+    ``sequence``, ``done`` (the last sequence number done for the key).
+
+ordering_gap_skipped
+    Messages of an ordering key waited longer than ``ordering_gap_timeout`` for an earlier sequence number
+    that never ran (lost before it was published, or failed where it could not say so): the key moved past
+    the gap. Arguments: ``task_id`` (the waiting message that moved it), ``key`` (scoped), ``first`` and
+    ``last`` (the sequence numbers given up), ``waited`` (seconds).
 """
 
 from __future__ import annotations
@@ -76,3 +87,5 @@ dead_lettered = Signal(name="dead_lettered")
 run_missed = Signal(name="run_missed")
 run_overdue = Signal(name="run_overdue")
 store_unavailable = Signal(name="store_unavailable")
+stale_skipped = Signal(name="stale_skipped")
+ordering_gap_skipped = Signal(name="ordering_gap_skipped")

@@ -25,6 +25,7 @@ from celery_guardrails.guardrails.budget import RetryBudget
 from celery_guardrails.guardrails.context import ContextPropagation
 from celery_guardrails.guardrails.dead_letter import PendingDeadLetters
 from celery_guardrails.guardrails.idempotency import Idempotency
+from celery_guardrails.guardrails.ordering import Ordering, SequenceStamp
 from celery_guardrails.guardrails.poison import PoisonMessages
 from celery_guardrails.guardrails.retries import Retries
 from celery_guardrails.guardrails.scheduled_runs import ScheduledRuns
@@ -48,16 +49,23 @@ class GuardedTask(Task):  # type: ignore[misc]
     #: a delivery the budget defers) and wraps the body inside Retries, so that a transaction it opens is
     #: rolled back before a retry is published. ScheduledRuns comes after it: a period that ran before is
     #: skipped as a duplicate before it could take the schedule's run slot.
+    #: Ordering comes after Retries (it reads the attempt; Retries, outermost around the body, has classified
+    #: the outcome before Ordering sees it, reversed) and before RetryBudget and Idempotency: a message waits
+    #: for its turn without spending a budget admission or holding its key, and a duplicate skipped in its turn
+    #: still moves its ordering key on. SequenceStamp (publish only) is last: a publish another guardrail
+    #: refuses or skips (dedupe_on_publish) takes no sequence number.
     guardrails: ClassVar[tuple[Guardrail, ...]] = (
         ContextPropagation(),
         PendingDeadLetters(),
         PoisonMessages(),
         TenantGuard(),
         Retries(),
+        Ordering(),
         RetryBudget(),
         Idempotency(),
         ScheduledRuns(),
         Checkpoints(),
+        SequenceStamp(),
     )
 
     #: The ack is sacred: a message is acked only after the task finished, its retry was published or its
@@ -103,11 +111,15 @@ class GuardedTask(Task):  # type: ignore[misc]
     circuit_open_seconds: float | None = None
     circuit_half_open_probes: int | None = None
     circuit_probe_timeout: float | None = None
+    ordering_key: Any = None
+    ordering_gap_timeout: float | None = None
+    ordering_retention: float | None = None
 
     # Resumable chunks (issue #14): ``for item in self.checkpoint.iterate(items, every=100)`` in a bound body
     # records the position reached, keyed by the job, and resumes from it on the next delivery. Checkpoints
-    # (last in the pipeline) is innermost around the body: a chunk commits or rolls back before the key is
-    # completed or a retry is published, and the checkpoint is cleared on success (see celery_guardrails.checkpoint).
+    # (the last guardrail with a body context) is innermost around the body: a chunk commits or rolls back
+    # before the key is completed or a retry is published, and the checkpoint is cleared on success (see
+    # celery_guardrails.checkpoint).
     @property
     def checkpoint(self) -> Checkpoint:
         return checkpoint_of(self)

@@ -60,6 +60,10 @@ FRESH = (
     headers.HISTORY_TOTAL,
     headers.PENDING_DEAD_LETTER,
     headers.PENDING_TRIES,
+    # Ordered work: its turn is over (its successors moved on); published again, it takes a new number.
+    headers.ORDERING_KEY,
+    headers.ORDERING_SEQUENCE,
+    headers.ORDERING_WAITS,
 )
 #: Tries at putting a record back to open when its replay could not be published (a second apart).
 PUT_BACK_TRIES = 3

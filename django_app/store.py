@@ -32,12 +32,13 @@ from celery_guardrails.stores.base import (
     BudgetPolicy,
     Claim,
     DependencyState,
+    OrderState,
     decide_admission,
     decide_outcome,
     status,
 )
 
-from .models import AlertThrottle, Checkpoint, DeliveryCounter, IdempotencyKey, ScheduledRun
+from .models import AlertThrottle, Checkpoint, DeliveryCounter, IdempotencyKey, OrderingSequence, ScheduledRun
 from .models import DependencyState as Row
 
 _FIELDS = [f.name for f in fields(DependencyState)]
@@ -375,6 +376,61 @@ class DjangoStore:
                 row.suppressed = 0
                 row.save(update_fields=["suppressed"])
         return due
+
+    # Ordering per key: one row per key. Every change is one conditional UPDATE (compare and set on ``done``) or
+    # the INSERT of a new key, which the unique constraint settles between two publishers; each runs in the
+    # operation's transaction, so the sequence number read back is the one this UPDATE made (its row stays
+    # locked until the commit on PostgreSQL; SQLite has one writer at a time). The rules are those of the Redis
+    # store's script (celery_guardrails.stores.redis_ordering). Retention: ``updated_at`` says when a key was
+    # last used; idle rows are small and are not deleted here.
+
+    @translated("hand out a sequence number")
+    def order_next(self, key: str, *, now: float, retention: float) -> int:
+        rows = OrderingSequence.objects.filter(key=key)
+        with transaction.atomic():
+            if not rows.update(issued=F("issued") + 1, updated_at=timezone.now()):
+                try:
+                    with transaction.atomic():  # a savepoint: a refused INSERT leaves the transaction usable
+                        OrderingSequence.objects.create(key=key, issued=1)
+                    return 1
+                except IntegrityError:  # another publisher made the key first: count on it
+                    rows.update(issued=F("issued") + 1, updated_at=timezone.now())
+            return int(rows.values_list("issued", flat=True).get())
+
+    @translated("read an ordering key")
+    def order_check(self, key: str, *, sequence: int, now: float, retention: float) -> OrderState:
+        rows = OrderingSequence.objects.filter(key=key)
+        names = ("issued", "done", "gap_since", "waiting", "skipped_from", "skipped_to", "stale")
+        with transaction.atomic():
+            # Touch the row first: the UPDATE takes its lock (SQLite: the write lock), so the read and the
+            # change below see no advance in between (one in between would leave a gap clock that is unset).
+            if not rows.update(updated_at=timezone.now()):
+                return OrderState()
+            state = dict(rows.values(*names).get())
+            if sequence > state["done"] + 1:
+                state["gap_since"] = state["gap_since"] or now
+                state["waiting"] = min(state["waiting"] or sequence, sequence)
+                rows.update(gap_since=state["gap_since"], waiting=state["waiting"])
+            elif sequence <= state["done"]:
+                state["stale"] += 1
+                rows.update(stale=F("stale") + 1)
+        return OrderState(**state)
+
+    @translated("advance an ordering key")
+    def order_advance(self, key: str, *, sequence: int, now: float, retention: float) -> bool:
+        changed = OrderingSequence.objects.filter(key=key, done=sequence - 1).update(
+            done=sequence, gap_since=0.0, waiting=0, updated_at=timezone.now()
+        )
+        return bool(changed)
+
+    @translated("skip a gap of an ordering key")
+    def order_skip(self, key: str, *, done: int, to: int, now: float, retention: float) -> bool:
+        if to <= done:
+            return False
+        changed = OrderingSequence.objects.filter(key=key, done=done).update(
+            done=to, skipped_from=done + 1, skipped_to=to, gap_since=0.0, waiting=0, updated_at=timezone.now()
+        )
+        return bool(changed)
 
     # The run ledger: one row per (schedule, period), unique on the pair. Every change is an INSERT the
     # constraint refuses on conflict or one conditional UPDATE, so concurrent beats and workers need no lock;

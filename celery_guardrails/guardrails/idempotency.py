@@ -71,29 +71,37 @@ STORED_MAX_LENGTH = 255
 SUMMARY_MAX_LENGTH = 200
 
 
-def render_key(task: Any, spec: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
-    """The key ``spec`` makes for these arguments (see the module docstring); raises IdempotencyKeyError."""
+def render_key(
+    task: Any,
+    spec: Any,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    *,
+    option: str = "idempotency_key",
+    error: type[Exception] = IdempotencyKeyError,
+) -> str:
+    """The key ``spec`` makes for these arguments (see the module docstring); raises ``error``
+    (IdempotencyKeyError). ``option``: the option ``spec`` was given as, for the messages (the ordering
+    guardrail makes its keys the same way)."""
     if callable(spec):
         try:
             key = spec(*args, **kwargs)
         except Exception as exc:
-            raise IdempotencyKeyError(f"{task.name}: idempotency_key callable failed: {exc!r}") from exc
+            raise error(f"{task.name}: {option} callable failed: {exc!r}") from exc
     else:
         arguments: dict[str, Any] = {}
         if _template_fields(spec):
             try:
                 bound = task_signature(task).bind(*args, **kwargs)
             except TypeError as exc:
-                raise IdempotencyKeyError(f"{task.name}: arguments do not fit the task: {exc}") from exc
+                raise error(f"{task.name}: arguments do not fit the task: {exc}") from exc
             bound.apply_defaults()
             arguments = dict(bound.arguments)
         try:
             key = spec.format(**arguments)
         except (KeyError, IndexError, AttributeError, ValueError) as exc:
-            raise IdempotencyKeyError(
-                f"{task.name}: idempotency_key {spec!r} names {exc}, which is not an argument of the task"
-            ) from exc
-    return validate_key(task.name, key)
+            raise error(f"{task.name}: {option} {spec!r} names {exc}, which is not an argument of the task") from exc
+    return validate_key(task.name, key, what=option.replace("_", " "), error=error)
 
 
 @functools.lru_cache(maxsize=1024)
@@ -114,13 +122,15 @@ def task_signature(task: Any) -> inspect.Signature:
     return signature
 
 
-def validate_key(task_name: str, key: Any) -> str:
+def validate_key(
+    task_name: str, key: Any, *, what: str = "idempotency key", error: type[Exception] = IdempotencyKeyError
+) -> str:
     if not isinstance(key, str) or not key:
-        raise IdempotencyKeyError(f"{task_name}: idempotency key must be a non-empty str, got {key!r:.80}")
+        raise error(f"{task_name}: {what} must be a non-empty str, got {key!r:.80}")
     if len(key) > KEY_MAX_LENGTH:
-        raise IdempotencyKeyError(f"{task_name}: idempotency key is {len(key)} characters, over {KEY_MAX_LENGTH}")
+        raise error(f"{task_name}: {what} is {len(key)} characters, over {KEY_MAX_LENGTH}")
     if not key.isprintable() or key.split() != [key]:  # split() cuts at every whitespace character
-        raise IdempotencyKeyError(f"{task_name}: idempotency key {key!r:.80} has whitespace or control characters")
+        raise error(f"{task_name}: {what} {key!r:.80} has whitespace or control characters")
     return key
 
 

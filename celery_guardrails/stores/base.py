@@ -188,6 +188,28 @@ class Claim:
     owner: str = ""
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class OrderState:
+    """An ordering key's counters, as a delivery found them (see :mod:`celery_guardrails.guardrails.ordering`).
+
+    ``issued``: the last sequence number handed out at publish (0: the key is unknown: never used, or its
+    counters lapsed after ``ordering_retention``); ``done``: the last sequence number whose turn is over (it
+    succeeded, failed finally, or was given up as lost); ``gap_since``: when a message first found itself
+    waiting on the current gap (epoch seconds; 0: none has since the key last moved); ``waiting``: the lowest
+    sequence number seen waiting since then (0: none); ``skipped_from`` /
+    ``skipped_to``: the last range of sequence numbers given up as lost (0, 0: none); ``stale``: deliveries
+    found stale so far.
+    """
+
+    issued: int = 0
+    done: int = 0
+    gap_since: float = 0.0
+    waiting: int = 0
+    skipped_from: int = 0
+    skipped_to: int = 0
+    stale: int = 0
+
+
 class Store(RunLedger, Protocol):
     """What a guardrails store does (each operation atomic across all workers).
 
@@ -274,3 +296,26 @@ class Store(RunLedger, Protocol):
     def save_checkpoint(self, key: str, *, expected: int, position: int, state: str, ttl: float) -> bool: ...
 
     def clear_checkpoint(self, key: str) -> None: ...
+
+    # Ordering per key (celery_guardrails.guardrails.ordering). Each operation is atomic and keeps the key's
+    # counters ``retention`` seconds after it (a key idle for longer starts again at 1).
+
+    def order_next(self, key: str, *, now: float, retention: float) -> int:
+        """Hand out the next sequence number of ``key`` (1 for a new key)."""
+        ...
+
+    def order_check(self, key: str, *, sequence: int, now: float, retention: float) -> OrderState:
+        """The counters of ``key`` for a delivery of ``sequence``: when it must wait (``sequence > done + 1``),
+        ``gap_since`` is set to ``now`` unless a message waits already, and ``waiting`` to ``sequence`` if it
+        is lower; when it is stale (``sequence <= done``), ``stale`` counts it. An unknown key is not made."""
+        ...
+
+    def order_advance(self, key: str, *, sequence: int, now: float, retention: float) -> bool:
+        """``sequence``'s turn is over: ``done`` becomes ``sequence`` if it was ``sequence - 1`` (compare and
+        set; ``gap_since`` and ``waiting`` cleared); whether it did."""
+        ...
+
+    def order_skip(self, key: str, *, done: int, to: int, now: float, retention: float) -> bool:
+        """Give up ``done + 1 .. to`` as lost: ``done`` becomes ``to`` if it still is ``done`` (compare and set),
+        the range is kept as the last skipped, ``gap_since`` and ``waiting`` cleared; whether it did."""
+        ...

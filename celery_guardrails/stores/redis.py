@@ -21,6 +21,7 @@ from celery_guardrails.stores.redis_checkpoint import CHECKPOINT_CLEAR_SCRIPT, C
 from celery_guardrails.stores.redis_client import connect, is_cluster
 from celery_guardrails.stores.redis_lane import Lane
 from celery_guardrails.stores.redis_ledger import LEDGER_SCRIPT, RedisRunLedger
+from celery_guardrails.stores.redis_ordering import ORDERING_SCRIPT, RedisOrdering
 
 logger = logging.getLogger(__name__)
 
@@ -518,7 +519,7 @@ _INT_FIELDS = (
 )
 
 
-class RedisStore(RedisIdempotency, RedisRunLedger, RedisCheckpoints):
+class RedisStore(RedisIdempotency, RedisRunLedger, RedisCheckpoints, RedisOrdering):
     """Store on a Redis server, a Redis Cluster or the master a Sentinel names, given by URL
     (``redis://127.0.0.1:6379/1``; see :mod:`~celery_guardrails.stores.redis_client`)."""
 
@@ -545,6 +546,7 @@ class RedisStore(RedisIdempotency, RedisRunLedger, RedisCheckpoints):
         self._ledger = self.client.register_script(LEDGER_SCRIPT)
         self._checkpoint_save = self.client.register_script(CHECKPOINT_SAVE_SCRIPT)
         self._checkpoint_clear = self.client.register_script(CHECKPOINT_CLEAR_SCRIPT)
+        self._ordering = self.client.register_script(ORDERING_SCRIPT)
         # A cluster client routes each command to its slot's node: there is no one pool to make a lane from.
         self._lane = Lane(None if self._cluster else self.client.connection_pool)
         self._errors: tuple[type[BaseException], ...] = (redis.RedisError, redis.exceptions.RedisClusterException)

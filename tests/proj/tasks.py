@@ -302,3 +302,32 @@ def sync_account(
     if not client.exists(f"{sink}:fixed"):
         raise PermanentError(f"provider refused account {account}")
     return f"synced {account}"
+
+
+@shared_task(
+    base=GuardedTask,
+    bind=True,
+    ordering_key="stream:{stream}",
+    idempotency_key="append:{stream}:{n}",  # an ordered task should also be keyed: a duplicate runs once
+    retry_later_delay=0.1,
+    backoff_base=0.2,
+)
+def ordered_append(self: GuardedTask, stream: str, n: int, sink: str, fail: str | None = None) -> int:
+    """Message ``n`` of ``stream``, ordered per stream: appends its sequence number (and attempt, and outages
+    met) to the list ``sink`` (durable, in Redis); ``fail="permanent"`` raises PermanentError instead,
+    ``fail="first"`` on its first run only; ``fail="kill_first"`` SIGKILLs its worker process on its first run."""
+    from celery_guardrails import headers
+
+    client = redis.Redis.from_url(REDIS_URL)
+    first_run = fail in ("first", "kill_first") and client.incr(f"{sink}:runs:{n}") == 1
+    if fail == "permanent" or (fail == "first" and first_run):
+        raise PermanentError(f"poison in stream {stream}")
+    if fail == "kill_first" and first_run:
+        import signal
+
+        os.kill(os.getpid(), signal.SIGKILL)
+    sequence = self.request.ordering_sequence
+    outages = headers.counter(headers.from_request(self.request), headers.OUTAGES)
+    item = {"stream": stream, "n": n, "seq": sequence, "attempt": self.request.attempt, "outages": outages}
+    client.rpush(sink, json.dumps(item))
+    return int(sequence)

@@ -1,0 +1,250 @@
+"""Ordering per key (opt-in): the messages of one ``ordering_key`` run one after another, in publish order.
+
+* Publish (:class:`SequenceStamp`, every path: ``delay``, ``apply_async``, signatures): the key is made from
+  ``ordering_key`` as an idempotency key is (a ``str.format`` template over the bound arguments, or a
+  callable; per call, the key itself; the same checks, :class:`~celery_guardrails.exceptions.OrderingKeyError`
+  in the caller), scoped by task name and tenant, and the store hands out its next sequence number (1, 2, ...).
+  Both travel in the header (``ord``, ``ord_seq``): a retry, a ``RetryLater``, a wait and a pending dead letter
+  keep the number the message was published with. A store that cannot be reached raises
+  :class:`~celery_guardrails.exceptions.StoreUnavailableError` in the caller: nothing is published.
+* Run (:class:`Ordering`): the key's ``done`` (the last sequence number whose turn is over) decides:
+
+  - ``seq == done + 1``: its turn, the run goes on;
+  - ``seq <= done``: stale (a redelivery or duplicate of a message whose turn is over): the body does not run,
+    the task returns None, ``stale_skipped`` fires, the key's ``stale`` count grows, logged with the ids;
+  - ``seq > done + 1``: an earlier message has not finished: it comes back later through ``RetryLater``, no
+    attempt spent, not counted against ``retry_later_max`` (header ``ord_wait``): after ``retry_later_delay``
+    when it is next in line, after k times that when k places further back (at most 50). A backlog drains at
+    about one message per ``retry_later_delay``: give ordered tasks a short one (a fraction of a second);
+  - a malformed ``ord`` / ``ord_seq`` is dead-lettered ``malformed_message`` (running it unordered would break
+    the order it was published to keep); a message without them runs unordered (published by plain Celery or
+    a release without ordering; logged).
+* Outcome: a success moves the key on (``done`` from ``seq - 1`` to ``seq``, compare and set), and so does a
+  final failure of the message whose turn it is (its dead letter is the record), so one poison message does
+  not stop its key for ever. A retry or a ``RetryLater`` does not: its successors wait, the order is kept.
+
+A gap that never fills: an earlier number may never run (its publish failed after the number was handed out;
+the message was lost, or failed finally before its turn, where it could not move the key). Dead-lettering
+the messages that wait behind it would not help: each of them would wait and be dead-lettered in turn, and
+the key would stop for ever. Instead, once the key has not moved for ``ordering_gap_timeout`` while messages
+wait, the lowest waiting message gives up the numbers below it (``ordering_gap_skipped`` fires, logged) and
+runs; the others follow in order. Only numbers no message has been seen waiting with are given up, so a live
+waiter is never skipped (should the lowest waiter itself vanish, any waiter gives up the numbers below it
+after twice the timeout). A skipped message that turns up later is dead-lettered with reason
+``ordering_gap`` (recorded, replayable), not dropped as stale. Keep ``ordering_gap_timeout`` above the
+longest run plus retries of one message: a message slower than that is taken for lost, and the next one runs
+beside it.
+
+What ordering is not:
+
+* Only messages of one key are ordered; different keys (and different tasks, and tenants: the key is scoped by
+  both) run freely side by side. Global ordering (one order over all messages) is not offered: it would
+  serialise every worker on one counter.
+* Publish order is the order of the numbers handed out: two publishers racing on one key are ordered by
+  which reached the store first.
+* Duplicates of one message running at the same time (a redelivery beside the first delivery) are the
+  idempotency key's business, not ordering's: an ordered task should normally also have an
+  ``idempotency_key``. Ordering comes before the idempotency claim, so a message waits for its turn without
+  holding its key, and a duplicate of a completed key skipped in its turn still moves the ordering key on.
+* A replay of a dead-lettered ordered message takes a new number when it is published: its old turn is
+  over (its successors have moved on), so it runs after everything published for its key before the replay,
+  one at a time with them, never beside them.
+* The task reads its place as ``self.request.ordering_key`` (scoped) and ``self.request.ordering_sequence``.
+* Retention: the key's counters live ``ordering_retention`` (30 days) after their last use; see
+  :mod:`celery_guardrails.stores.redis_ordering` for what happens if that lapses while messages are in flight.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING, Any, NoReturn
+
+from celery_guardrails import headers, signals
+from celery_guardrails.context import current_tenant
+from celery_guardrails.delivery import delivery
+from celery_guardrails.exceptions import OrderingError, OrderingKeyError, RetryLater, StoreError
+from celery_guardrails.guardrails.idempotency import render_key, scoped_key, validate_key
+from celery_guardrails.guardrails.retries import retry_later
+from celery_guardrails.options import resolve
+from celery_guardrails.outcomes import MALFORMED_MESSAGE, ORDERING_GAP, attempt_record, fail_finally
+from celery_guardrails.pipeline import Guardrail, Publication, SkipBody
+from celery_guardrails.stores import get_store
+
+if TYPE_CHECKING:
+    from celery_guardrails.task import GuardedTask
+
+logger = logging.getLogger(__name__)
+
+#: A waiting message looks again after ``retry_later_delay`` times its distance from its turn (the turns it has
+#: to wait, each taking about that long), at most this many times.
+WAIT_SCALE = 50
+#: Pauses (seconds) between tries at moving a key on when the store does not answer after a run; then the
+#: key's successors wait until ``ordering_gap_timeout`` gives the turn up.
+ADVANCE_PAUSES = (0.1, 0.5, 1.0)
+
+
+class SequenceStamp(Guardrail):
+    """Publish side: hands out the message's sequence number. Last in the pipeline, so a publish another
+    guardrail refuses or skips (``dedupe_on_publish``) takes no number."""
+
+    def on_publish(self, task: GuardedTask, publication: Publication) -> None:
+        header = publication.header
+        if headers.ORDERING_KEY in header or headers.ORDERING_SEQUENCE in header:
+            return  # a retry, a wait or a pending dead letter keeps the number it was published with
+        spec = resolve(task, "ordering_key", publication.call)
+        if spec is None:
+            return
+        args, kwargs = publication.args, publication.kwargs
+        key = render_key(task, spec, args, kwargs, option="ordering_key", error=OrderingKeyError)
+        scoped = scoped_key(task.name, header.get(headers.TENANT), key)
+        retention = resolve(task, "ordering_retention", publication.call)
+        sequence = get_store(task.app).order_next(scoped, now=time.time(), retention=retention)
+        header[headers.ORDERING_KEY] = key
+        header[headers.ORDERING_SEQUENCE] = sequence
+
+
+class Ordering(Guardrail):
+    """Run side: lets a message run in its turn, skips a stale one, puts off one that is early."""
+
+    def before_run(self, task: GuardedTask, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        request = task.request
+        state = delivery(task)
+        state.ordering_checked = True
+        header = headers.from_request(request)
+        try:
+            found = headers.ordering(header)
+            if found is not None:
+                validate_key(task.name, found[0], what="ordering key", error=OrderingKeyError)
+        except (ValueError, OrderingError) as exc:
+            self._refuse(task, OrderingError(f"malformed ordering header: {exc}"), MALFORMED_MESSAGE)
+        if found is None:
+            eager = request.called_directly or request.is_eager  # never published: nothing to order
+            if not eager and resolve(task, "ordering_key", task.call_options()) is not None:
+                logger.warning(
+                    "Task %s[%s]: ordered task delivered without a sequence number (not published through "
+                    "GuardedTask); running it unordered",
+                    task.name,
+                    request.id,
+                )
+            return
+        key, sequence = found
+        scoped = scoped_key(task.name, current_tenant(), key)
+        call = task.call_options()
+        store = get_store(task.app)
+        now = time.time()
+        retention = resolve(task, "ordering_retention", call)
+        found_state = store.order_check(scoped, sequence=sequence, now=now, retention=retention)
+        done = found_state.done
+        request.ordering_key, request.ordering_sequence = scoped, sequence
+        if sequence > found_state.issued:
+            error = OrderingError(
+                f"sequence {sequence} of ordering key {scoped} is past the last one handed out "
+                f"({found_state.issued}): the key's counters were lost while it was in flight (they lapsed after "
+                f"ordering_retention, or the store was emptied), so it cannot be put in order"
+            )
+            self._refuse(task, error, ORDERING_GAP)
+        if sequence <= done:
+            if found_state.skipped_from <= sequence <= found_state.skipped_to:
+                error = OrderingError(
+                    f"sequence {sequence} of ordering key {scoped} arrived after the key moved past it (numbers "
+                    f"{found_state.skipped_from}..{found_state.skipped_to} were given up as lost after "
+                    f"ordering_gap_timeout)"
+                )
+                self._refuse(task, error, ORDERING_GAP)
+            logger.info(
+                "Task %s[%s]: ordering key %s is done up to %d; sequence %d is stale, not run (stale deliveries "
+                "of the key: %d)",
+                task.name,
+                request.id,
+                scoped,
+                done,
+                sequence,
+                found_state.stale,
+            )
+            signals.stale_skipped.send(sender=task, task_id=request.id, key=scoped, sequence=sequence, done=done)
+            raise SkipBody(None)
+        state.ordering = (scoped, sequence)
+        if sequence == done + 1:
+            return
+        waited = now - found_state.gap_since if found_state.gap_since else 0.0  # (set by the check: never 0 here)
+        timeout = resolve(task, "ordering_gap_timeout", call)
+        # The key has not moved for the whole timeout, and no message below this one was seen waiting: the
+        # numbers between are lost. Give them up and run (a lost race means the key moved: wait again). The
+        # lowest waiter itself may vanish (dead-lettered as poison, say): past twice the timeout, any waiter
+        # gives up the numbers below it, so no wait lasts for ever.
+        lowest = sequence == found_state.waiting
+        lost = waited >= timeout and (lowest or waited >= 2 * timeout)
+        if lost and store.order_skip(scoped, done=done, to=sequence - 1, now=now, retention=retention):
+            logger.warning(
+                "Task %s[%s]: ordering key %s did not move for %.0fs; sequence numbers %d..%d given up as lost, "
+                "running %d",
+                task.name,
+                request.id,
+                scoped,
+                waited,
+                done + 1,
+                sequence - 1,
+                sequence,
+            )
+            signals.ordering_gap_skipped.send(
+                sender=task, task_id=request.id, key=scoped, first=done + 1, last=sequence - 1, waited=waited
+            )
+            return
+        wait = RetryLater(f"ordering key {scoped}: sequence {sequence} waits for {done + 1}")
+        # The next in line looks again after retry_later_delay; one k places further back after k of them (it has
+        # k turns to wait, each about one delay): a backlog costs a few checks per message, not one per message
+        # and delay, which would crowd out the next in line's. Never past the timeout (nor backoff_max).
+        distance = min(sequence - done - 1, WAIT_SCALE)
+        delay = max(0.01, min(resolve(task, "retry_later_delay", call) * distance, timeout - waited + 0.01))
+        raise retry_later(task, wait, delay=delay, rule="ordering:wait", counter=headers.ORDERING_WAITS) or wait
+
+    def _refuse(self, task: GuardedTask, error: OrderingError, reason: str) -> NoReturn:
+        """Dead-letter the message (its turn does not move the key); raise what fails the task."""
+        delivery(task).ordering = None
+        record = attempt_record(task, kind="permanent", rule="ordering", exc=error)
+        pending = fail_finally(task, error, reason=reason, history=[*task.request.attempt_history, record])
+        raise pending or error
+
+    def _advance(self, task: GuardedTask) -> None:
+        """This delivery's turn is over: move its key on (compare and set: only from ``seq - 1``)."""
+        state = delivery(task)
+        turn = state.ordering
+        if turn is None and not state.ordering_checked:
+            # An earlier guardrail ended the delivery (a dead letter recorded late, a poison message): if it
+            # was its turn, the key moves on all the same.
+            try:
+                found = headers.ordering(headers.from_request(task.request))
+            except ValueError:
+                found = None
+            if found is not None:
+                turn = (scoped_key(task.name, current_tenant(), found[0]), found[1])
+        state.ordering = None
+        if turn is None:
+            return
+        key, sequence = turn
+        retention = resolve(task, "ordering_retention", task.call_options())
+        store = get_store(task.app)
+        for pause in (*ADVANCE_PAUSES, None):
+            try:
+                store.order_advance(key, sequence=sequence, now=time.time(), retention=retention)
+                return
+            except StoreError as exc:
+                if pause is None:
+                    logger.error(
+                        "Task %s[%s]: ordering key %s not moved past %d (%s); its successors wait until "
+                        "ordering_gap_timeout gives this turn up",
+                        task.name,
+                        task.request.id,
+                        key,
+                        sequence,
+                        exc,
+                    )
+                    return
+                time.sleep(pause)
+
+    def on_success(self, task: GuardedTask, retval: Any) -> None:
+        self._advance(task)
+
+    def on_failure(self, task: GuardedTask, exc: BaseException, einfo: Any) -> None:
+        self._advance(task)
