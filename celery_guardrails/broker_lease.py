@@ -217,6 +217,8 @@ class BrokerLeaseStep(bootsteps.StartStopStep):  # type: ignore[misc]
                     self.lease.interval,
                     channel.visibility_timeout,
                 )
+            elif self.lease.target is not None:
+                logger.info("Broker lease: extending through the new broker connection")
             self.lease.point_at(client, channel.unacked_index_key)
         except Exception:  # never the worker's end: kombu's visibility timeout still applies
             logger.exception("Broker lease: could not start the heartbeat; deliveries expire after visibility_timeout")

@@ -246,3 +246,46 @@ def test_rabbitmq_start_up_check_names_tasks_that_may_outlive_the_consumer_timeo
     # ... and on Redis there is nothing to check
     celery_app.conf.broker_url = REDIS_URL
     assert check_consumer_timeout(celery_app) == []
+
+
+def test_the_heartbeat_outlives_a_broker_connection_cut_under_a_running_task(
+    celery_app: Any, broker_client: redis.Redis, sink_runs: Sink, queue_name: str, tmp_path: Path
+) -> None:
+    # Given a worker whose broker connection goes through a TCP proxy, heartbeat every half second, running a
+    # task four times as long as the visibility timeout, and a second worker, reached directly, to take a copy
+    proxy = TcpProxy(6379)
+    through = BROKER_URLS["redis"].replace(":6379/", f":{proxy.port}/")
+    env = proj_env(
+        queue=queue_name,
+        GUARDRAILS_TEST_BROKER_URL=through,
+        GUARDRAILS_TEST_TRANSPORT_OPTIONS=json.dumps(TRANSPORT),
+        GUARDRAILS_TEST_GUARDRAILS=json.dumps({"broker_lease_interval": 0.5}),
+    )
+    cut = WorkerProcess(app=PROJ_APP, queue=queue_name, log_path=tmp_path / "through-proxy.log", env=env).start()
+    started = [cut]
+    try:
+        result = tasks.behave.delay(sink_runs.key, [f"sleep:{4 * VISIBILITY}"])
+        sink_runs.wait(1)
+        started += workers(queue_name, tmp_path, pool="prefork", count=1)
+
+        # When its broker connection is cut until the consumer has seen it go (and failed to give back the
+        # running task's message, as Celery does on a connection loss) and a heartbeat has failed; then the
+        # consumer reconnects
+        proxy.cut()
+        for text in ("Connection to broker lost", "Cannot connect to", "in unacked_index failed"):
+            wait_for(repr(text), lambda text=text: text in cut.log)
+        proxy.restore()
+
+        # Then the heartbeat goes on (the worker's thread said it failed, then extends again, and moves to the
+        # new connection) and the task completes, having run once
+        wait_for("the heartbeat back", lambda: "Broker lease: extending deliveries again" in cut.log)
+        wait_for("the consumer back", lambda: cut.log.count("Connected to redis://") == 2)
+        wait_for("the heartbeat moved", lambda: "extending through the new broker connection" in cut.log)
+        assert result.get(timeout=60)["run"] == 1
+        assert runs(sink_runs) == 1
+        assert cut.process is not None and cut.process.poll() is None
+        assert "Unrecoverable error" not in cut.log
+    finally:
+        for worker in started:
+            worker.kill()
+        proxy.close()
