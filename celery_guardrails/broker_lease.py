@@ -68,6 +68,8 @@ from celery_guardrails.options import app_value
 logger = logging.getLogger(__name__)
 
 AMQP_SCHEMES = ("amqp://", "amqps://", "pyamqp://", "librabbitmq://")
+#: Seconds: the heartbeat never runs more often than this.
+MIN_INTERVAL = 0.1
 
 
 def held_tags() -> list[str]:
@@ -184,7 +186,8 @@ def _redis_channel(connection: Any) -> Any:
 def interval_of(app: Any, visibility_timeout: float) -> float:
     """Seconds between two extensions: ``broker_lease_interval``, else a third of the visibility timeout."""
     configured = app_value(app, "broker_lease_interval")
-    return float(configured) if configured is not None else visibility_timeout / 3
+    # A floor, so that a visibility_timeout of 0 (nonsense, but accepted by kombu) is no busy loop.
+    return max(MIN_INTERVAL, float(configured) if configured is not None else visibility_timeout / 3)
 
 
 class BrokerLeaseStep(bootsteps.StartStopStep):  # type: ignore[misc]

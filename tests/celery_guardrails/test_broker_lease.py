@@ -78,25 +78,33 @@ def runs(sink: Sink) -> int:
 
 @pytest.fixture
 def sink_runs(sink: Sink) -> Iterator[Sink]:
+    """The sink; afterwards its run counter and the test's other sinks (``<key>:<suffix>``) are removed."""
     yield sink
-    sink.client.delete(f"{sink.key}:runs")
+    left = sink.client.keys(f"{sink.key}:*")
+    if left:
+        sink.client.delete(*left)
 
 
 @pytest.mark.parametrize("pool", ["prefork", "solo", "threads"])
 def test_a_task_three_times_longer_than_the_visibility_timeout_runs_once(
     pool: str, celery_app: Any, broker_client: redis.Redis, sink_runs: Sink, queue_name: str, tmp_path: Path
 ) -> None:
-    # Given two workers on the queue, with the heartbeat (the default), Redis giving back every second what is
+    # Given two workers on the queue, with the heartbeat (the default), kombu giving back every second what is
     # older than the visibility timeout
     started = workers(queue_name, tmp_path, pool=pool)
     try:
-        # When a guarded task runs three times as long as the visibility timeout
+        # When a guarded task runs three times as long as the visibility timeout, and another waits in a
+        # worker's timer as long for its countdown (celery/celery#2599)
         result = tasks.behave.delay(sink_runs.key, [f"sleep:{RUN}"])
+        later = Sink.of(f"{sink_runs.key}:eta")
+        eta = tasks.behave.apply_async((later.key, ["sleep:0"]), countdown=RUN)
 
-        # Then it completes, having run once: the other worker never got a copy
+        # Then each completes, having run once: the other worker never got a copy
         assert result.get(timeout=RUN + 60)["run"] == 1
-        assert runs(sink_runs) == 1
+        assert eta.get(timeout=RUN + 60)["run"] == 1
+        assert runs(sink_runs) == 1 and runs(later) == 1
         assert [report["run"] for report in sink_runs.items()] == [1]
+        assert [report["run"] for report in later.items()] == [1]
         # ... its delivery is acked, and the worker that ran it said it extends its deliveries
         wait_for("the delivery acked", lambda: not unacked(str(result.id)))
         assert all("Broker lease: extending held deliveries every 1.0s" in worker.log for worker in started)
