@@ -135,15 +135,18 @@ class BrokerLease:
             self.wake.clear()
             if self.draining.is_set() and not state.requests:
                 return
-            if time.monotonic() >= last + self.interval:
-                last = time.monotonic()
-                self.fresh.clear()  # the whole set covers them
-                self.tick(held_tags())
-            else:
-                new = []
-                while self.fresh:
-                    new.append(self.fresh.popleft())
-                self.tick(new)
+            try:
+                if time.monotonic() >= last + self.interval:
+                    last = time.monotonic()
+                    self.fresh.clear()  # the whole set covers them
+                    self.tick(held_tags())
+                else:
+                    new = []
+                    while self.fresh:
+                        new.append(self.fresh.popleft())
+                    self.tick(new)
+            except Exception:  # a surprise in Celery's request map: the thread lives on, the next pass tries
+                logger.exception("Broker lease: reading the held deliveries failed")
 
     def tick(self, tags: list[str]) -> int | None:
         """One extension of ``tags``; never raises. Returns how many were extended (None: it failed)."""
