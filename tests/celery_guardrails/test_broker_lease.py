@@ -10,6 +10,7 @@ run on either worker is seen, whatever happens to the worker that ran it.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import time
@@ -27,7 +28,7 @@ from celery_guardrails.broker_lease import BrokerLease, check_consumer_timeout, 
 from tests.conftest import Sink, unacked
 from tests.proj import tasks
 from tests.support.proxy import TcpProxy
-from tests.support.services import BROKER_URLS, REDIS_URL
+from tests.support.services import BROKER_URLS, REDIS_URL, require
 from tests.support.waiting import wait_for
 from tests.support.workers import PROJ_APP, WorkerProcess, proj_env
 
@@ -297,3 +298,21 @@ def test_the_heartbeat_outlives_a_broker_connection_cut_under_a_running_task(
         for worker in started:
             worker.kill()
         proxy.close()
+
+
+def test_a_worker_on_rabbitmq_warns_about_the_consumer_timeout_and_runs_no_heartbeat(
+    queue_name: str, tmp_path: Path
+) -> None:
+    # Given a worker on RabbitMQ (which acks for real: no unacked index to extend)
+    require("rabbitmq")
+    env = proj_env(queue=queue_name, broker="amqp")
+    worker = WorkerProcess(app=PROJ_APP, queue=queue_name, log_path=tmp_path / "amqp.log", env=env)
+
+    # When it starts
+    with worker:
+        # Then it names the guarded tasks without a time limit, and starts no heartbeat
+        assert "tests.proj.tasks.behave," in worker.log
+        assert "may run longer than RabbitMQ's consumer_timeout (1800s)" in worker.log
+        assert "Broker lease:" not in worker.log
+    with Connection(BROKER_URLS["amqp"]) as connection, contextlib.suppress(*connection.channel_errors):
+        connection.default_channel.queue_delete(queue_name)
