@@ -5,7 +5,8 @@ project does. Installing adds :class:`GuardrailsBootstep` to the app's worker bl
 ``guardrails`` config and every guarded task's options as the worker starts, so a typo stops the worker with
 an error that names the key, instead of silently running without a guardrail. It also adds the watchdog
 (:mod:`celery_guardrails.watchdog`) and, to the consumer blueprint, the guard that keeps a worker alive through
-a restart of its Redis broker (:mod:`celery_guardrails.broker_restart`).
+a restart of its Redis broker (:mod:`celery_guardrails.broker_restart`), and the heartbeat that keeps the deliveries
+it holds from being redelivered (:mod:`celery_guardrails.broker_lease`).
 
 The publish/run signal handlers of the context guardrail are connected when :mod:`celery_guardrails` is
 imported; they do not depend on the app.
@@ -115,6 +116,9 @@ def install(app: Any) -> None:
     from celery_guardrails.broker_restart import BrokerRestartGuard
 
     app.steps["consumer"].add(BrokerRestartGuard)
+    from celery_guardrails.broker_lease import BrokerLeaseStep
+
+    app.steps["consumer"].add(BrokerLeaseStep)
 
 
 def _add_context_filter(logger: logging.Logger | None = None, **_: Any) -> None:

@@ -703,6 +703,35 @@ OPTIONS: Mapping[str, Option] = {
             scopes=frozenset({APP}),
         ),
         Option(
+            name="broker_lease",
+            default=True,
+            doc="Redis broker: while a worker holds a delivery (running, prefetched, or waiting for its ETA), a "
+            "thread pushes its entry in kombu's unacked index forward, so a task longer than the visibility_timeout "
+            "is not delivered again while it runs, and is redelivered the visibility_timeout (plus one kombu "
+            "restore period) after its worker died. False: kombu's fixed visibility_timeout. See "
+            "celery_guardrails.broker_lease.",
+            check=_boolean,
+            scopes=frozenset({APP}),
+        ),
+        Option(
+            name="broker_lease_interval",
+            default=None,
+            doc="Seconds between two extensions of the held deliveries; None: a third of the broker's "
+            "visibility_timeout. Set it below a third of the shortest visibility_timeout of the apps sharing the "
+            "broker's Redis (the shortest one restores for all: celery/celery#5935).",
+            check=lambda value: None if value is None else _seconds(value),
+            scopes=frozenset({APP}),
+        ),
+        Option(
+            name="rabbitmq_consumer_timeout",
+            default=1800.0,
+            doc="RabbitMQ broker: the server's consumer_timeout in seconds (RabbitMQ's default is 30 minutes; "
+            "it cannot be read over AMQP). A worker warns at start-up about each guarded task whose time_limit is "
+            "unset or longer than it (or than a task queue's x-consumer-timeout argument).",
+            check=_seconds,
+            scopes=frozenset({APP}),
+        ),
+        Option(
             name="request_id_headers",
             default=("X-Request-ID", "X-Correlation-ID"),
             doc="Django: request headers read, in order, for the correlation id of a request.",
