@@ -55,6 +55,8 @@ class Delivery:
     slot: tuple[str, str, float] | None = None
     #: The scheduled period this delivery runs: (schedule, period).
     period: tuple[str, int] | None = None
+    #: The concurrency slots held, in the order taken: (store key, holder).
+    concurrency: list[tuple[str, str]] = field(default_factory=list)
     #: What to give up before this delivery's message is published again (claims, run slots).
     holds: list[Hold] = field(default_factory=list)
     #: A guardrail is publishing the message again (so it is not taken for the body's own ``self.retry()``).

@@ -59,6 +59,15 @@ store_unavailable
     published again without running (no attempt spent). Arguments: ``task_id``, ``error`` (the
     :class:`~celery_guardrails.exceptions.StoreUnavailableError`), ``delay`` (seconds until it comes back),
     ``outages`` (how many times this message met an unavailable store).
+
+holder_reaped
+    The reaper took a concurrency slot (``concurrency_key`` / ``exclusive_key``) from a holder whose heartbeat
+    stopped (its worker died): the job is recorded as failed with reason ``lost`` (see
+    :func:`~celery_guardrails.concurrency_status`). Sent once per reaped holder, by the process whose capacity
+    check or timer reaped it. ``sender`` is the task whose capacity check reaped it, or the Celery app (the
+    timer). Arguments: ``key`` (the store's key, ``limit:...`` or ``exclusive:...``), ``holder``, ``task_name``,
+    ``task_id``, ``tenant`` (of the lost job; "" when none), ``heartbeat_at``, ``reaped_at`` (epoch seconds),
+    ``reason`` (``"lost"``).
 """
 
 from __future__ import annotations
@@ -76,3 +85,4 @@ dead_lettered = Signal(name="dead_lettered")
 run_missed = Signal(name="run_missed")
 run_overdue = Signal(name="run_overdue")
 store_unavailable = Signal(name="store_unavailable")
+holder_reaped = Signal(name="holder_reaped")

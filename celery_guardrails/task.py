@@ -21,6 +21,7 @@ from celery_guardrails import headers
 from celery_guardrails.delivery import Delivery, begin
 from celery_guardrails.exceptions import StoreError, StoreUnavailableError
 from celery_guardrails.guardrails.budget import RetryBudget
+from celery_guardrails.guardrails.concurrency import ConcurrencyLimit
 from celery_guardrails.guardrails.context import ContextPropagation
 from celery_guardrails.guardrails.dead_letter import PendingDeadLetters
 from celery_guardrails.guardrails.idempotency import Idempotency
@@ -46,7 +47,9 @@ class GuardedTask(Task):  # type: ignore[misc]
     #: Retries sets the attempt number RetryBudget needs; Idempotency claims last (nothing is claimed for
     #: a delivery the budget defers) and wraps the body inside Retries, so that a transaction it opens is
     #: rolled back before a retry is published. ScheduledRuns comes after it: a period that ran before is
-    #: skipped as a duplicate before it could take the schedule's run slot.
+    #: skipped as a duplicate before it could take the schedule's run slot. ConcurrencyLimit takes its slots
+    #: last, when every other guardrail agreed to run the body: a duplicate of a completed key, a deferred
+    #: delivery or a skipped period never holds a slot others wait for.
     guardrails: ClassVar[tuple[Guardrail, ...]] = (
         ContextPropagation(),
         PendingDeadLetters(),
@@ -56,6 +59,7 @@ class GuardedTask(Task):  # type: ignore[misc]
         RetryBudget(),
         Idempotency(),
         ScheduledRuns(),
+        ConcurrencyLimit(),
     )
 
     #: The ack is sacred: a message is acked only after the task finished, its retry was published or its
@@ -101,6 +105,11 @@ class GuardedTask(Task):  # type: ignore[misc]
     circuit_open_seconds: float | None = None
     circuit_half_open_probes: int | None = None
     circuit_probe_timeout: float | None = None
+    concurrency_key: Any = None
+    concurrency_limit: int | None = None
+    exclusive_key: Any = None
+    concurrency_reap_after: float | None = None
+    concurrency_max_waits: int | None = None
 
     @classmethod
     def on_bound(cls, app: Any) -> None:
