@@ -7,6 +7,7 @@ and reports the count it saw as it started: the overlap, sampled at every start,
 from __future__ import annotations
 
 import json
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,6 +18,7 @@ import pytest
 from celery_guardrails import ConcurrencyKeyError, concurrency_status, signals, tenant_context
 from tests.conftest import Sink
 from tests.proj import tasks
+from tests.support.dead_letters import dead_letter_of, has_dead_letter
 from tests.support.proxy import TcpProxy
 from tests.support.services import REDIS_URL, require
 from tests.support.waiting import wait_for
@@ -223,3 +225,44 @@ def test_a_malformed_key_template_is_a_clear_error_at_publish(celery_app: Any) -
     # and a key that renders to something unusable is refused the same way
     with pytest.raises(ConcurrencyKeyError, match="exclusive key 'entity:has space' has whitespace"):
         tasks.entity_exclusive.delay("has space", "sink")
+
+
+def test_the_reaper_on_the_watchdog_timer_reaps_a_dead_holder_once(celery_app: Any, received: Any) -> None:
+    # Given a holder of a key whose heartbeat stopped long past its ceiling (its worker died), and one that beats
+    require("redis")
+    from celery_guardrails.stores import get_store
+    from celery_guardrails.watchdog import WatchdogStep
+
+    key = f"tenant:timer-{uuid.uuid4().hex[:8]}"
+    store = get_store(celery_app)
+    now = time.time()
+    # (the live one first: a capacity check at "now" would reap the dead one itself)
+    store.acquire_slot(f"limit:{key}", holder="alive", limit=2, now=now, reap_after=30, task_id="id-alive")
+    store.acquire_slot(f"limit:{key}", holder="dead", limit=2, now=now - 100, reap_after=30, task_id="id-dead")
+    reaped = received(signals.holder_reaped)
+    # When the watchdog's timer ticks in a worker, twice
+    step = WatchdogStep.__new__(WatchdogStep)
+    step.tick(celery_app, owner="test")
+    step.tick(celery_app, owner="test")
+    # Then the dead holder was reaped once, recorded lost and signalled; the live one keeps its slot
+    mine = [r for r in reaped if r["key"] == f"limit:{key}"]
+    assert [(r["holder"], r["task_id"], r["reason"], r["sender"]) for r in mine] == [
+        ("dead", "id-dead", "lost", celery_app)
+    ]
+    status = concurrency_status(key, app=celery_app)
+    assert (status["held"], status["reaped"]) == (1, 1)
+    assert [h.holder for h in status["holders"]] == ["alive"]
+    store.release_slot(f"limit:{key}", holder="alive")
+
+
+@pytest.mark.usefixtures("celery_worker")
+def test_a_key_that_cannot_be_made_on_the_worker_is_a_final_failure_not_a_crash(celery_app: Any, sink: Sink) -> None:
+    # Given a message sent without the extension (send_task: no publish-time check) whose exclusive key would
+    # hold a space
+    result = celery_app.send_task("tests.proj.tasks.entity_exclusive", args=("has space", sink.key))
+    # Then it fails for good with the reason, its dead letter recorded; the body never ran
+    with pytest.raises(ConcurrencyKeyError, match="exclusive key"):
+        result.get(timeout=TIMEOUT)
+    wait_for("the dead letter", lambda: has_dead_letter(celery_app, result.id))
+    assert dead_letter_of(celery_app, result.id)["reason"] == "permanent"
+    assert sink.items() == []
