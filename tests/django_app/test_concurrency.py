@@ -41,3 +41,20 @@ def test_a_slot_taken_in_an_atomic_run_is_released_after_its_rollback_and_after_
     assert not ConcurrencySlot.objects.filter(key=f"limit:tenant:{tenant}").exists()
     status = concurrency_status(f"tenant:{tenant}", app=celery_app)
     assert (status["held"], status["acquired"], status["reaped"]) == (0, 2, 0)
+
+
+def test_a_reaped_holder_stays_as_a_lost_row_shown_in_the_admin(admin_client: Any) -> None:
+    from django_celery_guardrails.models import ConcurrencySlot
+    from django_celery_guardrails.store import DjangoStore
+
+    # Given a holder whose heartbeat stopped at T0, then a capacity check past its ceiling
+    store, key, t0 = DjangoStore(), f"limit:admin-{uuid.uuid4().hex[:8]}", 1_800_000_000.0
+    store.acquire_slot(key, holder="h1", limit=1, now=t0, reap_after=60, task_name="job", task_id="id-lost")
+    answer = store.acquire_slot(key, holder="h2", limit=1, now=t0 + 61, reap_after=60, task_id="id-next")
+    # Then the row is kept, marked lost, and the admin lists it among the lost
+    assert answer.acquired and [h.task_id for h in answer.reaped] == ["id-lost"]
+    row = ConcurrencySlot.objects.get(key=key, holder="h1")
+    assert (row.state, row.reaped_at.timestamp()) == ("lost", t0 + 61)
+    page = admin_client.get("/admin/guardrails/concurrencyslot/", {"state__exact": "lost", "q": key})
+    assert page.status_code == 200
+    assert b"id-lost" in page.content and b"id-next" not in page.content
