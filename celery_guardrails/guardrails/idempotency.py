@@ -185,9 +185,8 @@ class Heartbeats:
 
     def __init__(self) -> None:
         self.lock = threading.Condition()
-        # (key, owner) -> store, interval, due, beat (None: the claim's own, ``store.extend`` for a lease of
-        # three intervals)
-        self.claims: dict[tuple[str, str], tuple[Store, float, float, Beat | None]] = {}
+        # (key, owner) -> store, lease, interval, due, beat (None: the claim's own, ``store.extend``)
+        self.claims: dict[tuple[str, str], tuple[Store, float, float, float, Beat | None]] = {}
         self.pid = 0
         self.wakes_at = 0.0  # monotonic time the thread wakes up next (0: it is not waiting)
         self.idle = 60.0  # how long the thread sleeps holding no claim: the shortest beat interval seen
@@ -208,7 +207,7 @@ class Heartbeats:
         with self.lock:
             self._ensure_thread()
             due = time.monotonic() + interval
-            self.claims[(key, owner)] = (store, interval, due, beat)
+            self.claims[(key, owner)] = (store, lease, interval, due, beat)
             # Wake the thread only when this beat is due before it would wake anyway. Holding no claim, it
             # sleeps the shortest beat interval seen, so with one lease for all tasks a new claim never wakes
             # it: a thread switch per task cost a solo worker more than its guardrails' Python.
@@ -228,21 +227,21 @@ class Heartbeats:
         while True:
             with self.lock:
                 now = time.monotonic()
-                due = [(k, v) for k, v in self.claims.items() if v[2] <= now]
-                for (key, owner), (store, interval, _, beat) in due:
-                    self.claims[(key, owner)] = (store, interval, now + interval, beat)
-                upcoming = min((v[2] for v in self.claims.values()), default=now + self.idle)
+                due = [(k, v) for k, v in self.claims.items() if v[3] <= now]
+                for (key, owner), (store, lease, interval, _, beat) in due:
+                    self.claims[(key, owner)] = (store, lease, interval, now + interval, beat)
+                upcoming = min((v[3] for v in self.claims.values()), default=now + self.idle)
                 if not due:
                     self.wakes_at = upcoming
                     self.lock.wait(max(0.01, upcoming - now))
                     self.wakes_at = 0.0
                     continue
-            for (key, owner), (store, interval, _, beat) in due:
+            for (key, owner), (store, lease, _, _, beat) in due:
                 try:
                     if beat is not None:
                         held = beat(time.time())
                     else:
-                        held = store.extend(key, owner=owner, now=time.time(), lease=interval * 3)
+                        held = store.extend(key, owner=owner, now=time.time(), lease=lease)
                     if not held and self.holds(key, owner):
                         # (Not when the task finished meanwhile: a completed key has no lease to renew.)
                         logger.warning("%s %s: lease lost by %s", "Hold" if beat else "Idempotency key", key, owner)
@@ -250,7 +249,7 @@ class Heartbeats:
                 except Exception:  # a heartbeat must never take the worker down; the lease may lapse
                     logger.exception("%s %s: heartbeat failed", "Hold" if beat else "Idempotency key", key)
             # Beats are rare (a third of a lease): do not keep a database connection open between them.
-            stores = {id(store): store for _, (store, _, _, _) in due}
+            stores = {id(store): store for _, (store, *_) in due}
             for store in stores.values():
                 close = getattr(store, "close_thread", None)
                 if close is not None:
