@@ -13,6 +13,7 @@ from celery_guardrails.context import (
 )
 from celery_guardrails.exceptions import (
     BudgetExhaustedError,
+    ConcurrencyKeyError,
     ConfigurationError,
     ContextError,
     DuplicateOfFailureError,
@@ -26,6 +27,7 @@ from celery_guardrails.exceptions import (
     TransientError,
 )
 from celery_guardrails.guardrails.budget import budget_status
+from celery_guardrails.guardrails.concurrency import concurrency_status
 from celery_guardrails.pipeline import Guardrail
 from celery_guardrails.task import GuardedTask
 
@@ -33,6 +35,7 @@ __version__ = "0.1.0.dev0"
 
 __all__ = [
     "BudgetExhaustedError",
+    "ConcurrencyKeyError",
     "ConfigurationError",
     "ContextError",
     "DuplicateOfFailureError",
@@ -47,6 +50,7 @@ __all__ = [
     "StoreUnavailableError",
     "TransientError",
     "budget_status",
+    "concurrency_status",
     "correlation_context",
     "current_correlation_id",
     "current_tenant",

@@ -59,6 +59,8 @@ class Delivery:
     ordering: tuple[str, int] | None = None
     #: Ordering looked at this delivery (else an earlier guardrail ended it first: its outcome still counts).
     ordering_checked: bool = False
+    #: The concurrency slots held, in the order taken: (store key, holder).
+    concurrency: list[tuple[str, str]] = field(default_factory=list)
     #: What to give up before this delivery's message is published again (claims, run slots).
     holds: list[Hold] = field(default_factory=list)
     #: A guardrail is publishing the message again (so it is not taken for the body's own ``self.retry()``).

@@ -8,6 +8,7 @@ Every exception the extension raises derives from one root, :class:`GuardrailsEr
     ├── ContextError            a tenant or correlation id that cannot travel in a message
     │   └── MissingTenantError  a ``tenant_required`` task published or delivered without a tenant
     ├── IdempotencyKeyError     an idempotency key that cannot be made (missing argument, too long, bad text)
+    ├── ConcurrencyKeyError     a concurrency_key / exclusive_key that cannot be made (the same rules)
     ├── TransientError          raise from a task: this may work if tried again (retried with backoff)
     ├── PermanentError          raise from a task: trying again cannot help (never retried)
     │   └── CheckpointError     ``self.checkpoint`` misused (outside a task run, not a sequence, state not JSON)
@@ -132,6 +133,11 @@ class BudgetExhaustedError(GuardrailsError):
 
 class IdempotencyKeyError(GuardrailsError, ValueError):
     """An idempotency key could not be made from the task's arguments, or is not acceptable."""
+
+
+class ConcurrencyKeyError(GuardrailsError, ValueError):
+    """A ``concurrency_key`` or ``exclusive_key`` could not be made from the task's arguments, or is not
+    acceptable (the rules of idempotency keys)."""
 
 
 class PoisonMessageError(GuardrailsError):

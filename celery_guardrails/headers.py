@@ -14,6 +14,7 @@ is a flat mapping (an AMQP table on RabbitMQ, a JSON object on Redis)::
         "deferred": 0,          # retry-budget / circuit-breaker deferrals so far (absent: 0)
         "outage": 0,            # times the guardrails store could not be reached for it (absent: 0)
         "busy": 0,              # waits for another delivery holding its idempotency key (absent: 0)
+        "slot_wait": 0,         # waits for a concurrency slot (concurrency_key / exclusive_key) (absent: 0)
         "gave_up": ["..."],     # claim owners of earlier deliveries that gave up without releasing (a store
                                 # outage): a claim one of them holds is taken over at once (at most 5)
         "dl": {...},            # a final failure whose dead letter is still to be written (its sinks were
@@ -48,6 +49,8 @@ Version history:
   without the other, a key that is not a valid key, a sequence that is not a whole number of at least 1) is
   not treated as missing: running it unordered would break the order it was published to keep, so the worker
   dead-letters it (``malformed_message``). A release that does not know them runs the message unordered.
+* ``1`` (0.4): ``slot_wait`` added (a release that does not know it keeps it; its waits then count as
+  ``later``).
 
 Compatibility rules:
 
@@ -86,6 +89,7 @@ LATER = "later"
 DEFERRED = "deferred"
 OUTAGES = "outage"
 BUSY = "busy"
+SLOT_WAIT = "slot_wait"
 GAVE_UP = "gave_up"
 #: Owners kept in GAVE_UP at most (the newest).
 GAVE_UP_LIMIT = 5
@@ -107,7 +111,7 @@ PERIOD_MAX = 253_402_300_799
 HISTORY_LIMIT = 20
 #: Characters of an exception message kept in an attempt record.
 MESSAGE_LIMIT = 500
-_COUNTERS = (ATTEMPT, LATER, DEFERRED, OUTAGES, BUSY, HISTORY_TOTAL, PENDING_TRIES, ORDERING_WAITS)
+_COUNTERS = (ATTEMPT, LATER, DEFERRED, OUTAGES, BUSY, SLOT_WAIT, HISTORY_TOTAL, PENDING_TRIES, ORDERING_WAITS)
 
 
 def from_message_headers(headers: Mapping[str, Any] | None) -> dict[str, Any]:

@@ -542,6 +542,48 @@ OPTIONS: Mapping[str, Option] = {
             scopes=frozenset({TASK, APP}),
         ),
         Option(
+            name="concurrency_key",
+            default=None,
+            doc="Tasks whose key renders the same share concurrency_limit slots across all workers: a str.format "
+            "template over the task's bound arguments and {tenant} (the message's tenant), e.g. 'tenant:{tenant}' "
+            "or a dependency name, or a callable taking the task's arguments. Not scoped by task name.",
+            check=_key_spec,
+            scopes=frozenset({TASK}),
+        ),
+        Option(
+            name="concurrency_limit",
+            default=None,
+            doc="Deliveries of one concurrency_key that may run at once, across all workers (required with it). A "
+            "delivery that finds them all taken comes back later (RetryLater), no attempt spent.",
+            check=_positive_int,
+            scopes=frozenset({TASK}),
+        ),
+        Option(
+            name="exclusive_key",
+            default=None,
+            doc="Like concurrency_key with a limit of one: two tasks acting on one entity ('invoice:{invoice_id}') "
+            "never run at once. Both may be set on one task (two slots, the concurrency slot taken first).",
+            check=_key_spec,
+            scopes=frozenset({TASK}),
+        ),
+        Option(
+            name="concurrency_reap_after",
+            default=300.0,
+            doc="Seconds without a heartbeat after which a slot's holder is reaped (its worker died): recorded as "
+            "failed with reason 'lost', holder_reaped sent. A running holder beats every quarter of it (at most "
+            "every 10 s). Reaping runs in every capacity check and on the watchdog's timer.",
+            check=_seconds,
+            scopes=frozenset({TASK, APP}),
+        ),
+        Option(
+            name="concurrency_max_waits",
+            default=100,
+            doc="Waits for a slot that spend neither an attempt nor retry_later_max; past them each further wait "
+            "counts toward retry_later_max (then a final failure retry_later_exhausted).",
+            check=_positive_int,
+            scopes=frozenset({TASK, APP}),
+        ),
+        Option(
             name="store_timeout",
             default=5.0,
             doc="Seconds a Redis store connection may take to connect or answer before the store counts as "

@@ -70,6 +70,15 @@ ordering_gap_skipped
     that never ran (lost before it was published, or failed where it could not say so): the key moved past
     the gap. Arguments: ``task_id`` (the waiting message that moved it), ``key`` (scoped), ``first`` and
     ``last`` (the sequence numbers given up), ``waited`` (seconds).
+
+holder_reaped
+    The reaper took a concurrency slot (``concurrency_key`` / ``exclusive_key``) from a holder whose heartbeat
+    stopped (its worker died): the job is recorded as failed with reason ``lost`` (see
+    :func:`~celery_guardrails.concurrency_status`). Sent once per reaped holder, by the process whose capacity
+    check or timer reaped it. ``sender`` is the task whose capacity check reaped it, or the Celery app (the
+    timer). Arguments: ``key`` (the store's key, ``limit:...`` or ``exclusive:...``), ``holder``, ``task_name``,
+    ``task_id``, ``tenant`` (of the lost job; "" when none), ``heartbeat_at``, ``reaped_at`` (epoch seconds),
+    ``reason`` (``"lost"``).
 """
 
 from __future__ import annotations
@@ -89,3 +98,4 @@ run_overdue = Signal(name="run_overdue")
 store_unavailable = Signal(name="store_unavailable")
 stale_skipped = Signal(name="stale_skipped")
 ordering_gap_skipped = Signal(name="ordering_gap_skipped")
+holder_reaped = Signal(name="holder_reaped")

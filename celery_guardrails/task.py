@@ -22,6 +22,7 @@ from celery_guardrails.checkpoint import Checkpoint, Checkpoints, checkpoint_of
 from celery_guardrails.delivery import Delivery, begin
 from celery_guardrails.exceptions import StoreError, StoreUnavailableError
 from celery_guardrails.guardrails.budget import RetryBudget
+from celery_guardrails.guardrails.concurrency import ConcurrencyLimit
 from celery_guardrails.guardrails.context import ContextPropagation
 from celery_guardrails.guardrails.dead_letter import PendingDeadLetters
 from celery_guardrails.guardrails.idempotency import Idempotency
@@ -48,7 +49,9 @@ class GuardedTask(Task):  # type: ignore[misc]
     #: Retries sets the attempt number RetryBudget needs; Idempotency claims last (nothing is claimed for
     #: a delivery the budget defers) and wraps the body inside Retries, so that a transaction it opens is
     #: rolled back before a retry is published. ScheduledRuns comes after it: a period that ran before is
-    #: skipped as a duplicate before it could take the schedule's run slot.
+    #: skipped as a duplicate before it could take the schedule's run slot. ConcurrencyLimit takes its slots
+    #: last, when every other guardrail agreed to run the body: a duplicate of a completed key, a deferred
+    #: delivery or a skipped period never holds a slot others wait for.
     #: Ordering comes after Retries (it reads the attempt; Retries, outermost around the body, has classified
     #: the outcome before Ordering sees it, reversed) and before RetryBudget and Idempotency: a message waits
     #: for its turn without spending a budget admission or holding its key, and a duplicate skipped in its turn
@@ -64,6 +67,7 @@ class GuardedTask(Task):  # type: ignore[misc]
         RetryBudget(),
         Idempotency(),
         ScheduledRuns(),
+        ConcurrencyLimit(),
         Checkpoints(),
         SequenceStamp(),
     )
@@ -114,6 +118,11 @@ class GuardedTask(Task):  # type: ignore[misc]
     ordering_key: Any = None
     ordering_gap_timeout: float | None = None
     ordering_retention: float | None = None
+    concurrency_key: Any = None
+    concurrency_limit: int | None = None
+    exclusive_key: Any = None
+    concurrency_reap_after: float | None = None
+    concurrency_max_waits: int | None = None
 
     # Resumable chunks (issue #14): ``for item in self.checkpoint.iterate(items, every=100)`` in a bound body
     # records the position reached, keyed by the job, and resumes from it on the next delivery. Checkpoints

@@ -20,7 +20,8 @@ Where it runs:
 * in every worker, as a bootstep thread (:class:`WatchdogStep`) that checks every ``watchdog_interval``
   seconds; a claim in the store with a lease of one interval lets one worker in the cluster check per
   interval (one claim per set of guarded schedules: see :func:`lock_key`). It also sends the dead-letter
-  alert summaries that are due. ``watchdog=False`` turns it off.
+  alert summaries that are due, and reaps the concurrency slots of dead holders
+  (:func:`celery_guardrails.guardrails.concurrency.reap`). ``watchdog=False`` turns it off.
 * as ``python manage.py guardrails_watchdog`` (Django), for cron or a Kubernetes CronJob.
 """
 
@@ -162,6 +163,7 @@ class WatchdogStep(bootsteps.StartStopStep):  # type: ignore[misc]
 
     def tick(self, app: Any, owner: str) -> None:
         from celery_guardrails.alerts import flush_alert_summaries
+        from celery_guardrails.guardrails.concurrency import reap
 
         try:
             flush_alert_summaries(app)
@@ -169,6 +171,10 @@ class WatchdogStep(bootsteps.StartStopStep):  # type: ignore[misc]
                 check_if_my_turn(app, owner=owner)
         except Exception:  # the watchdog must never take the worker down
             logger.exception("Watchdog check failed")
+        try:
+            reap(app)  # concurrency slots whose holder died: the reaper on a timer (every worker, every interval)
+        except Exception:
+            logger.exception("Watchdog: reaping concurrency slots failed")
         finally:
             close = getattr(get_store(app), "close_thread", None)
             if close is not None:

@@ -36,7 +36,14 @@ from celery_guardrails.stores import store_url
 from . import health
 from .forms import EditAndReplayForm
 from .maintenance import close_dead_letters
-from .models import DeadLetter, DependencyState, IdempotencyKey, ScheduledRun, SealedMessage
+from .models import (
+    ConcurrencySlot,
+    DeadLetter,
+    DependencyState,
+    IdempotencyKey,
+    ScheduledRun,
+    SealedMessage,
+)
 from .overview import dead_letter_overview
 from .paging import CappedCountPaginator, DistinctValuesFilter
 from .replay import Refused, ReplayResult, plan, replay_dead_letters, replay_with_changes
@@ -385,6 +392,24 @@ class IdempotencyKeyAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
 
     def has_change_permission(self, request: HttpRequest, obj: IdempotencyKey | None = None) -> bool:
         return False  # to look at (and delete: a key deleted by hand lets its task run again)
+
+
+@admin.register(ConcurrencySlot)
+class ConcurrencySlotAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
+    """The holders of concurrency slots, and the reaped ones (``lost``: their record, kept)."""
+
+    list_display = ("key", "state", "task_name", "task_id", "tenant", "acquired_at", "heartbeat_at", "reaped_at")
+    list_filter = ("state",)
+    search_fields = ("key__exact", "task_id__exact")
+    readonly_fields = [f.name for f in ConcurrencySlot._meta.fields]
+    show_full_result_count = False
+    paginator = CappedCountPaginator
+
+    def has_add_permission(self, request: HttpRequest) -> bool:
+        return False  # slots are taken by workers
+
+    def has_change_permission(self, request: HttpRequest, obj: ConcurrencySlot | None = None) -> bool:
+        return False  # to look at (and delete: a held slot deleted by hand frees it at once)
 
 
 @admin.register(DependencyState)

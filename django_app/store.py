@@ -28,17 +28,30 @@ from celery_guardrails.stores.base import (
     BUSY,
     COMPLETED,
     FAILED,
+    HELD,
+    LOST,
     Admission,
     BudgetPolicy,
     Claim,
     DependencyState,
     OrderState,
+    SlotAcquisition,
+    SlotHolder,
     decide_admission,
     decide_outcome,
     status,
 )
 
-from .models import AlertThrottle, Checkpoint, DeliveryCounter, IdempotencyKey, OrderingSequence, ScheduledRun
+from .models import (
+    AlertThrottle,
+    Checkpoint,
+    ConcurrencyKey,
+    ConcurrencySlot,
+    DeliveryCounter,
+    IdempotencyKey,
+    OrderingSequence,
+    ScheduledRun,
+)
 from .models import DependencyState as Row
 
 _FIELDS = [f.name for f in fields(DependencyState)]
@@ -599,6 +612,151 @@ class DjangoStore:
     @translated("clear a checkpoint")
     def clear_checkpoint(self, key: str) -> None:
         Checkpoint.objects.filter(key=key).delete()
+
+    # Concurrency slots: every capacity check of a key is one transaction that first bumps the key's row
+    # (ConcurrencyKey.checks): an UPDATE, so it takes the row lock on PostgreSQL and the database's write lock
+    # on SQLite before anything is read (a SQLite transaction that read first and wrote second could not wait
+    # for the lock: it would fail with "database is locked"). Under that lock it reaps the stale holders
+    # (marked lost, rows kept), counts the live ones and inserts the new holder: no count is cached anywhere.
+
+    def in_transaction(self) -> bool:
+        """Whether this thread is inside a transaction (a slot released there would be rolled back with it)."""
+        return bool(connection.in_atomic_block)
+
+    @translated("acquire a concurrency slot")
+    def acquire_slot(
+        self,
+        key: str,
+        *,
+        holder: str,
+        limit: int,
+        now: float,
+        reap_after: float,
+        task_name: str = "",
+        task_id: str = "",
+        tenant: str = "",
+    ) -> SlotAcquisition:
+        moment = _moment(now)
+        with transaction.atomic():
+            _lock_slot_key(key, reap_after=reap_after)
+            reaped = _reap(key, now=now, reap_after=reap_after)
+            held = ConcurrencySlot.objects.filter(key=key, state=HELD)
+            acquired = bool(held.filter(holder=holder).update(heartbeat_at=moment))  # asking again: it holds it
+            if not acquired and held.count() < limit:
+                ConcurrencySlot.objects.create(
+                    key=key,
+                    holder=holder,
+                    task_name=task_name[:200],
+                    task_id=task_id[:255],
+                    tenant=tenant[:100],
+                    acquired_at=moment,
+                    heartbeat_at=moment,
+                )
+                ConcurrencyKey.objects.filter(key=key).update(acquired=F("acquired") + 1)
+                acquired = True
+            beats = list(held.order_by("heartbeat_at").values_list("heartbeat_at", flat=True))
+        return SlotAcquisition(
+            acquired=acquired,
+            holders=len(beats),
+            reaped=tuple(reaped),
+            retry_at=beats[0].timestamp() + reap_after if beats else 0.0,
+        )
+
+    @translated("renew a concurrency slot")
+    def heartbeat_slot(self, key: str, *, holder: str, now: float) -> bool:
+        slot = ConcurrencySlot.objects.filter(key=key, holder=holder, state=HELD)
+        return bool(slot.update(heartbeat_at=_moment(now)))
+
+    @translated("release a concurrency slot")
+    def release_slot(self, key: str, *, holder: str) -> bool:
+        deleted, _ = ConcurrencySlot.objects.filter(key=key, holder=holder, state=HELD).delete()
+        return bool(deleted)
+
+    @translated("reap concurrency slots")
+    def reap_slots(self, *, now: float) -> list[SlotHolder]:
+        from django.db.models import Min
+
+        oldest = dict(
+            ConcurrencySlot.objects.filter(state=HELD)
+            .values("key")
+            .annotate(oldest=Min("heartbeat_at"))
+            .values_list("key", "oldest")
+        )
+        ceilings = dict(ConcurrencyKey.objects.filter(key__in=list(oldest)).values_list("key", "reap_after"))
+        reaped: list[SlotHolder] = []
+        for key, beat in sorted(oldest.items()):
+            ceiling = ceilings.get(key, 300.0)
+            if beat.timestamp() >= now - ceiling:  # nobody stale here: no lock taken
+                continue
+            with transaction.atomic():
+                _lock_slot_key(key, reap_after=None)
+                reaped += _reap(key, now=now, reap_after=ceiling)
+        return reaped
+
+    @translated("read a concurrency key")
+    def slot_status(self, key: str, *, now: float) -> dict[str, Any]:
+        from celery_guardrails.stores.redis_slots import status_of
+
+        row = ConcurrencyKey.objects.filter(key=key).values("reap_after", "checks", "acquired", "reaped").first()
+        slots = ConcurrencySlot.objects.filter(key=key)
+        holders = [_slot(slot) for slot in slots.filter(state=HELD).order_by("acquired_at")]
+        lost = [_slot(slot) for slot in slots.filter(state=LOST).order_by("-reaped_at")[:10]]
+        return status_of(key, holders, lost, row or {}, row["reap_after"] if row else None, now)
+
+
+def _lock_slot_key(key: str, *, reap_after: float | None) -> None:
+    """Lock ``key``'s row for this transaction (made when missing), counting the check (see DjangoStore)."""
+    changes: dict[str, Any] = {"checks": F("checks") + 1}
+    if reap_after is not None:
+        changes["reap_after"] = reap_after
+    if ConcurrencyKey.objects.filter(key=key).update(**changes):
+        return
+    # The first check of this key: two workers may insert it at once; the loser (which waits for the winner's
+    # commit on the unique index) reads it instead, then locks it.
+    ConcurrencyKey.objects.get_or_create(key=key, defaults={"reap_after": reap_after or 300.0})
+    ConcurrencyKey.objects.filter(key=key).update(**changes)
+
+
+def _reap(key: str, *, now: float, reap_after: float) -> list[SlotHolder]:
+    """Mark lost the holders of ``key`` whose heartbeat is older than ``reap_after`` (under the key's lock)."""
+    stale = list(
+        ConcurrencySlot.objects.filter(key=key, state=HELD, heartbeat_at__lt=_moment(now - reap_after)).order_by(
+            "heartbeat_at"
+        )
+    )
+    if not stale:
+        return []
+    moment = _moment(now)
+    ConcurrencySlot.objects.filter(pk__in=[slot.pk for slot in stale]).update(state=LOST, reaped_at=moment)
+    ConcurrencyKey.objects.filter(key=key).update(reaped=F("reaped") + len(stale))
+    return [
+        SlotHolder(
+            key=slot.key,
+            holder=slot.holder,
+            task_name=slot.task_name,
+            task_id=slot.task_id,
+            tenant=slot.tenant,
+            acquired_at=slot.acquired_at.timestamp(),
+            heartbeat_at=slot.heartbeat_at.timestamp(),
+            reaped_at=now,
+            state=LOST,
+        )
+        for slot in stale
+    ]
+
+
+def _slot(slot: ConcurrencySlot) -> SlotHolder:
+    return SlotHolder(
+        key=slot.key,
+        holder=slot.holder,
+        task_name=slot.task_name,
+        task_id=slot.task_id,
+        tenant=slot.tenant,
+        acquired_at=slot.acquired_at.timestamp(),
+        heartbeat_at=slot.heartbeat_at.timestamp(),
+        reaped_at=_seconds(slot.reaped_at),
+        state=slot.state,
+    )
 
 
 def _newest_periods(names: list[str]) -> Iterator[tuple[str, float]]:

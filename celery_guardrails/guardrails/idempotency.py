@@ -40,7 +40,7 @@ import os
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
 from string import Formatter
 from typing import TYPE_CHECKING, Any
@@ -79,10 +79,12 @@ def render_key(
     *,
     option: str = "idempotency_key",
     error: type[Exception] = IdempotencyKeyError,
+    extra: dict[str, Any] | None = None,
 ) -> str:
     """The key ``spec`` makes for these arguments (see the module docstring); raises ``error``
-    (IdempotencyKeyError). ``option``: the option ``spec`` was given as, for the messages (the ordering
-    guardrail makes its keys the same way)."""
+    (IdempotencyKeyError). ``option`` names the option in the messages (the ordering and concurrency
+    guardrails make their keys the same way); ``extra``: more fields a template may name (a task argument
+    of the same name wins), e.g. ``{tenant}`` for a concurrency key."""
     if callable(spec):
         try:
             key = spec(*args, **kwargs)
@@ -96,7 +98,7 @@ def render_key(
             except TypeError as exc:
                 raise error(f"{task.name}: arguments do not fit the task: {exc}") from exc
             bound.apply_defaults()
-            arguments = dict(bound.arguments)
+            arguments = {**(extra or {}), **bound.arguments}
         try:
             key = spec.format(**arguments)
         except (KeyError, IndexError, AttributeError, ValueError) as exc:
@@ -166,8 +168,13 @@ def delivery_owner(request: Any) -> str:
     return f"{request.hostname}:{os.getpid()}:{request.id}:{_DELIVERIES.next()}"
 
 
+#: A heartbeat of something other than a claim: called with the time, says whether it is still held.
+Beat = Callable[[float], bool]
+
+
 class Heartbeats:
-    """One thread per worker process renews the leases of every claim running in it.
+    """One thread per worker process renews the leases of every claim running in it (and beats for the other
+    holds of its deliveries: concurrency slots, see :mod:`celery_guardrails.guardrails.concurrency`).
 
     A claim's lease is renewed every third of it; the claim itself was the first beat, so a short lease
     cannot lapse before the first renewal. One shared thread instead of one per task: starting a thread per
@@ -176,7 +183,8 @@ class Heartbeats:
 
     def __init__(self) -> None:
         self.lock = threading.Condition()
-        self.claims: dict[tuple[str, str], tuple[Store, float, float]] = {}  # (key, owner) -> store, lease, due
+        # (key, owner) -> store, lease, interval, due, beat (None: the claim's own, ``store.extend``)
+        self.claims: dict[tuple[str, str], tuple[Store, float, float, float, Beat | None]] = {}
         self.pid = 0
         self.wakes_at = 0.0  # monotonic time the thread wakes up next (0: it is not waiting)
         self.idle = 60.0  # how long the thread sleeps holding no claim: the shortest beat interval seen
@@ -188,15 +196,20 @@ class Heartbeats:
             self.wakes_at = 0.0
             threading.Thread(target=self._run, name="guardrails-heartbeats", daemon=True).start()
 
-    def add(self, store: Store, key: str, owner: str, *, lease: float) -> None:
+    def add(
+        self, store: Store, key: str, owner: str, *, lease: float, beat: Beat | None = None, every: float = 0.0
+    ) -> None:
+        """Renew ``owner``'s claim of ``key`` every third of ``lease``; or, given ``beat``, call it every
+        ``every`` seconds (False: the hold is lost)."""
+        interval = every if beat is not None else lease / 3
         with self.lock:
             self._ensure_thread()
-            due = time.monotonic() + lease / 3
-            self.claims[(key, owner)] = (store, lease, due)
+            due = time.monotonic() + interval
+            self.claims[(key, owner)] = (store, lease, interval, due, beat)
             # Wake the thread only when this beat is due before it would wake anyway. Holding no claim, it
             # sleeps the shortest beat interval seen, so with one lease for all tasks a new claim never wakes
             # it: a thread switch per task cost a solo worker more than its guardrails' Python.
-            self.idle = min(self.idle, lease / 3)
+            self.idle = min(self.idle, interval)
             if due < self.wakes_at:
                 self.lock.notify()
 
@@ -212,25 +225,29 @@ class Heartbeats:
         while True:
             with self.lock:
                 now = time.monotonic()
-                due = [(k, v) for k, v in self.claims.items() if v[2] <= now]
-                for (key, owner), (store, lease, _) in due:
-                    self.claims[(key, owner)] = (store, lease, now + lease / 3)
-                upcoming = min((v[2] for v in self.claims.values()), default=now + self.idle)
+                due = [(k, v) for k, v in self.claims.items() if v[3] <= now]
+                for (key, owner), (store, lease, interval, _, beat) in due:
+                    self.claims[(key, owner)] = (store, lease, interval, now + interval, beat)
+                upcoming = min((v[3] for v in self.claims.values()), default=now + self.idle)
                 if not due:
                     self.wakes_at = upcoming
                     self.lock.wait(max(0.01, upcoming - now))
                     self.wakes_at = 0.0
                     continue
-            for (key, owner), (store, lease, _) in due:
+            for (key, owner), (store, lease, _, _, beat) in due:
                 try:
-                    if not store.extend(key, owner=owner, now=time.time(), lease=lease) and self.holds(key, owner):
+                    if beat is not None:
+                        held = beat(time.time())
+                    else:
+                        held = store.extend(key, owner=owner, now=time.time(), lease=lease)
+                    if not held and self.holds(key, owner):
                         # (Not when the task finished meanwhile: a completed key has no lease to renew.)
-                        logger.warning("Idempotency key %s: lease lost by %s", key, owner)
+                        logger.warning("%s %s: lease lost by %s", "Hold" if beat else "Idempotency key", key, owner)
                         self.remove(key, owner)
                 except Exception:  # a heartbeat must never take the worker down; the lease may lapse
-                    logger.exception("Idempotency key %s: heartbeat failed", key)
+                    logger.exception("%s %s: heartbeat failed", "Hold" if beat else "Idempotency key", key)
             # Beats are rare (a third of a lease): do not keep a database connection open between them.
-            stores = {id(store): store for _, (store, _, _) in due}
+            stores = {id(store): store for _, (store, *_) in due}
             for store in stores.values():
                 close = getattr(store, "close_thread", None)
                 if close is not None:

@@ -319,3 +319,77 @@ class Store(RunLedger, Protocol):
         """Give up ``done + 1 .. to`` as lost: ``done`` becomes ``to`` if it still is ``done`` (compare and set),
         the range is kept as the last skipped, ``gap_since`` and ``waiting`` cleared; whether it did."""
         ...
+
+    # Concurrency slots (see the block below the protocol): per-key limits, holders' heartbeats, the reaper.
+
+    def acquire_slot(
+        self,
+        key: str,
+        *,
+        holder: str,
+        limit: int,
+        now: float,
+        reap_after: float,
+        task_name: str = "",
+        task_id: str = "",
+        tenant: str = "",
+    ) -> SlotAcquisition:
+        """Reap the holders of ``key`` whose heartbeat is older than ``reap_after`` seconds (each recorded
+        ``lost``), count the live ones and take a slot for ``holder`` when fewer than ``limit`` hold one: all
+        in one atomic step (no count is cached anywhere). A holder asking again still holds its slot."""
+        ...
+
+    def heartbeat_slot(self, key: str, *, holder: str, now: float) -> bool:
+        """Push ``holder``'s heartbeat to ``now``; False when it holds no slot of ``key`` (released, reaped)."""
+        ...
+
+    def release_slot(self, key: str, *, holder: str) -> bool:
+        """Give ``holder``'s slot back; False when it held none (released before, or reaped: the record stays)."""
+        ...
+
+    def reap_slots(self, *, now: float) -> list[SlotHolder]:
+        """The reaper on a timer: reap every key's stale holders (each key with the ceiling its last capacity
+        check used); the holders reaped."""
+        ...
+
+    def slot_status(self, key: str, *, now: float) -> dict[str, Any]:
+        """What :func:`celery_guardrails.concurrency_status` reports for ``key``."""
+        ...
+
+
+#: States of a concurrency slot's holder: holding it, or reaped (its heartbeat stopped: the job is ``lost``).
+HELD, LOST = "held", "lost"
+#: Reaped holders' records kept per key on Redis (the newest), and for how long (seconds) after the last one.
+LOST_RECORDS_KEPT = 100
+LOST_RECORDS_TTL = 7 * 24 * 3600
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SlotHolder:
+    """A holder of a concurrency slot: the delivery, what it runs, and its times (epoch seconds)."""
+
+    key: str
+    holder: str
+    task_name: str = ""
+    task_id: str = ""
+    tenant: str = ""
+    acquired_at: float = 0.0
+    heartbeat_at: float = 0.0
+    #: When the reaper took the slot away (``state`` ``lost``); None while it is held.
+    reaped_at: float | None = None
+    state: str = HELD
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SlotAcquisition:
+    """The answer to :meth:`Store.acquire_slot`.
+
+    ``acquired``: the slot is this holder's. ``holders``: how many hold one after this step (counted in it).
+    ``reaped``: the holders this step reaped. ``retry_at``: when the oldest holder would be reaped if it
+    stopped beating (epoch seconds; 0 with no holder): a waiting delivery need not look later than that.
+    """
+
+    acquired: bool
+    holders: int
+    reaped: tuple[SlotHolder, ...] = ()
+    retry_at: float = 0.0

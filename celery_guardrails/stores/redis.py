@@ -22,6 +22,7 @@ from celery_guardrails.stores.redis_client import connect, is_cluster
 from celery_guardrails.stores.redis_lane import Lane
 from celery_guardrails.stores.redis_ledger import LEDGER_SCRIPT, RedisRunLedger
 from celery_guardrails.stores.redis_ordering import ORDERING_SCRIPT, RedisOrdering
+from celery_guardrails.stores.redis_slots import RedisSlots
 
 logger = logging.getLogger(__name__)
 
@@ -519,7 +520,7 @@ _INT_FIELDS = (
 )
 
 
-class RedisStore(RedisIdempotency, RedisRunLedger, RedisCheckpoints, RedisOrdering):
+class RedisStore(RedisIdempotency, RedisRunLedger, RedisCheckpoints, RedisOrdering, RedisSlots):
     """Store on a Redis server, a Redis Cluster or the master a Sentinel names, given by URL
     (``redis://127.0.0.1:6379/1``; see :mod:`~celery_guardrails.stores.redis_client`)."""
 

@@ -126,3 +126,25 @@ def iterate_badly(self: GuardedTask, how: str) -> int:
     elif how == "twice":
         sum(self.checkpoint.iterate(items))
     return sum(self.checkpoint.iterate(items, every=0 if how == "every" else 5))
+
+
+@shared_task(
+    base=GuardedTask,
+    bind=True,
+    idempotency_key="limited-effect:{key}",
+    atomic=True,
+    concurrency_key="tenant:{tenant}",
+    concurrency_limit=1,
+    backoff_base=0.05,
+)
+def write_effect_limited(self: GuardedTask, key: str, sink: str) -> str:
+    """Insert one Effect row in the key's transaction, one per tenant at a time; the first attempt then fails
+    transiently (its row rolled back with the transaction, its slot given back all the same)."""
+    from celery_guardrails import TransientError
+    from tests.testapp.models import Effect
+
+    seen(self, sink, attempt=self.request.attempt, history=[r.get("rule") for r in self.request.attempt_history])
+    Effect.objects.create(key=key)
+    if self.request.attempt == 1:
+        raise TransientError("provider busy")
+    return "written"

@@ -331,3 +331,61 @@ def ordered_append(self: GuardedTask, stream: str, n: int, sink: str, fail: str 
     item = {"stream": stream, "n": n, "seq": sequence, "attempt": self.request.attempt, "outages": outages}
     client.rpush(sink, json.dumps(item))
     return int(sequence)
+
+
+def _slot_run(task: GuardedTask, sink: str, counters: list[str], *, hold: float, gate: str | None) -> dict[str, Any]:
+    """A body holding concurrency slots: each of ``counters`` (Redis counters of the tasks running now) is
+    incremented at the start and decremented at the end; the report says how many ran at that start (the
+    overlap, sampled at every start), the attempt and the history. Waits ``hold`` seconds, or at ``gate``."""
+    client = redis.Redis.from_url(REDIS_URL)
+    running = [int(client.incr(counter)) for counter in counters]
+    try:
+        report = seen(
+            task,
+            sink,
+            running=running,
+            attempt=task.request.attempt,
+            history=[(r.get("class"), r.get("rule")) for r in task.request.attempt_history],
+        )
+        if gate and client.blpop([gate], timeout=120) is None:
+            raise RuntimeError(f"gate {gate} never opened")
+        time.sleep(hold)
+    finally:
+        for counter in counters:
+            client.decr(counter)
+    client.rpush(f"{sink}:ended", json.dumps({"task_id": task.request.id, "tenant": current_tenant()}))
+    return report
+
+
+@shared_task(base=GuardedTask, bind=True, concurrency_key="tenant:{tenant}", concurrency_limit=2, retry_later_delay=0.1)
+def tenant_limited(self: GuardedTask, sink: str, hold: float = 0.2, gate: str | None = None) -> dict[str, Any]:
+    """At most two at once per tenant, across every worker."""
+    return _slot_run(self, sink, [f"{sink}:running:{current_tenant()}"], hold=hold, gate=gate)
+
+
+@shared_task(base=GuardedTask, bind=True, exclusive_key="entity:{entity}", retry_later_delay=0.1)
+def entity_exclusive(self: GuardedTask, entity: str, sink: str, hold: float = 0.2) -> dict[str, Any]:
+    """Never two at once on one entity; any number on different ones."""
+    return _slot_run(self, sink, [f"{sink}:running:{entity}", f"{sink}:running"], hold=hold, gate=None)
+
+
+@shared_task(
+    base=GuardedTask,
+    bind=True,
+    concurrency_key="tenant:{tenant}",
+    concurrency_limit=1,
+    backoff_base=0.05,
+)
+def limited_flaky(self: GuardedTask, sink: str) -> dict[str, Any]:
+    """Limited to one per tenant; its first attempt fails transiently (its retry must find the slot free)."""
+    report = seen(
+        self, sink, attempt=self.request.attempt, history=[r.get("rule") for r in self.request.attempt_history]
+    )
+    if self.request.attempt == 1:
+        raise TransientError("provider busy")
+    return report
+
+
+@shared_task(base=GuardedTask, bind=True, concurrency_key="x:{no_such_argument}", concurrency_limit=1)
+def bad_concurrency_key(self: GuardedTask) -> None:
+    """A template naming an argument the task does not take."""

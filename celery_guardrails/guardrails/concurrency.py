@@ -1,0 +1,260 @@
+"""Per-key concurrency limits and mutual exclusion, enforced cluster-wide by the store, with a reaper.
+
+* ``concurrency_key`` (a ``str.format`` template over the task's bound arguments and ``{tenant}``, the
+  message's tenant; or a callable taking the task's arguments) with ``concurrency_limit=N``: at most N
+  deliveries of tasks whose key renders the same run at once, across every worker. Keys are not scoped by
+  task name: tasks that name one key (``"tenant:{tenant}"``, ``"payments-api"``) share its slots.
+  ``exclusive_key``: the same with a limit of one (two jobs never act on one entity at once). Both may be
+  set on one task: two slots, the concurrency slot taken first, released in reverse order.
+* Publish: each key is rendered and checked (the rules of idempotency keys); a bad one raises
+  :class:`~celery_guardrails.exceptions.ConcurrencyKeyError` in the caller; a key without a limit raises
+  :class:`~celery_guardrails.exceptions.ConfigurationError`.
+* Run: the key is rendered again (on the worker, as the message's tenant) and a slot asked of the store. Each
+  such capacity check is one atomic step (a Lua script; a transaction under the key's row lock): it first
+  reaps the holders whose heartbeat is older than ``concurrency_reap_after`` (each recorded as failed with
+  reason ``lost``, ``holder_reaped`` sent, counted), then counts the live holders and takes a slot when one is
+  free. No count is cached anywhere, so there is none to invalidate.
+
+  - acquired: the body runs; the shared heartbeat thread renews the slot every quarter of the ceiling (at
+    most every :data:`BEAT_MAX` seconds); the slot is released as the body ends, before a retry is published
+    (inside a database transaction, the Django store's release waits for the transaction to end: the retry's
+    re-publish, or the success or failure hook, releases it);
+  - all taken: the delivery comes back later through ``RetryLater`` without spending an attempt. Waits are
+    counted apart (header ``slot_wait``) and spend no ``retry_later_max`` for the first
+    ``concurrency_max_waits``; past them each wait counts toward ``retry_later_max``, so a key that never
+    frees ends in a final failure ``retry_later_exhausted``, not in a loop. The delay starts at
+    ``retry_later_delay`` and doubles with each wait (at most 16 times it, half of it random), never later
+    than the moment the oldest holder would be reaped;
+  - the store cannot be reached: :class:`~celery_guardrails.exceptions.StoreUnavailableError`, and
+    ``GuardedTask`` publishes the message again later, no attempt spent (a slot taken before is released).
+* The reaper also runs on a timer: the watchdog's bootstep thread in every worker calls :func:`reap` every
+  ``watchdog_interval`` seconds (each key reaped with the ceiling its last capacity check used).
+
+It comes last in ``GuardedTask.guardrails``: a duplicate of a completed idempotency key, a delivery its
+budget defers or a copy waiting behind a live claim never takes a slot.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import random
+import time
+from collections.abc import Iterator
+from contextlib import AbstractContextManager, contextmanager
+from typing import TYPE_CHECKING, Any
+
+from celery_guardrails import headers, signals
+from celery_guardrails.context import current_tenant
+from celery_guardrails.delivery import Delivery, Hold, delivery
+from celery_guardrails.exceptions import ConcurrencyKeyError, ConfigurationError, RetryLater
+from celery_guardrails.guardrails.idempotency import HEARTBEATS, delivery_owner, render_key
+from celery_guardrails.guardrails.retries import retry_later
+from celery_guardrails.options import resolve
+from celery_guardrails.outcomes import PERMANENT, attempt_record, fail_finally
+from celery_guardrails.pipeline import Guardrail, Publication
+from celery_guardrails.stores import get_store
+from celery_guardrails.stores.base import SlotHolder, Store
+
+if TYPE_CHECKING:
+    from celery_guardrails.task import GuardedTask
+
+logger = logging.getLogger(__name__)
+
+#: Longest interval between two heartbeats of a slot, in seconds (a quarter of the ceiling when shorter).
+BEAT_MAX = 10.0
+#: Doublings of the wait for a slot at most (the delay stays under 16 times ``retry_later_delay``).
+WAIT_DOUBLINGS = 4
+#: The store key's namespace of each option (a concurrency key and an exclusive key never share slots).
+NAMESPACES = (("concurrency_key", "limit"), ("exclusive_key", "exclusive"))
+
+
+def store_key(namespace: str, key: str) -> str:
+    """The store's name of a rendered key: ``limit:<key>`` or ``exclusive:<key>``."""
+    return f"{namespace}:{key}"
+
+
+def wanted_slots(
+    task: Any, call: Any, args: tuple[Any, ...], kwargs: dict[str, Any], tenant: str | None
+) -> list[tuple[str, int]]:
+    """The (store key, limit) of each slot a delivery of ``task`` needs, in the order they are taken.
+    Raises ConcurrencyKeyError (a key that cannot be made) or ConfigurationError (a key without a limit)."""
+    wanted = []
+    for option, namespace in NAMESPACES:
+        spec = resolve(task, option, call)
+        if spec is None:
+            continue
+        if namespace == "limit":
+            limit = resolve(task, "concurrency_limit", call)
+            if limit is None:
+                raise ConfigurationError("concurrency_limit", f"task {task.name!r} sets concurrency_key without it")
+        else:
+            limit = 1
+        key = render_key(task, spec, args, kwargs, option=option, error=ConcurrencyKeyError, extra={"tenant": tenant})
+        wanted.append((store_key(namespace, key), limit))
+    return wanted
+
+
+def beat_interval(reap_after: float) -> float:
+    return min(BEAT_MAX, reap_after / 4)
+
+
+def report_reaped(sender: Any, reaped: tuple[SlotHolder, ...] | list[SlotHolder]) -> None:
+    """Log and signal each holder a reaper took a slot from (its job is lost)."""
+    for holder in reaped:
+        logger.warning(
+            "Concurrency key %s: holder %s (task %s[%s]) reaped, its last heartbeat at %.3f: recorded lost",
+            holder.key,
+            holder.holder,
+            holder.task_name,
+            holder.task_id,
+            holder.heartbeat_at,
+        )
+        signals.holder_reaped.send(
+            sender=sender,
+            key=holder.key,
+            holder=holder.holder,
+            task_name=holder.task_name,
+            task_id=holder.task_id,
+            tenant=holder.tenant,
+            heartbeat_at=holder.heartbeat_at,
+            reaped_at=holder.reaped_at,
+            reason="lost",
+        )
+
+
+def _beat(store: Store, key: str, holder: str, now: float) -> bool:
+    return store.heartbeat_slot(key, holder=holder, now=now)
+
+
+def _let_go(store: Store, state: Delivery, key: str, holder: str) -> None:
+    """Release one slot: its beats stop first (a beat after the release would find nothing, and say lost)."""
+    HEARTBEATS.remove(key, holder)
+    if (key, holder) in state.concurrency:
+        state.concurrency.remove((key, holder))
+    store.release_slot(key, holder=holder)
+
+
+class ConcurrencyLimit(Guardrail):
+    """Takes the slots of ``concurrency_key`` / ``exclusive_key`` before the body, gives them back after."""
+
+    def on_publish(self, task: GuardedTask, publication: Publication) -> None:
+        # A bad template (or a key without a limit) is the publisher's mistake: it hears of it now.
+        wanted_slots(
+            task, publication.call, publication.args, publication.kwargs, publication.header.get(headers.TENANT)
+        )
+
+    def before_run(self, task: GuardedTask, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        call = task.call_options()
+        request = task.request
+        try:
+            wanted = wanted_slots(task, call, args, kwargs, current_tenant())
+        except ConcurrencyKeyError as exc:  # published without the extension, or the task changed since
+            record = attempt_record(task, kind="permanent", rule="concurrency_key", exc=exc)
+            raise fail_finally(task, exc, reason=PERMANENT, history=[*request.attempt_history, record]) or exc from exc
+        if not wanted:
+            return
+        store = get_store(task.app)
+        state = delivery(task)
+        holder = delivery_owner(request)
+        reap_after = resolve(task, "concurrency_reap_after", call)
+        for key, limit in wanted:
+            answer = store.acquire_slot(
+                key,
+                holder=holder,
+                limit=limit,
+                now=time.time(),
+                reap_after=reap_after,
+                task_name=task.name,
+                task_id=str(request.id or ""),
+                tenant=current_tenant() or "",
+            )
+            report_reaped(task, answer.reaped)
+            if not answer.acquired:
+                self._release(task)  # a slot taken before this one: not held while waiting
+                raise self._wait(task, key, limit, answer.retry_at)
+            state.concurrency.append((key, holder))
+            state.holds.append(Hold(holder, functools.partial(_let_go, store, state, key, holder)))
+            beat = functools.partial(_beat, store, key, holder)
+            HEARTBEATS.add(store, key, holder, lease=reap_after, beat=beat, every=beat_interval(reap_after))
+
+    def _wait(self, task: GuardedTask, key: str, limit: int, retry_at: float) -> BaseException:
+        call = task.call_options()
+        header = headers.from_request(task.request)
+        waits = headers.counter(header, headers.SLOT_WAIT)
+        wait = RetryLater(f"concurrency key {key}: all {limit} slot(s) taken")
+        soon = resolve(task, "retry_later_delay", call) * 2 ** min(waits, WAIT_DOUBLINGS)
+        if retry_at:  # no later than the moment the oldest holder would be reaped, were it dead
+            soon = min(soon, max(0.1, retry_at - time.time() + 0.1))
+        delay = max(0.05, soon * (0.5 + random.random() / 2))  # spread: the waiters of one key do not come back at once
+        counter = headers.SLOT_WAIT if waits < resolve(task, "concurrency_max_waits", call) else headers.LATER
+        return retry_later(task, wait, delay=delay, rule="concurrency:full", counter=counter) or wait
+
+    def body_context(self, task: GuardedTask) -> AbstractContextManager[Any] | None:
+        if not delivery(task).concurrency:
+            return None
+        return self._holding(task)
+
+    @contextmanager
+    def _holding(self, task: GuardedTask) -> Iterator[None]:
+        try:
+            yield
+        finally:
+            # The body is over: its slots go back now, before a retry is published or the result stored.
+            # Inside a database transaction (atomic=True on the Django store) a release would be rolled back
+            # with it: the hooks after the transaction release them instead.
+            in_transaction = getattr(get_store(task.app), "in_transaction", None)
+            if in_transaction is None or not in_transaction():
+                self._release(task)
+
+    def _release(self, task: GuardedTask) -> None:
+        """Release every slot held, in reverse order, each on its own (the store may be what fails: a slot
+        left held is reaped after the ceiling)."""
+        state = delivery(task)
+        if not state.concurrency:
+            return
+        store = get_store(task.app)
+        for key, holder in reversed(list(state.concurrency)):
+            state.forget(holder)
+            try:
+                _let_go(store, state, key, holder)
+            except Exception:
+                logger.warning(
+                    "Task %s[%s]: concurrency slot %s not released; it is reaped after the ceiling",
+                    task.name,
+                    task.request.id,
+                    key,
+                    exc_info=True,
+                )
+                if (key, holder) in state.concurrency:
+                    state.concurrency.remove((key, holder))
+
+    def on_success(self, task: GuardedTask, retval: Any) -> None:
+        self._release(task)
+
+    def on_failure(self, task: GuardedTask, exc: BaseException, einfo: Any) -> None:
+        self._release(task)
+
+    def on_retry(self, task: GuardedTask, exc: BaseException, einfo: Any) -> None:
+        self._release(task)
+
+
+def reap(app: Any) -> list[SlotHolder]:
+    """The reaper on a timer (the watchdog's thread calls it): every key's stale holders reaped, recorded lost,
+    signalled. Raises StoreError like any store operation."""
+    reaped = get_store(app).reap_slots(now=time.time())
+    report_reaped(app, reaped)
+    return reaped
+
+
+def concurrency_status(key: str, *, exclusive: bool = False, app: Any = None) -> dict[str, Any]:
+    """The slots of a rendered ``concurrency_key`` (``exclusive=True``: of an ``exclusive_key``) now, under
+    ``app`` (default: the current app): ``held`` and ``holders`` (:class:`~celery_guardrails.stores.base.
+    SlotHolder`), ``stale`` (held past the ceiling, reaped at the next check), ``reap_after``, the counters
+    ``checks``, ``acquired`` and ``reaped`` (holders reaped ever: the metric), and ``recent_lost`` (the
+    newest reaped holders' records, at most 10)."""
+    from celery import current_app
+
+    app = app or current_app
+    namespace = "exclusive" if exclusive else "limit"
+    return get_store(app).slot_status(store_key(namespace, key), now=time.time())
