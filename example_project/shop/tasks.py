@@ -1,6 +1,7 @@
 """The shop's background work, every task guarded."""
 
 import logging
+import time
 from datetime import datetime
 from typing import Any
 
@@ -70,4 +71,27 @@ def settle_payments(self: GuardedTask, since: datetime | None = None) -> dict[st
     return {
         "period": self.request.period.isoformat() if self.request.period else None,
         "since": since.isoformat() if since else None,
+    }
+
+
+# Reports are heavy: at most two run at once per tenant, across every worker, so one tenant's burst cannot take
+# all the workers from the others. A report that finds both slots taken comes back later (no attempt spent).
+@shared_task(
+    base=GuardedTask,
+    bind=True,
+    tenant_required=True,
+    concurrency_key="tenant:{tenant}",
+    concurrency_limit=2,
+    retry_later_delay=0.3,
+)
+def build_report(self: GuardedTask, report_id: int, seconds: float = 1.0) -> dict[str, Any]:
+    """Build a tenant's report (a sleep here); tells when it ran, for the demo's timeline."""
+    started = time.time()
+    time.sleep(seconds)
+    return {
+        "report_id": report_id,
+        "tenant": current_tenant(),
+        "started": started,
+        "ended": time.time(),
+        "attempt": self.request.attempt,
     }

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -70,4 +71,8 @@ def check_output(out: str) -> None:
     assert "0 more alert(s); the outage is one incident, counted for one summary when it ends" in out
     assert "beat restarted: caught up the latest missed period" in out
     assert "the end of the last settlement, read from the run ledger" in out
+    assert "9. shared capacity: build_report has concurrency_key='tenant:{tenant}', concurrency_limit=2" in out
+    # never more than the limit at once (how many overlapped, and what a sample saw, depend on the machine)
+    assert re.search(r"acme: at most [12] at once \(slots held, sampled: at most [0-2]\); globex ran beside it", out)
+    assert "attempts used: [1] (waiting for a slot spends none)" in out
     assert "== worker stopped (exit code 0)" in out
