@@ -6,13 +6,21 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from django.db import transaction
-from django.db.models import QuerySet
+from django.db.models import F, QuerySet
 from django.utils import timezone
 
 from celery_guardrails.ledger import RETENTION
 from celery_guardrails.options import OPTIONS, django_settings
 
-from .models import DeadLetter, IdempotencyKey, ProcessedMessage, ScheduledRun
+from .models import (
+    Checkpoint,
+    ConcurrencySlot,
+    DeadLetter,
+    IdempotencyKey,
+    OrderingSequence,
+    ProcessedMessage,
+    ScheduledRun,
+)
 
 #: Rows deleted per transaction by prune: a few milliseconds of row locks each.
 PRUNE_BATCH = 1000
@@ -33,7 +41,11 @@ def prune(
     (``idempotency_retention``, 7 days), discarded or resolved dead letters (``dead_letter_retention``, 90
     days), scheduled-run records whose period is older than the ledger's retention (90 days; the newest
     record of a schedule is its horizon, so it is kept whatever its age). Open dead letters are never
-    pruned. ``older_than`` (seconds) overrides all three. Counts by table.
+    pruned. Long jobs' records too: checkpoints not saved for ``idempotency_retention`` (a job that never
+    succeeded; a replay after that starts it over, as the Redis store's expiry does), concurrency slot holders
+    recorded ``lost`` (an audit trail, kept as long as closed dead letters), and ordering keys idle for
+    ``ordering_retention`` (30 days) with no message left to run (every number handed out is done).
+    ``older_than`` (seconds) overrides every age. Counts by table.
 
     Deleted ``batch`` rows at a time, each batch its own short transaction (see :func:`delete_in_batches`): a
     prune of a million records never holds a lock for long, and workers recording dead letters meanwhile
@@ -42,12 +54,20 @@ def prune(
     moment = now or datetime.now(UTC)
     keys_age = older_than if older_than is not None else _setting("idempotency_retention")
     letters_age = older_than if older_than is not None else _setting("dead_letter_retention")
+    ordering_age = older_than if older_than is not None else _setting("ordering_retention")
     found = {
         "idempotency_keys": IdempotencyKey.objects.finished_before(moment - timedelta(seconds=keys_age)),
         "processed_messages": ProcessedMessage.objects.processed_before(moment - timedelta(seconds=keys_age)),
         "dead_letters": DeadLetter.objects.closed_before(moment - timedelta(seconds=letters_age)),
         "scheduled_runs": ScheduledRun.objects.superseded().filter(
             period__lt=moment - timedelta(seconds=older_than if older_than is not None else RETENTION)
+        ),
+        "checkpoints": Checkpoint.objects.filter(updated_at__lt=moment - timedelta(seconds=keys_age)),
+        "lost_slot_holders": ConcurrencySlot.objects.filter(
+            state=ConcurrencySlot.State.LOST, reaped_at__lt=moment - timedelta(seconds=letters_age)
+        ),
+        "ordering_keys": OrderingSequence.objects.filter(
+            done__gte=F("issued"), updated_at__lt=moment - timedelta(seconds=ordering_age)
         ),
     }
     if dry_run:

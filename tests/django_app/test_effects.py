@@ -65,12 +65,15 @@ def test_prune_deletes_only_what_is_past_retention() -> None:
         "processed_messages": 1,
         "dead_letters": 3,
         "scheduled_runs": 2,
+        "checkpoints": 0,
+        "lost_slot_holders": 0,
+        "ordering_keys": 0,
     }
     out = StringIO()
     call_command("guardrails_prune", stdout=out)
     assert out.getvalue().strip() == (
         "Deleted 3 idempotency key(s), 1 processed-message record(s), 3 closed dead letter(s) and 2 "
-        "scheduled-run record(s)."
+        "scheduled-run record(s); 0 checkpoint(s), 0 lost slot holder(s) and 0 idle ordering key(s)."
     )
     assert sorted(ScheduledRun.objects.values_list("schedule", flat=True)) == ["nightly", "quarterly"]
     assert sorted(IdempotencyKey.objects.values_list("key", flat=True)) == ["fresh", "running"]
@@ -81,6 +84,9 @@ def test_prune_deletes_only_what_is_past_retention() -> None:
         "processed_messages": 0,
         "dead_letters": 0,
         "scheduled_runs": 0,
+        "checkpoints": 0,
+        "lost_slot_holders": 0,
+        "ordering_keys": 0,
     }
 
 
@@ -93,6 +99,9 @@ def test_the_prune_task_for_beat() -> None:
         "processed_messages": 0,
         "dead_letters": 0,
         "scheduled_runs": 0,
+        "checkpoints": 0,
+        "lost_slot_holders": 0,
+        "ordering_keys": 0,
     }
 
 

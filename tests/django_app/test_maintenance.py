@@ -12,7 +12,14 @@ from django.db.models.signals import pre_delete
 from django.test.utils import CaptureQueriesContext
 
 from django_celery_guardrails.maintenance import delete_in_batches, prune
-from django_celery_guardrails.models import DeadLetter, IdempotencyKey, SealedMessage
+from django_celery_guardrails.models import (
+    Checkpoint,
+    ConcurrencySlot,
+    DeadLetter,
+    IdempotencyKey,
+    OrderingSequence,
+    SealedMessage,
+)
 
 pytestmark = pytest.mark.django_db(transaction=True)
 NOW = datetime(2026, 11, 30, 8, tzinfo=UTC)
@@ -94,3 +101,33 @@ def test_the_ids_are_read_a_batch_at_a_time_walking_upwards_once() -> None:
     reads = [q["sql"] for q in queries.captured_queries if q["sql"].startswith("SELECT") and " LIMIT 12" in q["sql"]]
     assert len(reads) == 3
     assert '"id" >' not in reads[0] and all('"id" >' in sql for sql in reads[1:]), reads
+
+
+def test_prune_deletes_stale_checkpoints_old_lost_holders_and_idle_finished_ordering_keys() -> None:
+    # Given checkpoints saved 10 days and 1 hour ago (updated_at is set on save: moved back by an UPDATE)
+    Checkpoint.objects.create(key="job:old", position=500)
+    Checkpoint.objects.create(key="job:fresh", position=100)
+    Checkpoint.objects.filter(key="job:old").update(updated_at=NOW - timedelta(days=10))
+    Checkpoint.objects.filter(key="job:fresh").update(updated_at=NOW - timedelta(hours=1))
+    # and slot holders: one lost 100 days ago, one lost yesterday, one held (whatever its age)
+    long_ago = NOW - timedelta(days=100)
+    for holder, state, reaped in (("a", "lost", long_ago), ("b", "lost", NOW - timedelta(days=1)), ("c", "held", None)):
+        ConcurrencySlot.objects.create(
+            key="limit:tenant:acme",
+            holder=holder,
+            state=state,
+            acquired_at=long_ago,
+            heartbeat_at=long_ago,
+            reaped_at=reaped,
+        )
+    # and ordering keys idle 40 days: one with every number done, one with a message still to run; one fresh
+    for key, issued, done, idle_days in (("ord:done", 7, 7, 40), ("ord:pending", 8, 7, 40), ("ord:fresh", 3, 3, 1)):
+        OrderingSequence.objects.create(key=key, issued=issued, done=done)
+        OrderingSequence.objects.filter(key=key).update(updated_at=NOW - timedelta(days=idle_days))
+    # When prune runs with the default retentions
+    counts = prune(now=NOW)
+    # Then only what is past its retention and finished went
+    assert (counts["checkpoints"], counts["lost_slot_holders"], counts["ordering_keys"]) == (1, 1, 1)
+    assert list(Checkpoint.objects.values_list("key", flat=True)) == ["job:fresh"]
+    assert sorted(ConcurrencySlot.objects.values_list("holder", flat=True)) == ["b", "c"]
+    assert sorted(OrderingSequence.objects.values_list("key", flat=True)) == ["ord:fresh", "ord:pending"]

@@ -12,8 +12,9 @@ from ..arguments import AGE_HELP, age
 
 class Command(BaseCommand):
     help = (
-        "Delete idempotency records (and claims whose lease ran out long ago), closed and replayed dead letters "
-        "and old scheduled-run records past their retention (never open dead letters)."
+        "Delete idempotency records (and claims whose lease ran out long ago), closed and replayed dead letters, "
+        "old scheduled-run records, stale checkpoints, lost slot holders and idle ordering keys past their "
+        "retention (never open dead letters)."
     )
 
     def add_arguments(self, parser: CommandParser) -> None:
@@ -33,5 +34,6 @@ class Command(BaseCommand):
         self.stdout.write(
             f"{verb} {counts['idempotency_keys']} idempotency key(s), {counts['processed_messages']} "
             f"processed-message record(s), {counts['dead_letters']} closed dead letter(s) and "
-            f"{counts['scheduled_runs']} scheduled-run record(s)."
+            f"{counts['scheduled_runs']} scheduled-run record(s); {counts['checkpoints']} checkpoint(s), "
+            f"{counts['lost_slot_holders']} lost slot holder(s) and {counts['ordering_keys']} idle ordering key(s)."
         )
