@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import functools
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import fields
+from dataclasses import fields, replace
 from datetime import UTC, datetime, timedelta
 from typing import Any, ParamSpec, TypeVar
 
@@ -729,20 +729,7 @@ def _reap(key: str, *, now: float, reap_after: float) -> list[SlotHolder]:
     moment = _moment(now)
     ConcurrencySlot.objects.filter(pk__in=[slot.pk for slot in stale]).update(state=LOST, reaped_at=moment)
     ConcurrencyKey.objects.filter(key=key).update(reaped=F("reaped") + len(stale))
-    return [
-        SlotHolder(
-            key=slot.key,
-            holder=slot.holder,
-            task_name=slot.task_name,
-            task_id=slot.task_id,
-            tenant=slot.tenant,
-            acquired_at=slot.acquired_at.timestamp(),
-            heartbeat_at=slot.heartbeat_at.timestamp(),
-            reaped_at=now,
-            state=LOST,
-        )
-        for slot in stale
-    ]
+    return [replace(_slot(slot), reaped_at=now, state=LOST) for slot in stale]
 
 
 def _slot(slot: ConcurrencySlot) -> SlotHolder:
