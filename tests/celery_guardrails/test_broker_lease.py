@@ -30,13 +30,13 @@ from tests.proj import tasks
 from tests.support.proxy import TcpProxy
 from tests.support.services import BROKER_URLS, REDIS_URL, require
 from tests.support.waiting import wait_for
-from tests.support.workers import PROJ_APP, WorkerProcess, proj_env
+from tests.support.workers import PROJ_APP, WorkerProcess, proj_env, quick_redelivery
 
 #: Seconds a delivery may go without a heartbeat before kombu gives it back (transport option).
 VISIBILITY = 3
 #: The task runs three times as long.
 RUN = 3 * VISIBILITY
-TRANSPORT = {"visibility_timeout": VISIBILITY, "unacked_restore_interval": 1, "unacked_restore_throttle": 1}
+TRANSPORT = quick_redelivery(VISIBILITY)
 
 
 @pytest.fixture

@@ -21,7 +21,7 @@ from tests.proj import django_tasks
 from tests.support.proxy import TcpProxy
 from tests.support.services import REDIS_URL
 from tests.support.waiting import wait_for
-from tests.support.workers import PROJ_APP, WorkerProcess, proj_env
+from tests.support.workers import PROJ_APP, WorkerProcess, proj_env, quick_redelivery
 from tests.testapp.models import ChunkItem
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -31,7 +31,7 @@ COUNT = 10_000
 SHORT = 2_000
 EVERY = 100
 # Redeliveries come back quickly after a SIGKILL; the claim's lease is short, so its heartbeat must keep it.
-TRANSPORT = json.dumps({"visibility_timeout": 3, "unacked_restore_interval": 1, "unacked_restore_throttle": 1})
+TRANSPORT = json.dumps(quick_redelivery())
 
 
 @pytest.fixture

@@ -31,6 +31,11 @@ def manage(*arguments: str) -> subprocess.Popen[str]:
         stderr=subprocess.PIPE,
         text=True,
         start_new_session=True,
+        # A shell that starts the suite in the background (`make test &`, nohup) leaves SIGINT ignored, and an
+        # ignored signal stays ignored in children: Python then never turns Ctrl-C into KeyboardInterrupt.
+        # The command is run as a terminal would run it.
+        restore_signals=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
 
 

@@ -14,7 +14,7 @@ from django.test.utils import CaptureQueriesContext
 from celery_guardrails import signals
 from tests.conftest import Sink
 from tests.proj import django_tasks
-from tests.support.workers import PROJ_APP, WorkerProcess, proj_env
+from tests.support.workers import PROJ_APP, WorkerProcess, proj_env, quick_redelivery
 from tests.testapp.models import Effect
 
 T0 = 1_800_000_000.0
@@ -51,9 +51,7 @@ def test_sigkill_mid_transaction_leaves_exactly_one_row(
         queue=queue_name,
         django=True,
         GUARDRAILS_TEST_GUARDRAILS=json.dumps({"idempotency_lease": 2.0, "store": "django"}),
-        GUARDRAILS_TEST_TRANSPORT_OPTIONS=json.dumps(
-            {"visibility_timeout": 3, "unacked_restore_interval": 1, "unacked_restore_throttle": 1}
-        ),
+        GUARDRAILS_TEST_TRANSPORT_OPTIONS=json.dumps(quick_redelivery()),
     )
     result = django_tasks.write_effect.delay(key, sink.key, hold=60)
     with WorkerProcess(app=PROJ_APP, queue=queue_name, log_path=tmp_path / "first.log", env=env) as first:

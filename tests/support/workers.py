@@ -19,6 +19,21 @@ ROOT = Path(__file__).resolve().parents[2]
 PROJ_APP = "tests.proj.app"
 
 
+def quick_redelivery(visibility: float = 3) -> dict[str, object]:
+    """Redis transport options for a test whose unacked messages must come back quickly: a short
+    ``visibility_timeout``, kombu's restore sweep every second (``unacked_restore_interval`` times
+    ``unacked_restore_throttle``: 10 x 10 s by default), and a restore mutex of the test's own with a short
+    expiry. A worker SIGKILLed in the middle of a sweep leaves kombu's mutex held for ``unacked_mutex_expire``
+    (300 s by default): shared, it would stop every other test's sweeps for five minutes."""
+    return {
+        "visibility_timeout": visibility,
+        "unacked_restore_interval": 1,
+        "unacked_restore_throttle": 1,
+        "unacked_mutex_key": f"unacked_mutex:{uuid.uuid4().hex[:12]}",
+        "unacked_mutex_expire": 2,
+    }
+
+
 def proj_env(*, queue: str, broker: str = "redis", django: bool = False, **extra: str) -> dict[str, str]:
     """Environment for a ``tests.proj.app`` subprocess on ``broker``, consuming/publishing ``queue``.
 

@@ -17,7 +17,7 @@ from celery_guardrails.stores import get_store
 from tests.conftest import Sink, waiting_messages
 from tests.proj import tasks
 from tests.support.waiting import wait_for
-from tests.support.workers import PROJ_APP, WorkerProcess, proj_env
+from tests.support.workers import PROJ_APP, WorkerProcess, proj_env, quick_redelivery
 
 TIMEOUT = 30
 
@@ -226,10 +226,7 @@ def test_sigkill_mid_body_redelivery_takes_over_the_expired_lease(
     env = proj_env(
         queue=queue_name,
         GUARDRAILS_TEST_GUARDRAILS=json.dumps(config),
-        GUARDRAILS_TEST_TRANSPORT_OPTIONS=json.dumps(
-            # kombu sweeps for expired unacked messages every interval * throttle seconds (10 * 10 by default)
-            {"visibility_timeout": 3, "unacked_restore_interval": 1, "unacked_restore_throttle": 1}
-        ),
+        GUARDRAILS_TEST_TRANSPORT_OPTIONS=json.dumps(quick_redelivery()),
     )
     result = tasks.charge.delay(oid, sink.key, hold=60)
     with WorkerProcess(app=PROJ_APP, queue=queue_name, log_path=tmp_path / "first.log", env=env) as first:
