@@ -9,6 +9,7 @@ from tests.support.services import require
 
 
 @pytest.fixture(scope="session")
-def django_db_modify_db_settings() -> None:
+def django_db_modify_db_settings(django_db_modify_db_settings_parallel_suffix: None) -> None:
+    # (pytest-django's own fixture, kept: under pytest-xdist each process gets a test database of its own)
     if settings.DATABASES["default"]["ENGINE"].endswith("postgresql"):
         require("postgres")

@@ -16,6 +16,7 @@ import pytest
 from django.db import connection
 
 from celery_guardrails.exceptions import CheckpointError, ConfigurationError
+from django_celery_guardrails.store import DjangoStore
 from tests.conftest import Sink
 from tests.proj import django_tasks
 from tests.support.proxy import TcpProxy
@@ -86,7 +87,10 @@ def kill_half_way(
     )
     with WorkerProcess(app=PROJ_APP, queue=queue, log_path=tmp_path / "first.log", env=env) as first:
         wait_for("half the rows", lambda: rows(job) >= count // 2, timeout=TIMEOUT)
-        wait_for("the claim's lease renewed by its heartbeat", lambda: lease_renewed(sink, store), timeout=TIMEOUT)
+        if connection.vendor != "sqlite" or not isinstance(store, DjangoStore):
+            # (On SQLite the chunks' transactions hold the one write lock back to back: the heartbeat thread's
+            # UPDATE waits for a gap, and may get none before the job ends. PostgreSQL locks rows.)
+            wait_for("the claim's lease renewed by its heartbeat", lambda: lease_renewed(sink, store), timeout=TIMEOUT)
         first.kill()
         first.wait(15)
     at_kill = rows(job)

@@ -19,7 +19,10 @@ PORTS = {"redis": 6379, "postgres": 5432, "rabbitmq": 5672}
 # One Redis database per checkout (1 to 12; the demo uses 14): two suites run at once from two clones (a
 # flake hunt in one, work in the other) would otherwise share keys whose names are fixed (alert throttles).
 _CHECKOUT = Path(__file__).resolve().parents[2]
-_DB = 1 + int(hashlib.sha256(str(_CHECKOUT).encode()).hexdigest(), 16) % 12
+# pytest-xdist runs the suite in several processes (gw0, gw1, ...): each has a database of its own too, next to
+# the checkout's (kombu's unacked index, its restore mutex and the fixed-name keys are per database).
+_WORKER = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw") or 0)
+_DB = 1 + (int(hashlib.sha256(str(_CHECKOUT).encode()).hexdigest(), 16) + _WORKER) % 12
 REDIS_URL = os.environ.setdefault("GUARDRAILS_TEST_REDIS_URL", f"redis://{HOST}:6379/{_DB}")
 BROKER_URLS = {
     "redis": REDIS_URL,
