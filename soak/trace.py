@@ -49,14 +49,15 @@ def _job_of(payload: bytes) -> tuple[str, str] | None:
 
 
 def lost_causes(broker_dir: Path, jobs: list[str]) -> dict[str, str]:
-    """For each lost job, what became of its last message."""
+    """For each lost job (or job whose key was left claimed), what became of its last message: the last push of
+    any of its copies (a publish, a retry, or kombu giving a message back to the queue), then what followed it."""
     wanted = set(jobs)
     files = sorted(broker_dir.glob("appendonlydir/*.incr.aof"))
     data = b"".join(path.read_bytes() for path in files)
-    pushed: dict[str, list[str]] = {job: [] for job in jobs}  # job -> delivery tags, in order
-    handed_out: set[str] = set()
-    removed: set[str] = set()
-    for args in commands(data):
+    last_push: dict[str, tuple[int, str]] = {}  # job -> (position, delivery tag) of its newest push
+    handed_out: dict[str, int] = {}  # tag -> position of its newest HSET into unacked
+    removed: dict[str, int] = {}  # tag -> position of its newest HDEL from unacked
+    for at, args in enumerate(commands(data)):
         name = args[0].upper()
         if name in (b"LPUSH", b"RPUSH") or (name == b"HSET" and args[1:2] == [b"unacked"]):
             found = _job_of(args[-1])
@@ -64,20 +65,22 @@ def lost_causes(broker_dir: Path, jobs: list[str]) -> dict[str, str]:
                 continue
             job, tag = found
             if name == b"HSET":
-                handed_out.add(tag)
-            elif tag not in pushed[job]:
-                pushed[job].append(tag)
+                handed_out[tag] = at
+            else:
+                last_push[job] = (at, tag)
         elif name == b"HDEL" and args[1:2] == [b"unacked"]:
-            removed.update(tag.decode() for tag in args[2:])
+            for tag in args[2:]:
+                removed[tag.decode()] = at
     causes = {}
     for job in jobs:
-        if not pushed[job]:
+        if job not in last_push:
             causes[job] = "never reached the broker"
             continue
-        last = pushed[job][-1]
-        if last not in handed_out:
+        pushed_at, tag = last_push[job]
+        # (a restore removes the tag from unacked, then pushes it again: only a hand-out after that push counts)
+        if handed_out.get(tag, -1) < pushed_at:
             causes[job] = KOMBU_POP_WINDOW
-        elif last in removed:
+        elif removed.get(tag, -1) > handed_out[tag]:
             causes[job] = "acked or rejected without a retry or an effect"
         else:
             causes[job] = "still handed out (unacked)"
