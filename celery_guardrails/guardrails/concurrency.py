@@ -128,7 +128,8 @@ def _beat(store: Store, key: str, holder: str, now: float) -> bool:
 
 
 def _let_go(store: Store, state: Delivery, key: str, holder: str) -> None:
-    """Release one slot: its beats stop first (a beat after the release would find nothing, and say lost)."""
+    """Release one slot: its beats stop and the delivery forgets it first (a beat after the release would find
+    nothing, and say lost; a release the store fails is not tried again: the reaper takes the slot)."""
     HEARTBEATS.remove(key, holder)
     if (key, holder) in state.concurrency:
         state.concurrency.remove((key, holder))
@@ -226,8 +227,6 @@ class ConcurrencyLimit(Guardrail):
                     key,
                     exc_info=True,
                 )
-                if (key, holder) in state.concurrency:
-                    state.concurrency.remove((key, holder))
 
     def on_success(self, task: GuardedTask, retval: Any) -> None:
         self._release(task)
