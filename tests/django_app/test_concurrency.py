@@ -12,6 +12,7 @@ import pytest
 from celery_guardrails import concurrency_status, tenant_context
 from tests.conftest import Sink
 from tests.proj import django_tasks
+from tests.support.waiting import wait_for
 from tests.testapp.models import Effect
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -37,8 +38,9 @@ def test_a_slot_taken_in_an_atomic_run_is_released_after_its_rollback_and_after_
     assert result.get(timeout=60) == "written"
     assert [(r["attempt"], r["history"]) for r in sink.items()] == [(1, []), (2, ["TransientError"])]
     assert Effect.objects.filter(key=key).count() == 1
-    # and nothing is held: both slots were given back, outside the transaction
-    assert not ConcurrencySlot.objects.filter(key=f"limit:tenant:{tenant}").exists()
+    # and nothing is held: both slots were given back, outside the transaction (the second by the success hook,
+    # which Celery runs after it stores the result)
+    wait_for("the slot given back", lambda: not ConcurrencySlot.objects.filter(key=f"limit:tenant:{tenant}").exists())
     status = concurrency_status(f"tenant:{tenant}", app=celery_app)
     assert (status["held"], status["acquired"], status["reaped"]) == (0, 2, 0)
 
