@@ -6,7 +6,8 @@ project does. Installing adds :class:`GuardrailsBootstep` to the app's worker bl
 an error that names the key, instead of silently running without a guardrail. It also adds the watchdog
 (:mod:`celery_guardrails.watchdog`) and, to the consumer blueprint, the guard that keeps a worker alive through
 a restart of its Redis broker (:mod:`celery_guardrails.broker_restart`), and the heartbeat that keeps the deliveries
-it holds from being redelivered (:mod:`celery_guardrails.broker_lease`).
+it holds from being redelivered (:mod:`celery_guardrails.broker_lease`); on a Redis broker it selects the
+transport whose pop cannot lose a message (:mod:`celery_guardrails.broker_pop`).
 
 The publish/run signal handlers of the context guardrail are connected when :mod:`celery_guardrails` is
 imported; they do not depend on the app.
@@ -48,6 +49,11 @@ class GuardrailsBootstep(bootsteps.Step):  # type: ignore[misc]
         from celery_guardrails.beat import check_tasks, configured_entries
 
         check_tasks(app, configured_entries(app))
+        # Before the consumer connects: its connection is made with the transport chosen here.
+        from celery_guardrails.broker_pop import configure
+
+        if configure(app):
+            logger.info("celery-guardrails: Redis broker, atomic pop (broker_atomic_pop)")
         logger.info("celery-guardrails: %d guarded task(s), app settings %s", len(guarded), sorted(settings))
         warn_about(app, guarded)
         super().__init__(parent, **kwargs)

@@ -745,6 +745,15 @@ OPTIONS: Mapping[str, Option] = {
             scopes=frozenset({APP}),
         ),
         Option(
+            name="broker_atomic_pop",
+            default=True,
+            doc="Redis broker (redis:// URL, no broker_transport set): the worker takes a message and records it "
+            "as handed out in one step on the server, so a worker killed in between cannot lose it (kombu's BRPOP "
+            "does it in two: celery/kombu#305). False: kombu's pop. See celery_guardrails.broker_pop.",
+            check=_boolean,
+            scopes=frozenset({APP}),
+        ),
+        Option(
             name="broker_lease",
             default=True,
             doc="Redis broker: while a worker holds a delivery (running, prefetched, or waiting for its ETA), a "

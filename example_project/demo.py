@@ -70,7 +70,13 @@ def configure() -> str:
 
 
 def start_worker(
-    log_path: Path, *, pool: str = "solo", concurrency: int = 1, queue: str = "", name: str = "demo"
+    log_path: Path,
+    *,
+    pool: str = "solo",
+    concurrency: int = 1,
+    queue: str = "",
+    name: str = "demo",
+    env: dict[str, str] | None = None,
 ) -> subprocess.Popen[bytes]:
     with log_path.open("wb") as log:
         worker = subprocess.Popen(
@@ -96,6 +102,7 @@ def start_worker(
                 "--without-heartbeat",
             ],
             cwd=ROOT,
+            env={**os.environ, **(env or {})},
             stdout=log,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
@@ -287,6 +294,7 @@ def main() -> None:
 
         scheduled_work(app, log_path)
         shared_capacity(app)
+        killed_mid_handover(app)
 
         print("\n-- the worker's log lines for request demo-req-42 (tenant and correlation id on each line)")
         for line in log_path.read_text(errors="replace").splitlines():
@@ -338,6 +346,53 @@ def shared_capacity(app: Any) -> None:
         )
     finally:
         stop(worker)
+
+
+def killed_mid_handover(app: Any) -> None:
+    """A worker SIGKILLed while the broker hands it a message: the message is not lost (Redis broker only)."""
+    import redis
+
+    from celery_guardrails import tenant_context
+    from example_project.shop.tasks import send_receipt
+
+    print("\n-- 10. a worker killed as a message is handed to it (broker_atomic_pop, Redis broker)")
+    url = str(app.conf.broker_url)
+    if not url.startswith("redis://"):
+        print("   skipped: the broker is not Redis here")
+        return
+    broker = redis.Redis.from_url(url)
+    queue, name = f"{os.environ['EXAMPLE_QUEUE']}-handover", "demo-handover"
+    # A long server-side wait, so that the worker is still waiting when it is frozen.
+    options = {**app.conf.broker_transport_options, "client_name": name, "guardrails_pop_wait": 60}
+    env = {"EXAMPLE_BROKER_TRANSPORT_OPTIONS": json.dumps(options)}
+
+    def waiting() -> bool:
+        return any(c.get("name") == name and "b" in c.get("flags", "") for c in broker.client_list())
+
+    log_path = VAR / "demo-handover-worker.log"
+    worker = start_worker(log_path, queue=queue, name="handover", env=env)
+    try:
+        wait_for("the worker waiting for its queue", waiting)
+        os.kill(worker.pid, signal.SIGSTOP)
+        print(f"   worker {worker.pid} waits for queue {queue} on the server; frozen there (SIGSTOP)")
+        with tenant_context("acme"):
+            result = send_receipt.apply_async((77,), queue=queue)
+        wait_for("the server done with the waiting worker", lambda: not waiting())
+        os.killpg(worker.pid, signal.SIGKILL)
+        worker.wait()
+        print(f"   receipt 77 published, then the worker SIGKILLed; messages left in {queue}: {broker.llen(queue)}")
+    finally:
+        stop(worker)
+    worker = start_worker(log_path, queue=queue, name="handover-next")
+    try:
+        receipt = result.get(timeout=60)
+        print(
+            f"   the next worker sent receipt {receipt['order_id']} for tenant {receipt['tenant']}: with kombu's BRPOP "
+            "the server would have handed the message to the dead worker, and it would be gone (celery/kombu#305)"
+        )
+    finally:
+        stop(worker)
+        broker.delete(queue)
 
 
 def scheduled_work(app: Any, worker_log: Path) -> None:

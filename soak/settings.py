@@ -44,6 +44,8 @@ CELERY_GUARDRAILS = {
     "store_timeout": 5.0,
     "alert_channels": ["log"],
     "owners": {"soak.*": "soak"},
+    # make soak --kombu-pop: kombu's own BRPOP, to see what the atomic pop saves (celery/kombu#305)
+    "broker_atomic_pop": os.environ.get("SOAK_KOMBU_POP") != "1",
 }
 LOGGING = {
     "version": 1,

@@ -90,7 +90,7 @@ def restart(broker: PrivateRedis, worker: CeleryProcess) -> None:
 def reconnected(worker: CeleryProcess) -> None:
     def probe() -> bool:
         assert worker.process is not None and worker.process.poll() is None, "the worker stopped"
-        return worker.log.count("Connected to redis://") == 2
+        return worker.log.count("Connected to ") == 2
 
     wait_for("the worker to reconnect", probe)
 
