@@ -27,6 +27,7 @@ is a flat mapping (an AMQP table on RabbitMQ, a JSON object on Redis)::
         "ord": "account:42",    # ordered work: the ordering key made at publish (unscoped: task and tenant scope it)
         "ord_seq": 17,          # ... and the sequence number the store handed out for it then (1, 2, ...)
         "ord_wait": 3,          # waits for an earlier message of its key so far (absent: 0)
+        "pub": 1796000000.25,   # when this message was published (epoch seconds; each re-publish sets it anew)
     }
 
 An attempt record: ``{"n": 1, "start": "2026-11-30T08:00:00.123+00:00", "end": "...", "host": "celery@web1",
@@ -51,6 +52,9 @@ Version history:
   dead-letters it (``malformed_message``). A release that does not know them runs the message unordered.
 * ``1`` (0.4): ``slot_wait`` added (a release that does not know it keeps it; its waits then count as
   ``later``).
+* ``1`` (0.5): ``pub`` added, on every message a process with celery-guardrails publishes (guarded or not):
+  the age of the oldest message of a queue and the time a message waited are read from it. A message without
+  it (plain Celery) has an unknown age, never a zero one.
 
 Compatibility rules:
 
@@ -104,6 +108,7 @@ PERIOD = "period"
 ORDERING_KEY = "ord"
 ORDERING_SEQUENCE = "ord_seq"
 ORDERING_WAITS = "ord_wait"
+PUBLISHED = "pub"
 
 #: Latest period a header may name (9999-12-31T23:59:59Z, as far as a datetime goes).
 PERIOD_MAX = 253_402_300_799
@@ -181,6 +186,8 @@ def sanitise(raw: Mapping[str, Any], *, task_id: str | None = None) -> dict[str,
         isinstance(pending, Mapping) and all(isinstance(pending.get(name), str) for name in PENDING_REQUIRED)
     ):
         _drop(clean, PENDING_DEAD_LETTER, task_id)
+    if PUBLISHED in clean and published_at(clean) is None:
+        _drop(clean, PUBLISHED, task_id)
     history = clean.get(HISTORY)
     if HISTORY in clean and not (isinstance(history, list) and all(isinstance(r, Mapping) for r in history)):
         _drop(clean, HISTORY, task_id)
@@ -190,6 +197,15 @@ def sanitise(raw: Mapping[str, Any], *, task_id: str | None = None) -> dict[str,
 def _drop(clean: dict[str, Any], field: str, task_id: str | None) -> None:
     logger.warning("Task %s: malformed %r in header %r, treated as missing", task_id, field, HEADER)
     del clean[field]
+
+
+def published_at(header: Mapping[str, Any]) -> float | None:
+    """When the message was published (epoch seconds), or None: absent, or not a finite positive number up to
+    :data:`PERIOD_MAX`."""
+    value = header.get(PUBLISHED)
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value <= PERIOD_MAX:
+        return None  # (NaN fails the comparison too)
+    return float(value)
 
 
 def counter(header: Mapping[str, Any], field: str) -> int:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import MutableMapping
 from typing import TYPE_CHECKING, Any
 
@@ -32,6 +33,7 @@ from celery_guardrails.context import (
     validate_correlation_id,
     validate_tenant,
 )
+from celery_guardrails.headers import PUBLISHED
 from celery_guardrails.pipeline import Guardrail, Publication
 
 if TYPE_CHECKING:
@@ -69,7 +71,11 @@ def _stamp_every_message(headers: dict[str, Any] | None = None, **_: Any) -> Non
     if headers is None:
         return
     current = headers.get("guardrails")
-    headers["guardrails"] = stamp(dict(current) if isinstance(current, dict) else {})
+    header = stamp(dict(current) if isinstance(current, dict) else {})
+    # Every publish (a retry's too) sets it anew: the age of a queue's oldest message and a delivery's wait in
+    # the queue are read from it. Real time, not the guardrails clock: a queue's age is the broker's.
+    header[PUBLISHED] = round(time.time(), 3)
+    headers["guardrails"] = header
 
 
 # One stack per thread: the prefork child and the solo pool use one thread, the threads pool one per slot;

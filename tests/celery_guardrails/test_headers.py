@@ -67,9 +67,12 @@ def test_retry_keeps_version_per_call_options_and_unknown_fields(celery_worker: 
         "opts": {"tenant_required": True},
         "future_field": "keep-me",
     }
+    published = [report["header"].pop("pub") for report in (first, retried)]
     assert first["header"] == expected
     records = retried["header"].pop("hist")
     assert retried["header"] == {**expected, "attempt": 1, "hist_n": 1}
+    # and each publish stamped its own time: the retry's is a new publish, later than the first
+    assert published[0] <= published[1]
     assert [(r["n"], r["class"], r["rule"]) for r in records] == [(1, "manual", "self.retry")]
 
 
@@ -211,3 +214,49 @@ def test_sanitise_never_raises_and_keeps_only_what_the_contract_allows(raw: dict
     headers.counter(clean, "attempt")
     headers.history(clean)
     headers.call_options(clean)
+
+
+@pytest.mark.parametrize(
+    ("value", "kept"),
+    [
+        (1_796_000_000.25, True),
+        (1_796_000_000, True),
+        (0, False),
+        (-1.0, False),
+        (float("nan"), False),
+        (float("inf"), False),
+        (True, False),
+        ("1796000000", False),
+        (headers.PERIOD_MAX + 1, False),
+    ],
+)
+def test_a_malformed_publish_time_is_dropped_and_reads_as_unknown(value: Any, kept: bool) -> None:
+    # Given a header whose publish time is this value, When it is sanitised, Then it is kept only when it is a
+    # real instant, and read back as that instant (else as unknown, never as zero)
+    clean = headers.sanitise({"v": 1, "pub": value})
+    assert ("pub" in clean) is kept
+    assert headers.published_at(clean) == (float(value) if kept else None)
+
+
+def test_every_publish_stamps_its_own_publish_time(celery_app: Any) -> None:
+    # Given a plain message published through the app, When it is published twice, Then each carries the
+    # time of its own publish (a re-publish is a new wait in the queue)
+    sent: list[dict[str, Any]] = []
+
+    def capture(headers: dict[str, Any] | None = None, **_: Any) -> None:
+        sent.append(dict((headers or {}).get("guardrails") or {}))
+
+    from celery.signals import after_task_publish
+
+    after_task_publish.connect(capture, weak=False)
+    try:
+        import time
+
+        before = time.time()
+        tasks.observe.apply_async(ignore_result=True)
+        tasks.observe.apply_async(ignore_result=True)
+        after = time.time()
+    finally:
+        after_task_publish.disconnect(capture)
+    stamps = [headers.published_at(header) for header in sent]
+    assert len(stamps) == 2 and all(s is not None and before - 0.01 <= s <= after + 0.01 for s in stamps)
