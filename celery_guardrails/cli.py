@@ -12,6 +12,7 @@ redraws every ``--interval`` seconds, with each queue's depth change per second,
 
 from __future__ import annotations
 
+import sys
 import time
 from typing import Any
 
@@ -55,7 +56,7 @@ def _loop(app: Any, names: list[str], *, as_json: bool, watch: bool, interval: f
             time.sleep(interval)
         current = status_module.with_change(status_module.gather(app, queues=names), previous)
         text = status_module.as_json(current) if as_json else status_module.render(current)
-        if watch and not as_json and click.get_text_stream("stdout").isatty():
+        if watch and not as_json and sys.stdout.isatty():
             click.clear()
         click.echo(text)
         previous, done = current, done + 1

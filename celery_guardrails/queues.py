@@ -173,4 +173,3 @@ def _close(channel: Any) -> None:
         channel.close()
     except Exception:  # closed by the broker already (the 404 above)
         logger.debug("Queue read: closing a channel failed", exc_info=True)
-

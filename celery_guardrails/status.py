@@ -129,8 +129,8 @@ def read_dead_letters(app: Any) -> DeadLetters:
             counts, cut = _stream_dead_letters(sink.client)
             totals.update(counts)
             truncated = truncated or cut
-    counts = [DeadLetterCount(owner=owner, task=task, open=n) for (owner, task), n in sorted(totals.items())]
-    return DeadLetters(counts=counts, truncated=truncated)
+    found = [DeadLetterCount(owner=owner, task=task, open=n) for (owner, task), n in sorted(totals.items())]
+    return DeadLetters(counts=found, truncated=truncated)
 
 
 def _django_dead_letters() -> Counter[tuple[str, str]]:
