@@ -7,7 +7,8 @@ loaded the app (``-A``) before a sub-command runs and passes it as ``ctx.obj.app
 ``status`` prints what :mod:`celery_guardrails.status` reads: queues (depth, age of the oldest message), open
 dead letters by owner, dependencies and schedule health; ``--json`` prints the same as JSON. ``--watch``
 redraws every ``--interval`` seconds, with each queue's depth change per second, until Ctrl-C (exit 0);
-``--count N`` stops after N reads.
+``--count N`` stops after N reads. A single read that could not read a source (broker or store down) prints
+what it could, names the source, and exits 1.
 """
 
 from __future__ import annotations
@@ -17,8 +18,6 @@ import time
 from typing import Any
 
 import click
-
-from celery_guardrails import status as status_module
 
 
 @click.group(name="guardrails")
@@ -43,12 +42,19 @@ def status(ctx: click.Context, as_json: bool, watch: bool, interval: float, coun
     names = [name.strip() for name in queues.split(",") if name.strip()]
     reads = count if count is not None else (None if watch else 1)
     try:
-        _loop(app, names, as_json=as_json, watch=watch, interval=interval, reads=reads)
+        failed = _loop(app, names, as_json=as_json, watch=watch, interval=interval, reads=reads)
     except KeyboardInterrupt:  # Ctrl-C ends a watch: a normal end, not an error
         click.echo("")
+        return
+    if failed and not watch:  # a script or a check can tell that what it printed is incomplete
+        ctx.exit(1)
 
 
-def _loop(app: Any, names: list[str], *, as_json: bool, watch: bool, interval: float, reads: int | None) -> None:
+def _loop(app: Any, names: list[str], *, as_json: bool, watch: bool, interval: float, reads: int | None) -> bool:
+    """Read and print ``reads`` times (None: until Ctrl-C); whether the last read missed a source."""
+    # Imported here: Celery imports this module for every ``celery`` command (``celery worker`` too).
+    from celery_guardrails import status as status_module
+
     previous = None
     done = 0
     while reads is None or done < reads:
@@ -60,3 +66,4 @@ def _loop(app: Any, names: list[str], *, as_json: bool, watch: bool, interval: f
             click.clear()
         click.echo(text)
         previous, done = current, done + 1
+    return bool(previous is not None and previous.errors)

@@ -233,7 +233,9 @@ def attempt(source: str, read: Callable[[], T], errors: dict[str, str]) -> T | N
     try:
         return read()
     except Exception as exc:
-        logger.warning("Guardrails status: reading %s failed: %r", source, exc, exc_info=True)
+        # The reason in the warning, the traceback at debug: a status command prints no traceback for a down store.
+        logger.warning("Guardrails status: reading %s failed: %r", source, exc)
+        logger.debug("Guardrails status: reading %s failed", source, exc_info=True)
         errors[source] = f"{type(exc).__name__}: {exc}"[:300]
         return None
 

@@ -116,3 +116,16 @@ def test_a_source_that_cannot_be_read_is_named_and_the_others_are_read(
     assert next(q for q in read.queues if q.queue == queue_name).depth == 1
     assert "could not be read" in status.render(read)
     assert json.loads(status.as_json(read))["errors"].keys() == read.errors.keys()
+
+
+def test_a_broker_that_cannot_be_reached_is_named_and_the_command_exits_1(celery_app: Any, queue_name: str) -> None:
+    # Given the command's app pointed at a broker port nothing listens on
+    env = {**environment(queue_name), "GUARDRAILS_TEST_BROKER_URL": "redis://127.0.0.1:1/0"}
+
+    # When the status is read once
+    done = subprocess.run(command("--json"), cwd=ROOT, env=env, capture_output=True, text=True, timeout=BOUND)
+
+    # Then it prints what it read, names the queues as not read, exits 1, and prints no traceback
+    assert done.returncode == 1
+    assert "queues" in json.loads(done.stdout)["errors"]
+    assert "Traceback" not in done.stderr
