@@ -52,12 +52,16 @@ CIRCUIT_STATES = (CLOSED, OPEN, HALF_OPEN)
 class StateCollector(Collector):
     """Gauges of the broker's queues and the guardrails' stores, read at scrape time (see the module docstring).
 
-    ``queues``: queue names to read besides those the app declares.
+    ``queues``: queue names to read besides those the app declares. ``close_database``: with the Django app,
+    close this thread's database connections after each scrape (unless in a transaction): an exposition server
+    (``prometheus_client.start_http_server``) answers each scrape in a new thread, whose connection would
+    otherwise stay open until the thread object is collected.
     """
 
-    def __init__(self, app: Any, *, queues: Iterable[str] = ()) -> None:
+    def __init__(self, app: Any, *, queues: Iterable[str] = (), close_database: bool = True) -> None:
         self.app = app
         self.queues = list(queues)
+        self.close_database = close_database
         self.errors: Counter[str] = Counter()
 
     def describe(self) -> list[Metric]:
@@ -70,6 +74,9 @@ class StateCollector(Collector):
         except Exception:  # a bug here must not fail the scrape of the other metrics
             logger.exception("Guardrails collector: the scrape failed")
             return
+        finally:
+            if self.close_database:
+                _close_database()
         yield from families
 
     def _families(self) -> list[Metric]:
@@ -158,3 +165,19 @@ def _schedule_families(status: Any) -> list[Metric]:
         if schedule.last_success_age is not None:
             success.add_metric([schedule.schedule], schedule.last_success_age)
     return [missed, overdue, success]
+
+
+def _close_database() -> None:
+    """Close this thread's Django database connections that are not inside a transaction (never raises)."""
+    from celery_guardrails.stores import django_apps_installed
+
+    try:
+        if not django_apps_installed():
+            return
+        from django.db import connections
+
+        for connection in connections.all(initialized_only=True):
+            if not connection.in_atomic_block:
+                connection.close()
+    except Exception:
+        logger.warning("Guardrails collector: closing the database connection failed", exc_info=True)
