@@ -1,0 +1,69 @@
+"""``celery -A proj guardrails ...``: the extension's Celery sub-commands.
+
+Celery adds every click command of the ``celery.commands`` entry point group to its own command line
+(``celery.bin.celery``, through click-plugins); ours is registered in setup.cfg as ``guardrails``. Celery has
+loaded the app (``-A``) before a sub-command runs and passes it as ``ctx.obj.app``.
+
+``status`` prints what :mod:`celery_guardrails.status` reads: queues (depth, age of the oldest message), open
+dead letters by owner, dependencies and schedule health; ``--json`` prints the same as JSON. ``--watch``
+redraws every ``--interval`` seconds, with each queue's depth change per second, until Ctrl-C (exit 0);
+``--count N`` stops after N reads. A single read that could not read a source (broker or store down) prints
+what it could, names the source, and exits 1.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from typing import Any
+
+import click
+
+
+@click.group(name="guardrails")
+def guardrails() -> None:
+    """celery-guardrails: status of queues, dead letters, dependencies and schedules."""
+
+
+@guardrails.command(name="status")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of tables.")
+@click.option("--watch", is_flag=True, help="Read again every --interval seconds until Ctrl-C.")
+@click.option("--interval", type=click.FloatRange(min=0.1), default=2.0, show_default=True, help="Seconds.")
+@click.option("--count", type=click.IntRange(min=1), default=None, help="Stop after this many reads.")
+@click.option("-Q", "--queues", default="", help="More queues to read (comma-separated), besides the app's.")
+@click.pass_context
+def status(ctx: click.Context, as_json: bool, watch: bool, interval: float, count: int | None, queues: str) -> None:
+    """Queue depth and oldest age, open dead letters by owner, dependencies, schedule health."""
+    app = ctx.obj.app
+    try:  # the app's task modules (include, imports), as a worker imports them: their dependencies are read
+        app.loader.import_default_modules()
+    except Exception as exc:  # a status read goes on with what it has
+        click.echo(f"warning: importing the app's task modules failed: {exc!r}", err=True)
+    names = [name.strip() for name in queues.split(",") if name.strip()]
+    reads = count if count is not None else (None if watch else 1)
+    try:
+        failed = _loop(app, names, as_json=as_json, watch=watch, interval=interval, reads=reads)
+    except KeyboardInterrupt:  # Ctrl-C ends a watch: a normal end, not an error
+        click.echo("")
+        return
+    if failed and not watch:  # a script or a check can tell that what it printed is incomplete
+        ctx.exit(1)
+
+
+def _loop(app: Any, names: list[str], *, as_json: bool, watch: bool, interval: float, reads: int | None) -> bool:
+    """Read and print ``reads`` times (None: until Ctrl-C); whether the last read missed a source."""
+    # Imported here: Celery imports this module for every ``celery`` command (``celery worker`` too).
+    from celery_guardrails import status as status_module
+
+    previous = None
+    done = 0
+    while reads is None or done < reads:
+        if done:
+            time.sleep(interval)
+        current = status_module.with_change(status_module.gather(app, queues=names), previous)
+        text = status_module.as_json(current) if as_json else status_module.render(current)
+        if watch and not as_json and sys.stdout.isatty():
+            click.clear()
+        click.echo(text)
+        previous, done = current, done + 1
+    return bool(previous is not None and previous.errors)

@@ -1,0 +1,343 @@
+"""What ``celery -A proj guardrails status`` shows and the metrics collector exports, read at the time asked.
+
+Each source is read on its own (:func:`read_dead_letters`, :func:`read_dependencies`, :func:`read_schedules`,
+and :func:`celery_guardrails.queues.read_queues`); :func:`gather` reads them all into one :class:`Status`, in
+which a source that could not be read (its store or broker down) is named in ``errors`` with the reason, and
+the others are there: a status read never raises for a source. :func:`render` writes it as a table,
+:func:`as_json` as JSON.
+
+Where each comes from:
+
+* dead letters still open, per owner and task: the app's dead-letter sinks
+  (:func:`celery_guardrails.dead_letters.sinks_for`). The Django sink: ``DeadLetter`` rows with status
+  ``open``, counted by the database. The Redis stream sink keeps no status (nothing closes a stream entry):
+  every entry counts as open, and only the newest :data:`STREAM_SCAN` entries are read (``truncated`` says
+  when the stream holds more).
+* retry budget and circuit per dependency: the ``dependency`` of each guarded task of the app (a dependency
+  given only per call is not known here), read with the store's ``budget_status`` under that task's policy.
+* per schedule (the ``schedules`` setting): records of the run ledger in the last :data:`WINDOW` seconds that
+  were missed or overdue (a period that was missed or overdue and then ran still counts: its ``missed_at`` /
+  ``overdue_at`` stay), the newest successful period, and the newest record's status, read with the store's
+  ``run_list``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import time
+from collections import Counter
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from celery_guardrails.ledger import MISSED, OK, OVERDUE
+from celery_guardrails.queues import QueueDepth, read_queues
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+#: Entries of the Redis dead-letter stream read at most per status read (the newest).
+STREAM_SCAN = 10_000
+#: Seconds of ledger records the missed and overdue counts look at (7 days, as the admin's schedule health).
+WINDOW = 7 * 24 * 3600.0
+#: Ledger records read per schedule at most (newest first) for the counts in the window.
+LEDGER_SCAN = 2000
+
+QUEUES, DEAD_LETTERS, DEPENDENCIES, SCHEDULES = "queues", "dead_letters", "dependencies", "schedules"
+#: The sources, in the order they are read and shown.
+SOURCES = (QUEUES, DEAD_LETTERS, DEPENDENCIES, SCHEDULES)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class DeadLetterCount:
+    """Open dead letters of one (owner, task); ``owner`` "" when the task names none."""
+
+    owner: str
+    task: str
+    open: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class DeadLetters:
+    counts: list[DeadLetterCount]
+    #: The Redis stream holds more entries than were read (the counts are of the newest STREAM_SCAN).
+    truncated: bool = False
+
+    def by_owner(self) -> dict[str, int]:
+        totals: Counter[str] = Counter()
+        for count in self.counts:
+            totals[count.owner] += count.open
+        return dict(sorted(totals.items()))
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class DependencyStatus:
+    """Retry budget use and circuit state of one dependency (see :func:`celery_guardrails.budget_status`)."""
+
+    dependency: str
+    retries: float
+    retries_allowed: float
+    exhausted: bool
+    circuit: str
+    consecutive_failures: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ScheduleStatus:
+    """One guarded schedule's ledger, over the last WINDOW seconds. Times are epoch seconds."""
+
+    schedule: str
+    missed: int
+    overdue: int
+    #: Period of the newest ``ok`` record; None when none is kept.
+    last_success: float | None
+    #: Seconds since ``last_success`` (None with it).
+    last_success_age: float | None
+    #: Status of the newest record; None when the schedule has none.
+    last_status: str | None
+
+
+@dataclass(slots=True, kw_only=True)
+class Status:
+    """Everything :func:`gather` read; a source that failed is empty and named in ``errors``."""
+
+    at: float
+    queues: list[QueueDepth] = field(default_factory=list)
+    dead_letters: DeadLetters = field(default_factory=lambda: DeadLetters(counts=[]))
+    dependencies: list[DependencyStatus] = field(default_factory=list)
+    schedules: list[ScheduleStatus] = field(default_factory=list)
+    #: Source name -> why it could not be read.
+    errors: dict[str, str] = field(default_factory=dict)
+    #: Watch mode: net change of each queue's depth per second since the previous read (arrivals minus
+    #: departures; a broker does not tell the two apart without consuming).
+    depth_change: dict[str, float] = field(default_factory=dict)
+
+
+def read_dead_letters(app: Any) -> DeadLetters:
+    """Open dead letters per (owner, task), from every sink of the app (see the module docstring)."""
+    from celery_guardrails.dead_letters import DjangoSink, RedisStreamSink, sinks_for
+
+    totals: Counter[tuple[str, str]] = Counter()
+    truncated = False
+    for sink in sinks_for(app):
+        if isinstance(sink, DjangoSink):
+            totals.update(_django_dead_letters())
+        elif isinstance(sink, RedisStreamSink):
+            counts, cut = _stream_dead_letters(sink.client)
+            totals.update(counts)
+            truncated = truncated or cut
+    found = [DeadLetterCount(owner=owner, task=task, open=n) for (owner, task), n in sorted(totals.items())]
+    return DeadLetters(counts=found, truncated=truncated)
+
+
+def _django_dead_letters() -> Counter[tuple[str, str]]:
+    from django.db.models import Count
+
+    from django_celery_guardrails.models import DeadLetter
+
+    rows = DeadLetter.objects.open().order_by().values("owner", "task_name").annotate(n=Count("pk"))
+    return Counter({(row["owner"] or "", row["task_name"]): row["n"] for row in rows})
+
+
+def _stream_dead_letters(client: Any) -> tuple[Counter[tuple[str, str]], bool]:
+    from celery_guardrails.dead_letters import STREAM
+
+    counts: Counter[tuple[str, str]] = Counter()
+    read, top = 0, "+"
+    while read < STREAM_SCAN:
+        page = client.xrevrange(STREAM, max=top, min="-", count=min(1000, STREAM_SCAN - read))
+        if top != "+":
+            page = page[1:]  # the first is the last entry of the previous page
+        if not page:
+            break
+        for entry_id, fields in page:
+            read += 1
+            top = entry_id
+            try:
+                record = json.loads(fields[b"record"])
+                counts[(str(record.get("owner") or ""), str(record.get("task_name") or ""))] += 1
+            except (KeyError, TypeError, ValueError):
+                logger.warning("Status: dead-letter stream entry %r is not a record; not counted", entry_id)
+    truncated = read >= STREAM_SCAN and int(client.xlen(STREAM)) > read
+    return counts, truncated
+
+
+def read_dependencies(app: Any) -> list[DependencyStatus]:
+    """Budget and circuit of each dependency a guarded task of the app declares."""
+    from celery_guardrails.clock import now
+    from celery_guardrails.guardrails.budget import policy_for
+    from celery_guardrails.options import task_attribute
+    from celery_guardrails.stores import get_store
+    from celery_guardrails.task import GuardedTask
+
+    tasks: dict[str, Any] = {}
+    for task in app.tasks.values():
+        dependency = task_attribute(task, "dependency") if isinstance(task, GuardedTask) else None
+        if dependency and dependency not in tasks:
+            tasks[dependency] = task
+    store = get_store(app) if tasks else None
+    found = []
+    for dependency, task in sorted(tasks.items()):
+        status = store.budget_status(dependency, policy_for(task, {}), now=now(app))  # type: ignore[union-attr]
+        found.append(
+            DependencyStatus(
+                dependency=dependency,
+                retries=float(status["retries"]),
+                retries_allowed=float(status["retries_allowed"]),
+                exhausted=bool(status["exhausted"]),
+                circuit=str(status["circuit"]),
+                consecutive_failures=int(status["consecutive_failures"]),
+            )
+        )
+    return found
+
+
+def read_schedules(app: Any) -> list[ScheduleStatus]:
+    """The ledger of each schedule the ``schedules`` setting guards (see the module docstring)."""
+    from celery_guardrails.clock import now
+    from celery_guardrails.options import app_value
+    from celery_guardrails.stores import get_store
+
+    names = sorted(app_value(app, "schedules"))
+    if not names:
+        return []
+    store = get_store(app)
+    current = now(app)
+    since = current - WINDOW
+    found = []
+    for name in names:
+        runs = store.run_list(name, limit=LEDGER_SCAN)
+        recent = [run for run in runs if run.period >= since]
+        success = next((run for run in runs if run.status == OK), None)
+        if success is None and len(runs) >= LEDGER_SCAN:  # older than what was read: ask for it alone
+            success = next(iter(store.run_list(name, statuses=(OK,), limit=1)), None)
+        found.append(
+            ScheduleStatus(
+                schedule=name,
+                missed=sum(1 for run in recent if run.status == MISSED or run.missed_at is not None),
+                overdue=sum(1 for run in recent if run.status == OVERDUE or run.overdue_at is not None),
+                last_success=None if success is None else success.period,
+                last_success_age=None if success is None else max(0.0, current - success.period),
+                last_status=runs[0].status if runs else None,
+            )
+        )
+    return found
+
+
+def attempt(source: str, read: Callable[[], T], errors: dict[str, str]) -> T | None:
+    """``read()``, or None with the failure logged and kept in ``errors[source]``: a status read or a scrape
+    goes on without a source it cannot read."""
+    try:
+        return read()
+    except Exception as exc:
+        # The reason in the warning, the traceback at debug: a status command prints no traceback for a down store.
+        logger.warning("Guardrails status: reading %s failed: %r", source, exc)
+        logger.debug("Guardrails status: reading %s failed", source, exc_info=True)
+        errors[source] = f"{type(exc).__name__}: {exc}"[:300]
+        return None
+
+
+def gather(app: Any, *, queues: Iterable[str] = (), now: float | None = None) -> Status:
+    """Read every source (see the module docstring); never raises for a source that cannot be read."""
+    names = list(queues)
+    status = Status(at=time.time() if now is None else now)
+    errors = status.errors
+    status.queues = attempt(QUEUES, lambda: read_queues(app, names, now=status.at), errors) or []
+    status.dead_letters = attempt(DEAD_LETTERS, lambda: read_dead_letters(app), errors) or DeadLetters(counts=[])
+    status.dependencies = attempt(DEPENDENCIES, lambda: read_dependencies(app), errors) or []
+    status.schedules = attempt(SCHEDULES, lambda: read_schedules(app), errors) or []
+    return status
+
+
+def with_change(current: Status, previous: Status | None) -> Status:
+    """``current`` with each queue's depth change per second since ``previous`` (watch mode)."""
+    if previous is None or current.at <= previous.at:
+        return current
+    before = {queue.queue: queue.depth for queue in previous.queues}
+    elapsed = current.at - previous.at
+    current.depth_change = {
+        queue.queue: (queue.depth - before[queue.queue]) / elapsed for queue in current.queues if queue.queue in before
+    }
+    return current
+
+
+def as_dict(status: Status) -> dict[str, Any]:
+    """``status`` as JSON-ready data (what ``--json`` prints)."""
+    data = dataclasses.asdict(status)
+    data["dead_letters"]["by_owner"] = status.dead_letters.by_owner()
+    return data
+
+
+def as_json(status: Status) -> str:
+    return json.dumps(as_dict(status), indent=2, sort_keys=True)
+
+
+def _age(seconds: float | None) -> str:
+    if seconds is None:
+        return "unknown"
+    if seconds < 120:
+        return f"{seconds:.1f}s"
+    if seconds < 7200:
+        return f"{seconds / 60:.1f}m"
+    if seconds < 172_800:
+        return f"{seconds / 3600:.1f}h"
+    return f"{seconds / 86400:.1f}d"
+
+
+def _table(headers: list[str], rows: list[list[str]]) -> list[str]:
+    widths = [max(len(cell) for cell in column) for column in zip(headers, *rows, strict=False)]
+    lines = ["  ".join(cell.ljust(width) for cell, width in zip(headers, widths, strict=True)).rstrip()]
+    lines += ["  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip() for row in rows]
+    return lines
+
+
+def render(status: Status) -> str:
+    """``status`` as text tables: queues, open dead letters by owner, dependencies, schedule health."""
+    lines: list[str] = []
+    watch = bool(status.depth_change)
+    headers = ["QUEUE", "DEPTH", "OLDEST"] + (["CHANGE/S"] if watch else [])
+    rows = []
+    for queue in status.queues:
+        row = [queue.queue, str(queue.depth), _age(queue.oldest_age) + ("" if queue.exists else " (no such queue)")]
+        if watch:
+            change = status.depth_change.get(queue.queue)
+            row.append("" if change is None else f"{change:+.1f}")
+        rows.append(row)
+    lines += _section("Queues", QUEUES, status, headers, rows)
+    owners = status.dead_letters.by_owner()
+    rows = [[owner or "(no owner)", str(n)] for owner, n in owners.items()]
+    lines += _section("Open dead letters", DEAD_LETTERS, status, ["OWNER", "OPEN"], rows)
+    if status.dead_letters.truncated:
+        lines.append(f"  (counted over the newest {STREAM_SCAN} entries of the dead-letter stream)")
+    rows = [
+        [d.dependency, f"{d.retries:g}/{d.retries_allowed:g}" + (" exhausted" if d.exhausted else ""), d.circuit]
+        for d in status.dependencies
+    ]
+    lines += _section("Dependencies", DEPENDENCIES, status, ["DEPENDENCY", "RETRIES/ALLOWED", "CIRCUIT"], rows)
+    rows = [
+        [
+            s.schedule,
+            s.last_status or "no record",
+            _age(s.last_success_age) if s.last_success is not None else "never",
+            str(s.missed),
+            str(s.overdue),
+        ]
+        for s in status.schedules
+    ]
+    headers = ["SCHEDULE", "LAST RECORD", "LAST SUCCESS", f"MISSED {WINDOW / 86400:g}D", "OVERDUE"]
+    lines += _section("Schedules", SCHEDULES, status, headers, rows)
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def _section(title: str, source: str, status: Status, headers: list[str], rows: list[list[str]]) -> list[str]:
+    lines = [title]
+    if source in status.errors:
+        lines.append(f"  could not be read: {status.errors[source]}")
+    elif not rows:
+        lines.append("  (none)")
+    else:
+        lines += ["  " + line for line in _table(headers, rows)]
+    return [*lines, ""]

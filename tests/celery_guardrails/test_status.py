@@ -1,0 +1,131 @@
+"""``celery -A proj guardrails status`` (celery_guardrails.cli, celery_guardrails.status), run as a real command."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+from celery_guardrails import status
+from tests.conftest import BOTH_BROKERS
+from tests.proj import tasks
+from tests.support.waiting import BOUND, wait_for
+from tests.support.workers import PROJ_APP, ROOT, proj_env
+
+
+def command(*args: str) -> list[str]:
+    return [sys.executable, "-m", "celery", "-A", PROJ_APP, "guardrails", "status", *args]
+
+
+def environment(queue: str, broker: str = "redis") -> dict[str, str]:
+    return {**os.environ, "PYTHONPATH": str(ROOT), **proj_env(queue=queue, broker=broker)}
+
+
+def run(*args: str, queue: str, broker: str = "redis") -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        command(*args),
+        cwd=ROOT,
+        env=environment(queue, broker),
+        capture_output=True,
+        text=True,
+        timeout=BOUND,
+    )
+
+
+@BOTH_BROKERS
+def test_status_json_prints_the_depth_of_the_apps_queue(broker: str, celery_app: Any, queue_name: str) -> None:
+    # Given three messages waiting in the queue the app of the command declares
+    for index in range(3):
+        tasks.log_line.delay(f"line {index}")
+
+    # When `celery -A tests.proj.app guardrails status --json` runs
+    done = run("--json", queue=queue_name, broker=broker)
+
+    # Then it exits 0 and its JSON gives the queue's depth (and, on RabbitMQ, an unknown age)
+    assert done.returncode == 0, done.stderr
+    printed = json.loads(done.stdout)
+    queue = next(q for q in printed["queues"] if q["queue"] == queue_name)
+    assert queue["depth"] == 3
+    assert queue["unknown_age"] is (broker == "amqp")
+    assert printed["errors"] == {}
+
+
+def test_status_table_and_a_bounded_watch(broker: str, celery_app: Any, queue_name: str) -> None:
+    # Given a message waiting in the queue
+    tasks.log_line.delay("waiting")
+
+    # When the status is watched for two reads
+    done = run("--watch", "--count", "2", "--interval", "0.2", queue=queue_name)
+
+    # Then it exits 0 after printing the tables twice, the second with each queue's depth change per second
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.count("Queues") == 2
+    assert done.stdout.count("CHANGE/S") == 1
+    line = next(line for line in done.stdout.splitlines() if line.strip().startswith(queue_name))
+    assert line.split()[1] == "1"
+    assert "Traceback" not in done.stderr
+
+
+def test_ctrl_c_ends_a_watch_with_exit_0(broker: str, celery_app: Any, queue_name: str, tmp_path: Path) -> None:
+    # Given a watch without an end, writing to a file
+    out = tmp_path / "out.txt"
+    with out.open("w") as sink:
+        process = subprocess.Popen(
+            command("--watch", "--interval", "0.2"),
+            cwd=ROOT,
+            env=environment(queue_name),
+            stdout=sink,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    try:
+        wait_for("two reads printed", lambda: out.read_text().count("Queues") >= 2)
+
+        # When it gets SIGINT, as a terminal's Ctrl-C sends it
+        os.killpg(process.pid, signal.SIGINT)
+
+        # Then it ends with exit 0 and no traceback
+        assert process.wait(BOUND) == 0
+        assert "Traceback" not in out.read_text()
+    finally:
+        if process.poll() is None:
+            process.kill()
+
+
+def test_a_source_that_cannot_be_read_is_named_and_the_others_are_read(
+    broker: str, celery_app: Any, queue_name: str
+) -> None:
+    # Given an app whose store cannot be reached (nothing listens on its port) and a message in its queue
+    tasks.log_line.delay("waiting")
+    celery_app.conf.guardrails = {
+        "store": "redis://127.0.0.1:1/0",
+        "dead_letter_sinks": ["redis"],
+        "store_timeout": 1.0,
+        "schedules": {},
+    }
+
+    # When the status is gathered
+    read = status.gather(celery_app)
+
+    # Then the dead letters are named as failed, the queue is still read, and the table says so
+    assert status.DEAD_LETTERS in read.errors
+    assert next(q for q in read.queues if q.queue == queue_name).depth == 1
+    assert "could not be read" in status.render(read)
+    assert json.loads(status.as_json(read))["errors"].keys() == read.errors.keys()
+
+
+def test_a_broker_that_cannot_be_reached_is_named_and_the_command_exits_1(celery_app: Any, queue_name: str) -> None:
+    # Given the command's app pointed at a broker port nothing listens on
+    env = {**environment(queue_name), "GUARDRAILS_TEST_BROKER_URL": "redis://127.0.0.1:1/0"}
+
+    # When the status is read once
+    done = subprocess.run(command("--json"), cwd=ROOT, env=env, capture_output=True, text=True, timeout=BOUND)
+
+    # Then it prints what it read, names the queues as not read, exits 1, and prints no traceback
+    assert done.returncode == 1
+    assert "queues" in json.loads(done.stdout)["errors"]
+    assert "Traceback" not in done.stderr
