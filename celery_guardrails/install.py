@@ -119,6 +119,9 @@ def install(app: Any) -> None:
     from celery_guardrails.watchdog import WatchdogStep
 
     app.steps["worker"].add(WatchdogStep)
+    from celery_guardrails.metrics import MetricsEndpoint
+
+    app.steps["worker"].add(MetricsEndpoint)
     from celery_guardrails.broker_restart import BrokerRestartGuard
 
     app.steps["consumer"].add(BrokerRestartGuard)
