@@ -27,7 +27,8 @@ never by task id or tenant (a label per id would make a time series per message)
     ==================== ====================================================================================
 
     A final failure whose dead letter was already recorded (a redelivery after the record, before the ack)
-    is not counted again.
+    is not counted again. A delivery its hard time limit killed is counted by the main process (dead_lettered
+    ``time_limit``, and completed), without a duration; one retried after the kill is counted published only.
 ``celery_guardrails_task_queue_wait_seconds`` (histogram; task, queue)
     From publish (the header field ``pub``; a retry's own re-publish sets it anew) to the start of the
     delivery, less the time the message was not due yet (its ETA or countdown): how long it waited for a worker.
@@ -67,13 +68,14 @@ from celery_guardrails import headers, signals
 from celery_guardrails.delivery import delivery
 from celery_guardrails.exceptions import ConfigurationError
 from celery_guardrails.options import app_value
+from celery_guardrails.outcomes import TIME_LIMIT
 from celery_guardrails.pipeline import Guardrail
 
 try:
     import prometheus_client
     from prometheus_client import CollectorRegistry, Counter, Histogram
 except ImportError:  # the prometheus extra is not installed: metrics cannot be switched on
-    prometheus_client = None
+    prometheus_client = None  # type: ignore[assignment]
 
 if TYPE_CHECKING:
     from celery_guardrails.task import GuardedTask
@@ -146,8 +148,8 @@ def enabled(app: Any) -> bool:
     """The ``metrics`` option of ``app`` (False when it cannot be read: never an error in a hook)."""
     try:
         return bool(app_value(app, "metrics")) and prometheus_client is not None
-    except Exception:
-        _failed("settings", None)
+    except Exception as error:
+        _failed(error, "settings", None)
         return False
 
 
@@ -202,13 +204,18 @@ def instruments(app: Any) -> Instruments:
         return _instruments
 
 
-def _failed(kind: str, task_id: str | None) -> None:
+def _failed(error: BaseException, kind: str, task_id: str | None) -> None:
     """A recording failed: log it (with the traceback the first time of its kind), never raise."""
     if kind in _logged:
-        logger.debug("Metrics: recording %s failed (task %s)", kind, task_id, exc_info=True)
+        logger.debug("Metrics: recording %s failed (task %s)", kind, task_id, exc_info=error)
         return
     _logged.add(kind)
-    logger.exception("Metrics: recording %s failed (task %s); the task goes on, further failures at DEBUG", kind, task_id)
+    logger.error(
+        "Metrics: recording %s failed (task %s); the task goes on, further failures at DEBUG",
+        kind,
+        task_id,
+        exc_info=error,
+    )
 
 
 def queue_of(request: Any) -> str:
@@ -244,8 +251,8 @@ class Metrics(Guardrail):
                 made.queue_wait_unknown.labels(*labels).inc()
             else:
                 made.queue_wait.labels(*labels).observe(max(0.0, time.time() - max(published, _due_at(request))))
-        except Exception:
-            _failed("queue wait", request.id)
+        except Exception as error:
+            _failed(error, "queue wait", request.id)
 
     def on_success(self, task: GuardedTask, retval: Any) -> None:
         self._ended(task, SUCCEEDED if delivery(task).body_ran else SKIPPED, "")
@@ -259,9 +266,11 @@ class Metrics(Guardrail):
         self._ended(task, RETRIED, "guardrail" if delivery(task).republishing else "manual")
 
     def _ended(self, task: GuardedTask, outcome: str, detail: str) -> None:
-        if not enabled(task.app):
-            return
         request = task.request
+        if request.id is None or not enabled(task.app):
+            # No delivery runs (Celery calls on_failure in the main process for a child its hard time limit
+            # killed): the dead letter's signal counted it (see _on_dead_lettered); nothing to time here.
+            return
         try:
             state = delivery(task)
             made = instruments(task.app)
@@ -271,8 +280,8 @@ class Metrics(Guardrail):
             if not state.outcome_counted:
                 state.outcome_counted = True
                 made.outcomes.labels(task.name, outcome, detail).inc()
-        except Exception:
-            _failed("the end of a delivery", request.id)
+        except Exception as error:
+            _failed(error, "the end of a delivery", request.id)
 
 
 def _count(task: Any, task_id: str | None, outcome: str, detail: str = "", *, name: str | None = None) -> None:
@@ -284,8 +293,8 @@ def _count(task: Any, task_id: str | None, outcome: str, detail: str = "", *, na
     try:
         _mark(task, task_id)
         instruments(app).outcomes.labels(name or task.name, outcome, detail).inc()
-    except Exception:
-        _failed(f"outcome {outcome}", task_id)
+    except Exception as error:
+        _failed(error, f"outcome {outcome}", task_id)
 
 
 def _mark(task: Any, task_id: str | None) -> None:
@@ -319,6 +328,20 @@ def _on_stale_skipped(sender: Any = None, task_id: str | None = None, **_: Any) 
 
 def _on_dead_lettered(sender: Any = None, failure: Any = None, **_: Any) -> None:
     _count(sender, failure.task_id, DEAD_LETTERED, failure.reason, name=failure.task_name)
+    if failure.reason == TIME_LIMIT:
+        _killed(sender, failure)
+
+
+def _killed(task: Any, failure: Any) -> None:
+    """A delivery its hard time limit killed ended in the main process, where no after-hook of the delivery
+    runs: it is counted completed here (its duration, the time limit, is not observed)."""
+    app = getattr(task, "app", None)
+    if app is None or not enabled(app):
+        return
+    try:
+        instruments(app).completed.labels(failure.task_name, failure.queue or "").inc()
+    except Exception as error:
+        _failed(error, "a killed delivery", failure.task_id)
 
 
 def _on_final_failure(sender: Any = None, failure: Any = None, **_: Any) -> None:
@@ -328,8 +351,8 @@ def _on_final_failure(sender: Any = None, failure: Any = None, **_: Any) -> None
     if app is not None and enabled(app):
         try:
             _mark(sender, failure.task_id)
-        except Exception:
-            _failed("a final failure", getattr(failure, "task_id", None))
+        except Exception as error:
+            _failed(error, "a final failure", getattr(failure, "task_id", None))
 
 
 def _on_published(sender: Any = None, routing_key: str | None = None, headers: Any = None, **_: Any) -> None:
@@ -341,8 +364,8 @@ def _on_published(sender: Any = None, routing_key: str | None = None, headers: A
     try:
         name = sender if isinstance(sender, str) else getattr(sender, "name", str(sender))
         instruments(app).published.labels(name, routing_key or "").inc()
-    except Exception:
-        _failed("a publish", (headers or {}).get("id") if isinstance(headers, dict) else None)
+    except Exception as error:
+        _failed(error, "a publish", (headers or {}).get("id") if isinstance(headers, dict) else None)
 
 
 def _on_child_exit(pid: int | None = None, **_: Any) -> None:
@@ -353,9 +376,9 @@ def _on_child_exit(pid: int | None = None, **_: Any) -> None:
     try:
         from prometheus_client import multiprocess
 
-        multiprocess.mark_process_dead(pid or os.getpid())
-    except Exception:
-        _failed("a child's exit", None)
+        multiprocess.mark_process_dead(pid or os.getpid())  # type: ignore[no-untyped-call]
+    except Exception as error:
+        _failed(error, "a child's exit", None)
 
 
 signals.retry_scheduled.connect(_on_retry_scheduled, weak=False, dispatch_uid="celery_guardrails.metrics.retry")
@@ -396,7 +419,7 @@ def metrics_registry() -> Any:
     if os.environ.get(MULTIPROC_DIR):
         from prometheus_client import multiprocess
 
-        multiprocess.MultiProcessCollector(registry)
+        multiprocess.MultiProcessCollector(registry)  # type: ignore[no-untyped-call]
     else:
         registry.register(_ThisProcess())
     for factory in _collectors:

@@ -19,6 +19,7 @@ Keys are lowercase, like Celery's own settings. An unknown key or a bad value ra
 from __future__ import annotations
 
 import difflib
+import itertools
 import logging
 import re
 from collections.abc import Callable, Mapping
@@ -202,9 +203,11 @@ def _port(value: Any) -> int:
 
 def _buckets(value: Any) -> tuple[float, ...]:
     items = tuple(value) if isinstance(value, list | tuple) else ()
-    if not items or any(isinstance(v, bool) or not isinstance(v, int | float) or not 0 < v < float("inf") for v in items):
+    if not items or any(
+        isinstance(v, bool) or not isinstance(v, int | float) or not 0 < v < float("inf") for v in items
+    ):
         raise ValueError(f"must be a list of positive finite numbers of seconds, got {value!r:.80}")
-    if any(a >= b for a, b in zip(items, items[1:], strict=False)):
+    if any(a >= b for a, b in itertools.pairwise(items)):
         raise ValueError(f"must be increasing, got {value!r:.80}")
     return tuple(float(v) for v in items)
 

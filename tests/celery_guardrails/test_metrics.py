@@ -15,6 +15,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from celery_guardrails import metrics
+from celery_guardrails.exceptions import ConfigurationError
+from celery_guardrails.options import validate
 from tests.conftest import BOTH_BROKERS, Sink
 from tests.proj import tasks
 from tests.support.messages import publish_raw
@@ -67,6 +69,7 @@ def worker(
     concurrency: int = 1,
     port: int | None = None,
     name: str = "worker",
+    extra: tuple[str, ...] = (),
     **env: str,
 ) -> WorkerProcess:
     settings = {"metrics": True, "metrics_buckets": BUCKETS, **({"metrics_port": port} if port else {})}
@@ -76,6 +79,7 @@ def worker(
         pool=pool,
         concurrency=concurrency,
         log_path=tmp_path / f"{name}.log",
+        extra=extra,
         env=proj_env(queue=queue, broker=broker, GUARDRAILS_TEST_GUARDRAILS=json.dumps(settings), **env),
     )
 
@@ -114,11 +118,13 @@ def test_outcomes_durations_and_queue_waits_of_each_kind_of_delivery(
         behave, observe = tasks.behave.name, tasks.observe.name
         samples = wait_for(
             "every delivery counted",
-            lambda: (s := scrape(port))
-            and value(s, metrics.MESSAGES_COMPLETED, task=behave, queue=queue_name) == 3
-            and value(s, metrics.MESSAGES_COMPLETED, task=tasks.charge.name, queue=queue_name) == 2
-            and value(s, metrics.MESSAGES_COMPLETED, task=observe, queue=queue_name) == 1
-            and s,
+            lambda: (
+                (s := scrape(port))
+                and value(s, metrics.MESSAGES_COMPLETED, task=behave, queue=queue_name) == 3
+                and value(s, metrics.MESSAGES_COMPLETED, task=tasks.charge.name, queue=queue_name) == 2
+                and value(s, metrics.MESSAGES_COMPLETED, task=observe, queue=queue_name) == 1
+                and s
+            ),
         )
 
     # Then the sleeping task's one duration is in the bucket above 0.2 s, the whole sequence (cumulative)
@@ -127,7 +133,11 @@ def test_outcomes_durations_and_queue_waits_of_each_kind_of_delivery(
     assert value(samples, f"{duration}_count", task=tasks.behave_not_idempotent.name, queue=queue_name) == 1
     # And each delivery's outcome is counted once, with its classification or reason
     assert outcomes(samples, tasks.behave_not_idempotent.name) == {("succeeded", ""): 1}
-    assert outcomes(samples, behave) == {("retried", "transient"): 1, ("succeeded", ""): 1, ("dead_lettered", "permanent"): 1}
+    assert outcomes(samples, behave) == {
+        ("retried", "transient"): 1,
+        ("succeeded", ""): 1,
+        ("dead_lettered", "permanent"): 1,
+    }
     assert outcomes(samples, tasks.charge.name) == {("succeeded", ""): 1, ("duplicate_skipped", "completed"): 1}
     assert outcomes(samples, observe) == {("succeeded", ""): 1}
     # And the queue wait is observed for every guarded delivery (the retry's too), and counted unknown, not
@@ -158,7 +168,9 @@ def test_prefork_children_are_summed_through_the_multiprocess_directory(
         name = tasks.behave_not_idempotent.name
         samples = wait_for(
             "N completions",
-            lambda: (s := scrape(port)) and value(s, metrics.MESSAGES_COMPLETED, task=name, queue=queue_name) == count and s,
+            lambda: (
+                (s := scrape(port)) and value(s, metrics.MESSAGES_COMPLETED, task=name, queue=queue_name) == count and s
+            ),
         )
     assert len(pids) > 1
     assert outcomes(samples, name) == {("succeeded", ""): count}
@@ -166,6 +178,40 @@ def test_prefork_children_are_summed_through_the_multiprocess_directory(
     assert buckets(samples, metrics.TASK_DURATION, task=name, queue=queue_name) == [0, 0, count, count, count]
     # And each child recorded in a file of its own
     assert len({path.name for path in folder.glob("counter_*.db")}) >= len(pids)
+
+
+def test_counts_outlive_the_children_and_the_main_process_records_a_time_limit(
+    celery_app: Any, queue_name: str, tmp_path: Path
+) -> None:
+    # Given a prefork worker whose children exit after each task (marked dead as they go), and a task its hard
+    # time limit kills (the main process dead-letters it: not retried, the task is not idempotent)
+    folder = tmp_path / "prometheus"
+    folder.mkdir()
+    port = free_port()
+    extra = ("--max-tasks-per-child=1",)
+    env = {"PROMETHEUS_MULTIPROC_DIR": str(folder)}
+    with worker(tmp_path, queue_name, pool="prefork", concurrency=2, port=port, extra=extra, **env) as started:
+        # When four tasks run, each in a child of its own, and the one that is killed
+        pids = {tasks.observe.delay().get(timeout=60)["pid"] for _ in range(4)}
+        killed = tasks.behave_not_idempotent.apply_async((f"{queue_name}:killed", ["sleep:60"]), time_limit=1)
+        with pytest.raises(Exception, match="TimeLimitExceeded"):
+            killed.get(timeout=60)
+        # Then the endpoint still counts the four, though their children are gone
+        samples = wait_for(
+            "the four and the dead letter",
+            lambda: (
+                (s := scrape(port))
+                and value(s, metrics.MESSAGES_COMPLETED, task=tasks.observe.name, queue=queue_name) == 4
+                and outcomes(s, tasks.behave_not_idempotent.name)
+                and s
+            ),
+        )
+    assert len(pids) == 4
+    assert outcomes(samples, tasks.observe.name) == {("succeeded", ""): 4}
+    # And the killed one is counted dead-lettered and completed, once, by the main process
+    assert outcomes(samples, tasks.behave_not_idempotent.name) == {("dead_lettered", "time_limit"): 1}
+    assert value(samples, metrics.MESSAGES_COMPLETED, task=tasks.behave_not_idempotent.name, queue=queue_name) == 1
+    assert "Metrics: recording" not in started.log
 
 
 @pytest.mark.parametrize("pool", ["solo", "threads"])
@@ -182,9 +228,11 @@ def test_solo_and_threads_workers_serve_their_own_metrics(
         # Then its endpoint counts N
         samples = wait_for(
             "N completions",
-            lambda: (s := scrape(port))
-            and value(s, metrics.MESSAGES_COMPLETED, task=tasks.observe.name, queue=queue_name) == count
-            and s,
+            lambda: (
+                (s := scrape(port))
+                and value(s, metrics.MESSAGES_COMPLETED, task=tasks.observe.name, queue=queue_name) == count
+                and s
+            ),
         )
     assert outcomes(samples, tasks.observe.name) == {("succeeded", ""): count}
     assert value(samples, f"{metrics.QUEUE_WAIT}_count", task=tasks.observe.name, queue=queue_name) == count
@@ -231,3 +279,22 @@ def test_a_recording_failure_does_not_fail_the_task(celery_app: Any, queue_name:
     assert started.log.count("Metrics: recording queue wait failed") == 1
     assert started.log.count("Metrics: recording the end of a delivery failed") == 1
     assert "FileNotFoundError" in started.log
+
+
+@pytest.mark.parametrize(
+    ("raw", "text"),
+    [
+        ({"metrics": "yes"}, "True or False"),
+        ({"metrics_port": 70000}, "TCP port"),
+        ({"metrics_port": "9100"}, "TCP port"),
+        ({"metrics_buckets": [1.0, 0.5]}, "increasing"),
+        ({"metrics_buckets": []}, "positive finite"),
+        ({"metrics_buckets": [0.1, float("inf")]}, "positive finite"),
+        ({"metrics_token": "short"}, "at least 16"),
+    ],
+)
+def test_bad_metrics_settings_name_the_key(raw: dict[str, Any], text: str) -> None:
+    # Given a bad metrics setting; When the settings are validated (as a worker starts); Then the key is named
+    with pytest.raises(ConfigurationError, match=text) as caught:
+        validate(raw)
+    assert caught.value.key == next(iter(raw))
