@@ -240,9 +240,9 @@ class Metrics(Guardrail):
     guardrail can refuse the delivery, and its after-hooks last, so the duration covers every guardrail."""
 
     def before_run(self, task: GuardedTask, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        if not enabled(task.app):
-            return
         request = task.request
+        if request.called_directly or request.is_eager or not enabled(task.app):
+            return  # a call in the caller's process (task(), apply()) waited in no queue
         try:
             made = instruments(task.app)
             labels = (task.name, queue_of(request))

@@ -39,5 +39,9 @@ def metrics(request: HttpRequest) -> HttpResponse:
         return HttpResponseForbidden("Forbidden: staff, or Authorization: Bearer <metrics_token>\n")
     from celery_guardrails.metrics import exposition
 
-    body, content_type = exposition()
+    try:
+        body, content_type = exposition()
+    except Exception:  # a multiprocess directory that is gone, say: the scraper sees it as down, the log says why
+        logger.exception("Metrics could not be collected")
+        return HttpResponse("Metrics could not be collected; see the server log\n", status=503)
     return HttpResponse(body, content_type=content_type)

@@ -80,3 +80,22 @@ def test_without_a_token_setting_a_bearer_is_refused(client: Client, settings: L
     # Given no metrics_token configured; When a bearer of anything asks; Then 403
     settings.CELERY_GUARDRAILS = {k: v for k, v in settings.CELERY_GUARDRAILS.items() if k != "metrics_token"}
     assert client.get(reverse(URL), HTTP_AUTHORIZATION="Bearer anything-at-all-here").status_code == 403
+
+
+def test_metrics_that_cannot_be_collected_are_a_503(
+    admin_client: Client, monkeypatch: pytest.MonkeyPatch, tmp_path: Any
+) -> None:
+    # Given a multiprocess directory that is not there; When staff ask; Then 503 (the scraper sees it down)
+    monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(tmp_path / "not-there"))
+    assert admin_client.get(reverse(URL)).status_code == 503
+
+
+def test_the_summed_metrics_of_a_multiprocess_directory(
+    admin_client: Client, monkeypatch: pytest.MonkeyPatch, tmp_path: Any
+) -> None:
+    # Given an empty multiprocess directory (as a web server's processes share it); When staff ask
+    monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(tmp_path))
+    response = admin_client.get(reverse(URL))
+    # Then 200: the sums of what is there (nothing yet)
+    assert response.status_code == 200
+    assert list(text_string_to_metric_families(response.content.decode())) == []
