@@ -106,7 +106,7 @@ def test_outcomes_durations_and_queue_waits_of_each_kind_of_delivery(
     order_id = random.randrange(10**9)
     charged = tasks.charge.delay(order_id, f"{sink.key}:charge")
     plain = publish_raw(celery_app, queue_name, tasks.observe.name)
-    with worker(tmp_path, queue_name, broker=broker, port=port):
+    with worker(tmp_path, queue_name, broker=broker, port=port) as started:
         # When they have all run (the duplicate is published once the first charge completed)
         slow.get(timeout=60)
         flaky.get(timeout=60)
@@ -150,6 +150,8 @@ def test_outcomes_durations_and_queue_waits_of_each_kind_of_delivery(
     assert value(samples, metrics.QUEUE_WAIT_UNKNOWN, task=behave, queue=queue_name) == 0
     # And the retry the worker published counts as a message published (arrival), on the task's queue
     assert value(samples, metrics.MESSAGES_PUBLISHED, task=behave, queue=queue_name) == 1
+    # And no recording failed
+    assert "Metrics: recording" not in started.log
 
 
 def test_prefork_children_are_summed_through_the_multiprocess_directory(
