@@ -37,6 +37,11 @@ class Delivery:
 
     #: When the delivery started (epoch seconds, real time): attempt records say when an attempt began.
     started: float = field(default_factory=time.time)
+    #: When the delivery started on the monotonic clock: the duration metric (celery_guardrails.metrics).
+    monotonic_started: float = field(default_factory=time.perf_counter)
+    #: The metrics counted this delivery's outcome already, from a signal (a retry, a dead letter, a duplicate):
+    #: the after-hook counts it as succeeded or failed only when nothing more telling was counted.
+    outcome_counted: bool = False
     #: How the body's failure was classified (:class:`celery_guardrails.classification.Verdict`), if it failed.
     verdict: Any = None
     #: Poison protection counted this start of a redelivered message (clear the count when the run ends).

@@ -4,9 +4,10 @@
 project does. Installing adds :class:`GuardrailsBootstep` to the app's worker blueprint: it validates the
 ``guardrails`` config and every guarded task's options as the worker starts, so a typo stops the worker with
 an error that names the key, instead of silently running without a guardrail. It also adds the watchdog
-(:mod:`celery_guardrails.watchdog`) and, to the consumer blueprint, the guard that keeps a worker alive through
-a restart of its Redis broker (:mod:`celery_guardrails.broker_restart`), and the heartbeat that keeps the deliveries
-it holds from being redelivered (:mod:`celery_guardrails.broker_lease`); on a Redis broker it selects the
+(:mod:`celery_guardrails.watchdog`), the opt-in metrics endpoint (:mod:`celery_guardrails.metrics`) and,
+to the consumer blueprint, the guard that keeps a worker alive through a restart of its Redis broker
+(:mod:`celery_guardrails.broker_restart`), and the heartbeat that keeps the deliveries it holds from being
+redelivered (:mod:`celery_guardrails.broker_lease`); on a Redis broker it selects the
 transport whose pop cannot lose a message (:mod:`celery_guardrails.broker_pop`).
 
 The publish/run signal handlers of the context guardrail are connected when :mod:`celery_guardrails` is
@@ -119,6 +120,9 @@ def install(app: Any) -> None:
     from celery_guardrails.watchdog import WatchdogStep
 
     app.steps["worker"].add(WatchdogStep)
+    from celery_guardrails.metrics import MetricsEndpoint
+
+    app.steps["worker"].add(MetricsEndpoint)
     from celery_guardrails.broker_restart import BrokerRestartGuard
 
     app.steps["consumer"].add(BrokerRestartGuard)

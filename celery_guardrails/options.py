@@ -19,6 +19,7 @@ Keys are lowercase, like Celery's own settings. An unknown key or a bad value ra
 from __future__ import annotations
 
 import difflib
+import itertools
 import logging
 import re
 from collections.abc import Callable, Mapping
@@ -188,6 +189,33 @@ def _header_names(value: Any) -> tuple[str, ...]:
     if isinstance(value, str) or not all(isinstance(v, str) and v for v in value):
         raise ValueError(f"must be a list of HTTP header names, got {value!r:.80}")
     return tuple(value)
+
+
+#: Default histogram buckets in seconds: 5 ms to 5 minutes (task runs and queue waits alike).
+DEFAULT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+
+
+def _port(value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 < value < 65536:
+        raise ValueError(f"must be a TCP port from 1 to 65535, got {value!r:.80}")
+    return value
+
+
+def _buckets(value: Any) -> tuple[float, ...]:
+    items = tuple(value) if isinstance(value, list | tuple) else ()
+    if not items or any(
+        isinstance(v, bool) or not isinstance(v, int | float) or not 0 < v < float("inf") for v in items
+    ):
+        raise ValueError(f"must be a list of positive finite numbers of seconds, got {value!r:.80}")
+    if any(a >= b for a, b in itertools.pairwise(items)):
+        raise ValueError(f"must be increasing, got {value!r:.80}")
+    return tuple(float(v) for v in items)
+
+
+def _token(value: Any) -> str:
+    if not isinstance(value, str) or len(value) < 16:
+        raise ValueError("must be a string of at least 16 characters")  # never echo a secret
+    return value
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -780,6 +808,39 @@ OPTIONS: Mapping[str, Option] = {
             "it cannot be read over AMQP). A worker warns at start-up about each guarded task whose time_limit is "
             "unset or longer than it (or than a task queue's x-consumer-timeout argument).",
             check=_seconds,
+            scopes=frozenset({APP}),
+        ),
+        Option(
+            name="metrics",
+            default=False,
+            doc="Record Prometheus metrics (task durations, outcomes, queue wait, published and completed "
+            "messages; see celery_guardrails.metrics) in workers and publishers. Needs prometheus-client (the "
+            "prometheus extra). False: nothing is recorded. A recording failure is logged, never the task's.",
+            check=_boolean,
+            scopes=frozenset({APP}),
+        ),
+        Option(
+            name="metrics_port",
+            default=None,
+            doc="TCP port of the worker's HTTP metrics endpoint (all addresses), served by the main process only "
+            "with every pool child's metrics summed when PROMETHEUS_MULTIPROC_DIR is set. None: no endpoint.",
+            check=lambda value: None if value is None else _port(value),
+            scopes=frozenset({APP}),
+        ),
+        Option(
+            name="metrics_buckets",
+            default=DEFAULT_BUCKETS,
+            doc="Upper bounds in seconds of the duration and queue-wait histogram buckets, increasing (+Inf is "
+            "added). Read once per process, when the first metric is recorded.",
+            check=_buckets,
+            scopes=frozenset({APP}),
+        ),
+        Option(
+            name="metrics_token",
+            default=None,
+            doc="Django: a bearer token that may read the metrics view (Authorization: Bearer <token>) besides "
+            "staff users; None: staff only.",
+            check=lambda value: None if value is None else _token(value),
             scopes=frozenset({APP}),
         ),
         Option(

@@ -1,0 +1,101 @@
+"""The metrics view: the Prometheus exposition for staff users or the bearer of ``metrics_token``, 403 for
+anyone else."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from django.conf import LazySettings
+from django.contrib.auth.models import User
+from django.test import Client
+from django.urls import reverse
+from prometheus_client.parser import text_string_to_metric_families
+
+from celery_guardrails import metrics
+from example_project.celery_app import app
+
+TOKEN = "a-scraper-token-of-some-length"
+URL = "guardrails:metrics"
+
+pytestmark = pytest.mark.django_db
+
+
+@pytest.fixture(autouse=True)
+def token(settings: LazySettings) -> None:
+    settings.CELERY_GUARDRAILS = {**settings.CELERY_GUARDRAILS, "metrics_token": TOKEN}
+
+
+@pytest.fixture
+def recorded() -> tuple[str, str]:
+    """A sample this web process recorded (a message it published), for the view to show."""
+    labels = ("tests.metrics_view.task", "a-queue")
+    metrics.instruments(app).published.labels(*labels).inc()
+    return labels
+
+
+def published(response: Any, labels: tuple[str, str]) -> float | None:
+    for family in text_string_to_metric_families(response.content.decode()):
+        for sample in family.samples:
+            if sample.name == metrics.MESSAGES_PUBLISHED and (sample.labels["task"], sample.labels["queue"]) == labels:
+                return float(sample.value)
+    return None
+
+
+def test_anonymous_is_refused(client: Client) -> None:
+    # Given no user and no token; When the metrics are asked for; Then 403 (not a redirect to a login page)
+    assert client.get(reverse(URL)).status_code == 403
+
+
+def test_a_user_who_is_not_staff_is_refused(client: Client) -> None:
+    # Given a logged-in user without staff status; When they ask; Then 403
+    client.force_login(User.objects.create_user("someone", password="x"))
+    assert client.get(reverse(URL)).status_code == 403
+
+
+def test_staff_read_the_exposition(admin_client: Client, recorded: tuple[str, str]) -> None:
+    # Given a staff user and a sample this process recorded; When they ask
+    response = admin_client.get(reverse(URL))
+    # Then 200 in Prometheus' text format, with the sample
+    assert response.status_code == 200
+    assert response["Content-Type"].startswith("text/plain; version=")
+    assert published(response, recorded) is not None and published(response, recorded) >= 1
+
+
+def test_the_bearer_of_the_token_reads_the_exposition(client: Client, recorded: tuple[str, str]) -> None:
+    # Given no user, the right token; When a scraper asks
+    response = client.get(reverse(URL), HTTP_AUTHORIZATION=f"Bearer {TOKEN}")
+    # Then 200 with the sample
+    assert response.status_code == 200
+    assert published(response, recorded) is not None
+
+
+@pytest.mark.parametrize("header", [f"Bearer {TOKEN}x", "Bearer ", f"Basic {TOKEN}", TOKEN])
+def test_a_wrong_token_is_refused(client: Client, header: str) -> None:
+    # Given a wrong token, an empty one, another scheme, no scheme; When a scraper asks; Then 403
+    assert client.get(reverse(URL), HTTP_AUTHORIZATION=header).status_code == 403
+
+
+def test_without_a_token_setting_a_bearer_is_refused(client: Client, settings: LazySettings) -> None:
+    # Given no metrics_token configured; When a bearer of anything asks; Then 403
+    settings.CELERY_GUARDRAILS = {k: v for k, v in settings.CELERY_GUARDRAILS.items() if k != "metrics_token"}
+    assert client.get(reverse(URL), HTTP_AUTHORIZATION="Bearer anything-at-all-here").status_code == 403
+
+
+def test_metrics_that_cannot_be_collected_are_a_503(
+    admin_client: Client, monkeypatch: pytest.MonkeyPatch, tmp_path: Any
+) -> None:
+    # Given a multiprocess directory that is not there; When staff ask; Then 503 (the scraper sees it down)
+    monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(tmp_path / "not-there"))
+    assert admin_client.get(reverse(URL)).status_code == 503
+
+
+def test_the_summed_metrics_of_a_multiprocess_directory(
+    admin_client: Client, monkeypatch: pytest.MonkeyPatch, tmp_path: Any
+) -> None:
+    # Given an empty multiprocess directory (as a web server's processes share it); When staff ask
+    monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(tmp_path))
+    response = admin_client.get(reverse(URL))
+    # Then 200: the sums of what is there (nothing yet)
+    assert response.status_code == 200
+    assert list(text_string_to_metric_families(response.content.decode())) == []
