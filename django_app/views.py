@@ -1,15 +1,20 @@
 """Views of the guardrails app that are not admin pages.
 
 ``metrics``: the Prometheus exposition (:func:`celery_guardrails.metrics.metrics_registry`: every process's
-metrics summed from ``PROMETHEUS_MULTIPROC_DIR`` when it is set, else this web process's own), for staff users
+metrics summed from ``PROMETHEUS_MULTIPROC_DIR`` when it is set, else this web process's own, plus the state
+of the deployment read at scrape time by :class:`celery_guardrails.collectors.StateCollector`: queues, open
+dead letters, dependencies, schedules; here and not on the workers' endpoints, which would each export the
+same cluster-wide numbers), for staff users
 or a scraper that sends ``Authorization: Bearer <metrics_token>``; 403 for anyone else (never a redirect to a
 login page a scraper cannot follow). Mounted by ``django_celery_guardrails.urls``.
 """
 
 from __future__ import annotations
 
+import functools
 import hmac
 import logging
+from typing import Any
 
 from django.http import HttpRequest, HttpResponse, HttpResponseForbidden
 from django.views.decorators.cache import never_cache
@@ -31,16 +36,29 @@ def _allowed(request: HttpRequest) -> bool:
     return hmac.compare_digest(given.strip().encode(), str(token).encode())  # no timing hint about the token
 
 
+@functools.cache
+def _state_collector(app: Any) -> Any:
+    """One per app and process: its error counter must count across scrapes."""
+    from celery_guardrails.collectors import StateCollector
+
+    # The request's database connection is Django's to manage: the collector leaves it open.
+    return StateCollector(app, close_database=False)
+
+
 @never_cache
 @require_GET
 def metrics(request: HttpRequest) -> HttpResponse:
     """The metrics in Prometheus' text format, for staff or the bearer of ``metrics_token``."""
     if not _allowed(request):
         return HttpResponseForbidden("Forbidden: staff, or Authorization: Bearer <metrics_token>\n")
-    from celery_guardrails.metrics import exposition
+    from celery import current_app
+
+    from celery_guardrails.metrics import exposition, metrics_registry
 
     try:
-        body, content_type = exposition()
+        registry = metrics_registry()
+        registry.register(_state_collector(current_app._get_current_object()))
+        body, content_type = exposition(registry)
     except Exception:  # a multiprocess directory that is gone, say: the scraper sees it as down, the log says why
         logger.exception("Metrics could not be collected")
         return HttpResponse("Metrics could not be collected; see the server log\n", status=503)

@@ -96,6 +96,37 @@ def test_the_summed_metrics_of_a_multiprocess_directory(
     # Given an empty multiprocess directory (as a web server's processes share it); When staff ask
     monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(tmp_path))
     response = admin_client.get(reverse(URL))
-    # Then 200: the sums of what is there (nothing yet)
+    # Then 200: the sums of what is there (nothing recorded yet), beside the state gauges read at scrape time
     assert response.status_code == 200
-    assert list(text_string_to_metric_families(response.content.decode())) == []
+    names = {family.name for family in text_string_to_metric_families(response.content.decode())}
+    assert names and all(
+        not name.startswith(("celery_guardrails_task_", "celery_guardrails_messages_")) for name in names
+    )
+
+
+def test_the_exposition_carries_the_state_of_the_deployment(admin_client: Client) -> None:
+    # Given an open dead letter of an owned task (the Django sink)
+    from django.utils import timezone
+
+    from django_celery_guardrails.models import DeadLetter
+
+    moment = timezone.now()
+    DeadLetter.objects.create(
+        task_id="t-metrics-view",
+        task_name="tests.metrics_view.owned",
+        owner="payments",
+        reason="permanent",
+        first_failed_at=moment,
+        last_failed_at=moment,
+    )
+    # When staff read the metrics
+    response = admin_client.get(reverse(URL))
+    # Then the state gauges are there: the dead letter counted open for its owner and task, the sources read
+    open_letters = {
+        (sample.labels["owner"], sample.labels["task"]): sample.value
+        for family in text_string_to_metric_families(response.content.decode())
+        for sample in family.samples
+        if sample.name == "celery_guardrails_dead_letters_open"
+    }
+    assert open_letters.get(("payments", "tests.metrics_view.owned")) == 1
+    assert "celery_guardrails_collector_source_up" in response.content.decode()
