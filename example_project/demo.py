@@ -295,6 +295,7 @@ def main() -> None:
         scheduled_work(app, log_path)
         shared_capacity(app)
         killed_mid_handover(app)
+        status_table()
 
         print("\n-- the worker's log lines for request demo-req-42 (tenant and correlation id on each line)")
         for line in log_path.read_text(errors="replace").splitlines():
@@ -346,6 +347,20 @@ def shared_capacity(app: Any) -> None:
         )
     finally:
         stop(worker)
+
+
+def status_table() -> None:
+    """The operator's view, as they would get it: ``celery -A example_project guardrails status``."""
+    print("\n-- 11. celery -A example_project guardrails status (queues, open dead letters, dependencies, schedules)")
+    shown = subprocess.run(
+        [sys.executable, "-m", "celery", "-A", "example_project", "guardrails", "status"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    for line in (shown.stdout + shown.stderr).splitlines():
+        print(f"   {line}")
 
 
 def killed_mid_handover(app: Any) -> None:

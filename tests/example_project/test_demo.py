@@ -75,4 +75,10 @@ def check_output(out: str) -> None:
     # never more than the limit at once (how many overlapped, and what a sample saw, depend on the machine)
     assert re.search(r"acme: at most [12] at once \(slots held, sampled: at most [0-2]\); globex ran beside it", out)
     assert "attempts used: [1] (waiting for a slot spends none)" in out
+    # the atomic pop needs a Redis broker: on the filesystem transport the section says it is skipped
+    assert "10. a worker killed as a message is handed to it (broker_atomic_pop, Redis broker)" in out
+    assert "skipped: the broker is not Redis here" in out
+    assert "11. celery -A example_project guardrails status" in out
+    assert re.search(r"Queues.*\n.*QUEUE +DEPTH +OLDEST", out)
+    assert "Open dead letters" in out and "Schedules" in out
     assert "== worker stopped (exit code 0)" in out
