@@ -9,6 +9,7 @@ Every task takes ``done``: the name of a Redis list the task pushes its number t
 The tasks whose names end in ``_insert`` INSERT one row (``tests.testapp.Effect``) in the Django database.
 """
 
+import json
 import os
 from typing import Any
 
@@ -29,6 +30,8 @@ app.conf.update(
         "store": "django" if os.environ.get("BENCH_STORE") == "django" else REDIS,
         "dead_letter_sinks": ["redis"],
         "alert_channels": ["log"],
+        # bench.py's variants: kombu's pop (broker_atomic_pop False), metrics recorded (metrics True)
+        **json.loads(os.environ.get("BENCH_GUARDRAILS", "{}")),
     },
 )
 

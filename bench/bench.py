@@ -15,7 +15,14 @@ printed, with their range: this machine's speed drifts by more than the differen
   the body's transaction) and without. BENCH_CONN_MAX_AGE sets Django's CONN_MAX_AGE (default 0).
 * Django store on SQLite (a fresh file): the no-op kinds, and the INSERT kinds.
 
-BENCH_STORES picks workers (default ``redis,postgres,sqlite``). Prints ratios; asserts nothing.
+Two more Redis-store workers, not in the default run of every store but in ``make bench`` (BENCH_STORES
+``redis,redis_kombu_pop,redis_metrics,postgres,sqlite``): ``redis_kombu_pop`` pops with kombu's ``BRPOP``
+(``broker_atomic_pop`` off; every kind of the ``redis`` worker, plain ones included, uses the atomic pop), and
+``redis_metrics`` records the Prometheus metrics (``metrics`` on). They are other worker processes, so their
+figures are compared with the ``redis`` worker's by tasks/s of the same kind (not paired by round): read them
+as a rough cost of each.
+
+BENCH_STORES picks workers. Prints ratios; asserts nothing.
 """
 
 from __future__ import annotations
@@ -62,6 +69,14 @@ WORKERS: dict[str, list[Group]] = {
             ["plain", "plain_acks_late", "guarded", "guarded_key", "guarded_dependency"],
         ),
         Group("Redis store, results ignored", ["plain_ignored", "guarded_ignored", "guarded_key_ignored"], False),
+    ],
+    "redis_kombu_pop": [
+        Group("Redis store, results stored, kombu's BRPOP (broker_atomic_pop off)", ["plain", "guarded"]),
+        Group("Redis store, results ignored, kombu's BRPOP", ["plain_ignored", "guarded_ignored"], False),
+    ],
+    "redis_metrics": [
+        Group("Redis store, results stored, metrics on", ["plain", "guarded", "guarded_key"]),
+        Group("Redis store, results ignored, metrics on", ["plain_ignored", "guarded_ignored"], False),
     ],
     "postgres": [
         Group(
@@ -137,12 +152,19 @@ def measure(bench_app: Any, client: Any, group: Group, name: str, first: int) ->
     return seconds, after[0] - before[0], after[1] - before[1]
 
 
+#: The guardrails settings of a worker variant (bench/app.py reads them from BENCH_GUARDRAILS).
+VARIANTS = {"redis_kombu_pop": {"broker_atomic_pop": False}, "redis_metrics": {"metrics": True}}
+
+
 def run_worker(store: str, groups: list[Group]) -> dict[str, Measured]:
     """Every kind of ``groups`` measured in every round on one worker process."""
+    import json
+
     scratch = Path(tempfile.mkdtemp(prefix="guardrails-bench-"))
     env = {
         **os.environ,
-        "BENCH_STORE": "redis" if store == "redis" else "django",
+        "BENCH_STORE": "redis" if store.startswith("redis") else "django",
+        "BENCH_GUARDRAILS": json.dumps(VARIANTS.get(store, {})),
         "BENCH_QUEUE": f"bench-{uuid.uuid4().hex[:8]}",
         "BENCH_RUN": uuid.uuid4().hex[:8],
         "BENCH_REDIS_URL": REDIS,
@@ -150,10 +172,10 @@ def run_worker(store: str, groups: list[Group]) -> dict[str, Measured]:
         "EXAMPLE_LOG_LEVEL": "WARNING",
     }
     env.pop("DJANGO_SETTINGS_MODULE", None)
-    if store != "redis":
+    if not store.startswith("redis"):
         env.update(django_env(store, scratch))
     try:
-        if store != "redis":  # the worker sets Django up (Celery's fixup) on the migrated database
+        if not store.startswith("redis"):  # the worker sets Django up (Celery's fixup) on the migrated database
             manage = [sys.executable, str(ROOT / "example_project" / "manage.py")]
             subprocess.run([*manage, "migrate", "--run-syncdb", "-v", "0"], env=env, check=True)
         return _run_worker(env, groups)
@@ -164,7 +186,7 @@ def run_worker(store: str, groups: list[Group]) -> dict[str, Measured]:
 
 
 def _run_worker(env: dict[str, str], groups: list[Group]) -> dict[str, Measured]:
-    os.environ.update({k: env[k] for k in ("BENCH_STORE", "BENCH_QUEUE", "BENCH_RUN")})
+    os.environ.update({k: env[k] for k in ("BENCH_STORE", "BENCH_QUEUE", "BENCH_RUN", "BENCH_GUARDRAILS")})
     sys.modules.pop("bench.app", None)  # this run's queue and store (one store per process anyway)
     import redis
 
@@ -250,10 +272,11 @@ def main() -> None:
             return
         results = run_worker(store, WORKERS[store])
         for group in WORKERS[store]:
-            report(group, results, counts=store == "redis")
+            report(group, results, counts=store.startswith("redis"))
         sys.stdout.flush()
         return
-    stores = [s for s in os.environ.get("BENCH_STORES", "redis,postgres,sqlite").split(",") if s]
+    default = "redis,redis_kombu_pop,redis_metrics,postgres,sqlite"
+    stores = [s for s in os.environ.get("BENCH_STORES", default).split(",") if s]
     print(
         f"{N} tasks per kind, one `celery worker -P solo` process per store, broker and results on {REDIS}; "
         f"{ROUNDS} rounds",

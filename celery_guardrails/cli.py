@@ -13,8 +13,9 @@ what it could, names the source, and exits 1.
 
 from __future__ import annotations
 
+import signal
 import sys
-import time
+import threading
 from typing import Any
 
 import click
@@ -52,14 +53,42 @@ def status(ctx: click.Context, as_json: bool, watch: bool, interval: float, coun
 
 def _loop(app: Any, names: list[str], *, as_json: bool, watch: bool, interval: float, reads: int | None) -> bool:
     """Read and print ``reads`` times (None: until Ctrl-C); whether the last read missed a source."""
-    # Imported here: Celery imports this module for every ``celery`` command (``celery worker`` too).
+    # Ctrl-C ends the loop even if the KeyboardInterrupt it raises is swallowed on its way up (a library's retry
+    # loop that catches too much): the flag is looked at before every read.
+    stopping = threading.Event()
+    interrupt = signal.getsignal(signal.SIGINT)
+
+    def stop(signum: int, frame: Any) -> None:
+        stopping.set()
+        raise KeyboardInterrupt
+
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGINT, stop)
+    try:
+        # (status is imported in _reads, not at the top: Celery imports this module for every ``celery`` command)
+        return _reads(app, names, as_json=as_json, watch=watch, interval=interval, reads=reads, stopping=stopping)
+    finally:
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGINT, interrupt)
+
+
+def _reads(
+    app: Any,
+    names: list[str],
+    *,
+    as_json: bool,
+    watch: bool,
+    interval: float,
+    reads: int | None,
+    stopping: threading.Event,
+) -> bool:
     from celery_guardrails import status as status_module
 
     previous = None
     done = 0
-    while reads is None or done < reads:
-        if done:
-            time.sleep(interval)
+    while (reads is None or done < reads) and not stopping.is_set():
+        if done and stopping.wait(interval):
+            break
         current = status_module.with_change(status_module.gather(app, queues=names), previous)
         text = status_module.as_json(current) if as_json else status_module.render(current)
         if watch and not as_json and sys.stdout.isatty():
