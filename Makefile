@@ -19,6 +19,7 @@ demo: $(INSTALLED)
 services:
 	bash scripts/services.sh
 	bash scripts/browser.sh
+	bash scripts/promtool.sh
 
 lint: $(INSTALLED)
 	$(VENV)/bin/ruff check .
