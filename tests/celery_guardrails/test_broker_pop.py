@@ -300,3 +300,71 @@ def test_the_worker_chooses_the_transport_only_for_a_plain_redis_broker(
     # When the worker starts, Then the transport is chosen only for redis:// with nothing else chosen
     assert broker_pop.configure(app) is chosen
     assert app.conf.broker_transport == (broker_pop.TRANSPORT if chosen else before)
+
+
+def test_the_broker_cut_between_the_wait_and_the_pop_leaves_the_message_in_its_queue(
+    broker_client: redis.Redis, queue_name: str
+) -> None:
+    # Given a channel reaching the broker through a proxy, and a message waiting
+    proxy = TcpProxy(6379)
+    url = BROKER_URLS["redis"].replace(":6379/", f":{proxy.port}/")
+    cuts: list[bool] = []
+
+    class CutBeforePop(broker_pop.Channel):  # type: ignore[misc]
+        def _run_pop(self, keys: list[str], now: float) -> Any:
+            if not cuts:  # the first pop: the wait's reply is read, the script not sent yet
+                cuts.append(True)
+                proxy.cut()
+            return super()._run_pop(keys, now)
+
+    class Transport(broker_pop.Transport):  # type: ignore[misc]
+        Channel = CutBeforePop
+
+    got: list[Any] = []
+    try:
+        with Connection(url, transport=Transport, transport_options={"guardrails_pop_wait": 0.1}) as connection:
+            channel = connection.channel()
+            Queue(queue_name, Exchange(queue_name, type="direct"), routing_key=queue_name)(channel).declare()
+            publish(channel, queue_name, {"job": 7})
+            channel.basic_consume(queue_name, False, lambda message: got.append(message), "consumer")
+            # When the connection is cut after the wait and before the pop script is sent
+            with pytest.raises(connection.connection_errors):
+                for _ in range(20):
+                    with contextlib.suppress(TimeoutError):
+                        connection.drain_events(timeout=1)
+            # Then the pop raised the connection error (kombu's consumer reconnects on it), nothing was
+            # delivered, and the message is still in its queue, recorded nowhere
+            assert got == []
+            assert broker_client.llen(queue_name) == 1
+            assert not any(queue_name.encode() in raw for raw in broker_client.hvals("unacked"))
+            # and once the broker is back, the next drain takes it
+            proxy.restore()
+            while not got:
+                with contextlib.suppress(TimeoutError, *connection.connection_errors):
+                    connection.drain_events(timeout=1)
+            assert json.loads(got[0].body) == {"job": 7}
+            got[0].ack()
+    finally:
+        proxy.close()
+
+
+def test_a_flushed_script_cache_is_loaded_again(broker_client: redis.Redis, channel_on: Any, queue_name: str) -> None:
+    # Given a channel that has popped once (its script loaded on the server)
+    connection, channel = channel_on(BROKER_URLS["redis"], guardrails_pop_wait=0.1)
+    publish(channel, queue_name, 1)
+    publish(channel, queue_name, 2)
+    got: list[Any] = []
+
+    def take(message: Any) -> None:
+        got.append(json.loads(message.body))
+        message.ack()
+        if len(got) == 1:
+            # When the server's script cache is emptied (a restart, SCRIPT FLUSH) before the next pop
+            broker_client.script_flush()
+
+    channel.basic_consume(queue_name, False, take, "consumer")
+    while len(got) < 2:
+        with contextlib.suppress(TimeoutError):
+            connection.drain_events(timeout=1)
+    # Then the next pop loaded the script again and took the message
+    assert got == [1, 2]
