@@ -6,24 +6,63 @@ so a green CI run always means the services were there.
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import hashlib
 import os
 import socket
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 HOST = "127.0.0.1"
 PORTS = {"redis": 6379, "postgres": 5432, "rabbitmq": 5672}
 
-# One Redis database per checkout (1 to 12; the demo uses 14): two suites run at once from two clones (a
-# flake hunt in one, work in the other) would otherwise share keys whose names are fixed (alert throttles).
+# One Redis database per running suite (1 to 11; the bench uses 12, the demo 14): two suites run at once from
+# two checkouts (a flake hunt in one, work in the other, helpers in worktrees) would otherwise share keys whose
+# names are fixed (alert throttles, kombu's unacked index: a worker of one suite with a 3 s visibility timeout
+# gave back the other suite's held messages). pytest-xdist runs the suite in several processes (gw0, gw1, ...):
+# each claims a database of its own too. A claim is a key in database 0 (SET NX, three hours: a run that dies
+# without releasing it frees it then); the checkout's hashed choice is tried first. Processes the tests start
+# inherit GUARDRAILS_TEST_REDIS_URL and claim nothing (see _CLAIMANT below).
 _CHECKOUT = Path(__file__).resolve().parents[2]
-# pytest-xdist runs the suite in several processes (gw0, gw1, ...): each has a database of its own too, next to
-# the checkout's (kombu's unacked index, its restore mutex and the fixed-name keys are per database).
 _WORKER = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw") or 0)
-_DB = 1 + (int(hashlib.sha256(str(_CHECKOUT).encode()).hexdigest(), 16) + _WORKER) % 12
-REDIS_URL = os.environ.setdefault("GUARDRAILS_TEST_REDIS_URL", f"redis://{HOST}:6379/{_DB}")
+_DATABASES = range(1, 12)
+_CLAIM_SECONDS = 3 * 3600
+
+
+def _claim_database() -> int:
+    preferred = _DATABASES[(int(hashlib.sha256(str(_CHECKOUT).encode()).hexdigest(), 16) + _WORKER) % len(_DATABASES)]
+    token = f"{socket.gethostname()}:{os.getpid()}:{_CHECKOUT}"
+    try:
+        import redis
+
+        client = redis.Redis(host=HOST, port=PORTS["redis"], db=0, socket_timeout=2, socket_connect_timeout=2)
+        for database in [preferred, *(n for n in _DATABASES if n != preferred)]:
+            if client.set(f"guardrails-test-db:{database}", token, nx=True, ex=_CLAIM_SECONDS):
+                atexit.register(_release, client, database, token)
+                return database
+    except Exception:  # no Redis (the tests that need it say so), or every database claimed: share the hashed one
+        pass
+    return preferred
+
+
+def _release(client: Any, database: int, token: str) -> None:
+    with contextlib.suppress(Exception):
+        if client.get(f"guardrails-test-db:{database}") == token.encode():
+            client.delete(f"guardrails-test-db:{database}")
+
+
+# Who claimed the database in GUARDRAILS_TEST_REDIS_URL: xdist's workers inherit the environment of the process
+# that started them (which claimed one too), and must claim their own; the processes a test starts inherit their
+# test process's, and keep it. A URL set by hand (no claimant) is kept everywhere.
+_CLAIMANT = os.environ.get("PYTEST_XDIST_WORKER", "main")
+_claimed_by = os.environ.get("GUARDRAILS_TEST_REDIS_CLAIMANT")
+if "GUARDRAILS_TEST_REDIS_URL" not in os.environ or (_claimed_by is not None and _claimed_by != _CLAIMANT):
+    os.environ["GUARDRAILS_TEST_REDIS_URL"] = f"redis://{HOST}:{PORTS['redis']}/{_claim_database()}"
+    os.environ["GUARDRAILS_TEST_REDIS_CLAIMANT"] = _CLAIMANT
+REDIS_URL = os.environ["GUARDRAILS_TEST_REDIS_URL"]
 BROKER_URLS = {
     "redis": REDIS_URL,
     "amqp": os.environ.get("GUARDRAILS_TEST_AMQP_URL", f"amqp://guest:guest@{HOST}:5672//"),
