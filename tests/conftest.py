@@ -25,6 +25,7 @@ import pytest
 import redis
 from kombu import Connection
 
+from tests.support.proxy import TcpProxy
 from tests.support.redis_cluster import redis_cluster  # noqa: F401  (a session fixture, started on first use)
 from tests.support.redis_sentinel import redis_sentinel  # noqa: F401  (a test's own master, replica, Sentinel)
 from tests.support.services import BROKER_SERVICE, BROKER_URLS, REDIS_URL, require
@@ -270,3 +271,31 @@ def rigs() -> Iterator[list[Any]]:
     yield made
     for rig in made:
         rig.stop()
+
+
+@pytest.fixture
+def proxy() -> Iterator[TcpProxy]:
+    """A TCP proxy in front of the test Redis, to cut and restore (a test module may define its own)."""
+    require("redis")
+    forwarder = TcpProxy(6379)
+    yield forwarder
+    forwarder.close()
+
+
+@pytest.fixture
+def broker_client(queue_name: str) -> Iterator[redis.Redis]:
+    """The Redis broker; afterwards, what the test's messages left in kombu's keys (unacked records, the queue,
+    items the atomic pop moved aside as malformed) is removed."""
+    from celery_guardrails.broker_pop import MALFORMED_KEY
+
+    require("redis")
+    client = redis.Redis.from_url(BROKER_URLS["redis"])
+    yield client
+    for tag, raw in client.hgetall("unacked").items():
+        if queue_name.encode() in raw:
+            client.zrem("unacked_index", tag)
+            client.hdel("unacked", tag)
+    client.delete(queue_name)
+    for item in client.lrange(MALFORMED_KEY, 0, -1):
+        if queue_name.encode() in item:
+            client.lrem(MALFORMED_KEY, 0, item)

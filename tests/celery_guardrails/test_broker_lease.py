@@ -39,18 +39,6 @@ RUN = 3 * VISIBILITY
 TRANSPORT = quick_redelivery(VISIBILITY)
 
 
-@pytest.fixture
-def broker_client(broker: str, queue_name: str) -> Iterator[redis.Redis]:
-    """The broker's Redis; afterwards, what the test's messages left in kombu's unacked index and queue."""
-    client = redis.Redis.from_url(BROKER_URLS["redis"])
-    yield client
-    for tag, raw in client.hgetall("unacked").items():
-        if queue_name.encode() in raw:
-            client.zrem("unacked_index", tag)
-            client.hdel("unacked", tag)
-    client.delete(queue_name)
-
-
 def workers(
     queue: str, tmp_path: Path, *, pool: str, lease: bool = True, count: int = 2, extra: tuple[str, ...] = ()
 ) -> list[WorkerProcess]:

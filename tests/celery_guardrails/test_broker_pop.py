@@ -29,28 +29,12 @@ from celery_guardrails import broker_pop
 from tests.conftest import Sink
 from tests.proj import tasks
 from tests.support.proxy import TcpProxy
-from tests.support.services import BROKER_URLS, require
+from tests.support.services import BROKER_URLS
 from tests.support.waiting import wait_for
 from tests.support.workers import PROJ_APP, WorkerProcess, proj_env, quick_redelivery
 
 #: Seconds the worker's wait for its queue lasts on the server: long, so that it is still blocked when stopped.
 LONG_WAIT = 60
-
-
-@pytest.fixture
-def broker_client(queue_name: str) -> Iterator[redis.Redis]:
-    """The broker's Redis; afterwards, what the test's messages left in kombu's keys."""
-    require("redis")
-    client = redis.Redis.from_url(BROKER_URLS["redis"])
-    yield client
-    for tag, raw in client.hgetall("unacked").items():
-        if queue_name.encode() in raw:
-            client.zrem("unacked_index", tag)
-            client.hdel("unacked", tag)
-    client.delete(queue_name)
-    for item in client.lrange(broker_pop.MALFORMED_KEY, 0, -1):
-        if queue_name.encode() in item:
-            client.lrem(broker_pop.MALFORMED_KEY, 0, item)
 
 
 def blocked_on(client: redis.Redis, name: str) -> str | None:

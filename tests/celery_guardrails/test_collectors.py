@@ -4,10 +4,8 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Iterator
 from typing import Any
 
-import pytest
 from celery import shared_task
 from prometheus_client import CollectorRegistry, generate_latest
 
@@ -19,7 +17,7 @@ from celery_guardrails.stores.base import BudgetPolicy
 from tests.proj import tasks
 from tests.support.dead_letters import has_dead_letter
 from tests.support.proxy import TcpProxy
-from tests.support.services import REDIS_URL, require
+from tests.support.services import REDIS_URL
 from tests.support.waiting import wait_for
 
 #: Names of this session's own: the shared Redis keeps other tests' dead letters and budgets.
@@ -108,14 +106,6 @@ def test_schedule_gauges_read_the_ledger(broker: str, celery_app: Any) -> None:
     assert value(scraped, "celery_guardrails_schedule_overdue_runs", schedule=name) == 0
     age = value(scraped, "celery_guardrails_schedule_last_success_age_seconds", schedule=name)
     assert age is not None and age >= 7190
-
-
-@pytest.fixture
-def proxy() -> Iterator[TcpProxy]:
-    require("redis")
-    proxy = TcpProxy(6379)
-    yield proxy
-    proxy.close()
 
 
 def test_a_scrape_with_the_store_cut_still_returns_the_queues_and_says_which_source_failed(

@@ -21,19 +21,11 @@ from tests.conftest import Sink
 from tests.proj import tasks
 from tests.support.dead_letters import dead_letter_of, has_dead_letter
 from tests.support.proxy import TcpProxy
-from tests.support.services import REDIS_URL, require
+from tests.support.services import REDIS_URL
 from tests.support.waiting import wait_for
 from tests.support.workers import PROJ_APP, WorkerProcess, proj_env
 
 TIMEOUT = 60
-
-
-@pytest.fixture
-def proxy() -> Iterator[TcpProxy]:
-    require("redis")
-    proxy = TcpProxy(6379)
-    yield proxy
-    proxy.close()
 
 
 @pytest.fixture

@@ -24,7 +24,7 @@ from tests.conftest import Sink, waiting_messages
 from tests.proj import tasks
 from tests.support.dead_letters import dead_letter_of
 from tests.support.proxy import TcpProxy
-from tests.support.services import REDIS_URL, require
+from tests.support.services import REDIS_URL
 from tests.support.waiting import wait_for
 from tests.support.workers import PROJ_APP, WorkerProcess, proj_env
 
@@ -195,14 +195,6 @@ def test_a_gap_that_never_fills_is_given_up_and_the_late_one_dead_lettered(
 
 
 # Faults: the store cut away through a TCP proxy.
-
-
-@pytest.fixture
-def proxy() -> Iterator[TcpProxy]:
-    require("redis")
-    proxy = TcpProxy(6379)
-    yield proxy
-    proxy.close()
 
 
 def through(proxy: TcpProxy) -> str:
