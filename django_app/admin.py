@@ -34,10 +34,12 @@ from celery_guardrails.exceptions import ConfigurationError
 from celery_guardrails.stores import store_url
 
 from . import health
+from .dashboard import dashboard_context
 from .forms import EditAndReplayForm
 from .maintenance import close_dead_letters
 from .models import (
     ConcurrencySlot,
+    Dashboard,
     DeadLetter,
     DependencyState,
     IdempotencyKey,
@@ -488,3 +490,33 @@ class ScheduledRunAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
             "other_store": other_store,
         }
         return TemplateResponse(request, "admin/guardrails/scheduledrun/health.html", context)
+
+
+@admin.register(Dashboard)
+class DashboardAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
+    """The dashboard page (:mod:`.dashboard`) in place of a change list: listed on the admin index with the
+    app's models, shown to those who may view dead letters, changing nothing."""
+
+    def has_view_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return bool(request.user.has_perm("guardrails.view_deadletter"))
+
+    def has_add_permission(self, request: HttpRequest) -> bool:
+        return False
+
+    def has_change_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return False
+
+    def has_delete_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return False
+
+    def changelist_view(self, request: HttpRequest, extra_context: dict[str, Any] | None = None) -> HttpResponse:
+        if not self.has_view_permission(request):
+            raise PermissionDenied
+        context = {
+            **self.admin_site.each_context(request),
+            "title": "Dashboard",
+            "opts": self.model._meta,
+            **dashboard_context(health.celery_app()),
+            **(extra_context or {}),
+        }
+        return TemplateResponse(request, "admin/guardrails/dashboard/dashboard.html", context)

@@ -615,3 +615,14 @@ class ConcurrencySlot(models.Model):
 
     def __str__(self) -> str:
         return f"{self.key}: {self.holder} ({self.state})"
+
+
+class Dashboard(DeadLetter):
+    """Not a table: the admin's dashboard page (:mod:`django_celery_guardrails.dashboard`), listed with the app's
+    models on the admin index. A proxy of :class:`DeadLetter`, whose view permission it asks for."""
+
+    class Meta:
+        proxy = True
+        verbose_name = _("dashboard")
+        verbose_name_plural = _("dashboard")
+        default_permissions = ()

@@ -145,6 +145,26 @@ def test_the_schedule_health_page(schedules: None, live_server: Any, browser: An
     assert states == ["ok", "missed", "failing", "overdue", "running", "never run", "missed", "no policy"]
 
 
+def test_the_dashboard_from_the_admin_index(
+    four_dead_letters: list[DeadLetter], live_server: Any, browser: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Given four real dead letters and an admin user (the page reads the app's queues, store and ledger)
+    use_app(monkeypatch)
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    page = browser.new_page()
+    # When an operator logs in and follows the index's Dashboard link
+    log_in(page, live_server, "/admin/", "**/admin/")
+    page.click("a[href$='/admin/guardrails/dashboard/']")
+    page.wait_for_selector("#dl-reasons-chart")
+    page.screenshot(path=str(ARTIFACTS / "7-dashboard.png"), full_page=True)
+    # Then the chart shows the four permanent failures of this hour, and the table their owner
+    counts = page.locator("#dl-reasons-chart rect[data-reason='permanent']").evaluate_all(
+        "bars => bars.map(bar => Number(bar.dataset.count))"
+    )
+    assert sum(counts) == 4
+    assert "4" in page.locator("table#open-dead-letters").inner_text()
+
+
 @pytest.fixture
 def four_dead_letters(celery_worker: Any, sink: Sink) -> list[DeadLetter]:
     """Four real open dead letters (charge refused once; a replay succeeds) and an admin user, written before
