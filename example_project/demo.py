@@ -361,6 +361,12 @@ def status_table() -> None:
     )
     for line in (shown.stdout + shown.stderr).splitlines():
         print(f"   {line}")
+    print(
+        "   the same numbers, with the last 24 hours of dead letters by reason: http://127.0.0.1:8000/admin/guardrails/dashboard/"
+    )
+    print(
+        "   Prometheus: metrics=True, then the worker's metrics_port and the view guardrails/metrics (see Visibility)"
+    )
 
 
 def killed_mid_handover(app: Any) -> None:
