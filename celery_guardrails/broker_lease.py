@@ -176,11 +176,11 @@ class BrokerLease:
 
 def _redis_channel(connection: Any) -> Any:
     """The connection's default channel when the broker is Redis with kombu's ack emulation, else None."""
-    try:
-        from kombu.transport.redis import QoS, Transport
-    except ImportError:  # no redis-py: not a Redis broker
-        return None
-    if not isinstance(getattr(connection, "_transport", None), Transport):
+    from kombu.transport.redis import QoS
+
+    from celery_guardrails.broker_pop import is_redis
+
+    if not is_redis(connection):
         return None
     channel = connection.default_channel
     return channel if isinstance(channel.qos, QoS) else None

@@ -27,8 +27,9 @@ kombu's ``BRPOP`` would raise after losing it, is moved to the list :data:`MALFO
 
 The worker uses it when ``broker_atomic_pop`` is on (the default) and the broker URL is ``redis://`` with no
 ``broker_transport`` set (:func:`configure`). Not covered: ``rediss://`` and ``sentinel://`` brokers (set
-``broker_transport`` to this module's ``Transport`` for ``rediss://``), Redis older than 6.2 (no ``BLMOVE``: the
-channel logs a warning and pops as kombu does), and ``basic_get`` (not used by workers: kombu's ``_get`` is
+``broker_transport`` to this module's ``Transport`` for ``rediss://``), a Redis that refuses ``BLMOVE`` or the
+script (older than 6.2, or an ACL without them: the channel logs a warning once and pops as kombu does), and
+``basic_get`` (not used by workers: kombu's ``_get`` is
 kept, since it cannot know whether the caller will ack).
 """
 
@@ -107,25 +108,29 @@ class Channel(kombu_redis.Channel):  # type: ignore[misc]
     from_transport_options: tuple[str, ...] = (*kombu_redis.Channel.from_transport_options, "guardrails_pop_wait")
     guardrails_pop_wait = DEFAULT_WAIT
 
-    _atomic: bool | None = None  # None: not yet known (the server's version is read on the first wait)
+    #: False once the server refused BLMOVE or the pop script (Redis before 6.2, an ACL without them): kombu's pop.
+    _atomic = True
     _pop_sha: str | None = None
     _waited_for: tuple[str, ...] = ()
 
-    def _supports_blmove(self) -> bool:
-        if self._atomic is None:
-            with self.conn_or_acquire() as client:
-                version = str(client.info("server").get("redis_version", "0"))
-            self._atomic = tuple(int(part) for part in version.split(".")[:2] if part.isdigit()) >= (6, 2)
-            if not self._atomic:
-                logger.warning(
-                    "Redis %s has no BLMOVE (6.2+): the worker pops as kombu does, and a worker killed between "
-                    "the pop and its record loses that message (celery/kombu#305)",
-                    version,
-                )
-        return self._atomic
+    def _refused(self, error: Exception) -> bool:
+        """Whether ``error`` is the server refusing BLMOVE or the script (unknown command, no permission): if so,
+        this channel pops as kombu does from now on, and says so once. Nothing was taken: the refused command
+        did not run."""
+        text = str(error).lower()
+        if "unknown command" not in text and "noperm" not in text and "no permission" not in text:
+            return False
+        self._atomic = False
+        logger.warning(
+            "The broker's Redis refused the atomic pop (%s): this worker pops as kombu does, and a worker killed "
+            "between the pop and its record loses that message (celery/kombu#305). Needs Redis 6.2+ with BLMOVE, "
+            "EVALSHA and SCRIPT allowed",
+            error,
+        )
+        return True
 
     def _brpop_start(self, timeout: float | None = None) -> None:
-        if not self._supports_blmove():
+        if not self._atomic:
             return super()._brpop_start(timeout)  # type: ignore[no-any-return]
         queues = self._queue_cycle.consume(len(self.active_queues))
         if not queues:
@@ -152,6 +157,10 @@ class Channel(kombu_redis.Channel):  # type: ignore[misc]
                 # As kombu does: disconnect, so that the next poll reconnects.
                 self.client.connection.disconnect()
                 raise
+            except redis_errors().ResponseError as error:
+                if self._refused(error):
+                    raise Empty() from None
+                raise
         finally:
             self._in_poll = None
             flush = getattr(self, "_flush_brpop_reauth", None)  # kombu 5.7: a pending re-auth, now the line is idle
@@ -165,7 +174,12 @@ class Channel(kombu_redis.Channel):  # type: ignore[misc]
         """Take the first message of the lists waited for, recorded as handed out in the same step."""
         prefix = self.global_keyprefix
         keys = [self.unacked_key, self.unacked_index_key, MALFORMED_KEY, *self._waited_for]
-        found = self._run_pop([prefix + key for key in keys], time())
+        try:
+            found = self._run_pop([prefix + key for key in keys], time())
+        except redis_errors().ResponseError as error:
+            if self._refused(error):
+                raise Empty() from None
+            raise
         if not found:
             raise Empty()
         source, item = (bytes_to_str(part) for part in found)
@@ -210,10 +224,22 @@ class Channel(kombu_redis.Channel):  # type: ignore[misc]
             raise
 
 
+def redis_errors() -> Any:
+    """redis-py's exceptions module (imported when a Redis channel runs: redis-py may be absent elsewhere)."""
+    import redis
+
+    return redis.exceptions
+
+
 class Transport(kombu_redis.Transport):  # type: ignore[misc]
     """kombu's Redis transport whose consumers pop with :class:`Channel` (see the module docstring)."""
 
     Channel = Channel
+
+
+def is_redis(connection: Any) -> bool:
+    """Whether a kombu connection's transport is kombu's Redis one (this module's included)."""
+    return isinstance(getattr(connection, "_transport", None), kombu_redis.Transport)
 
 
 def configure(app: Any) -> bool:

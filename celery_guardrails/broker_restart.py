@@ -51,6 +51,7 @@ import kombu
 from celery import bootsteps
 from celery.worker.state import active_requests
 
+from celery_guardrails.broker_pop import is_redis
 from celery_guardrails.options import app_value
 
 logger = logging.getLogger(__name__)
@@ -71,14 +72,6 @@ def affected() -> bool:
     return _within(tuple(celery.VERSION), AFFECTED_CELERY) and _within(tuple(kombu.VERSION), AFFECTED_KOMBU)
 
 
-def _is_redis(connection: Any) -> bool:
-    try:
-        from kombu.transport.redis import Transport
-    except ImportError:  # no redis-py: not a Redis broker
-        return False
-    return isinstance(getattr(connection, "_transport", None), Transport)
-
-
 class BrokerRestartGuard(bootsteps.StartStopStep):  # type: ignore[misc]
     """Consumer bootstep: no crash when the Redis broker restarts, and prefetched messages given back."""
 
@@ -96,7 +89,7 @@ class BrokerRestartGuard(bootsteps.StartStopStep):  # type: ignore[misc]
 
     def on_connection_lost(self, c: Any, original: Callable[[Any], None], exc: Any) -> None:
         connection = c.connection
-        if connection is not None and _is_redis(connection):
+        if connection is not None and is_redis(connection):
             channel = connection._default_channel
             collect = connection.collect
 

@@ -34,6 +34,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
+from celery_guardrails.broker_pop import is_redis
 from celery_guardrails.headers import HEADER, published_at
 
 logger = logging.getLogger(__name__)
@@ -96,17 +97,9 @@ def read_queues(app: Any, names: Iterable[str] = (), *, now: float | None = None
         connection.ensure_connection(max_retries=1)
         channel = connection.default_channel
         current = time.time() if now is None else now
-        if _is_redis(connection):
+        if is_redis(connection):
             return [_read_redis(channel, name, current) for name in queues]
         return [_read_passive(connection, name) for name in queues]
-
-
-def _is_redis(connection: Any) -> bool:
-    try:
-        from kombu.transport.redis import Transport
-    except ImportError:  # no redis-py: not a Redis broker
-        return False
-    return isinstance(getattr(connection, "_transport", None), Transport)
 
 
 def priority_keys(channel: Any, queue: str) -> list[str]:

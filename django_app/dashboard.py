@@ -22,8 +22,8 @@ from django.utils.html import format_html, format_html_join
 from django.utils.safestring import SafeString
 
 from .models import DeadLetter
+from .overview import HOURS
 
-HOURS = 24
 TOP_REASONS = 5
 OTHER = "other"
 #: Bar colours, one per reason in order (then "other"): distinct, readable on the admin's light and dark themes.

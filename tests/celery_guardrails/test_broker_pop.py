@@ -13,6 +13,7 @@ from __future__ import annotations
 import base64
 import contextlib
 import json
+import logging
 import os
 import signal
 import uuid
@@ -352,3 +353,38 @@ def test_a_flushed_script_cache_is_loaded_again(broker_client: redis.Redis, chan
             connection.drain_events(timeout=1)
     # Then the next pop loaded the script again and took the message
     assert got == [1, 2]
+
+
+@pytest.mark.parametrize("refused", [["-blmove"], ["-evalsha", "-script"]], ids=["blmove", "script"])
+def test_a_redis_that_refuses_the_atomic_pop_gets_kombus_pop_and_one_warning(
+    refused: list[str],
+    broker_client: redis.Redis,
+    channel_on: Any,
+    queue_name: str,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # Given a broker user whose ACL refuses BLMOVE, or the pop script (as Redis before 6.2 has no BLMOVE)
+    user, password = f"gr-test-{uuid.uuid4().hex[:8]}", uuid.uuid4().hex
+    broker_client.acl_setuser(
+        user,
+        enabled=True,
+        passwords=[f"+{password}"],
+        keys=["*"],
+        channels=["*"],
+        categories=["+@all"],
+        commands=refused,
+    )
+    try:
+        url = BROKER_URLS["redis"].replace("redis://", f"redis://{user}:{password}@")
+        connection, channel = channel_on(url, guardrails_pop_wait=0.1)
+        for index in range(3):
+            publish(channel, queue_name, index)
+        # When a channel consumes through it
+        with caplog.at_level(logging.WARNING, logger="celery_guardrails.broker_pop"):
+            got = consume(connection, channel, [queue_name], 3)
+        # Then it pops as kombu does: every message, in order, none left recorded; and it said so once
+        assert got == [0, 1, 2] and channel._atomic is False
+        assert not any(queue_name.encode() in raw for raw in broker_client.hvals("unacked"))
+        assert [r.getMessage()[:43] for r in caplog.records] == ["The broker's Redis refused the atomic pop ("]
+    finally:
+        broker_client.acl_deluser(user)
