@@ -64,7 +64,7 @@ from typing import TYPE_CHECKING, Any
 from celery import bootsteps
 from celery.signals import after_task_publish, worker_process_shutdown
 
-from celery_guardrails import headers, signals
+from celery_guardrails import activity, headers, signals
 from celery_guardrails.delivery import delivery
 from celery_guardrails.exceptions import ConfigurationError
 from celery_guardrails.options import app_value
@@ -267,40 +267,67 @@ class Metrics(Guardrail):
 
     def _ended(self, task: GuardedTask, outcome: str, detail: str) -> None:
         request = task.request
-        if request.id is None or not enabled(task.app):
+        if request.id is None:
             # No delivery runs (Celery calls on_failure in the main process for a child its hard time limit
             # killed): the dead letter's signal counted it (see _on_dead_lettered); nothing to time here.
             return
+        metrics_on, activity_on = enabled(task.app), _activity_on(task)
+        if not (metrics_on or activity_on):
+            return
         try:
             state = delivery(task)
-            made = instruments(task.app)
-            labels = (task.name, queue_of(request))
-            made.duration.labels(*labels).observe(max(0.0, time.perf_counter() - state.monotonic_started))
-            made.completed.labels(*labels).inc()
-            if not state.outcome_counted:
-                state.outcome_counted = True
-                made.outcomes.labels(task.name, outcome, detail).inc()
+            first = not state.outcome_counted
+            state.outcome_counted = True
+            queue = queue_of(request)
+            if metrics_on:
+                made = instruments(task.app)
+                labels = (task.name, queue)
+                made.duration.labels(*labels).observe(max(0.0, time.perf_counter() - state.monotonic_started))
+                made.completed.labels(*labels).inc()
+                if first:
+                    made.outcomes.labels(task.name, outcome, detail).inc()
+            if activity_on and first:
+                activity.count(task.app, task.name, queue, outcome)
         except Exception as error:
             _failed(error, "the end of a delivery", request.id)
 
 
-def _count(task: Any, task_id: str | None, outcome: str, detail: str = "", *, name: str | None = None) -> None:
+def _activity_on(task: Any) -> bool:
+    """Whether the activity counts ``task``'s deliveries: a worker's, not a call in the caller's process."""
+    request = getattr(task, "request", None)
+    if request is None or request.called_directly or request.is_eager:
+        return False
+    return activity.enabled(task.app)
+
+
+def _count(
+    task: Any, task_id: str | None, outcome: str, detail: str = "", *, name: str | None = None, queue: str = ""
+) -> None:
     """Count ``outcome`` for the delivery ``task_id`` of ``task`` and mark it counted (when it is the delivery
     ``task`` runs now: a signal sent outside a run, for a message the consumer refused, marks nothing)."""
     app = getattr(task, "app", None)
-    if app is None or not enabled(app):
+    if app is None:
+        return
+    metrics_on, activity_on = enabled(app), activity.enabled(app)
+    if not (metrics_on or activity_on):
         return
     try:
-        _mark(task, task_id)
-        instruments(app).outcomes.labels(name or task.name, outcome, detail).inc()
+        current = _mark(task, task_id)
+        if metrics_on:
+            instruments(app).outcomes.labels(name or task.name, outcome, detail).inc()
+        if activity_on and (not current or _activity_on(task)):
+            activity.count(app, name or task.name, queue_of(task.request) if current else queue, outcome)
     except Exception as error:
         _failed(error, f"outcome {outcome}", task_id)
 
 
-def _mark(task: Any, task_id: str | None) -> None:
+def _mark(task: Any, task_id: str | None) -> bool:
+    """Mark the delivery ``task_id`` counted when ``task`` runs it now; whether it does."""
     request = getattr(task, "request", None)
     if task_id and getattr(request, "id", None) == task_id:
         delivery(task).outcome_counted = True
+        return True
+    return False
 
 
 def _on_retry_scheduled(sender: Any = None, task_id: str | None = None, kind: str = "", **_: Any) -> None:
@@ -327,7 +354,7 @@ def _on_stale_skipped(sender: Any = None, task_id: str | None = None, **_: Any) 
 
 
 def _on_dead_lettered(sender: Any = None, failure: Any = None, **_: Any) -> None:
-    _count(sender, failure.task_id, DEAD_LETTERED, failure.reason, name=failure.task_name)
+    _count(sender, failure.task_id, DEAD_LETTERED, failure.reason, name=failure.task_name, queue=failure.queue or "")
     if failure.reason == TIME_LIMIT:
         _killed(sender, failure)
 
@@ -348,7 +375,7 @@ def _on_final_failure(sender: Any = None, failure: Any = None, **_: Any) -> None
     # Sent for every final failure whose dead letter is recorded; ``dead_lettered`` counts the new ones. One
     # recorded before (a redelivery after the record, before the ack) is not counted again, nor as failed.
     app = getattr(sender, "app", None)
-    if app is not None and enabled(app):
+    if app is not None and (enabled(app) or activity.enabled(app)):
         try:
             _mark(sender, failure.task_id)
         except Exception as error:

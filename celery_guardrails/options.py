@@ -844,6 +844,31 @@ OPTIONS: Mapping[str, Option] = {
             scopes=frozenset({APP}),
         ),
         Option(
+            name="activity",
+            default=True,
+            doc="Keep the last day of activity in the store: delivery outcomes per task, queue and minute (each "
+            "worker process adds its counts every activity_flush_interval) and each queue's depth and oldest age "
+            "once a minute (read by one worker's watchdog thread). The admin dashboard charts it and the status "
+            "command's rates come from it. False: nothing is kept. See celery_guardrails.activity.",
+            check=_boolean,
+            scopes=frozenset({APP}),
+        ),
+        Option(
+            name="activity_flush_interval",
+            default=30.0,
+            doc="Seconds between two additions of a worker process's outcome counts to the store (and at its "
+            "exit). A process SIGKILLed loses at most this long of its counts.",
+            check=_seconds,
+            scopes=frozenset({APP}),
+        ),
+        Option(
+            name="activity_retention",
+            default=2 * 24 * 3600.0,
+            doc="Seconds the activity is kept (Redis: expiry; Django: guardrails_prune). The charts show 24 hours.",
+            check=_seconds,
+            scopes=frozenset({APP}),
+        ),
+        Option(
             name="request_id_headers",
             default=("X-Request-ID", "X-Correlation-ID"),
             doc="Django: request headers read, in order, for the correlation id of a request.",

@@ -1,13 +1,17 @@
 """What ``celery -A proj guardrails status`` shows and the metrics collector exports, read at the time asked.
 
 Each source is read on its own (:func:`read_dead_letters`, :func:`read_dependencies`, :func:`read_schedules`,
-and :func:`celery_guardrails.queues.read_queues`); :func:`gather` reads them all into one :class:`Status`, in
-which a source that could not be read (its store or broker down) is named in ``errors`` with the reason, and
-the others are there: a status read never raises for a source. :func:`render` writes it as a table,
-:func:`as_json` as JSON.
+:func:`celery_guardrails.queues.read_queues` and :func:`celery_guardrails.activity.rates`); :func:`gather`
+reads them all into one :class:`Status`, in which a source that could not be read (its store or broker down) is
+named in ``errors`` with the reason, and the others are there: a status read never raises for a source.
+:func:`render` writes it as a table, :func:`as_json` as JSON.
 
 Where each comes from:
 
+* rates in and out per queue (with the ``activity`` option, its default): deliveries that ended per minute over
+  the last :data:`RATE_MINUTES` whole minutes, from the outcome counts the workers keep in the store, and
+  arrivals derived as those plus the depth's change between the first and last queue samples of the window
+  (a broker counts no arrivals); "?" until two samples are kept.
 * dead letters still open, per owner and task: the app's dead-letter sinks
   (:func:`celery_guardrails.dead_letters.sinks_for`). The Django sink: ``DeadLetter`` rows with status
   ``open``, counted by the database. The Redis stream sink keeps no status (nothing closes a stream entry):
@@ -32,6 +36,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+from celery_guardrails import activity
+from celery_guardrails.activity import QueueRate
 from celery_guardrails.ledger import MISSED, OK, OVERDUE
 from celery_guardrails.queues import QueueDepth, read_queues
 
@@ -46,9 +52,13 @@ WINDOW = 7 * 24 * 3600.0
 #: Ledger records read per schedule at most (newest first) for the counts in the window.
 LEDGER_SCAN = 2000
 
+#: Whole minutes the rates in and out are averaged over.
+RATE_MINUTES = 5
+
 QUEUES, DEAD_LETTERS, DEPENDENCIES, SCHEDULES = "queues", "dead_letters", "dependencies", "schedules"
+RATES = "rates"
 #: The sources, in the order they are read and shown.
-SOURCES = (QUEUES, DEAD_LETTERS, DEPENDENCIES, SCHEDULES)
+SOURCES = (QUEUES, RATES, DEAD_LETTERS, DEPENDENCIES, SCHEDULES)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -114,6 +124,9 @@ class Status:
     #: Watch mode: net change of each queue's depth per second since the previous read (arrivals minus
     #: departures; a broker does not tell the two apart without consuming).
     depth_change: dict[str, float] = field(default_factory=dict)
+    #: Per queue, deliveries ended and messages arrived per minute over the last RATE_MINUTES whole minutes,
+    #: from the activity the workers keep (None: not read, ``activity`` is off or the read failed).
+    rates: dict[str, QueueRate] | None = None
 
 
 def read_dead_letters(app: Any) -> DeadLetters:
@@ -246,6 +259,8 @@ def gather(app: Any, *, queues: Iterable[str] = (), now: float | None = None) ->
     status = Status(at=time.time() if now is None else now)
     errors = status.errors
     status.queues = attempt(QUEUES, lambda: read_queues(app, names, now=status.at), errors) or []
+    if activity.enabled(app):
+        status.rates = attempt(RATES, lambda: activity.rates(app, minutes=RATE_MINUTES), errors)
     status.dead_letters = attempt(DEAD_LETTERS, lambda: read_dead_letters(app), errors) or DeadLetters(counts=[])
     status.dependencies = attempt(DEPENDENCIES, lambda: read_dependencies(app), errors) or []
     status.schedules = attempt(SCHEDULES, lambda: read_schedules(app), errors) or []
@@ -287,6 +302,10 @@ def _age(seconds: float | None) -> str:
     return f"{seconds / 86400:.1f}d"
 
 
+def _rate(value: float | None) -> str:
+    return "?" if value is None else f"{value:.1f}"
+
+
 def _table(headers: list[str], rows: list[list[str]]) -> list[str]:
     widths = [max(len(cell) for cell in column) for column in zip(headers, *rows, strict=False)]
     lines = ["  ".join(cell.ljust(width) for cell, width in zip(headers, widths, strict=True)).rstrip()]
@@ -298,15 +317,27 @@ def render(status: Status) -> str:
     """``status`` as text tables: queues, open dead letters by owner, dependencies, schedule health."""
     lines: list[str] = []
     watch = bool(status.depth_change)
-    headers = ["QUEUE", "DEPTH", "OLDEST"] + (["CHANGE/S"] if watch else [])
+    rated = status.rates is not None or RATES in status.errors
+    headers = ["QUEUE", "DEPTH", "OLDEST"] + (["IN/MIN", "OUT/MIN"] if rated else []) + (["CHANGE/S"] if watch else [])
     rows = []
     for queue in status.queues:
         row = [queue.queue, str(queue.depth), _age(queue.oldest_age) + ("" if queue.exists else " (no such queue)")]
+        if rated:
+            rate = (status.rates or {}).get(queue.queue)
+            row += ["?", "?"] if rate is None else [_rate(rate.arrived), _rate(rate.completed)]
         if watch:
             change = status.depth_change.get(queue.queue)
             row.append("" if change is None else f"{change:+.1f}")
         rows.append(row)
     lines += _section("Queues", QUEUES, status, headers, rows)
+    if rated:
+        lines.insert(
+            len(lines) - 1,
+            f"  (in and out: per minute over the last {RATE_MINUTES} whole minutes; in = out + the depth's change;"
+            " ? = not known yet)",
+        )
+    if RATES in status.errors:
+        lines.insert(len(lines) - 1, f"  rates could not be read: {status.errors[RATES]}")
     owners = status.dead_letters.by_owner()
     rows = [[owner or "(no owner)", str(n)] for owner, n in owners.items()]
     lines += _section("Open dead letters", DEAD_LETTERS, status, ["OWNER", "OPEN"], rows)

@@ -20,8 +20,9 @@ Where it runs:
 * in every worker, as a bootstep thread (:class:`WatchdogStep`) that checks every ``watchdog_interval``
   seconds; a claim in the store with a lease of one interval lets one worker in the cluster check per
   interval (one claim per set of guarded schedules: see :func:`lock_key`). It also sends the dead-letter
-  alert summaries that are due, and reaps the concurrency slots of dead holders
-  (:func:`celery_guardrails.guardrails.concurrency.reap`). ``watchdog=False`` turns it off.
+  alert summaries that are due, reaps the concurrency slots of dead holders
+  (:func:`celery_guardrails.guardrails.concurrency.reap`) and samples the queues for the activity about once a
+  minute (:func:`celery_guardrails.activity.sample_queues`). ``watchdog=False`` turns it off.
 * as ``python manage.py guardrails_watchdog`` (Django), for cron or a Kubernetes CronJob.
 """
 
@@ -38,6 +39,7 @@ from typing import Any
 
 from celery import bootsteps
 
+from celery_guardrails import activity
 from celery_guardrails.beat import Entry, all_configured_entries, moment, report, skip_disabled
 from celery_guardrails.clock import now
 from celery_guardrails.ledger import DISPATCHED, MISSED, OVERDUE, RUNNING, Heads
@@ -138,6 +140,16 @@ def check_if_my_turn(app: Any, *, owner: str) -> Findings | None:
     return check(app)
 
 
+def _consumed(app: Any) -> list[str]:
+    """The queues this worker consumes from (``-Q``), sampled with the app's declared ones."""
+    try:
+        queues = app.amqp.queues
+        return sorted(queues.consume_from or queues)
+    except Exception:  # an app without its queues set up: the declared ones only
+        logger.debug("Watchdog: the consumed queues could not be read", exc_info=True)
+        return []
+
+
 class WatchdogStep(bootsteps.StartStopStep):  # type: ignore[misc]
     """Worker bootstep: a daemon thread that runs the watchdog (and due alert summaries) every interval."""
 
@@ -146,6 +158,7 @@ class WatchdogStep(bootsteps.StartStopStep):  # type: ignore[misc]
     def __init__(self, parent: Any, **kwargs: Any) -> None:
         self.stopping = threading.Event()
         self.thread: threading.Thread | None = None
+        self.queues: list[str] = []
         super().__init__(parent, **kwargs)
 
     def start(self, parent: Any) -> None:
@@ -153,6 +166,7 @@ class WatchdogStep(bootsteps.StartStopStep):  # type: ignore[misc]
         if not app_value(app, "watchdog"):
             return
         owner = f"{getattr(parent, 'hostname', None) or socket.gethostname()}:{os.getpid()}"
+        self.queues = _consumed(app)
         self.thread = threading.Thread(target=self._loop, args=(app, owner), name="guardrails-watchdog", daemon=True)
         self.thread.start()
 
@@ -175,6 +189,11 @@ class WatchdogStep(bootsteps.StartStopStep):  # type: ignore[misc]
             reap(app)  # concurrency slots whose holder died: the reaper on a timer (every worker, every interval)
         except Exception:
             logger.exception("Watchdog: reaping concurrency slots failed")
+        try:
+            if activity.enabled(app):
+                activity.sample_queues(app, owner=owner, names=self.queues)
+        except Exception:
+            logger.exception("Watchdog: sampling the queues for the activity failed")
         finally:
             close = getattr(get_store(app), "close_thread", None)
             if close is not None:

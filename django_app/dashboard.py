@@ -4,15 +4,20 @@ The numbers are :func:`celery_guardrails.status.gather`'s (queues with depth and
 by owner, dependencies, schedule health), read when the page is shown; a source that cannot be read is named.
 The chart is dead letters per hour of their last failure over the last 24 hours, stacked by reason (the
 :data:`TOP_REASONS` most frequent, the rest as "other"), drawn server-side as SVG: one grouped query on an
-indexed column, whatever the number of records. (Charts of outcomes per task and of queue age over time need a
-history the stores do not keep yet.)
+indexed column, whatever the number of records.
+
+Below it, from the activity the workers keep in the store (:mod:`celery_guardrails.activity`, the ``activity``
+option): for each of the :data:`TOP_SERIES` busiest tasks, its deliveries per hour stacked by outcome; for each
+of the :data:`TOP_SERIES` queues whose oldest message was oldest, the largest age sampled in each hour (an hour
+without a known age draws no bar: RabbitMQ gives no age, see :mod:`celery_guardrails.queues`). One read of the
+store for the day. Every chart is drawn server-side as SVG: no script, no chart library.
 """
 
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass
-from datetime import datetime, timedelta
+from dataclasses import dataclass, replace
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from django.db.models import Count
@@ -73,56 +78,197 @@ def dead_letters_by_reason(*, now: datetime | None = None) -> ReasonHours:
 
 
 def chart(hours: ReasonHours) -> SafeString:
-    """The stacked bar chart as inline SVG (escaped text, a title per bar for its counts)."""
-    peak = max((sum(hour.values()) for hour in hours.counts), default=0) or 1
-    step = WIDTH / HOURS
-    bars = []
-    for index, (start, hour) in enumerate(zip(hours.starts, hours.counts, strict=True)):
-        base = float(HEIGHT)
-        label = ", ".join(f"{reason} {hour[reason]}" for reason in hours.reasons if hour.get(reason)) or "none"
-        for position, reason in enumerate(hours.reasons):
-            count = hour.get(reason, 0)
-            if not count:
-                continue
-            height = HEIGHT * count / peak
-            base -= height
-            bars.append(
+    """The dead letters' stacked bar chart as inline SVG (escaped text, a title per bar for its counts)."""
+    colours = {reason: _colour(position, reason) for position, reason in enumerate(hours.reasons)}
+    return stacked_chart(
+        "dl-reasons-chart",
+        f"Dead letters per hour over the last {HOURS} hours, by reason",
+        [_moment(start) for start in hours.starts],
+        colours,
+        [{reason: float(n) for reason, n in hour.items()} for hour in hours.counts],
+    )
+
+
+def _colour(position: int, name: str) -> str:
+    return PALETTE[-1] if name == OTHER else PALETTE[min(position, len(PALETTE) - 2)]
+
+
+def _moment(start: datetime | float) -> datetime:
+    return start if isinstance(start, datetime) else datetime.fromtimestamp(start, UTC)
+
+
+def _amount(value: float, unit: str) -> str:
+    return f"{value:.0f}" if not unit else f"{value:.1f} {unit}"
+
+
+def stacked_chart(
+    chart_id: str,
+    label: str,
+    starts: list[datetime],
+    colours: dict[str, str],
+    bars: list[dict[str, float]],
+    *,
+    unit: str = "",
+    height: int = HEIGHT,
+    unknown: str = "none",
+) -> SafeString:
+    """A bar per hour of ``starts``, its series stacked in the order of ``colours`` (series -> colour), with a
+    legend; each bar's title gives its hour and values (``unknown`` for an empty hour). Server-side SVG: no
+    script, every text escaped."""
+    peak = max((sum(hour.values()) for hour in bars), default=0.0) or 1.0
+    step = WIDTH / max(1, len(starts))
+    rects = []
+    for index, (start, hour) in enumerate(zip(starts, bars, strict=True)):
+        base = float(height)
+        title = ", ".join(f"{name} {_amount(hour[name], unit)}" for name in colours if hour.get(name)) or unknown
+        if not any(hour.get(name) for name in colours):  # an empty hour still says what it holds, on hover
+            rects.append(
                 format_html(
-                    '<rect x="{}" y="{}" width="{}" height="{}" fill="{}" data-reason="{}"'
-                    ' data-count="{}"><title>{}: {}</title></rect>',
+                    '<rect x="{}" y="0" width="{}" height="{}" fill="transparent" class="gr-empty">'
+                    "<title>{}: {}</title></rect>",
+                    f"{index * step + 1:.1f}",
+                    f"{step - 2:.1f}",
+                    height,
+                    timezone.localtime(start).strftime("%Y-%m-%d %H:00"),
+                    title,
+                )
+            )
+        for name, colour in colours.items():
+            value = hour.get(name, 0.0)
+            if not value:
+                continue
+            size = height * value / peak
+            base -= size
+            rects.append(
+                format_html(
+                    '<rect x="{}" y="{}" width="{}" height="{}" fill="{}" data-series="{}" data-value="{}">'
+                    "<title>{}: {}</title></rect>",
                     f"{index * step + 1:.1f}",
                     f"{base:.1f}",
                     f"{step - 2:.1f}",
-                    f"{height:.1f}",
-                    PALETTE[min(position, len(PALETTE) - 1)] if reason != OTHER else PALETTE[-1],
-                    reason,
-                    count,
+                    f"{size:.1f}",
+                    colour,
+                    name,
+                    f"{value:g}",
                     timezone.localtime(start).strftime("%Y-%m-%d %H:00"),
-                    label,
+                    title,
                 )
             )
     legend = format_html_join(
         "",
         '<rect x="{}" y="{}" width="10" height="10" fill="{}"></rect><text x="{}" y="{}" font-size="11">{}</text>',
         (
-            (
-                position * 120,
-                HEIGHT + 6,
-                PALETTE[min(position, len(PALETTE) - 1)] if reason != OTHER else PALETTE[-1],
-                position * 120 + 14,
-                HEIGHT + 15,
-                reason,
-            )
-            for position, reason in enumerate(hours.reasons)
+            (position * 120, height + 6, colour, position * 120 + 14, height + 15, name)
+            for position, (name, colour) in enumerate(colours.items())
         ),
     )
+    peak_label = format_html(
+        '<text x="{}" y="{}" font-size="11" text-anchor="end">tallest bar: {}</text>',
+        WIDTH - 2,
+        height + 15,
+        _amount(peak, unit),
+    )
     return format_html(
-        '<svg id="dl-reasons-chart" viewBox="0 0 {} {}" width="100%" role="img" aria-label="{}">{}{}</svg>',
+        '<svg id="{}" class="gr-chart" viewBox="0 0 {} {}" width="100%" role="img" aria-label="{}">{}{}{}</svg>',
+        chart_id,
         WIDTH,
-        HEIGHT + LEGEND,
-        f"Dead letters per hour over the last {HOURS} hours, by reason",
-        SafeString("".join(bars)),
+        height + LEGEND,
+        label,
+        SafeString("".join(rects)),
         legend,
+        peak_label,
+    )
+
+
+#: Colours of the delivery outcomes (see celery_guardrails.metrics), in stacking order: good at the bottom.
+OUTCOME_COLOURS = {
+    "succeeded": "#417690",
+    "skipped": "#79aec8",
+    "duplicate_skipped": "#a8cfe0",
+    "retry_later": "#c9b458",
+    "deferred_budget": "#e0a839",
+    "deferred_circuit": "#e07b39",
+    "retried": "#d35400",
+    "failed": "#8e6bbf",
+    "dead_lettered": "#c0392b",
+}
+#: Tasks and queues charted at most (the busiest; the page says how many more there are).
+TOP_SERIES = 6
+SMALL_HEIGHT = 70
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ActivityCharts:
+    """The activity charts of the last :data:`HOURS` hours: one per task (outcomes) and per queue (oldest age)."""
+
+    starts: list[datetime]
+    #: (task, total deliveries, chart), the busiest first.
+    tasks: list[tuple[str, int, SafeString]]
+    more_tasks: int
+    #: (queue, largest age sampled, chart), the oldest first.
+    queues: list[tuple[str, float, SafeString]]
+    more_queues: int
+    #: Why the activity could not be read ("" when it was), or that it is off.
+    error: str = ""
+
+
+def activity_charts(app: Any, *, now: datetime | None = None) -> ActivityCharts:
+    """Outcomes per task and queue age per hour, from the activity the workers keep in the store."""
+    from celery_guardrails import activity
+    from celery_guardrails.status import attempt
+
+    current = (now or timezone.now()).timestamp()
+    starts = activity.hour_starts(current, HOURS)
+    moments = [_moment(start) for start in starts]
+    empty = ActivityCharts(starts=moments, tasks=[], more_tasks=0, queues=[], more_queues=0)
+    if not activity.enabled(app):
+        return replace(empty, error="the activity option is off: nothing is kept")
+    errors: dict[str, str] = {}
+    found = attempt("activity", lambda: activity.read(app, since=starts[0], until=starts[-1] + 3600), errors)
+    if found is None:
+        return replace(empty, error=errors["activity"])
+    per_task = activity.hourly_outcomes(found, starts)
+    totals = sorted(((sum(sum(h.values()) for h in hours), task) for task, hours in per_task.items()), reverse=True)
+    tasks = []
+    for index, (total, task) in enumerate(totals[:TOP_SERIES]):
+        seen = {outcome for hour in per_task[task] for outcome in hour}
+        colours = {o: c for o, c in OUTCOME_COLOURS.items() if o in seen}
+        colours.update({o: PALETTE[-1] for o in sorted(seen - set(OUTCOME_COLOURS))})
+        bars = [{o: float(n) for o, n in hour.items()} for hour in per_task[task]]
+        label = f"Deliveries of {task} per hour over the last {HOURS} hours, by outcome"
+        tasks.append(
+            (task, total, stacked_chart(f"outcomes-chart-{index}", label, moments, colours, bars, height=SMALL_HEIGHT))
+        )
+    per_queue = activity.hourly_queue_ages(found, starts)
+    oldest = sorted(
+        ((max((a for a in ages if a is not None), default=0.0), q) for q, ages in per_queue.items()), reverse=True
+    )
+    queues = []
+    for index, (age, queue) in enumerate(oldest[:TOP_SERIES]):
+        bars = [{"oldest age": age} if age else {} for age in per_queue[queue]]
+        label = f"Largest age of the oldest message of {queue} per hour over the last {HOURS} hours"
+        queues.append(
+            (
+                queue,
+                age,
+                stacked_chart(
+                    f"queue-age-chart-{index}",
+                    label,
+                    moments,
+                    {"oldest age": PALETTE[0]},
+                    bars,
+                    unit="s",
+                    height=SMALL_HEIGHT,
+                    unknown="no known age",
+                ),
+            )
+        )
+    return ActivityCharts(
+        starts=moments,
+        tasks=tasks,
+        more_tasks=max(0, len(totals) - TOP_SERIES),
+        queues=queues,
+        more_queues=max(0, len(oldest) - TOP_SERIES),
     )
 
 
@@ -132,4 +278,11 @@ def dashboard_context(app: Any, *, now: datetime | None = None) -> dict[str, Any
 
     status = gather(app)
     hours = dead_letters_by_reason(now=now)
-    return {"status": status, "owners": status.dead_letters.by_owner(), "hours": hours, "chart": chart(hours)}
+    return {
+        "status": status,
+        "owners": status.dead_letters.by_owner(),
+        "hours": hours,
+        "chart": chart(hours),
+        "queue_rows": [(queue, (status.rates or {}).get(queue.queue)) for queue in status.queues],
+        "activity": activity_charts(app, now=now),
+    }

@@ -13,12 +13,15 @@ from celery_guardrails.ledger import RETENTION
 from celery_guardrails.options import OPTIONS, django_settings
 
 from .models import (
+    ActivityBatch,
+    ActivityCount,
     Checkpoint,
     ConcurrencySlot,
     DeadLetter,
     IdempotencyKey,
     OrderingSequence,
     ProcessedMessage,
+    QueueSample,
     ScheduledRun,
 )
 
@@ -44,7 +47,8 @@ def prune(
     pruned. Long jobs' records too: checkpoints not saved for ``idempotency_retention`` (a job that never
     succeeded; a replay after that starts it over, as the Redis store's expiry does), concurrency slot holders
     recorded ``lost`` (an audit trail, kept as long as closed dead letters), and ordering keys idle for
-    ``ordering_retention`` (30 days) with no message left to run (every number handed out is done).
+    ``ordering_retention`` (30 days) with no message left to run (every number handed out is done). The
+    activity (outcome counts, their batch ids, queue samples) older than ``activity_retention`` (2 days).
     ``older_than`` (seconds) overrides every age. Counts by table.
 
     Deleted ``batch`` rows at a time, each batch its own short transaction (see :func:`delete_in_batches`): a
@@ -55,6 +59,9 @@ def prune(
     keys_age = older_than if older_than is not None else _setting("idempotency_retention")
     letters_age = older_than if older_than is not None else _setting("dead_letter_retention")
     ordering_age = older_than if older_than is not None else _setting("ordering_retention")
+    activity_before = moment - timedelta(
+        seconds=older_than if older_than is not None else _setting("activity_retention")
+    )
     found = {
         "idempotency_keys": IdempotencyKey.objects.finished_before(moment - timedelta(seconds=keys_age)),
         "processed_messages": ProcessedMessage.objects.processed_before(moment - timedelta(seconds=keys_age)),
@@ -69,6 +76,9 @@ def prune(
         "ordering_keys": OrderingSequence.objects.filter(
             done__gte=F("issued"), updated_at__lt=moment - timedelta(seconds=ordering_age)
         ),
+        "activity_counts": ActivityCount.objects.filter(minute__lt=activity_before),
+        "activity_batches": ActivityBatch.objects.filter(added_at__lt=activity_before),
+        "queue_samples": QueueSample.objects.filter(minute__lt=activity_before),
     }
     if dry_run:
         return {name: queryset.count() for name, queryset in found.items()}

@@ -30,11 +30,14 @@ from celery_guardrails.stores.base import (
     FAILED,
     HELD,
     LOST,
+    Activity,
     Admission,
     BudgetPolicy,
     Claim,
     DependencyState,
     OrderState,
+    OutcomeCount,
+    QueueSample,
     SlotAcquisition,
     SlotHolder,
     decide_admission,
@@ -43,6 +46,8 @@ from celery_guardrails.stores.base import (
 )
 
 from .models import (
+    ActivityBatch,
+    ActivityCount,
     AlertThrottle,
     Checkpoint,
     ConcurrencyKey,
@@ -53,6 +58,7 @@ from .models import (
     ScheduledRun,
 )
 from .models import DependencyState as Row
+from .models import QueueSample as QueueSampleRow
 
 _FIELDS = [f.name for f in fields(DependencyState)]
 #: Schedules read per query by run_heads.
@@ -702,6 +708,65 @@ class DjangoStore:
         holders = [_slot(slot) for slot in slots.filter(state=HELD).order_by("acquired_at")]
         lost = [_slot(slot) for slot in slots.filter(state=LOST).order_by("-reaped_at")[:10]]
         return status_of(key, holders, lost, row or {}, row["reap_after"] if row else None, now)
+
+    # Activity per minute: a batch of counts is one transaction that first records its id (a batch sent again,
+    # its answer lost, meets the unique id and adds nothing), then adds each count to its row (an UPDATE, or
+    # an INSERT in a savepoint when the row is new; a concurrent first INSERT makes it an UPDATE again).
+
+    @translated("add activity counts")
+    def activity_add(self, counts: Iterable[OutcomeCount], *, batch: str, retention: float) -> None:
+        rows = [count for count in counts if count.count]
+        if not rows:
+            return
+        with transaction.atomic():
+            try:
+                with transaction.atomic():
+                    ActivityBatch.objects.create(batch=batch)
+            except IntegrityError:
+                return  # added before
+            for count in rows:
+                match = {
+                    "minute": _moment(count.minute),
+                    "task_name": count.task[:255],
+                    "queue": count.queue[:255],
+                    "outcome": count.outcome[:40],
+                }
+                if ActivityCount.objects.filter(**match).update(count=F("count") + count.count):
+                    continue
+                try:
+                    with transaction.atomic():
+                        ActivityCount.objects.create(**match, count=count.count)
+                except IntegrityError:
+                    ActivityCount.objects.filter(**match).update(count=F("count") + count.count)
+
+    @translated("keep queue samples")
+    def activity_sample(self, samples: Iterable[QueueSample], *, retention: float) -> None:
+        with transaction.atomic():
+            for sample in samples:
+                values = {"depth": sample.depth, "oldest_age": sample.oldest_age}
+                match = {"minute": _moment(sample.minute), "queue": sample.queue[:255]}
+                if QueueSampleRow.objects.filter(**match).update(**values):
+                    continue
+                try:
+                    with transaction.atomic():
+                        QueueSampleRow.objects.create(**match, **values)
+                except IntegrityError:
+                    QueueSampleRow.objects.filter(**match).update(**values)
+
+    @translated("read the activity")
+    def activity_read(self, *, since: float, until: float) -> Activity:
+        span = {"minute__gte": _moment(since), "minute__lt": _moment(until)}
+        outcomes = [
+            OutcomeCount(
+                minute=row.minute.timestamp(), task=row.task_name, queue=row.queue, outcome=row.outcome, count=row.count
+            )
+            for row in ActivityCount.objects.filter(**span).order_by("minute", "task_name", "queue", "outcome")
+        ]
+        queues = [
+            QueueSample(minute=row.minute.timestamp(), queue=row.queue, depth=row.depth, oldest_age=row.oldest_age)
+            for row in QueueSampleRow.objects.filter(**span).order_by("minute", "queue")
+        ]
+        return Activity(outcomes=outcomes, queues=queues)
 
 
 def _lock_slot_key(key: str, *, reap_after: float | None) -> None:

@@ -356,6 +356,54 @@ class Store(RunLedger, Protocol):
         """What :func:`celery_guardrails.concurrency_status` reports for ``key``."""
         ...
 
+    # Activity per minute (celery_guardrails.activity): delivery outcomes counted per (task, queue, outcome) and
+    # queue samples, kept ``retention`` seconds for the admin dashboard's charts and the status rates.
+
+    def activity_add(self, counts: Iterable[OutcomeCount], *, batch: str, retention: float) -> None:
+        """Add ``counts`` to the stored ones, all or none. ``batch``: the id of this set of counts; a batch
+        added again (its first answer was lost) is not counted twice where the store can tell (Redis: the id is
+        kept ``retention`` seconds; the Django store commits the batch in one transaction)."""
+        ...
+
+    def activity_sample(self, samples: Iterable[QueueSample], *, retention: float) -> None:
+        """Keep each queue's sample for its minute (a second sample of a minute replaces the first)."""
+        ...
+
+    def activity_read(self, *, since: float, until: float) -> Activity:
+        """Counts and samples of the minutes from ``since`` (included) to ``until`` (excluded)."""
+        ...
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class OutcomeCount:
+    """Deliveries of ``task`` from ``queue`` that ended with ``outcome`` (see :mod:`celery_guardrails.metrics`)
+    in the minute starting at ``minute`` (epoch seconds, a multiple of 60)."""
+
+    minute: float
+    task: str
+    queue: str
+    outcome: str
+    count: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class QueueSample:
+    """``queue`` as read once in the minute starting at ``minute``: its depth and the age of its oldest message
+    (None: unknown, see :class:`celery_guardrails.queues.QueueDepth`)."""
+
+    minute: float
+    queue: str
+    depth: int
+    oldest_age: float | None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Activity:
+    """What :meth:`Store.activity_read` found, oldest minute first."""
+
+    outcomes: list[OutcomeCount]
+    queues: list[QueueSample]
+
 
 #: States of a concurrency slot's holder: holding it, or reaped (its heartbeat stopped: the job is ``lost``).
 HELD, LOST = "held", "lost"

@@ -17,6 +17,7 @@ from typing import Any
 
 from celery_guardrails.exceptions import StoreError, StoreUnavailableError
 from celery_guardrails.stores.base import Admission, BudgetPolicy, Claim, DependencyState, status
+from celery_guardrails.stores.redis_activity import RedisActivity
 from celery_guardrails.stores.redis_checkpoint import CHECKPOINT_CLEAR_SCRIPT, CHECKPOINT_SAVE_SCRIPT, RedisCheckpoints
 from celery_guardrails.stores.redis_client import connect, is_cluster
 from celery_guardrails.stores.redis_lane import Lane
@@ -520,7 +521,7 @@ _INT_FIELDS = (
 )
 
 
-class RedisStore(RedisIdempotency, RedisRunLedger, RedisCheckpoints, RedisOrdering, RedisSlots):
+class RedisStore(RedisIdempotency, RedisRunLedger, RedisCheckpoints, RedisOrdering, RedisSlots, RedisActivity):
     """Store on a Redis server, a Redis Cluster or the master a Sentinel names, given by URL
     (``redis://127.0.0.1:6379/1``; see :mod:`~celery_guardrails.stores.redis_client`)."""
 

@@ -4,15 +4,22 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import signal
 import subprocess
 import sys
+import uuid
 from pathlib import Path
 from typing import Any
 
 from celery_guardrails import status
+from celery_guardrails.clock import set_file_clock
+from celery_guardrails.stores.base import OutcomeCount, QueueSample
+from celery_guardrails.stores.redis import RedisStore
 from tests.conftest import BOTH_BROKERS
 from tests.proj import tasks
+from tests.support.services import REDIS_URL
+from tests.support.stores import forget
 from tests.support.waiting import BOUND, wait_for
 from tests.support.workers import PROJ_APP, ROOT, proj_env
 
@@ -129,3 +136,45 @@ def test_a_broker_that_cannot_be_reached_is_named_and_the_command_exits_1(celery
     assert done.returncode == 1
     assert "queues" in json.loads(done.stdout)["errors"]
     assert "Traceback" not in done.stderr
+
+
+def test_rates_in_and_out_from_the_activity_the_workers_keep(celery_app: Any, queue_name: str, tmp_path: Path) -> None:
+    # Given a queue whose deliveries ended at 10 a minute over the last five whole minutes while its depth grew
+    # from 40 to 60 (as the workers' counts and the watchdog's samples would have it), on the command's clock
+    base = float(978_307_200 + random.randrange(0, 90_000) * 3600 + 600)
+    store = RedisStore(REDIS_URL)
+    task = f"tests.status.{uuid.uuid4().hex[:8]}"
+    start = base - 300
+    store.activity_add(
+        [
+            OutcomeCount(minute=start + m * 60, task=task, queue=queue_name, outcome="succeeded", count=10)
+            for m in range(5)
+        ],
+        batch=uuid.uuid4().hex,
+        retention=3600,
+    )
+    store.activity_sample([QueueSample(minute=start, queue=queue_name, depth=40, oldest_age=3.0)], retention=3600)
+    store.activity_sample([QueueSample(minute=base, queue=queue_name, depth=60, oldest_age=9.0)], retention=3600)
+    clock = tmp_path / "clock"
+    set_file_clock(clock, base + 30)
+    env = {
+        **environment(queue_name),
+        "GUARDRAILS_CLOCK_FILE": str(clock),
+        "GUARDRAILS_TEST_GUARDRAILS": json.dumps({"clock": "celery_guardrails.clock.file_clock"}),
+    }
+    try:
+        # When the status is printed, as JSON and as the table
+        printed = json.loads(
+            subprocess.run(
+                command("--json"), cwd=ROOT, env=env, capture_output=True, text=True, timeout=BOUND, check=True
+            ).stdout
+        )
+        table = subprocess.run(command(), cwd=ROOT, env=env, capture_output=True, text=True, timeout=BOUND, check=True)
+    finally:
+        forget("redis", f"guardrails:{{activity}}:{int(base // 3600 * 3600)}")
+    # Then out is 10 a minute and in 14 (out plus the depth's change of 20 over 5 minutes)
+    rate = printed["rates"][queue_name]
+    assert (rate["completed"], rate["arrived"], rate["minutes"]) == (10.0, 14.0, 5)
+    assert "IN/MIN" in table.stdout and "OUT/MIN" in table.stdout
+    line = next(line for line in table.stdout.splitlines() if line.strip().startswith(queue_name))
+    assert line.split()[3:5] == ["14.0", "10.0"]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import uuid
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -12,6 +13,8 @@ from django.contrib.auth.models import Permission, User
 from django.test import Client
 from django.urls import reverse
 
+from celery_guardrails.stores import get_store
+from celery_guardrails.stores.base import OutcomeCount, QueueSample
 from django_celery_guardrails import health
 from django_celery_guardrails.dashboard import OTHER, chart, dead_letters_by_reason
 from django_celery_guardrails.models import DeadLetter
@@ -53,8 +56,8 @@ def test_dead_letters_per_hour_by_reason_the_five_most_frequent_and_the_rest_as_
     assert hours.starts[-1] == NOW.replace(minute=0)
     # and the chart draws one bar segment per hour and reason, with its count
     svg = chart(hours)
-    assert svg.count("data-reason=") == 7
-    assert 'data-reason="other" data-count="3"' in svg
+    assert svg.count("data-series=") == 7
+    assert 'data-series="other" data-value="3"' in svg
 
 
 def test_a_reason_is_escaped_in_the_chart() -> None:
@@ -87,7 +90,7 @@ def test_the_dashboard_is_listed_on_the_admin_index_and_shows_the_numbers(
     text = page.content.decode()
     assert celery_app.conf.task_default_queue in text
     assert '<td>payments</td><td class="number">1</td>' in text
-    assert 'id="dl-reasons-chart"' in text and 'data-reason="permanent"' in text
+    assert 'id="dl-reasons-chart"' in text and 'data-series="permanent"' in text
 
 
 def test_staff_without_the_dead_letter_view_permission_do_not_see_it(celery_app: Any) -> None:
@@ -101,3 +104,51 @@ def test_staff_without_the_dead_letter_view_permission_do_not_see_it(celery_app:
     user.user_permissions.add(Permission.objects.get(codename="view_deadletter"))
     client.force_login(User.objects.get(pk=user.pk))
     assert client.get(reverse(DASHBOARD)).status_code == 200
+
+
+def test_outcomes_per_task_and_queue_age_per_hour_from_the_activity(admin_client: Client, celery_app: Any) -> None:
+    # Given the activity the workers kept in the Django store: a task's outcomes in two hours and another task's
+    # in one, and a queue sampled in two hours (one sample with no known age)
+    store = get_store(celery_app)
+    now = datetime.now(UTC)
+    this_hour = now.replace(minute=0, second=0, microsecond=0).timestamp()
+    queue = celery_app.conf.task_default_queue
+    store.activity_add(
+        [
+            OutcomeCount(minute=this_hour - 3600, task="shop.charge", queue=queue, outcome="succeeded", count=40),
+            OutcomeCount(minute=this_hour - 3600, task="shop.charge", queue=queue, outcome="dead_lettered", count=2),
+            OutcomeCount(minute=this_hour, task="shop.charge", queue=queue, outcome="retried", count=3),
+            OutcomeCount(minute=this_hour, task="shop.email", queue=queue, outcome="succeeded", count=5),
+            OutcomeCount(minute=this_hour - 25 * 3600, task="shop.old", queue=queue, outcome="succeeded", count=9),
+        ],
+        batch=uuid.uuid4().hex,
+        retention=3600,
+    )
+    store.activity_sample([QueueSample(minute=this_hour - 7200, queue=queue, depth=8, oldest_age=42.0)], retention=1)
+    store.activity_sample([QueueSample(minute=this_hour, queue=queue, depth=1, oldest_age=None)], retention=1)
+    # When the dashboard is shown
+    text = admin_client.get(reverse(DASHBOARD)).content.decode()
+    # Then a chart per task, the busiest first, each bar stacked by outcome; the day-old task is not in it
+    assert text.index("shop.charge") < text.index("shop.email") and "shop.old" not in text
+    charge = text[text.index('id="outcomes-chart-0"') : text.index("</svg>", text.index('id="outcomes-chart-0"'))]
+    assert re.findall(r'data-series="(\w+)" data-value="(\d+)"', charge) == [
+        ("succeeded", "40"),
+        ("dead_lettered", "2"),
+        ("retried", "3"),
+    ]
+    # and the queue's oldest age per hour, an hour without a known age drawn as no bar
+    ages = text[text.index('id="queue-age-chart-0"') : text.index("</svg>", text.index('id="queue-age-chart-0"'))]
+    assert re.findall(r'data-value="([\d.]+)"', ages) == ["42"]
+    assert "no known age" in ages
+
+
+def test_the_activity_off_or_unreadable_is_said_and_the_rest_is_shown(admin_client: Client, celery_app: Any) -> None:
+    # Given the activity option off, Then the page says so and shows the rest
+    celery_app.conf.guardrails = {**celery_app.conf.guardrails, "activity": False}
+    text = admin_client.get(reverse(DASHBOARD)).content.decode()
+    assert "the activity option is off" in text and 'id="dl-reasons-chart"' in text
+    # Given a Redis store that cannot be reached, Then the reason is named and the page still renders
+    celery_app.conf.guardrails = {**celery_app.conf.guardrails, "activity": True, "store": "redis://127.0.0.1:1/0"}
+    page = admin_client.get(reverse(DASHBOARD))
+    assert page.status_code == 200
+    assert "activity could not be read" in page.content.decode()

@@ -11,8 +11,11 @@ from django.db import connection
 from django.db.models.signals import pre_delete
 from django.test.utils import CaptureQueriesContext
 
+from celery_guardrails.stores.base import OutcomeCount, QueueSample
 from django_celery_guardrails.maintenance import delete_in_batches, prune
 from django_celery_guardrails.models import (
+    ActivityBatch,
+    ActivityCount,
     Checkpoint,
     ConcurrencySlot,
     DeadLetter,
@@ -20,6 +23,8 @@ from django_celery_guardrails.models import (
     OrderingSequence,
     SealedMessage,
 )
+from django_celery_guardrails.models import QueueSample as QueueSampleRow
+from django_celery_guardrails.store import DjangoStore
 
 pytestmark = pytest.mark.django_db(transaction=True)
 NOW = datetime(2026, 11, 30, 8, tzinfo=UTC)
@@ -131,3 +136,25 @@ def test_prune_deletes_stale_checkpoints_old_lost_holders_and_idle_finished_orde
     assert list(Checkpoint.objects.values_list("key", flat=True)) == ["job:fresh"]
     assert sorted(ConcurrencySlot.objects.values_list("holder", flat=True)) == ["b", "c"]
     assert sorted(OrderingSequence.objects.values_list("key", flat=True)) == ["ord:fresh", "ord:pending"]
+
+
+def test_prune_deletes_the_activity_past_its_retention() -> None:
+    # Given outcome counts, their batch ids and queue samples of 3 days ago and of an hour ago
+    store = DjangoStore()
+    for age, batch in ((timedelta(days=3), "old"), (timedelta(hours=1), "fresh")):
+        minute = (NOW - age).replace(second=0, microsecond=0).timestamp()
+        store.activity_add(
+            [OutcomeCount(minute=minute, task="t", queue="q", outcome="succeeded", count=2)], batch=batch, retention=1
+        )
+        store.activity_sample([QueueSample(minute=minute, queue="q", depth=1, oldest_age=2.0)], retention=1)
+    ActivityBatch.objects.filter(batch="old").update(added_at=NOW - timedelta(days=3))
+    ActivityBatch.objects.filter(batch="fresh").update(added_at=NOW - timedelta(hours=1))
+    # When prune runs with the default activity_retention (2 days)
+    counts = prune(now=NOW)
+    # Then the old day's records went, the last hour's stay
+    assert (counts["activity_counts"], counts["activity_batches"], counts["queue_samples"]) == (1, 1, 1)
+    assert [row.minute for row in ActivityCount.objects.all()] == [
+        (NOW - timedelta(hours=1)).replace(second=0, microsecond=0)
+    ]
+    assert list(ActivityBatch.objects.values_list("batch", flat=True)) == ["fresh"]
+    assert QueueSampleRow.objects.count() == 1
