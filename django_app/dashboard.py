@@ -214,10 +214,11 @@ class ActivityCharts:
 
 def activity_charts(app: Any, *, now: datetime | None = None) -> ActivityCharts:
     """Outcomes per task and queue age per hour, from the activity the workers keep in the store."""
-    from celery_guardrails import activity
+    from celery_guardrails import activity, clock
     from celery_guardrails.status import attempt
 
-    current = (now or timezone.now()).timestamp()
+    # The activity's minutes are on the app's clock (the clock option; time.time unless a demo or a test sets it)
+    current = now.timestamp() if now is not None else clock.now(app)
     starts = activity.hour_starts(current, HOURS)
     moments = [_moment(start) for start in starts]
     empty = ActivityCharts(starts=moments, tasks=[], more_tasks=0, queues=[], more_queues=0)

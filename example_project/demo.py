@@ -46,6 +46,7 @@ def configure() -> str:
             # the watchdog looking every second.
             "GUARDRAILS_CLOCK": f"{time.time()}:{CLOCK_SPEED}",
             "EXAMPLE_WATCHDOG_INTERVAL": "1",
+            "EXAMPLE_ACTIVITY_FLUSH_INTERVAL": "2",
         }
     )
     if os.environ.get("DEMO_BROKER") != "filesystem" and redis_answers():
@@ -295,7 +296,7 @@ def main() -> None:
         scheduled_work(app, log_path)
         shared_capacity(app)
         killed_mid_handover(app)
-        status_table()
+        status_table(app)
 
         print("\n-- the worker's log lines for request demo-req-42 (tenant and correlation id on each line)")
         for line in log_path.read_text(errors="replace").splitlines():
@@ -349,9 +350,29 @@ def shared_capacity(app: Any) -> None:
         stop(worker)
 
 
-def status_table() -> None:
-    """The operator's view, as they would get it: ``celery -A example_project guardrails status``."""
-    print("\n-- 11. celery -A example_project guardrails status (queues, open dead letters, dependencies, schedules)")
+def status_table(app: Any) -> None:
+    """The operator's view, as they would get it: ``celery -A example_project guardrails status``, after the
+    activity the workers kept in the store (what the admin dashboard charts)."""
+    from collections import Counter
+
+    from celery_guardrails import activity
+    from celery_guardrails.clock import now
+
+    print("\n-- 11. the activity the workers kept (outcomes per task; the admin dashboard charts it per hour)")
+
+    def counted() -> Counter[tuple[str, str]]:
+        current = now(app)
+        totals: Counter[tuple[str, str]] = Counter()
+        for count in activity.read(app, since=current - 86400, until=current + 60).outcomes:
+            totals[(count.task, count.outcome)] += count.count
+        return totals
+
+    wait_for("the workers' counts in the store", lambda: bool(counted()))
+    totals = counted()
+    for task in sorted({task for task, _ in totals}):
+        outcomes = ", ".join(f"{outcome} {n}" for (name, outcome), n in sorted(totals.items()) if name == task)
+        print(f"   {task}: {outcomes}")
+    print("\n-- 12. celery -A example_project guardrails status (queues, open dead letters, dependencies, schedules)")
     shown = subprocess.run(
         [sys.executable, "-m", "celery", "-A", "example_project", "guardrails", "status"],
         cwd=ROOT,
@@ -362,7 +383,8 @@ def status_table() -> None:
     for line in (shown.stdout + shown.stderr).splitlines():
         print(f"   {line}")
     print(
-        "   the same numbers, with the last 24 hours of dead letters by reason: http://127.0.0.1:8000/admin/guardrails/dashboard/"
+        "   the same numbers, with charts of the last 24 hours (dead letters by reason, outcomes per task, queue age): "
+        "http://127.0.0.1:8000/admin/guardrails/dashboard/"
     )
     print(
         "   Prometheus: metrics=True, then the worker's metrics_port and the view guardrails/metrics (see Visibility)"

@@ -123,6 +123,9 @@ if os.environ.get("GUARDRAILS_CLOCK"):
     CELERY_GUARDRAILS["clock"] = "celery_guardrails.beat.accelerated_clock"
 if os.environ.get("EXAMPLE_WATCHDOG_INTERVAL"):
     CELERY_GUARDRAILS["watchdog_interval"] = float(os.environ["EXAMPLE_WATCHDOG_INTERVAL"])
+# The demo's workers add their activity counts every couple of seconds (default 30).
+if os.environ.get("EXAMPLE_ACTIVITY_FLUSH_INTERVAL"):
+    CELERY_GUARDRAILS["activity_flush_interval"] = float(os.environ["EXAMPLE_ACTIVITY_FLUSH_INTERVAL"])
 
 LOGGING = {
     "version": 1,

@@ -544,11 +544,15 @@ def job_of_key(key: str) -> str:
 
 
 def claimed_keys(redis_url: str | None) -> list[str]:
-    """Idempotency keys still claimed once everything settled (a claim nobody will complete)."""
+    """Idempotency keys still claimed once everything settled (a claim nobody will complete). The guardrails'
+    own claims (``guardrails:``: the watchdog's turn, the activity's queue sampling) are leases that lapse on
+    their own, never completed: they are not jobs' keys."""
+    from celery_guardrails.stores.base import INTERNAL_KEY_PREFIX
+
     if redis_url is None:
         from django_celery_guardrails.models import IdempotencyKey
 
-        rows = IdempotencyKey.objects.filter(state="claimed")
+        rows = IdempotencyKey.objects.filter(state="claimed").exclude(key__startswith=INTERNAL_KEY_PREFIX)
         for row in rows[:5]:
             print(f"  left claimed: {row.key} by {row.owner}, lease until {row.lease_until}", flush=True)
         return list(rows.values_list("key", flat=True))
@@ -557,7 +561,12 @@ def claimed_keys(redis_url: str | None) -> list[str]:
     from celery_guardrails.stores.redis import IDEM_PREFIX
 
     client = redis.Redis.from_url(redis_url)
-    claimed = [key for key in client.scan_iter(f"{IDEM_PREFIX}*") if client.hget(key, "state") == b"claimed"]
+    internal = f"{IDEM_PREFIX}{INTERNAL_KEY_PREFIX}".encode()
+    claimed = [
+        key
+        for key in client.scan_iter(f"{IDEM_PREFIX}*")
+        if not key.startswith(internal) and client.hget(key, "state") == b"claimed"
+    ]
     for key in claimed[:5]:
         print(f"  left claimed: {key.decode()} {client.hgetall(key)}", flush=True)
     return [key.decode() for key in claimed]

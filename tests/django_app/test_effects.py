@@ -68,12 +68,16 @@ def test_prune_deletes_only_what_is_past_retention() -> None:
         "checkpoints": 0,
         "lost_slot_holders": 0,
         "ordering_keys": 0,
+        "activity_counts": 0,
+        "activity_batches": 0,
+        "queue_samples": 0,
     }
     out = StringIO()
     call_command("guardrails_prune", stdout=out)
     assert out.getvalue().strip() == (
         "Deleted 3 idempotency key(s), 1 processed-message record(s), 3 closed dead letter(s) and 2 "
-        "scheduled-run record(s); 0 checkpoint(s), 0 lost slot holder(s) and 0 idle ordering key(s)."
+        "scheduled-run record(s); 0 checkpoint(s), 0 lost slot holder(s) and 0 idle ordering key(s); 0 activity "
+        "count(s), 0 activity batch id(s) and 0 queue sample(s)."
     )
     assert sorted(ScheduledRun.objects.values_list("schedule", flat=True)) == ["nightly", "quarterly"]
     assert sorted(IdempotencyKey.objects.values_list("key", flat=True)) == ["fresh", "running"]
@@ -87,6 +91,9 @@ def test_prune_deletes_only_what_is_past_retention() -> None:
         "checkpoints": 0,
         "lost_slot_holders": 0,
         "ordering_keys": 0,
+        "activity_counts": 0,
+        "activity_batches": 0,
+        "queue_samples": 0,
     }
 
 
@@ -102,6 +109,9 @@ def test_the_prune_task_for_beat() -> None:
         "checkpoints": 0,
         "lost_slot_holders": 0,
         "ordering_keys": 0,
+        "activity_counts": 0,
+        "activity_batches": 0,
+        "queue_samples": 0,
     }
 
 

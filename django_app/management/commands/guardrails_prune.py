@@ -23,7 +23,7 @@ class Command(BaseCommand):
             default=None,
             metavar="AGE",
             help=f"One age for every table: {AGE_HELP} (default: idempotency_retention, 7 days; "
-            "dead_letter_retention, 90 days; the ledger's 90 days).",
+            "dead_letter_retention, 90 days; the ledger's 90 days; activity_retention, 2 days).",
         )
         parser.add_argument("--dry-run", action="store_true", help="Count what would be deleted; delete nothing.")
 
@@ -35,5 +35,7 @@ class Command(BaseCommand):
             f"{verb} {counts['idempotency_keys']} idempotency key(s), {counts['processed_messages']} "
             f"processed-message record(s), {counts['dead_letters']} closed dead letter(s) and "
             f"{counts['scheduled_runs']} scheduled-run record(s); {counts['checkpoints']} checkpoint(s), "
-            f"{counts['lost_slot_holders']} lost slot holder(s) and {counts['ordering_keys']} idle ordering key(s)."
+            f"{counts['lost_slot_holders']} lost slot holder(s) and {counts['ordering_keys']} idle ordering key(s); "
+            f"{counts['activity_counts']} activity count(s), {counts['activity_batches']} activity batch id(s) and "
+            f"{counts['queue_samples']} queue sample(s)."
         )
