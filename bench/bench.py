@@ -15,12 +15,16 @@ printed, with their range: this machine's speed drifts by more than the differen
   the body's transaction) and without. BENCH_CONN_MAX_AGE sets Django's CONN_MAX_AGE (default 0).
 * Django store on SQLite (a fresh file): the no-op kinds, and the INSERT kinds.
 
-Two more Redis-store workers, not in the default run of every store but in ``make bench`` (BENCH_STORES
-``redis,redis_kombu_pop,redis_metrics,postgres,sqlite``): ``redis_kombu_pop`` pops with kombu's ``BRPOP``
-(``broker_atomic_pop`` off; every kind of the ``redis`` worker, plain ones included, uses the atomic pop), and
-``redis_metrics`` records the Prometheus metrics (``metrics`` on). They are other worker processes, so their
-figures are compared with the ``redis`` worker's by tasks/s of the same kind (not paired by round): read them
-as a rough cost of each.
+One more Redis-store worker: ``redis_kombu_pop`` pops with kombu's ``BRPOP`` (``broker_atomic_pop`` off; every
+kind of the ``redis`` worker, plain ones included, uses the atomic pop). It is another worker process, so its
+figures are compared with the ``redis`` worker's by tasks/s of the same kind (not paired by round).
+
+Paired settings (``pair_metrics``, ``pair_activity``): two Redis-store workers that differ by one setting
+(``metrics`` on against off; ``activity`` on against off), each on a queue of its own, take turns with the
+same kind in every round (which goes first alternates); the figure is the median over rounds of the "off"
+worker's time over the "on" worker's (1.00: the setting costs nothing), with its range.
+
+BENCH_STORES defaults to ``redis,redis_kombu_pop,pair_metrics,pair_activity,postgres,sqlite``.
 
 BENCH_STORES picks workers. Prints ratios; asserts nothing.
 """
@@ -74,10 +78,6 @@ WORKERS: dict[str, list[Group]] = {
         Group("Redis store, results stored, kombu's BRPOP (broker_atomic_pop off)", ["plain", "guarded"]),
         Group("Redis store, results ignored, kombu's BRPOP", ["plain_ignored", "guarded_ignored"], False),
     ],
-    "redis_metrics": [
-        Group("Redis store, results stored, metrics on", ["plain", "guarded", "guarded_key"]),
-        Group("Redis store, results ignored, metrics on", ["plain_ignored", "guarded_ignored"], False),
-    ],
     "postgres": [
         Group(
             "Django store (PostgreSQL), one INSERT per task",
@@ -129,14 +129,16 @@ def django_env(store: str, scratch: Path) -> dict[str, str]:
     return env
 
 
-def measure(bench_app: Any, client: Any, group: Group, name: str, first: int) -> tuple[float, int, int]:
-    """Publish N tasks of kind ``name`` (numbered from ``first``) and wait until all ran: (seconds, commands,
-    scripts)."""
+def measure(
+    bench_app: Any, client: Any, group: Group, name: str, first: int, *, queue: str | None = None
+) -> tuple[float, int, int]:
+    """Publish N tasks of kind ``name`` (numbered from ``first``; to ``queue``, default the app's) and wait until
+    all ran: (seconds, commands, scripts)."""
     task = getattr(bench_app, name)
     done = f"bench-done-{uuid.uuid4().hex[:8]}"
     before = redis_stats(client)
     start = time.perf_counter()
-    pending = [task.delay(first + i, done if i == N - 1 else "") for i in range(N)]
+    pending = [task.apply_async((first + i, done if i == N - 1 else ""), queue=queue) for i in range(N)]
     if group.stored:
         for result in pending:
             result.get(timeout=300)
@@ -153,7 +155,7 @@ def measure(bench_app: Any, client: Any, group: Group, name: str, first: int) ->
 
 
 #: The guardrails settings of a worker variant (bench/app.py reads them from BENCH_GUARDRAILS).
-VARIANTS = {"redis_kombu_pop": {"broker_atomic_pop": False}, "redis_metrics": {"metrics": True}}
+VARIANTS = {"redis_kombu_pop": {"broker_atomic_pop": False}}
 
 
 def run_worker(store: str, groups: list[Group]) -> dict[str, Measured]:
@@ -185,15 +187,9 @@ def run_worker(store: str, groups: list[Group]) -> dict[str, Measured]:
         shutil.rmtree(scratch, ignore_errors=True)
 
 
-def _run_worker(env: dict[str, str], groups: list[Group]) -> dict[str, Measured]:
-    os.environ.update({k: env[k] for k in ("BENCH_STORE", "BENCH_QUEUE", "BENCH_RUN", "BENCH_GUARDRAILS")})
-    sys.modules.pop("bench.app", None)  # this run's queue and store (one store per process anyway)
-    import redis
-
-    from bench import app as bench_app
-
-    client = redis.Redis.from_url(REDIS)
-    worker = subprocess.Popen(
+def start_worker(env: dict[str, str]) -> subprocess.Popen[bytes]:
+    """``celery worker -P solo`` of bench.app with ``env`` (its queue, store and settings)."""
+    return subprocess.Popen(
         [
             sys.executable,
             "-m",
@@ -215,6 +211,22 @@ def _run_worker(env: dict[str, str], groups: list[Group]) -> dict[str, Measured]
         stderr=subprocess.DEVNULL,
         start_new_session=True,
     )
+
+
+def stop_worker(worker: subprocess.Popen[bytes]) -> None:
+    os.killpg(worker.pid, signal.SIGTERM)
+    worker.wait(30)
+
+
+def _run_worker(env: dict[str, str], groups: list[Group]) -> dict[str, Measured]:
+    os.environ.update({k: env[k] for k in ("BENCH_STORE", "BENCH_QUEUE", "BENCH_RUN", "BENCH_GUARDRAILS")})
+    sys.modules.pop("bench.app", None)  # this run's queue and store (one store per process anyway)
+    import redis
+
+    from bench import app as bench_app
+
+    client = redis.Redis.from_url(REDIS)
+    worker = start_worker(env)
     try:
         bench_app.plain.delay(0).get(timeout=60)  # the worker is up
         kinds = [(group, name) for group in groups for name in group.kinds]
@@ -229,8 +241,92 @@ def _run_worker(env: dict[str, str], groups: list[Group]) -> dict[str, Measured]
                 results[name].commands, results[name].scripts = commands, scripts
         return results
     finally:
-        os.killpg(worker.pid, signal.SIGTERM)
-        worker.wait(30)
+        stop_worker(worker)
+
+
+@dataclass(frozen=True)
+class Pair:
+    """One setting measured paired: the same kinds on two Redis-store workers that differ only by ``on``'s
+    settings, one after the other in every round (which goes first alternates)."""
+
+    title: str
+    off: dict[str, Any]
+    on: dict[str, Any]
+    kinds: tuple[Group, ...] = (
+        Group("results stored", ["guarded"]),
+        Group("results ignored", ["guarded_ignored"], False),
+    )
+
+
+#: The paired comparisons ``make bench`` runs (BENCH_STORES names them as pair_<name>).
+PAIRS = {
+    "metrics": Pair(title="Prometheus metrics (metrics on against off)", off={}, on={"metrics": True}),
+    "activity": Pair(
+        title="the activity (activity on against off; metrics off in both)",
+        off={"activity": False},
+        on={"activity": True},
+    ),
+}
+
+
+def run_pair(pair: Pair) -> dict[str, dict[str, list[float]]]:
+    """Per kind: the seconds of N tasks on the ``off`` and ``on`` workers in each round."""
+    import json
+
+    run = uuid.uuid4().hex[:8]
+    envs = {
+        side: {
+            **os.environ,
+            "BENCH_STORE": "redis",
+            "BENCH_GUARDRAILS": json.dumps(settings),
+            "BENCH_QUEUE": f"bench-{side}-{run}",
+            "BENCH_RUN": f"{run}-{side}",
+            "BENCH_REDIS_URL": REDIS,
+            "PYTHONPATH": str(ROOT),
+            "EXAMPLE_LOG_LEVEL": "WARNING",
+        }
+        for side, settings in (("off", pair.off), ("on", pair.on))
+    }
+    os.environ.update({k: envs["off"][k] for k in ("BENCH_STORE", "BENCH_QUEUE", "BENCH_RUN")})
+    os.environ["BENCH_GUARDRAILS"] = "{}"
+    sys.modules.pop("bench.app", None)
+    import redis
+
+    from bench import app as bench_app
+
+    client = redis.Redis.from_url(REDIS)
+    workers = {side: start_worker(env) for side, env in envs.items()}
+    try:
+        for env in envs.values():
+            bench_app.plain.apply_async((0,), queue=env["BENCH_QUEUE"]).get(timeout=60)  # both are up
+        found: dict[str, dict[str, list[float]]] = {
+            name: {"off": [], "on": []} for group in pair.kinds for name in group.kinds
+        }
+        first = N
+        for round_ in range(ROUNDS):
+            sides = ["off", "on"] if round_ % 2 == 0 else ["on", "off"]
+            for group in pair.kinds:
+                for name in group.kinds:
+                    for side in sides:
+                        first += N
+                        seconds, _, _ = measure(bench_app, client, group, name, first, queue=envs[side]["BENCH_QUEUE"])
+                        found[name][side].append(seconds)
+        return found
+    finally:
+        for worker in workers.values():
+            stop_worker(worker)
+
+
+def report_pair(pair: Pair, found: dict[str, dict[str, list[float]]]) -> None:
+    """Per kind: throughput with the setting on over off, paired by round (median, range)."""
+    print(f"\nPaired: {pair.title}, Redis store, two workers taking turns in each round")
+    print(f"{'kind':<26} {'off tasks/s':>11} {'on tasks/s':>10} {'on/off':>7} {'(range)':>11}")
+    for name, sides in found.items():
+        ratios = [off / on for off, on in zip(sides["off"], sides["on"], strict=True)]
+        print(
+            f"{name:<26} {N / min(sides['off']):>11.0f} {N / min(sides['on']):>10.0f} "
+            f"{statistics.median(ratios):>7.2f} {f'{min(ratios):.2f}-{max(ratios):.2f}':>11}"
+        )
 
 
 def report(group: Group, results: dict[str, Measured], *, counts: bool) -> None:
@@ -268,6 +364,11 @@ def main() -> None:
     sys.path.insert(0, str(ROOT))
     if len(sys.argv) == 3 and sys.argv[1] == "--store":  # one store, in a process of its own
         store = sys.argv[2]
+        if store.startswith("pair_"):
+            pair = PAIRS[store.removeprefix("pair_")]
+            report_pair(pair, run_pair(pair))
+            sys.stdout.flush()
+            return
         if store == "postgres" and not pg_answers():
             return
         results = run_worker(store, WORKERS[store])
@@ -275,7 +376,7 @@ def main() -> None:
             report(group, results, counts=store.startswith("redis"))
         sys.stdout.flush()
         return
-    default = "redis,redis_kombu_pop,redis_metrics,postgres,sqlite"
+    default = "redis,redis_kombu_pop,pair_metrics,pair_activity,postgres,sqlite"
     stores = [s for s in os.environ.get("BENCH_STORES", default).split(",") if s]
     print(
         f"{N} tasks per kind, one `celery worker -P solo` process per store, broker and results on {REDIS}; "

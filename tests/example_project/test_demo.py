@@ -78,7 +78,12 @@ def check_output(out: str) -> None:
     # the atomic pop needs a Redis broker: on the filesystem transport the section says it is skipped
     assert "10. a worker killed as a message is handed to it (broker_atomic_pop, Redis broker)" in out
     assert "skipped: the broker is not Redis here" in out
-    assert "11. celery -A example_project guardrails status" in out
-    assert re.search(r"Queues.*\n.*QUEUE +DEPTH +OLDEST", out)
+    # the activity the worker kept in the store: each task's outcomes, the charge's retries and its dead letter
+    assert "11. the activity the workers kept (outcomes per task; the admin dashboard charts it per hour)" in out
+    assert re.search(
+        r"shop\.tasks\.charge_order: dead_lettered \d+, duplicate_skipped \d+, retried \d+, succeeded \d+", out
+    )
+    assert "12. celery -A example_project guardrails status" in out
+    assert re.search(r"Queues.*\n.*QUEUE +DEPTH +OLDEST +IN/MIN +OUT/MIN", out)
     assert "Open dead letters" in out and "Schedules" in out
     assert "== worker stopped (exit code 0)" in out
