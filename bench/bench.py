@@ -22,7 +22,8 @@ figures are compared with the ``redis`` worker's by tasks/s of the same kind (no
 Paired settings (``pair_metrics``, ``pair_activity``): two Redis-store workers that differ by one setting
 (``metrics`` on against off; ``activity`` on against off), each on a queue of its own, take turns with the
 same kind in every round (which goes first alternates); the figure is the median over rounds of the "off"
-worker's time over the "on" worker's (1.00: the setting costs nothing), with its range.
+worker's time over the "on" worker's (1.00: the setting costs nothing), with its range, over
+BENCH_PAIR_ROUNDS rounds (24).
 
 BENCH_STORES defaults to ``redis,redis_kombu_pop,pair_metrics,pair_activity,postgres,sqlite``.
 
@@ -48,6 +49,8 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 N = int(os.environ.get("BENCH_TASKS", "500"))
 ROUNDS = int(os.environ.get("BENCH_ROUNDS", "12"))
+#: Rounds of a paired comparison: each is short (a kind on two workers), and single rounds vary widely.
+PAIR_ROUNDS = int(os.environ.get("BENCH_PAIR_ROUNDS", "24"))
 REDIS = os.environ.get("BENCH_REDIS_URL", "redis://127.0.0.1:6379/12")
 PG = {
     "host": os.environ.get("BENCH_PG_HOST", "127.0.0.1"),
@@ -303,7 +306,7 @@ def run_pair(pair: Pair) -> dict[str, dict[str, list[float]]]:
             name: {"off": [], "on": []} for group in pair.kinds for name in group.kinds
         }
         first = N
-        for round_ in range(ROUNDS):
+        for round_ in range(PAIR_ROUNDS):
             sides = ["off", "on"] if round_ % 2 == 0 else ["on", "off"]
             for group in pair.kinds:
                 for name in group.kinds:
@@ -380,7 +383,7 @@ def main() -> None:
     stores = [s for s in os.environ.get("BENCH_STORES", default).split(",") if s]
     print(
         f"{N} tasks per kind, one `celery worker -P solo` process per store, broker and results on {REDIS}; "
-        f"{ROUNDS} rounds",
+        f"{ROUNDS} rounds ({PAIR_ROUNDS} for the paired settings)",
         flush=True,
     )
     for store in stores:

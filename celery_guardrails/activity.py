@@ -105,7 +105,10 @@ class Recorder:
 
     def _loop(self, interval: float) -> None:
         while not self._stopping.wait(interval):
-            self.flush()
+            try:
+                self.flush()
+            except Exception:  # flush logs its own failures; this thread outlives anything else too
+                logger.exception("Activity: a flush failed")
 
     def pending(self) -> int:
         """Deliveries counted and not yet in the store."""
@@ -207,9 +210,12 @@ def _forked() -> None:
 
 
 def _close_thread(app: Any) -> None:
-    close = getattr(get_store(app), "close_thread", None)
-    if close is not None:
-        close()  # the Django store: no connection held open by the recorder's thread between flushes
+    try:
+        close = getattr(get_store(app), "close_thread", None)
+        if close is not None:
+            close()  # the Django store: no connection held open by the recorder's thread between flushes
+    except Exception:
+        logger.debug("Activity: closing the store's connection of this thread failed", exc_info=True)
 
 
 def _on_exit(**_: Any) -> None:
