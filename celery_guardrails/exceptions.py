@@ -9,6 +9,12 @@ Every exception the extension raises derives from one root, :class:`GuardrailsEr
     │   └── MissingTenantError  a ``tenant_required`` task published or delivered without a tenant
     ├── IdempotencyKeyError     an idempotency key that cannot be made (missing argument, too long, bad text)
     ├── ConcurrencyKeyError     a concurrency_key / exclusive_key that cannot be made (the same rules)
+    ├── PayloadContractError    a message that breaks the payload contract (refused at publish, nothing sent)
+    │   ├── PayloadTooLargeError    its serialised arguments are over max_payload_bytes
+    │   ├── SensitivePayloadError   an argument name or dict key is a secret or personal data (sensitive_keys)
+    │   ├── EntityInPayloadError    a Django model instance or queryset among the arguments
+    │   └── UnknownPayloadVersionError  (on the worker) a payload version the task does not accept:
+    │                               dead-lettered ``unknown_payload_version``, never run
     ├── TransientError          raise from a task: this may work if tried again (retried with backoff)
     ├── PermanentError          raise from a task: trying again cannot help (never retried)
     │   └── CheckpointError     ``self.checkpoint`` misused (outside a task run, not a sequence, state not JSON)
@@ -25,8 +31,8 @@ Every exception the extension raises derives from one root, :class:`GuardrailsEr
         └── StoreUnavailableError   ... because it cannot be reached (refused, timed out, went away): an
                                     infrastructure fault, never the message's; the message comes back later
 
-``ConfigurationError`` and ``ContextError`` are also ``ValueError`` so that code catching bad input the usual
-way keeps working.
+``ConfigurationError``, ``ContextError`` and ``PayloadContractError`` are also ``ValueError`` so that code
+catching bad input the usual way keeps working.
 """
 
 from __future__ import annotations
@@ -186,3 +192,33 @@ class OrderingError(GuardrailsError):
 
 class OrderingKeyError(OrderingError, ValueError):
     """An ordering key could not be made from the task's arguments, or is not acceptable (raised at publish)."""
+
+
+class PayloadContractError(GuardrailsError, ValueError):
+    """A message breaks the payload contract (see :mod:`celery_guardrails.guardrails.contract`); at publish,
+    nothing was sent. ``task_name`` names the task."""
+
+    def __init__(self, task_name: str, problem: str) -> None:
+        super().__init__(task_name, problem)
+        self.task_name = task_name
+        self.problem = problem
+
+    def __str__(self) -> str:
+        return f"{self.task_name}: {self.problem}"
+
+
+class PayloadTooLargeError(PayloadContractError):
+    """The serialised arguments are larger than ``max_payload_bytes``."""
+
+
+class SensitivePayloadError(PayloadContractError):
+    """An argument name or dict key matches ``sensitive_keys`` (and the task gives no
+    ``allow_sensitive_payload`` reason)."""
+
+
+class EntityInPayloadError(PayloadContractError):
+    """A Django model instance or queryset is among the arguments: send identifiers, not entities."""
+
+
+class UnknownPayloadVersionError(PayloadContractError):
+    """A delivered message's payload version is not one the task accepts (``accepts_versions``)."""

@@ -28,6 +28,7 @@ is a flat mapping (an AMQP table on RabbitMQ, a JSON object on Redis)::
         "ord_seq": 17,          # ... and the sequence number the store handed out for it then (1, 2, ...)
         "ord_wait": 3,          # waits for an earlier message of its key so far (absent: 0)
         "pub": 1796000000.25,   # when this message was published (epoch seconds; each re-publish sets it anew)
+        "pv": 2,                # guarded tasks: the payload version its publisher sent (absent: 1)
     }
 
 An attempt record: ``{"n": 1, "start": "2026-11-30T08:00:00.123+00:00", "end": "...", "host": "celery@web1",
@@ -55,6 +56,12 @@ Version history:
 * ``1`` (0.5): ``pub`` added, on every message a process with celery-guardrails publishes (guarded or not):
   the age of the oldest message of a queue and the time a message waited are read from it. A message without
   it (plain Celery) has an unknown age, never a zero one.
+
+* ``1`` (0.6): ``pv`` added, on every message a ``GuardedTask`` publishes (see
+  :mod:`celery_guardrails.guardrails.contract`); a retry or a replay keeps the version of the message it
+  re-publishes. A malformed ``pv`` (not a whole number of at least 1) is not treated as missing: the message is
+  dead-lettered (``malformed_message``), since running it as version 1 could misread its arguments. A release
+  that does not know it runs every message.
 
 Compatibility rules:
 
@@ -109,6 +116,7 @@ ORDERING_KEY = "ord"
 ORDERING_SEQUENCE = "ord_seq"
 ORDERING_WAITS = "ord_wait"
 PUBLISHED = "pub"
+PAYLOAD_VERSION = "pv"
 
 #: Latest period a header may name (9999-12-31T23:59:59Z, as far as a datetime goes).
 PERIOD_MAX = 253_402_300_799
@@ -246,3 +254,14 @@ def ordering(header: Mapping[str, Any]) -> tuple[str, int] | None:
             f"least 1: {sequence!r:.80}"
         )
     return key, sequence
+
+
+def payload_version(header: Mapping[str, Any]) -> int:
+    """The payload version a message was published with (1 when absent). A malformed one raises ValueError
+    saying what is wrong (the caller dead-letters the message: see the version history)."""
+    value = header.get(PAYLOAD_VERSION, 1)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(
+            f"header {HEADER!r}: payload version {PAYLOAD_VERSION!r} is not a whole number of at least 1: {value!r:.80}"
+        )
+    return value

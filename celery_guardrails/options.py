@@ -22,7 +22,7 @@ import difflib
 import itertools
 import logging
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from contextvars import ContextVar
 from dataclasses import dataclass
 from importlib import import_module
@@ -35,6 +35,24 @@ from celery_guardrails.exceptions import ConfigurationError
 from celery_guardrails.redaction import DEFAULT_REDACT_KEYS
 
 logger = logging.getLogger(__name__)
+
+#: Names refused as arguments or keys by default (sensitive_keys): secrets and payment data.
+SENSITIVE_KEYS = (
+    "password",
+    "passwd",
+    "secret",
+    "api_key",
+    "apikey",
+    "private_key",
+    "access_token",
+    "refresh_token",
+    "auth_token",
+    "ssn",
+    "cvv",
+    "cvc",
+    "card_number",
+    "credit_card",
+)
 
 CALL = "call"
 TASK = "task"
@@ -70,6 +88,44 @@ def _positive_int(value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"must be a whole number of at least 1, got {value!r:.80}")
     return value
+
+
+def _versions(value: Any) -> tuple[int, ...] | None:
+    if value is None:
+        return None
+    if isinstance(value, int) and not isinstance(value, bool):
+        value = (value,)
+    if isinstance(value, str | bytes) or not isinstance(value, Iterable):
+        raise ValueError(f"must be payload versions (whole numbers of at least 1), got {value!r:.80}")
+    found = tuple(_positive_int(item) for item in value)
+    if not found:
+        raise ValueError("must name at least one payload version")
+    return found
+
+
+def _bytes_or_off(value: Any) -> int | None:
+    if value is None or value == 0:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 256:
+        raise ValueError(f"must be a number of bytes of at least 256, or None to turn the limit off, got {value!r:.80}")
+    return value
+
+
+def _key_names(value: Any) -> tuple[str, ...]:
+    if isinstance(value, str | bytes) or not isinstance(value, Iterable):
+        raise ValueError(f"must be a list of argument or key names, got {value!r:.80}")
+    names = tuple(str(name).strip().lower().replace("-", "_") for name in value)
+    if not all(re.fullmatch(r"[a-z0-9_]+", name) for name in names):
+        raise ValueError(f"names are letters, digits and underscores, got {list(value)!r:.120}")
+    return names
+
+
+def _reason_or_none(value: Any) -> str | None:
+    if value is None:
+        return None
+    if not isinstance(value, str) or len(value.strip()) < 10:
+        raise ValueError(f"must say why, in a sentence (10 characters at least), got {value!r:.80}")
+    return value.strip()
 
 
 def _non_negative_int(value: Any) -> int:
@@ -719,6 +775,48 @@ OPTIONS: Mapping[str, Option] = {
             doc="Seconds a discarded or resolved dead letter is kept (90 days); open ones are never pruned.",
             check=_seconds,
             scopes=frozenset({APP}),
+        ),
+        Option(
+            name="payload_version",
+            default=1,
+            doc="The version of the payload shape this task's publishers send (the header field pv). Raise it when "
+            "the arguments change shape; workers that do not accept it dead-letter the message "
+            "(unknown_payload_version) instead of running it wrongly.",
+            check=_positive_int,
+            scopes=frozenset({TASK, APP}),
+        ),
+        Option(
+            name="accepts_versions",
+            default=None,
+            doc="The payload versions this task's workers run (a message without pv is version 1). None: only "
+            "payload_version. During a rollout, a new worker accepts (1, 2) while old publishers still send 1.",
+            check=_versions,
+            scopes=frozenset({TASK, APP}),
+        ),
+        Option(
+            name="max_payload_bytes",
+            default=65536,
+            doc="Largest serialised arguments a publish may send; larger is refused at publish "
+            "(PayloadTooLargeError, naming the size): send a storage reference instead. None: no limit.",
+            check=_bytes_or_off,
+            scopes=frozenset({CALL, TASK, APP}),
+        ),
+        Option(
+            name="sensitive_keys",
+            default=SENSITIVE_KEYS,
+            doc="Argument names and dict keys (at any depth) refused at publish as secrets or personal data "
+            "(SensitivePayloadError): a name matches when its words (split at _) contain the entry's words. Add "
+            "your own (email, phone, date_of_birth).",
+            check=_key_names,
+            scopes=frozenset({TASK, APP}),
+        ),
+        Option(
+            name="allow_sensitive_payload",
+            default=None,
+            doc="A task that must carry a sensitive value says why here (a sentence); the guard then lets it "
+            "through, and guardrails_audit lists the task and the reason.",
+            check=_reason_or_none,
+            scopes=frozenset({TASK}),
         ),
         Option(
             name="max_deliveries",

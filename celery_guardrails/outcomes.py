@@ -39,6 +39,8 @@ MALFORMED_MESSAGE = "malformed_message"
 TIME_LIMIT = "time_limit"
 #: An ordered message that arrived after its key had moved past it (its turn was given up as lost).
 ORDERING_GAP = "ordering_gap"
+#: A message of a payload version its task does not accept (accepts_versions): a replay on newer workers runs it.
+UNKNOWN_PAYLOAD_VERSION = "unknown_payload_version"
 #: Every reason a dead letter can give (the commands check ``--reason`` against it).
 REASONS = (
     PERMANENT,
@@ -54,6 +56,7 @@ REASONS = (
     MALFORMED_MESSAGE,
     TIME_LIMIT,
     ORDERING_GAP,
+    UNKNOWN_PAYLOAD_VERSION,
 )
 
 #: Header field of a final failure whose dead letter could not be recorded yet (the message came back).

@@ -32,7 +32,8 @@ class Publication:
 
     ``header`` is the guardrails header (see :mod:`celery_guardrails.headers`) and may be changed in place;
     ``call`` holds the per-call guardrail options (validated, as stored in the header); ``overrides`` the
-    per-call ``tenant=`` / ``correlation_id=`` arguments, not yet validated.
+    per-call ``tenant=`` / ``correlation_id=`` arguments, not yet validated; ``later`` the signatures the message
+    carries for a worker to publish after it.
     """
 
     task_id: str | None
@@ -41,6 +42,9 @@ class Publication:
     header: dict[str, Any]
     call: dict[str, Any]
     overrides: dict[str, Any]
+    #: Signatures this message carries for a worker to publish later: the rest of its chain, its chord's body,
+    #: its link and link_error callbacks (read-only; canvas signatures, which may nest groups and chords).
+    later: tuple[Any, ...] = ()
 
 
 class Guardrail:

@@ -24,6 +24,7 @@ from celery_guardrails.exceptions import StoreError, StoreUnavailableError
 from celery_guardrails.guardrails.budget import RetryBudget
 from celery_guardrails.guardrails.concurrency import ConcurrencyLimit
 from celery_guardrails.guardrails.context import ContextPropagation
+from celery_guardrails.guardrails.contract import PayloadContract
 from celery_guardrails.guardrails.dead_letter import PendingDeadLetters
 from celery_guardrails.guardrails.idempotency import Idempotency
 from celery_guardrails.guardrails.ordering import Ordering, SequenceStamp
@@ -43,6 +44,17 @@ logger = logging.getLogger(__name__)
 CONTEXT_OVERRIDES = frozenset({"tenant", "correlation_id"})
 
 
+def _later(options: Mapping[str, Any], link: Any, link_error: Any) -> tuple[Any, ...]:
+    """The signatures a message carries for the worker to publish after it (see ``Publication.later``)."""
+    later: list[Any] = list(options.get("chain") or ())
+    if options.get("chord"):
+        later.append(options["chord"])
+    for callbacks in (link, link_error):
+        if callbacks:
+            later.extend(callbacks if isinstance(callbacks, list | tuple) else [callbacks])
+    return tuple(later)
+
+
 class GuardedTask(Task):  # type: ignore[misc]
     """Base class for guarded tasks: ``@shared_task(base=GuardedTask, bind=True, tenant_required=True)``."""
 
@@ -58,6 +70,8 @@ class GuardedTask(Task):  # type: ignore[misc]
     #: for its turn without spending a budget admission or holding its key, and a duplicate skipped in its turn
     #: still moves its ordering key on. SequenceStamp (publish only) is last: a publish another guardrail
     #: refuses or skips (dedupe_on_publish) takes no sequence number.
+    #: PayloadContract checks a publish before any guardrail reserves or stamps anything for it, and refuses a
+    #: payload version the worker does not accept before any guardrail acts on the delivery.
     #: Metrics is first: its before_run sees every delivery before a guardrail can refuse it, and its after-hooks
     #: run last, so the duration it records covers every guardrail (it records nothing unless ``metrics`` is on).
     guardrails: ClassVar[tuple[Guardrail, ...]] = (
@@ -65,6 +79,7 @@ class GuardedTask(Task):  # type: ignore[misc]
         ContextPropagation(),
         PendingDeadLetters(),
         PoisonMessages(),
+        PayloadContract(),
         TenantGuard(),
         Retries(),
         Ordering(),
@@ -127,6 +142,11 @@ class GuardedTask(Task):  # type: ignore[misc]
     exclusive_key: Any = None
     concurrency_reap_after: float | None = None
     concurrency_max_waits: int | None = None
+    payload_version: int | None = None
+    accepts_versions: Any = None
+    max_payload_bytes: int | None = None
+    sensitive_keys: Any = None
+    allow_sensitive_payload: str | None = None
 
     # Resumable chunks (issue #14): ``for item in self.checkpoint.iterate(items, every=100)`` in a bound body
     # records the position reached, keyed by the job, and resumes from it on the next delivery. Checkpoints
@@ -180,6 +200,7 @@ class GuardedTask(Task):  # type: ignore[misc]
             header=header,
             call=call,
             overrides=overrides,
+            later=_later(options, link, link_error),
         )
         try:
             for guardrail in overriding(self.guardrails, "on_publish"):

@@ -389,3 +389,30 @@ def limited_flaky(self: GuardedTask, sink: str) -> dict[str, Any]:
 @shared_task(base=GuardedTask, bind=True, concurrency_key="x:{no_such_argument}", concurrency_limit=1)
 def bad_concurrency_key(self: GuardedTask) -> None:
     """A template naming an argument the task does not take."""
+
+
+@shared_task(base=GuardedTask, bind=True, backoff_base=0.05)
+def log_in(self: GuardedTask, user_id: int, password: str, sink: str = "") -> dict[str, Any]:
+    """Takes a password by name: the payload contract refuses it at publish (sensitive_keys)."""
+    return seen(self, sink or None, user_id=user_id)
+
+
+@shared_task(
+    base=GuardedTask,
+    bind=True,
+    allow_sensitive_payload="the legacy directory takes the raw password; the broker is encrypted at rest",
+)
+def legacy_log_in(self: GuardedTask, user_id: int, password: str, sink: str = "") -> dict[str, Any]:
+    """The same, with a reason given: let through."""
+    return seen(self, sink or None, user_id=user_id)
+
+
+@shared_task(base=GuardedTask, bind=True, idempotent=True, backoff_base=0.05)
+def versioned(self: GuardedTask, sink: str, order_id: int, fail_first: bool = False) -> dict[str, Any]:
+    """Reports the payload version it ran with; fails its first attempt transiently when asked."""
+    from celery_guardrails import headers
+
+    report = seen(self, sink, order_id=order_id, pv=headers.from_request(self.request).get(headers.PAYLOAD_VERSION))
+    if fail_first and self.request.attempt == 1:
+        raise TransientError("provider busy")
+    return report

@@ -1,0 +1,243 @@
+"""The payload contract: what a message may carry, checked when it is published, and its version, checked when
+it is delivered.
+
+At publish (``GuardedTask.apply_async``, and so ``delay``, signatures and canvas, ``retry``, beat and replay),
+in the caller, before anything is sent or reserved:
+
+* **Entities**: a Django model instance or queryset among the arguments (at any depth of lists, tuples, sets
+  and dicts) is refused with :class:`~celery_guardrails.exceptions.EntityInPayloadError`: send identifiers,
+  not entities (the row may change or vanish before the worker reads it; its pickled state is stale).
+* **Secrets and personal data**: an argument name (positional arguments are named from the task's signature)
+  or a dict key at any depth that matches ``sensitive_keys`` is refused with
+  :class:`~celery_guardrails.exceptions.SensitivePayloadError`. A name matches an entry when the entry's words
+  (split at ``_``) appear in it in a row: ``password`` matches ``new_password`` and ``password_hash``,
+  ``api_key`` matches ``stripe_api_key``, ``card_number`` does not match ``card_token``. A task that must carry
+  one says why in ``allow_sensitive_payload`` (``guardrails_audit`` lists it).
+* **Size**: the arguments serialised with the task's serializer, over ``max_payload_bytes`` (64 KiB), are
+  refused with :class:`~celery_guardrails.exceptions.PayloadTooLargeError` naming the size: store the data and
+  send a reference.
+* **Version**: the message is stamped with the task's ``payload_version`` (header field ``pv``).
+
+A re-publish (``retry``, a guardrail's wait, a replay: the message carries ``pv`` already, or it is the
+delivery running now) is not checked again and keeps its version: its arguments were checked when first
+published, and refusing a message in flight because a setting changed since would make its retry
+unpublishable (it would come back and fail again, for ever).
+
+On the worker, before any other guardrail acts on the message (only the context, a pending dead letter and
+the poison check come first): a version the task does not accept (``accepts_versions``, default its own
+``payload_version``; a message without ``pv`` is version 1) is dead-lettered with reason
+``unknown_payload_version`` and never run. During a rollout, old workers dead-letter what new publishers send
+instead of misreading it; once new workers run, ``replay_dead_letters(reason="unknown_payload_version")`` runs
+those. A malformed ``pv`` is dead-lettered ``malformed_message``.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import re
+from collections.abc import Iterator, Mapping
+from typing import TYPE_CHECKING, Any, NoReturn
+
+from kombu.serialization import dumps
+
+from celery_guardrails import headers
+from celery_guardrails.exceptions import (
+    EntityInPayloadError,
+    PayloadContractError,
+    PayloadTooLargeError,
+    SensitivePayloadError,
+    UnknownPayloadVersionError,
+)
+from celery_guardrails.options import resolve
+from celery_guardrails.outcomes import MALFORMED_MESSAGE, UNKNOWN_PAYLOAD_VERSION, attempt_record, fail_finally
+from celery_guardrails.pipeline import Guardrail, Publication
+
+if TYPE_CHECKING:
+    from celery_guardrails.task import GuardedTask
+
+#: Nesting levels of lists and dicts looked into (deeper values are not inspected).
+MAX_DEPTH = 8
+#: Values looked at per publish at most (a huge list is the size check's business, not a reason to walk it).
+MAX_VALUES = 10_000
+
+
+def words(name: str) -> tuple[str, ...]:
+    """A name's words: lower case, split at underscores, hyphens, dots, spaces and camelCase humps."""
+    spaced = re.sub(r"([a-z0-9])([A-Z])", r"\1_\2", name)
+    return tuple(word for word in re.split(r"[_\-.\s]+", spaced.lower()) if word)
+
+
+def matches(name: str, entries: tuple[str, ...]) -> str | None:
+    """The first entry of ``entries`` whose words appear in ``name``'s, in a row; None when none does."""
+    found = words(name)
+    for entry in entries:
+        wanted = words(entry)
+        for start in range(len(found) - len(wanted) + 1):
+            if found[start : start + len(wanted)] == wanted:
+                return entry
+    return None
+
+
+@functools.cache
+def _entity_types() -> tuple[type, ...]:
+    try:
+        from django.db.models import Model, QuerySet
+    except ImportError:  # not a Django project: no entity can be passed
+        return ()
+    return (Model, QuerySet)
+
+
+def _running_id(task: Any) -> str | None:
+    """The id of the delivery ``task`` runs now in this thread (None outside a run)."""
+    request = task.request_stack.top if task.request_stack else None
+    return getattr(request, "id", None) if request is not None else None
+
+
+def _parameter_names(task: Any, count: int) -> list[str]:
+    """Names of the task's first ``count`` positional parameters (fewer when the signature cannot say); read
+    once per task."""
+    names: list[str] | None = task.__dict__.get("_guardrails_positional")
+    if names is None:
+        try:
+            parameters = list(inspect.signature(task.run).parameters.values())
+        except (TypeError, ValueError):
+            parameters = []
+        names = [p.name for p in parameters if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+        task.__dict__["_guardrails_positional"] = names
+    return names[:count]
+
+
+def _walk(value: Any, path: str, depth: int = 0) -> Iterator[tuple[str, Any, str | None]]:
+    """(path, value, key) of ``value`` and everything inside it; ``key`` is the dict key it is found under."""
+    yield path, value, None
+    if depth >= MAX_DEPTH:
+        return
+    if isinstance(value, Mapping):
+        for key, item in value.items():
+            yield path, key, str(key)
+            yield from _walk(item, f"{path}[{key!r}]", depth + 1)
+    elif isinstance(value, list | tuple | set | frozenset):
+        for index, item in enumerate(value):
+            yield from _walk(item, f"{path}[{index}]", depth + 1)
+
+
+def _leaves(signatures: Any, depth: int = 0) -> Iterator[Mapping[str, Any]]:
+    """The task signatures inside canvas signatures (chains, groups and chords opened, nested ones too)."""
+    if depth > MAX_DEPTH:
+        return
+    for signature in signatures if isinstance(signatures, list | tuple) else (signatures,):
+        if not isinstance(signature, Mapping):
+            continue
+        name, kwargs = signature.get("task"), signature.get("kwargs") or {}
+        if name in ("celery.chain", "celery.group"):
+            yield from _leaves(kwargs.get("tasks") or (), depth + 1)
+        elif name == "celery.chord":
+            yield from _leaves(kwargs.get("header") or (), depth + 1)
+            yield from _leaves(kwargs.get("body") or (), depth + 1)
+        else:
+            yield signature
+
+
+class PayloadContract(Guardrail):
+    """Checks what a message carries at publish and the version it was sent as at delivery (see the module
+    docstring)."""
+
+    def on_publish(self, task: GuardedTask, publication: Publication) -> None:
+        call = publication.call
+        if headers.PAYLOAD_VERSION in publication.header or publication.task_id == _running_id(task):
+            # A re-publish (a retry, a wait, a replay) of arguments checked when they were first published: the
+            # same checks under settings changed since could refuse a message already in flight, and a retry
+            # that cannot be published comes back and tries again, for ever.
+            publication.header.setdefault(headers.PAYLOAD_VERSION, resolve(task, "payload_version", call))
+            return
+        self._check_values(task, publication.args, publication.kwargs, call)
+        self._check_size(task, publication.args, publication.kwargs, call)
+        # The rest of a chain, a chord's body, callbacks: a worker publishes them after this message, where a
+        # refusal would fail a task that succeeded. Guarded ones are checked now, with their tasks' settings.
+        for leaf in _leaves(publication.later):
+            later = task.app.tasks.get(leaf.get("task"))
+            if later is not None and isinstance(getattr(later, "guardrails", None), tuple):
+                args, kwargs = tuple(leaf.get("args") or ()), dict(leaf.get("kwargs") or {})
+                self._check_values(later, args, kwargs, {})
+                self._check_size(later, args, kwargs, {})
+        publication.header[headers.PAYLOAD_VERSION] = resolve(task, "payload_version", call)
+
+    def _check_values(
+        self, task: GuardedTask, args: tuple[Any, ...], kwargs: Mapping[str, Any], call: Mapping[str, Any]
+    ) -> None:
+        entities = _entity_types()
+        allowed = resolve(task, "allow_sensitive_payload", call)
+        entries: tuple[str, ...] = () if allowed else resolve(task, "sensitive_keys", call)
+        named = list(zip(_parameter_names(task, len(args)), args, strict=False))
+        named += [(f"#{index}", value) for index, value in enumerate(args[len(named) :], len(named))]
+        named += list(kwargs.items())
+        seen = 0
+        for name, argument in named:
+            if entries and not name.startswith("#") and (entry := matches(name, entries)):
+                raise SensitivePayloadError(
+                    task.name,
+                    f"argument {name!r} looks like a secret or personal data (sensitive_keys entry {entry!r}): "
+                    "send a reference the worker can resolve, or give the task an allow_sensitive_payload reason",
+                )
+            for path, value, key in _walk(argument, name):
+                seen += 1
+                if seen > MAX_VALUES:
+                    return
+                if key is not None:
+                    if entries and (entry := matches(key, entries)):
+                        raise SensitivePayloadError(
+                            task.name,
+                            f"key {key!r} in {path} looks like a secret or personal data (sensitive_keys entry "
+                            f"{entry!r}): send a reference, or give the task an allow_sensitive_payload reason",
+                        )
+                elif entities and isinstance(value, entities):
+                    kind = type(value).__name__
+                    raise EntityInPayloadError(
+                        task.name,
+                        f"{path} is a {kind}: send identifiers, not entities (its primary key, and let the worker "
+                        "read the row as it is when the task runs)",
+                    )
+
+    def _check_size(
+        self, task: GuardedTask, args: tuple[Any, ...], kwargs: Mapping[str, Any], call: Mapping[str, Any]
+    ) -> None:
+        limit = resolve(task, "max_payload_bytes", call)
+        if limit is None:
+            return
+        serializer = task.serializer or task.app.conf.task_serializer
+        try:
+            _, _, body = dumps((args, kwargs), serializer=serializer)  # type: ignore[no-untyped-call]
+        except Exception:  # Celery's own publish will raise the serializer's error, with its message
+            return
+        if len(body) > limit:
+            raise PayloadTooLargeError(
+                task.name,
+                f"its arguments are {len(body):,} bytes serialised ({serializer}), over max_payload_bytes "
+                f"{limit:,}: store the data (a file, a row, an object store) and send a reference to it",
+            )
+
+    def before_run(self, task: GuardedTask, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        request = task.request
+        if request.called_directly or request.is_eager:
+            return  # a call in the caller's process: the code that runs is the code that called
+        call = task.call_options()
+        try:
+            version = headers.payload_version(headers.from_request(request))
+        except ValueError as exc:
+            self._refuse(task, PayloadContractError(task.name, f"malformed payload version: {exc}"), MALFORMED_MESSAGE)
+        accepted = resolve(task, "accepts_versions", call) or (resolve(task, "payload_version", call),)
+        if version not in accepted:
+            error = UnknownPayloadVersionError(
+                task.name,
+                f"payload version {version} is not one this worker accepts {tuple(accepted)}: dead-lettered unrun; "
+                "replay it once workers that accept it run",
+            )
+            self._refuse(task, error, UNKNOWN_PAYLOAD_VERSION)
+
+    def _refuse(self, task: GuardedTask, error: PayloadContractError, reason: str) -> NoReturn:
+        record = attempt_record(task, kind="permanent", rule="payload_contract", exc=error)
+        # Before Retries read the history onto the request: from the header.
+        earlier = headers.history(headers.from_request(task.request))
+        pending = fail_finally(task, error, reason=reason, history=[*earlier, record])
+        raise pending or error

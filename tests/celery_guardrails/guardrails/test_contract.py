@@ -1,0 +1,155 @@
+"""The payload contract on a real broker: what is refused at publish (and that nothing is sent then), on every
+publish path; the version stamped; a retry in flight not refused by a setting changed since; a version the
+worker does not accept dead-lettered unrun, a malformed one too."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+from celery import chain, chord, group
+
+from celery_guardrails import headers
+from celery_guardrails.exceptions import (
+    EntityInPayloadError,
+    PayloadTooLargeError,
+    SensitivePayloadError,
+)
+from celery_guardrails.guardrails.contract import matches
+from celery_guardrails.options import SENSITIVE_KEYS
+from tests.conftest import Sink
+from tests.proj import tasks
+from tests.support.dead_letters import dead_letter_of, has_dead_letter
+from tests.support.messages import publish_raw
+from tests.support.services import REDIS_URL
+from tests.support.waiting import wait_for
+from tests.support.workers import PROJ_APP, WorkerProcess, proj_env
+
+
+def queued(queue: str) -> int:
+    return int(redis.Redis.from_url(REDIS_URL).llen(queue))
+
+
+@pytest.mark.parametrize(
+    ("name", "refused"),
+    [
+        ("password", True),
+        ("new_password", True),
+        ("passwordHash", True),
+        ("stripe_api_key", True),
+        ("apiKey", True),
+        ("client-secret", True),
+        ("card_number", True),
+        ("card_token", False),
+        ("passport_id", False),
+        ("order_id", False),
+        ("keys", False),
+    ],
+)
+def test_which_names_the_default_sensitive_keys_refuse(name: str, refused: bool) -> None:
+    assert (matches(name, SENSITIVE_KEYS) is not None) is refused
+
+
+def test_a_password_argument_is_refused_at_publish_and_nothing_is_sent(celery_app: Any, queue_name: str) -> None:
+    # When a task taking a password is published, by keyword or by position
+    with pytest.raises(SensitivePayloadError, match=r"argument 'password' .*\(sensitive_keys entry 'password'\)"):
+        tasks.log_in.delay(7, password="hunter2")
+    with pytest.raises(SensitivePayloadError, match="argument 'password'"):
+        tasks.log_in.delay(7, "hunter2")
+    # or a secret hides as a key deep in an argument
+    with pytest.raises(SensitivePayloadError, match=r"key 'cvv' in script\[1\]\['card'\]"):
+        tasks.behave.delay("sink", ["ok", {"card": {"cvv": "123"}}])
+    # Then nothing reached the queue
+    assert queued(queue_name) == 0
+
+
+def test_a_task_that_says_why_may_carry_one(celery_app: Any, celery_worker: Any, sink: Sink) -> None:
+    # Given a task with an allow_sensitive_payload reason, When it is published with a password
+    result = tasks.legacy_log_in.delay(7, "hunter2", sink.key)
+    # Then it runs
+    assert result.get(timeout=30)["user_id"] == 7
+
+
+@pytest.mark.django_db
+def test_a_model_instance_or_queryset_is_refused_at_publish(celery_app: Any, queue_name: str) -> None:
+    from tests.testapp.models import Effect
+
+    with pytest.raises(EntityInPayloadError, match=r"sink is a Effect: send identifiers, not entities"):
+        tasks.behave.delay(Effect(key="k"), ["ok"])
+    with pytest.raises(EntityInPayloadError, match=r"script\[0\] is a QuerySet"):
+        tasks.behave.delay("sink", [Effect.objects.all()])
+    assert queued(queue_name) == 0
+
+
+def test_an_oversize_payload_is_refused_with_its_size_and_nothing_is_sent(celery_app: Any, queue_name: str) -> None:
+    # Given the default limit of 64 KiB, When 100 KB of arguments are published
+    with pytest.raises(
+        PayloadTooLargeError,
+        match=r"arguments are 100,\d{3} bytes serialised \(json\), over max_payload_bytes 65,536: store the data",
+    ):
+        tasks.behave.delay("sink", ["x" * 100_000])
+    # Then nothing was sent; a per-call limit raises it for one publish
+    assert queued(queue_name) == 0
+    tasks.behave.apply_async(("sink", ["x" * 100_000]), max_payload_bytes=200_000)
+    assert queued(queue_name) == 1
+
+
+def test_every_publish_path_is_checked(celery_app: Any, queue_name: str) -> None:
+    # Signatures, chains and groups publish through the task's apply_async: each refuses the secret
+    # (a chain's later steps, a chord's body and callbacks are published by the worker: checked at the first)
+    for publish in (
+        lambda: tasks.log_in.s(7, password="x").apply_async(),
+        lambda: chain(tasks.observe.s(), tasks.log_in.si(7, password="x")).apply_async(),
+        lambda: chain(tasks.observe.s(), group(tasks.observe.si(), tasks.log_in.si(7, password="x"))).apply_async(),
+        lambda: group(tasks.log_in.s(7, password="x"), tasks.observe.s()).apply_async(),
+        lambda: chord([tasks.observe.s()], tasks.log_in.si(7, password="x")).apply_async(),
+        lambda: tasks.observe.apply_async(link=tasks.log_in.si(7, password="x")),
+    ):
+        with pytest.raises(SensitivePayloadError):
+            publish()
+    assert queued(queue_name) == 0
+
+
+def test_the_version_is_stamped_and_a_retry_keeps_it_under_settings_changed_since(
+    celery_app: Any, queue_name: str, sink: Sink, tmp_path: Path
+) -> None:
+    # Given a message published as version 3 whose first attempt fails, and a worker whose settings changed
+    # since: it sends version 4, accepts 3 and 4, and now counts "order" as a sensitive key
+    celery_app.conf.guardrails = {**celery_app.conf.guardrails, "payload_version": 3}
+    result = tasks.versioned.delay(sink.key, 42, fail_first=True)
+    settings = {"payload_version": 4, "accepts_versions": [3, 4], "sensitive_keys": ["order"]}
+    env = proj_env(queue=queue_name, GUARDRAILS_TEST_GUARDRAILS=json.dumps(settings))
+    with WorkerProcess(app=PROJ_APP, queue=queue_name, log_path=tmp_path / "worker.log", env=env):
+        # When it runs and is retried by the worker
+        report = result.get(timeout=60)
+    # Then the retry was published (not refused for the key that became sensitive) and kept version 3
+    assert [(r["pv"], r["order_id"]) for r in sink.items()] == [(3, 42), (3, 42)]
+    assert report["pv"] == 3
+
+
+def test_a_version_the_worker_does_not_accept_is_dead_lettered_unrun(
+    celery_app: Any, queue_name: str, sink: Sink, tmp_path: Path
+) -> None:
+    # Given an old worker (sends and accepts version 1) and a new publisher sending version 2
+    celery_app.conf.guardrails = {**celery_app.conf.guardrails, "payload_version": 2}
+    new = [tasks.versioned.delay(sink.key, n) for n in range(3)]
+    # and a message whose version is malformed
+    malformed = publish_raw(
+        celery_app, queue_name, tasks.versioned.name, args=[sink.key, 9], guardrails={headers.PAYLOAD_VERSION: "two"}
+    )
+    env = proj_env(queue=queue_name)
+    with WorkerProcess(app=PROJ_APP, queue=queue_name, log_path=tmp_path / "worker.log", env=env):
+        # Then each ends FAILED without running, dead-lettered with its reason
+        for result in new:
+            with pytest.raises(Exception, match=r"payload version 2 is not one this worker accepts \(1,\)"):
+                result.get(timeout=60)
+        with pytest.raises(Exception, match="malformed payload version"):
+            celery_app.AsyncResult(malformed).get(timeout=60)
+        ids = [*(result.id for result in new), malformed]
+        wait_for("four dead letters", lambda: all(has_dead_letter(celery_app, task_id) for task_id in ids))
+    assert sink.items() == []
+    reasons = [dead_letter_of(celery_app, task_id)["reason"] for task_id in ids]
+    assert reasons == [*["unknown_payload_version"] * 3, "malformed_message"]
