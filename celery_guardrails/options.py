@@ -103,11 +103,9 @@ def _versions(value: Any) -> tuple[int, ...] | None:
     return found
 
 
-def _bytes_or_off(value: Any) -> int | None:
-    if value is None or value == 0:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int) or value < 256:
-        raise ValueError(f"must be a number of bytes of at least 256, or None to turn the limit off, got {value!r:.80}")
+def _bytes_or_off(value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or (value != 0 and value < 256):
+        raise ValueError(f"must be a number of bytes of at least 256, or 0 to turn the limit off, got {value!r:.80}")
     return value
 
 
@@ -797,7 +795,7 @@ OPTIONS: Mapping[str, Option] = {
             name="max_payload_bytes",
             default=65536,
             doc="Largest serialised arguments a publish may send; larger is refused at publish "
-            "(PayloadTooLargeError, naming the size): send a storage reference instead. None: no limit.",
+            "(PayloadTooLargeError, naming the size): send a storage reference instead. 0: no limit.",
             check=_bytes_or_off,
             scopes=frozenset({CALL, TASK, APP}),
         ),
@@ -964,6 +962,38 @@ OPTIONS: Mapping[str, Option] = {
             default=2 * 24 * 3600.0,
             doc="Seconds the activity is kept (Redis: expiry; Django: guardrails_prune). The charts show 24 hours.",
             check=_seconds,
+            scopes=frozenset({APP}),
+        ),
+        Option(
+            name="outbox_relay",
+            default=True,
+            doc="Django: each worker runs the transactional outbox's relay in a thread, publishing the messages "
+            "enqueued with enqueue_in_transaction / outbox=True once their transaction committed. False: run "
+            "manage.py guardrails_outbox_relay instead.",
+            check=_boolean,
+            scopes=frozenset({APP}),
+        ),
+        Option(
+            name="outbox_relay_interval",
+            default=1.0,
+            doc="Seconds between two relay passes when the outbox is empty (a full batch is followed by the next "
+            "at once): the relay's lag when idle.",
+            check=_seconds,
+            scopes=frozenset({APP}),
+        ),
+        Option(
+            name="outbox_relay_lease",
+            default=60.0,
+            doc="Seconds a relay's claimed outbox messages stay hidden from other relays while it publishes them; "
+            "a relay that dies mid-batch leaves them to be published again after this (at least once).",
+            check=_seconds,
+            scopes=frozenset({APP}),
+        ),
+        Option(
+            name="outbox_batch",
+            default=100,
+            doc="Outbox messages a relay pass claims and publishes at most.",
+            check=_positive_int,
             scopes=frozenset({APP}),
         ),
         Option(

@@ -8,6 +8,7 @@ to Celery.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 from collections.abc import Mapping
 from contextlib import ExitStack
@@ -176,6 +177,13 @@ class GuardedTask(Task):  # type: ignore[misc]
         shadow: str | None = None,
         **options: Any,
     ) -> Any:
+        if options.pop("outbox", False):
+            from django_celery_guardrails.outbox import enqueue
+
+            if link or link_error or producer or shadow:
+                raise ValueError("outbox=True takes no link, link_error, producer or shadow (not kept in the outbox)")
+
+            return enqueue(self, args, kwargs, task_id=task_id, **options)
         # Every guardrail option name is taken out (never passed on to Celery as a message property); one
         # that may not be set per call is refused here, naming the key.
         given = check_call_options({name: options.pop(name) for name in list(options) if name in OPTIONS})
@@ -211,6 +219,43 @@ class GuardedTask(Task):  # type: ignore[misc]
         return super().apply_async(
             args, kwargs, task_id, producer, link, link_error, shadow, headers=message_headers, **options
         )
+
+    # Transactional enqueue (Django). Celery's DjangoTask has delay_on_commit; GuardedTask derives from
+    # celery.Task, so it brings its own, which also carries the caller's tenant and correlation id.
+
+    def delay_on_commit(self, *args: Any, **kwargs: Any) -> None:
+        """``delay`` once the current database transaction commits (nothing if it rolls back): Celery's
+        ``DjangoTask.delay_on_commit``, with the caller's tenant and correlation id captured now."""
+        self.apply_async_on_commit(args, kwargs)
+
+    def apply_async_on_commit(
+        self, args: Any = None, kwargs: Any = None, *, using: str | None = None, **options: Any
+    ) -> None:
+        """``apply_async`` once the transaction of database ``using`` commits. The payload contract and
+        ``tenant_required`` are checked now, in the caller. A crash between the commit and the publish loses the
+        message: where that matters, use the outbox (``enqueue_in_transaction``)."""
+        from django.db import transaction
+
+        from celery_guardrails.context import current_correlation_id, current_tenant
+        from celery_guardrails.exceptions import MissingTenantError
+        from celery_guardrails.guardrails.contract import check_payload
+        from celery_guardrails.options import resolve
+
+        with settings_snapshot(self.app):
+            for name, value in (("tenant", current_tenant()), ("correlation_id", current_correlation_id())):
+                if value is not None:
+                    options.setdefault(name, value)
+            call = check_call_options({name: options[name] for name in options if name in OPTIONS})
+            if options.get("tenant") is None and resolve(self, "tenant_required", call):
+                raise MissingTenantError(self.name, where="given at publish")
+            check_payload(self, tuple(args or ()), dict(kwargs or {}), call)
+        transaction.on_commit(functools.partial(self.apply_async, args, kwargs, **options), using=using)
+
+    def enqueue_in_transaction(self, *args: Any, **kwargs: Any) -> Any:
+        """Write this task's message in the caller's database transaction, for the outbox relay to publish once
+        it committed (see ``django_celery_guardrails.outbox``); the message's ``AsyncResult``. The same as
+        ``apply_async(args, kwargs, outbox=True)``."""
+        return self.apply_async(args, kwargs, outbox=True)
 
     def retry(self, *args: Any, **kwargs: Any) -> Any:
         """Celery's ``retry``, except when the new message cannot be published: Celery then rejects the running

@@ -43,6 +43,7 @@ from .models import (
     DeadLetter,
     DependencyState,
     IdempotencyKey,
+    OutboxMessage,
     ScheduledRun,
     SealedMessage,
 )
@@ -412,6 +413,27 @@ class ConcurrencySlotAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
 
     def has_change_permission(self, request: HttpRequest, obj: ConcurrencySlot | None = None) -> bool:
         return False  # to look at (and delete: a held slot deleted by hand frees it at once)
+
+
+@admin.register(OutboxMessage)
+class OutboxMessageAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
+    """Messages waiting in the transactional outbox: a row here long after its transaction committed is the
+    relay's lag, or a message it cannot publish (``last_error`` says why). Its arguments are not shown: a
+    message in flight may carry what dead letters would redact."""
+
+    list_display = ("task_name", "task_id", "tenant", "created_at", "available_at", "attempts", "last_error")
+    list_filter = ("task_name",)
+    search_fields = ("task_id__exact",)
+    exclude = ("body",)
+    readonly_fields = [f.name for f in OutboxMessage._meta.fields if f.name != "body"]
+    show_full_result_count = False
+    paginator = CappedCountPaginator
+
+    def has_add_permission(self, request: HttpRequest) -> bool:
+        return False  # rows are written by enqueue_in_transaction
+
+    def has_change_permission(self, request: HttpRequest, obj: OutboxMessage | None = None) -> bool:
+        return False  # to look at (and delete: a row deleted by hand is never published)
 
 
 @admin.register(DependencyState)

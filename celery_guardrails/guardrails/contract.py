@@ -139,6 +139,14 @@ def _leaves(signatures: Any, depth: int = 0) -> Iterator[Mapping[str, Any]]:
             yield signature
 
 
+def check_payload(task: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any], call: Mapping[str, Any]) -> None:
+    """The publish checks (entities, sensitive keys, size) of ``task``'s arguments, raising what a publish would:
+    for a message published later (``apply_async_on_commit``, the outbox), checked in the caller now."""
+    contract = PayloadContract()
+    contract._check_values(task, args, kwargs, call)
+    contract._check_size(task, args, kwargs, call)
+
+
 class PayloadContract(Guardrail):
     """Checks what a message carries at publish and the version it was sent as at delivery (see the module
     docstring)."""
@@ -203,7 +211,7 @@ class PayloadContract(Guardrail):
         self, task: GuardedTask, args: tuple[Any, ...], kwargs: Mapping[str, Any], call: Mapping[str, Any]
     ) -> None:
         limit = resolve(task, "max_payload_bytes", call)
-        if limit is None:
+        if not limit:  # 0: no limit
             return
         serializer = task.serializer or task.app.conf.task_serializer
         try:

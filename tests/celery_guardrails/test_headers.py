@@ -66,6 +66,7 @@ def test_retry_keeps_version_per_call_options_and_unknown_fields(celery_worker: 
         "cid": "req-h-1",
         "opts": {"tenant_required": True},
         "future_field": "keep-me",
+        "pv": 1,
     }
     published = [report["header"].pop("pub") for report in (first, retried)]
     assert first["header"] == expected

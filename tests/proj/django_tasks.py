@@ -29,7 +29,16 @@ def write_effect(self: GuardedTask, key: str, sink: str, hold: float = 0.0, gate
     return "written"
 
 
-@shared_task(base=GuardedTask, bind=True, owner="payments", backoff_base=0.05, idempotent=True)
+@shared_task(
+    base=GuardedTask,
+    bind=True,
+    owner="payments",
+    backoff_base=0.05,
+    idempotent=True,
+    # It carries test secrets and huge arguments on purpose: the dead letters' redaction and cuts are tested.
+    allow_sensitive_payload="tests the dead letters' redaction of secrets",
+    max_payload_bytes=0,
+)
 def fail_with(self: GuardedTask, step: str, card_number: str = "", **details: object) -> str:
     """Fails the way ``step`` says (for dead letters); ``card_number`` and ``details`` carry test secrets."""
     from celery_guardrails import PermanentError, RetryLater, TransientError

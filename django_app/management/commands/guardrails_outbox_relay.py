@@ -1,0 +1,49 @@
+"""``manage.py guardrails_outbox_relay``: publish the transactional outbox's messages (see
+:mod:`django_celery_guardrails.outbox`), where the workers' relay thread is off (``outbox_relay=False``) or as a
+process of its own. ``--once`` publishes what is due now and exits (the count printed); without it, it relays
+until stopped (SIGTERM or Ctrl-C end it after the batch under way).
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+from typing import Any
+
+from celery import current_app
+from django.core.management.base import BaseCommand, CommandParser
+
+from celery_guardrails.options import app_value
+from celery_guardrails.outbox import relay_loop
+
+from ...outbox import relay
+
+
+class Command(BaseCommand):
+    help = "Publish the outbox's messages whose transaction committed (once, or until stopped)."
+
+    def add_arguments(self, parser: CommandParser) -> None:
+        parser.add_argument("--once", action="store_true", help="Publish what is due now, then exit.")
+        parser.add_argument("--batch", type=int, default=None, help="Messages per pass (default: outbox_batch).")
+        parser.add_argument(
+            "--interval", type=float, default=None, help="Seconds between passes when idle (outbox_relay_interval)."
+        )
+
+    def handle(self, *args: Any, once: bool, batch: int | None, interval: float | None, **options: Any) -> None:
+        app = current_app._get_current_object()
+        app.loader.import_default_modules()  # the project's tasks, as a worker imports them
+        if once:
+            published = failed = 0
+            while True:
+                done = relay(app, batch=batch or 100, lease=app_value(app, "outbox_relay_lease"))
+                published, failed = published + done.published, failed + done.failed
+                if done.published + done.failed < (batch or 100) or done.failed:
+                    break
+            self.stdout.write(f"Published {published} outbox message(s); {failed} failed (kept, backed off).")
+            return
+        stopping = threading.Event()
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(signum, lambda *_: stopping.set())
+        self.stdout.write("Relaying the outbox until stopped.")
+        relay_loop(app, stopping, interval=interval, batch=batch)
+        self.stdout.write("Stopped.")
