@@ -48,9 +48,12 @@ PLANTED = {
 }
 
 
-def _own_tasks(app: Celery, prefix: str) -> Celery:
+def own_tasks(app: Celery, prefix: str) -> Celery:
     """Keep only the app's own tasks (and Celery's): every ``shared_task`` imported in this process (the
-    example project's, the suite's) is added to every app as it is finalised, and would be graded too."""
+    example project's, the suite's) is added to every app as it is finalised, and would be graded too. The app's
+    default modules are imported first, as the audit imports them (with DJANGO_SETTINGS_MODULE set, Celery's
+    Django fixup brings the project's tasks in then)."""
+    app.loader.import_default_modules()
     for name in list(app.tasks):
         if not name.startswith((prefix, "celery.")):
             del app.tasks[name]
@@ -81,19 +84,20 @@ def bad_app() -> Celery:
         },
     )
 
-    @app.task(name="bad.plain")
+    @app.task(shared=False, name="bad.plain")
     def plain() -> None: ...
 
-    @app.task(name="bad.plain_late", acks_late=True, reject_on_worker_lost=False)
+    @app.task(shared=False, name="bad.plain_late", acks_late=True, reject_on_worker_lost=False)
     def plain_late() -> None: ...
 
-    @app.task(name="bad.unsafe", base=GuardedTask, bind=True, retry_unsafe=True, owner="ops")
+    @app.task(shared=False, name="bad.unsafe", base=GuardedTask, bind=True, retry_unsafe=True, owner="ops")
     def unsafe(self: Any) -> None: ...
 
-    @app.task(name="bad.keyless", base=GuardedTask, bind=True, idempotent=True)
+    @app.task(shared=False, name="bad.keyless", base=GuardedTask, bind=True, idempotent=True)
     def keyless(self: Any) -> None: ...
 
     @app.task(
+        shared=False,
         name="bad.slow",
         base=GuardedTask,
         bind=True,
@@ -105,10 +109,11 @@ def bad_app() -> Celery:
     )
     def slow(self: Any, n: int) -> None: ...
 
-    @app.task(name="bad.early", base=GuardedTask, bind=True, owner="ops", acks_late=False)
+    @app.task(shared=False, name="bad.early", base=GuardedTask, bind=True, owner="ops", acks_late=False)
     def early(self: Any) -> None: ...
 
     @app.task(
+        shared=False,
         name="bad.secret",
         base=GuardedTask,
         bind=True,
@@ -117,16 +122,26 @@ def bad_app() -> Celery:
     )
     def secret(self: Any, password: str) -> None: ...
 
-    @app.task(name="bad.ordered", base=GuardedTask, bind=True, owner="ops", ordering_key="account:{account}")
+    @app.task(
+        shared=False, name="bad.ordered", base=GuardedTask, bind=True, owner="ops", ordering_key="account:{account}"
+    )
     def ordered(self: Any, account: int) -> None: ...
 
-    @app.task(name="bad.versions", base=GuardedTask, bind=True, owner="ops", payload_version=2, accepts_versions=(1,))
+    @app.task(
+        shared=False,
+        name="bad.versions",
+        base=GuardedTask,
+        bind=True,
+        owner="ops",
+        payload_version=2,
+        accepts_versions=(1,),
+    )
     def versions(self: Any) -> None: ...
 
-    @app.task(name="bad.report", base=GuardedTask, bind=True, owner="ops")
+    @app.task(shared=False, name="bad.report", base=GuardedTask, bind=True, owner="ops")
     def report(self: Any) -> None: ...
 
-    return _own_tasks(app, "bad.")
+    return own_tasks(app, "bad.")
 
 
 def good_app() -> Celery:
@@ -145,13 +160,13 @@ def good_app() -> Celery:
         },
     )
 
-    @app.task(name="good.charge", base=GuardedTask, bind=True, idempotency_key="charge:{order_id}")
+    @app.task(shared=False, name="good.charge", base=GuardedTask, bind=True, idempotency_key="charge:{order_id}")
     def charge(self: Any, order_id: int) -> None: ...
 
-    @app.task(name="good.settle", base=GuardedTask, bind=True)
+    @app.task(shared=False, name="good.settle", base=GuardedTask, bind=True)
     def settle(self: Any) -> None: ...
 
-    return _own_tasks(app, "good.")
+    return own_tasks(app, "good.")
 
 
 bad = bad_app()
