@@ -9,6 +9,11 @@ dead letters by owner, dependencies and schedule health; ``--json`` prints the s
 redraws every ``--interval`` seconds, with each queue's depth change per second, until Ctrl-C (exit 0);
 ``--count N`` stops after N reads. A single read that could not read a source (broker or store down) prints
 what it could, names the source, and exits 1.
+
+``audit`` grades the app's configuration and registered tasks (:mod:`celery_guardrails.audit`): per axis of the
+rubric its score (0 to 5) and findings, each naming the task or setting to change and how; ``--json`` prints the
+same as JSON. It exits 1 when an axis scores below ``--min-score`` (default 3), for CI; 2 when the guardrails
+settings themselves are invalid.
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ import click
 
 @click.group(name="guardrails")
 def guardrails() -> None:
-    """celery-guardrails: status of queues, dead letters, dependencies and schedules."""
+    """celery-guardrails: status of queues, dead letters, dependencies and schedules; the deployment audit."""
 
 
 @guardrails.command(name="status")
@@ -48,6 +53,41 @@ def status(ctx: click.Context, as_json: bool, watch: bool, interval: float, coun
         click.echo("")
         return
     if failed and not watch:  # a script or a check can tell that what it printed is incomplete
+        ctx.exit(1)
+
+
+@guardrails.command(name="audit")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of text.")
+@click.option(
+    "--min-score",
+    type=click.IntRange(min=0, max=5),
+    default=3,
+    show_default=True,
+    help="Exit 1 when an axis scores below this.",
+)
+@click.pass_context
+def audit(ctx: click.Context, as_json: bool, min_score: int) -> None:
+    """Score the configuration and registered tasks on the rubric's axes (0 to 5), with the findings."""
+    from celery_guardrails import audit as audit_module
+    from celery_guardrails.exceptions import ConfigurationError
+
+    app = ctx.obj.app
+    try:  # imported here (audit imports them too) to say so when it fails: the grade misses those tasks
+        app.loader.import_default_modules()
+    except Exception as exc:
+        click.echo(f"warning: importing the app's task modules failed: {exc!r}", err=True)
+    try:
+        report = audit_module.audit(app)
+    except ConfigurationError as exc:
+        click.echo(f"error: {exc}", err=True)
+        ctx.exit(2)
+    text = (
+        audit_module.as_json(report, min_score=min_score)
+        if as_json
+        else audit_module.render(report, min_score=min_score)
+    )
+    click.echo(text)
+    if report.below(min_score):
         ctx.exit(1)
 
 

@@ -5,6 +5,30 @@ guardrails.W001  the context middleware is not installed: requests will not stam
                  tenant on the tasks they enqueue.
 guardrails.W002  no ``seal_keys``: dead letters keep no sealed copy, so a record whose arguments had a secret
                  redacted cannot be replayed.
+
+The deployment audit (:mod:`celery_guardrails.audit`) of the project's Celery app, as deployment checks
+(``manage.py check --deploy``; the audit reads every registered task, so it is not run before every command):
+one ``Warning`` per finding, its ``obj`` the task, setting or beat entry the finding names, with the finding's
+fix as the hint. Each finding code has its id, ``guardrails.W1`` + the code's axis digit + its number:
+
+    GA101 W111  plain Celery task           GA401 W141  guarded task without owner
+    GA102 W112  no max_payload_bytes        GA402 W142  alert_channels empty or only "log"
+    GA103 W113  allow_sensitive_payload     GA403 W143  "webhook" without alert_webhooks
+    GA104 W114  no sensitive_keys           GA404 W144  "mail" with nobody to mail
+    GA105 W115  accepts_versions without    GA405 -     no seal_keys: W002 says it (not twice)
+                its payload_version         GA501 W151  Redis visibility_timeout not longer than a limit
+    GA201 W121  retried without a key       GA502 W152  prefetch above 1 with long tasks
+    GA301 W131  retry_unsafe                GA503 W153  ordering_key without idempotency_key
+    GA302 W132  acks_late off               GA601 W161  beat entry without policy
+    GA303 W133  acks_late without           GA602 W162  crontab policy without timezone
+                reject_on_worker_lost       GA603 W163  schedule without owner
+    GA304 W134  time_limit without          GA604 W164  policy for a missing entry
+                soft_time_limit             GA605 W165  policy for a plain task's entry
+    GA701 W171  metrics off                 GA606 W166  watchdog off
+    GA702 W172  activity off                GA703 W173  metrics without prometheus-client
+
+The audit check never raises: an app that cannot be loaded or audited gives no audit warnings (an invalid
+``CELERY_GUARDRAILS`` is E001).
 """
 
 from __future__ import annotations
@@ -16,6 +40,12 @@ from django.core.checks import Error, Tags, Warning, register
 
 from celery_guardrails.exceptions import ConfigurationError
 from celery_guardrails.options import django_settings
+
+#: The system check id of each audit finding code (see the module docstring); None: another check says it.
+AUDIT_IDS: dict[str, str | None] = {
+    **{f"GA{axis}0{number}": f"guardrails.W1{axis}{number}" for axis in range(1, 8) for number in range(1, 10)},
+    "GA405": None,
+}
 
 MIDDLEWARE_PATH = "django_celery_guardrails.middleware.GuardrailsContextMiddleware"
 
@@ -58,4 +88,21 @@ def check_seal_keys(app_configs: Any = None, **kwargs: Any) -> list[Warning]:
             "Dead letters: Sealed for replay).",
             id="guardrails.W002",
         )
+    ]
+
+
+@register(Tags.compatibility, deploy=True)
+def check_audit(app_configs: Any = None, **kwargs: Any) -> list[Warning]:
+    try:
+        from celery_guardrails.audit import audit
+
+        from .health import celery_app
+
+        report = audit(celery_app())
+    except Exception:  # a check never raises: an app that cannot be loaded is no audit finding
+        return []
+    return [
+        Warning(f"{finding.message} ({finding.code})", hint=finding.fix, obj=finding.subject, id=check_id)
+        for finding in report.findings
+        if (check_id := AUDIT_IDS.get(finding.code)) is not None
     ]

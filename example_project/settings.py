@@ -82,8 +82,15 @@ CELERY_BEAT_SCHEDULE = {
     "settle-payments": {"task": "example_project.shop.tasks.settle_payments", "schedule": crontab(minute="*")},
 }
 
+# Who hears of dead letters and missed runs: every shop task has an owner (charge_order and settle_payments name
+# "payments" themselves), and each owner an address; the example's mail goes to files beside its database.
+EMAIL_BACKEND = "django.core.mail.backends.filebased.EmailBackend"
+EMAIL_FILE_PATH = str(VAR_DIR / "mail")
+
 CELERY_GUARDRAILS: dict[str, Any] = {
     "tenant_resolver": "example_project.shop.tenants.tenant_from_header",
+    "owners": {"example_project.shop.*": "shop"},
+    "owner_emails": {"payments": ["payments@example.com"], "shop": ["shop@example.com"]},
     "schedules": {
         # Every minute, Berlin time; never two settlements at once; after beat downtime settle once for all
         # the missed minutes, from the end of the last successful settlement (read from the run ledger).
