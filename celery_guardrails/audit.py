@@ -14,7 +14,7 @@ for a reviewer: a deliberate, documented opt-out); a score never goes below 0. E
 message design
     GA101 warning  a task that is a plain ``celery.Task``, not a ``GuardedTask`` (no context, no retry gate, no
                    dead letter, no payload contract)
-    GA102 warning  ``max_payload_bytes`` is None (app, or a task's 0): any payload size is published
+    GA102 warning  ``max_payload_bytes`` is 0 (app or task): any payload size is published
     GA103 info     ``allow_sensitive_payload``: the task carries sensitive values, and says why (listed with the
                    reason)
     GA104 warning  ``sensitive_keys`` is empty (app or task): secrets are not refused at publish
@@ -219,14 +219,14 @@ def _message_design(app: Any, tasks: list[Any], guarded: list[Any]) -> list[Find
                     "make it a GuardedTask: @shared_task(base=GuardedTask, bind=True, ...)",
                 )
             )
-    if app_value(app, "max_payload_bytes") is None:
+    if not app_value(app, "max_payload_bytes"):
         found.append(
             _finding(
                 "GA102",
                 WARNING,
                 "max_payload_bytes",
                 "no payload size limit: any message size is published and retained",
-                "remove max_payload_bytes=None from the guardrails settings (default 65536); send a reference "
+                "remove max_payload_bytes=0 from the guardrails settings (default 65536); send a reference "
                 "to stored data instead of the data",
             )
         )
@@ -241,7 +241,7 @@ def _message_design(app: Any, tasks: list[Any], guarded: list[Any]) -> list[Find
             )
         )
     for task in guarded:
-        if task_attribute(task, "max_payload_bytes") is not None and resolve(task, "max_payload_bytes", {}) is None:
+        if task_attribute(task, "max_payload_bytes") is not None and not resolve(task, "max_payload_bytes", {}):
             found.append(
                 _finding(
                     "GA102",

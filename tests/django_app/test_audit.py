@@ -31,7 +31,7 @@ CELERY_BEAT_SCHEDULE = {
 CELERY_GUARDRAILS = {
     **CELERY_GUARDRAILS,
     "alert_channels": ["log"],
-    "max_payload_bytes": None,
+    "max_payload_bytes": 0,
     "activity": False,
 }
 """

@@ -22,7 +22,7 @@ BROKER = "redis://127.0.0.1:6379/15"
 PLANTED = {
     ("GA101", "bad.plain"),  # a plain Celery task
     ("GA101", "bad.plain_late"),
-    ("GA102", "max_payload_bytes"),  # max_payload_bytes None
+    ("GA102", "max_payload_bytes"),  # max_payload_bytes 0
     ("GA103", "bad.secret"),  # allow_sensitive_payload, listed
     ("GA104", "sensitive_keys"),  # sensitive_keys emptied
     ("GA105", "bad.versions"),  # accepts_versions without its own payload_version
@@ -73,7 +73,7 @@ def bad_app() -> Celery:
         },
         guardrails={
             "alert_channels": ["log"],
-            "max_payload_bytes": None,
+            "max_payload_bytes": 0,
             "sensitive_keys": [],
             "metrics": False,
             "activity": False,
