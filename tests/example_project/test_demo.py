@@ -86,4 +86,15 @@ def check_output(out: str) -> None:
     assert "12. celery -A example_project guardrails status" in out
     assert re.search(r"Queues.*\n.*QUEUE +DEPTH +OLDEST +IN/MIN +OUT/MIN", out)
     assert "Open dead letters" in out and "Schedules" in out
+    # the payload contract refuses each kind of bad payload at publish, with its own error
+    assert "13. the payload contract: refused at publish, in the caller, nothing sent" in out
+    assert "a model instance: EntityInPayloadError: example_project.shop.tasks.send_receipt: order_id is a User" in out
+    assert "a card number: SensitivePayloadError:" in out
+    assert re.search(r"70 KB of arguments: PayloadTooLargeError: .*: its arguments are 70,\d{3} bytes serialised", out)
+    # the outbox: a rollback leaves nothing, a commit is published by the worker's relay
+    assert "order 47: the transaction rolled back; outbox messages: 0" in out
+    assert re.search(r"order 48 charged ch_\d+ by the worker; outbox messages left: 0", out)
+    # the audit of the example project: no axis below 4
+    assert "15. manage.py guardrails_audit" in out
+    assert "OK: every axis scores 3 or more (lowest 4)" in out
     assert "== worker stopped (exit code 0)" in out
