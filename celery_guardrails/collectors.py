@@ -17,6 +17,8 @@
     celery_guardrails_schedule_overdue_runs{schedule}           runs overdue in the last 7 days
     celery_guardrails_schedule_last_success_age_seconds{schedule}  since the newest successful period (no
                                                                 sample when none is kept)
+    celery_guardrails_outbox_messages                           outbox messages waiting for the relay (Django)
+    celery_guardrails_outbox_oldest_age_seconds                 the oldest one's age: the relay's lag (0: none)
     celery_guardrails_collector_source_up{source}               1: the source was read in this scrape, 0: not
     celery_guardrails_collector_errors_total{source}            sources that could not be read, since start
 
@@ -94,6 +96,8 @@ class StateCollector(Collector):
             families += _dependency_families(status)
         if status_module.SCHEDULES not in status.errors:
             families += _schedule_families(status)
+        if status.outbox is not None:
+            families += _outbox_families(status.outbox)
         up = GaugeMetricFamily(
             PREFIX + "collector_source_up",
             "1: the source was read in this scrape; 0: it could not be",
@@ -165,6 +169,16 @@ def _schedule_families(status: Any) -> list[Metric]:
         if schedule.last_success_age is not None:
             success.add_metric([schedule.schedule], schedule.last_success_age)
     return [missed, overdue, success]
+
+
+def _outbox_families(outbox: Any) -> list[Metric]:
+    waiting = GaugeMetricFamily(PREFIX + "outbox_messages", "Outbox messages waiting for the relay")
+    waiting.add_metric([], outbox.waiting)
+    age = GaugeMetricFamily(
+        PREFIX + "outbox_oldest_age_seconds", "Age of the oldest outbox message: the relay's lag (0: none waits)"
+    )
+    age.add_metric([], outbox.oldest_age or 0.0)
+    return [waiting, age]
 
 
 def _close_database() -> None:

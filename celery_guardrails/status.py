@@ -12,6 +12,7 @@ Where each comes from:
   the last :data:`RATE_MINUTES` whole minutes, from the outcome counts the workers keep in the store, and
   arrivals derived as those plus the depth's change between the first and last queue samples of the window
   (a broker counts no arrivals); "?" until two samples are kept.
+* the transactional outbox (with the Django app): messages waiting for the relay and the age of the oldest.
 * dead letters still open, per owner and task: the app's dead-letter sinks
   (:func:`celery_guardrails.dead_letters.sinks_for`). The Django sink: ``DeadLetter`` rows with status
   ``open``, counted by the database. The Redis stream sink keeps no status (nothing closes a stream entry):
@@ -40,6 +41,7 @@ from celery_guardrails import activity
 from celery_guardrails.activity import QueueRate
 from celery_guardrails.ledger import MISSED, OK, OVERDUE
 from celery_guardrails.queues import QueueDepth, read_queues
+from celery_guardrails.stores import django_apps_installed
 
 logger = logging.getLogger(__name__)
 
@@ -56,9 +58,9 @@ LEDGER_SCAN = 2000
 RATE_MINUTES = 5
 
 QUEUES, DEAD_LETTERS, DEPENDENCIES, SCHEDULES = "queues", "dead_letters", "dependencies", "schedules"
-RATES = "rates"
+RATES, OUTBOX = "rates", "outbox"
 #: The sources, in the order they are read and shown.
-SOURCES = (QUEUES, RATES, DEAD_LETTERS, DEPENDENCIES, SCHEDULES)
+SOURCES = (QUEUES, RATES, DEAD_LETTERS, DEPENDENCIES, SCHEDULES, OUTBOX)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -110,6 +112,15 @@ class ScheduleStatus:
     last_status: str | None
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class OutboxBacklog:
+    """The transactional outbox (Django): messages waiting for the relay, and the age of the oldest (seconds;
+    None when none waits): the relay's lag."""
+
+    waiting: int
+    oldest_age: float | None
+
+
 @dataclass(slots=True, kw_only=True)
 class Status:
     """Everything :func:`gather` read; a source that failed is empty and named in ``errors``."""
@@ -127,6 +138,8 @@ class Status:
     #: Per queue, deliveries ended and messages arrived per minute over the last RATE_MINUTES whole minutes,
     #: from the activity the workers keep (None: not read, ``activity`` is off or the read failed).
     rates: dict[str, QueueRate] | None = None
+    #: The outbox's backlog (None: not read, the Django app is not installed).
+    outbox: OutboxBacklog | None = None
 
 
 def read_dead_letters(app: Any) -> DeadLetters:
@@ -264,7 +277,17 @@ def gather(app: Any, *, queues: Iterable[str] = (), now: float | None = None) ->
     status.dead_letters = attempt(DEAD_LETTERS, lambda: read_dead_letters(app), errors) or DeadLetters(counts=[])
     status.dependencies = attempt(DEPENDENCIES, lambda: read_dependencies(app), errors) or []
     status.schedules = attempt(SCHEDULES, lambda: read_schedules(app), errors) or []
+    if django_apps_installed():
+        status.outbox = attempt(OUTBOX, read_outbox, errors)
     return status
+
+
+def read_outbox() -> OutboxBacklog:
+    """The outbox's backlog (see :func:`django_celery_guardrails.outbox.backlog`)."""
+    from django_celery_guardrails.outbox import backlog
+
+    waiting, oldest = backlog()
+    return OutboxBacklog(waiting=waiting, oldest_age=oldest)
 
 
 def with_change(current: Status, previous: Status | None) -> Status:
@@ -360,6 +383,10 @@ def render(status: Status) -> str:
     ]
     headers = ["SCHEDULE", "LAST RECORD", "LAST SUCCESS", f"MISSED {WINDOW / 86400:g}D", "OVERDUE"]
     lines += _section("Schedules", SCHEDULES, status, headers, rows)
+    if status.outbox is not None or OUTBOX in status.errors:
+        box = status.outbox
+        rows = [] if box is None else [[str(box.waiting), _age(box.oldest_age) if box.waiting else "-"]]
+        lines += _section("Outbox", OUTBOX, status, ["WAITING", "OLDEST"], rows)
     return "\n".join(lines).rstrip() + "\n"
 
 

@@ -152,3 +152,11 @@ def test_the_activity_off_or_unreadable_is_said_and_the_rest_is_shown(admin_clie
     page = admin_client.get(reverse(DASHBOARD))
     assert page.status_code == 200
     assert "activity could not be read" in page.content.decode()
+
+
+def test_the_outbox_backlog_is_shown(admin_client: Client, celery_app: Any) -> None:
+    from django_celery_guardrails.models import OutboxMessage
+
+    OutboxMessage.objects.create(task_name="t", task_id="id-1", body="[[], {}]", available_at=datetime.now(UTC))
+    text = admin_client.get(reverse(DASHBOARD)).content.decode()
+    assert re.search(r'<table id="outbox">.*<td class="number">1</td>', text, re.S)

@@ -130,3 +130,25 @@ def test_the_exposition_carries_the_state_of_the_deployment(admin_client: Client
     }
     assert open_letters.get(("payments", "tests.metrics_view.owned")) == 1
     assert "celery_guardrails_collector_source_up" in response.content.decode()
+
+
+def test_the_outbox_backlog_is_exported_as_the_relays_lag(admin_client: Client) -> None:
+    # Given two outbox messages waiting, the older enqueued 90 s ago (no relay runs in this process)
+    from datetime import timedelta
+
+    from django.utils import timezone
+
+    from django_celery_guardrails.models import OutboxMessage
+
+    moment = timezone.now()
+    for age in (90, 5):
+        row = OutboxMessage.objects.create(task_name="t", task_id=f"id-{age}", body="[[], {}]", available_at=moment)
+        OutboxMessage.objects.filter(pk=row.pk).update(created_at=moment - timedelta(seconds=age))
+    # When staff read the metrics, Then the backlog and the oldest message's age are there
+    samples = {
+        sample.name: sample.value
+        for family in text_string_to_metric_families(admin_client.get(reverse(URL)).content.decode())
+        for sample in family.samples
+    }
+    assert samples["celery_guardrails_outbox_messages"] == 2
+    assert samples["celery_guardrails_outbox_oldest_age_seconds"] >= 90
