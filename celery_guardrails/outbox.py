@@ -32,23 +32,25 @@ def relay_loop(app: Any, stopping: threading.Event, *, interval: float | None = 
     size = int(app_value(app, "outbox_batch") if batch is None else batch)
     lease = float(app_value(app, "outbox_relay_lease"))
     failures = 0
-    while not stopping.is_set():
-        full = False
-        try:
-            close_old_connections()
-            done = relay(app, batch=size, lease=lease)
-            full = done.published + done.failed >= size
-            if failures:
-                logger.info("Outbox relay: working again after %d failed pass(es)", failures)
-            failures = 0
-        except Exception:
-            failures += 1
-            (logger.exception if failures == 1 else logger.debug)("Outbox relay: a pass failed", exc_info=True)
-        finally:
-            if not connection.in_atomic_block:
-                connection.close()  # no connection held open between passes
-        if not full:
-            stopping.wait(wait)
+    try:
+        while not stopping.is_set():
+            full = False
+            try:
+                # The project's CONN_MAX_AGE decides whether the connection lives across passes (Django's default,
+                # 0, closes it); one left broken by a failed pass is closed here either way.
+                close_old_connections()
+                done = relay(app, batch=size, lease=lease)
+                full = done.published + done.failed >= size
+                if failures:
+                    logger.info("Outbox relay: working again after %d failed pass(es)", failures)
+                failures = 0
+            except Exception:
+                failures += 1
+                (logger.exception if failures == 1 else logger.debug)("Outbox relay: a pass failed", exc_info=True)
+            if not full:
+                stopping.wait(wait)
+    finally:
+        connection.close()
 
 
 class OutboxRelayStep(bootsteps.StartStopStep):  # type: ignore[misc]

@@ -43,9 +43,10 @@ def _completed(scraped: Scrape, task: str) -> bool:
 
 
 @pytest.fixture
-def real_scrape(celery_worker: Any, celery_app: Any) -> Scrape:
+def real_scrape(celery_worker: Any, celery_app: Any, transactional_db: Any) -> Scrape:
     """A scrape after a real worker ran a task that succeeded and one that was dead-lettered (so that every
-    worker-side family and every state gauge has samples)."""
+    worker-side family and every state gauge has samples). The Django app is installed in the test process: the
+    scrape reads its outbox too (empty), as a Django project's would."""
     ok = contrib_succeeds.delay()
     failed = contrib_fails.delay()
     assert ok.get(timeout=60) == "done"

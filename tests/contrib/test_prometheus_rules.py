@@ -120,6 +120,7 @@ def test_the_alerts_the_brief_asks_for_are_there() -> None:
         "CeleryGuardrailsRetryBudgetSpent",
         "CeleryGuardrailsCircuitOpen",
         "CeleryGuardrailsCollectorSourceDown",
+        "CeleryGuardrailsOutboxRelayLagging",
     } <= set(alerts)
     assert "owner" in kept_labels(alerts["CeleryGuardrailsDeadLettersOpen"]["expr"])
 
@@ -257,6 +258,9 @@ def test_each_alert_fires_past_its_threshold_and_only_then(tmp_path: Path) -> No
         # "nightly" last succeeded 26 h ago; "hourly" 30 min ago
         {"series": 'celery_guardrails_schedule_last_success_age_seconds{schedule="nightly"}', "values": "93600+60x40"},
         {"series": 'celery_guardrails_schedule_last_success_age_seconds{schedule="hourly"}', "values": "1800x40"},
+        # the outbox's oldest message: waiting since minute 0 (its age grows a minute a minute), two views scraped
+        {"series": 'celery_guardrails_outbox_oldest_age_seconds{instance="a"}', "values": "0+60x40"},
+        {"series": 'celery_guardrails_outbox_oldest_age_seconds{instance="b"}', "values": "0+60x40"},
     ]
     firing_at_20m = [
         alert("CeleryGuardrailsDeadLettersOpen", owner="unowned", task="t.orphan"),
@@ -265,6 +269,8 @@ def test_each_alert_fires_past_its_threshold_and_only_then(tmp_path: Path) -> No
         alert("CeleryGuardrailsCircuitOpen", dependency="pay"),
         alert("CeleryGuardrailsCollectorSourceDown", source="schedules"),
         alert("CeleryGuardrailsScheduleNoRecentSuccess", schedule="nightly"),
+        # past 300 s at minute 6, firing from minute 11
+        alert("CeleryGuardrailsOutboxRelayLagging"),
     ]
     # "slow" passes 1800 s at minute 24 (400 + 60 * 24 > 1800); the critical one fires 5 minutes later
     firing_at_35m = [*firing_at_20m, alert("CeleryGuardrailsQueueOldestMessageOld", "critical", queue="slow")]
