@@ -375,15 +375,7 @@ def status_table(app: Any) -> None:
         outcomes = ", ".join(f"{outcome} {n}" for (name, outcome), n in sorted(totals.items()) if name == task)
         print(f"   {task}: {outcomes}")
     print("\n-- 12. celery -A example_project guardrails status (queues, open dead letters, dependencies, schedules)")
-    shown = subprocess.run(
-        [sys.executable, "-m", "celery", "-A", "example_project", "guardrails", "status"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    for line in (shown.stdout + shown.stderr).splitlines():
-        print(f"   {line}")
+    print_command([sys.executable, "-m", "celery", "-A", "example_project", "guardrails", "status"])
     print(
         "   the same numbers, with charts of the last 24 hours (dead letters by reason, outcomes per task, queue age): "
         "http://127.0.0.1:8000/admin/guardrails/dashboard/"
@@ -441,13 +433,12 @@ def contract_and_outbox() -> None:
 def audit() -> None:
     """The deployment graded against the rubric: ``manage.py guardrails_audit``."""
     print("\n-- 15. manage.py guardrails_audit (the configuration and the tasks, scored 0-5 per axis)")
-    shown = subprocess.run(
-        [sys.executable, str(ROOT / "example_project" / "manage.py"), "guardrails_audit"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    print_command([sys.executable, str(ROOT / "example_project" / "manage.py"), "guardrails_audit"])
+
+
+def print_command(argv: list[str]) -> None:
+    """Run an operator's command as they would, and print what it printed, indented."""
+    shown = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=120)
     for line in (shown.stdout + shown.stderr).splitlines():
         print(f"   {line}")
 
