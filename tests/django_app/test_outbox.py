@@ -132,15 +132,20 @@ def test_a_relay_that_cannot_reach_the_broker_keeps_the_rows_and_publishes_them_
         proxy.close()
 
 
-def test_a_row_of_a_task_this_process_does_not_know_is_kept_with_its_error(celery_app: Any) -> None:
+def test_a_row_that_cannot_be_published_is_kept_with_its_error(celery_app: Any) -> None:
     # Given a row left by a release whose task this one removed
     OutboxMessage.objects.create(
         task_name="tests.outbox.removed", task_id=uuid.uuid4().hex, body="[[], {}]", available_at=timezone.now()
     )
-    # When the relay passes, Then the row stays, saying why, and is tried again later (nothing deleted unsent)
-    assert relay(celery_app).failed == 1
-    row = OutboxMessage.objects.get()
-    assert "no task 'tests.outbox.removed' is registered" in row.last_error and row.attempts == 1
+    # and a row whose body was damaged by hand
+    OutboxMessage.objects.create(
+        task_name=tasks.versioned.name, task_id=uuid.uuid4().hex, body="{not json", available_at=timezone.now()
+    )
+    # When the relay passes, Then each row stays, saying why, and is tried again later (nothing deleted unsent)
+    assert relay(celery_app).failed == 2
+    removed, damaged = OutboxMessage.objects.order_by("id")
+    assert "no task 'tests.outbox.removed' is registered" in removed.last_error and removed.attempts == 1
+    assert damaged.last_error.startswith(("DecodeError", "ValueError", "JSONDecodeError")) and damaged.attempts == 1
 
 
 def test_options_that_cannot_be_kept_are_refused_at_enqueue(celery_app: Any) -> None:
