@@ -36,6 +36,7 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
+from celery import bootsteps
 from celery.signals import worker_process_shutdown, worker_shutdown
 
 from celery_guardrails.clock import now
@@ -223,6 +224,27 @@ def _on_exit(**_: Any) -> None:
         flush_all()
     except Exception:
         logger.exception("Activity: the exit flush failed")
+
+
+class ActivityStep(bootsteps.StartStopStep):  # type: ignore[misc]
+    """Worker bootstep: as the worker stops, its app's recorder in this process adds what it counted and its
+    thread ends (a worker embedded in a test process stops without ``worker_shutdown``; its thread would
+    otherwise outlive it)."""
+
+    label = "Guardrails activity"
+
+    def stop(self, parent: Any) -> None:
+        app = parent.app
+        with _recorders_lock:
+            made = _recorders.get(id(app))
+            if made is not None and made.app is app:
+                del _recorders[id(app)]
+            else:
+                made = None
+        if made is not None:
+            made.stop()
+
+    terminate = stop
 
 
 os.register_at_fork(after_in_child=_forked)

@@ -123,6 +123,9 @@ def install(app: Any) -> None:
     from celery_guardrails.metrics import MetricsEndpoint
 
     app.steps["worker"].add(MetricsEndpoint)
+    from celery_guardrails.activity import ActivityStep
+
+    app.steps["worker"].add(ActivityStep)
     from celery_guardrails.outbox import OutboxRelayStep
 
     app.steps["worker"].add(OutboxRelayStep)

@@ -46,15 +46,17 @@ def outcomes_of(store: Any, base: float, task: str, queue: str) -> Counter[str]:
     return found
 
 
-def worker(tmp_path: Path, queue: str, base: float, *, name: str = "worker", **settings: Any) -> WorkerProcess:
+def worker(
+    tmp_path: Path, queue: str, base: float, *, name: str = "worker", pool: str = "prefork", **settings: Any
+) -> WorkerProcess:
     clock = tmp_path / f"{name}.clock"
     set_file_clock(clock, base + 5)
     config = {"clock": "celery_guardrails.clock.file_clock", "activity_flush_interval": 0.3, **settings}
     return WorkerProcess(
         app=PROJ_APP,
         queue=queue,
-        pool="prefork",
-        concurrency=2,
+        pool=pool,
+        concurrency=2 if pool == "prefork" else 1,
         log_path=tmp_path / f"{name}.log",
         env=proj_env(queue=queue, GUARDRAILS_CLOCK_FILE=str(clock), GUARDRAILS_TEST_GUARDRAILS=json.dumps(config)),
     )
@@ -86,12 +88,13 @@ def test_outcomes_of_every_prefork_child_are_added_up_per_minute(
     assert outcomes_of(store, base, tasks.behave.name, queue_name) == expected
 
 
+@pytest.mark.parametrize("pool", ["prefork", "solo"])
 def test_a_warm_shutdown_flushes_what_each_child_counted(
-    celery_app: Any, queue_name: str, sink: Sink, tmp_path: Path, base: float
+    pool: str, celery_app: Any, queue_name: str, sink: Sink, tmp_path: Path, base: float
 ) -> None:
-    # Given a worker that would flush only once an hour
+    # Given a worker that would flush only once an hour (prefork: each child counts; solo: the main process)
     store = RedisStore(REDIS_URL)
-    process = worker(tmp_path, queue_name, base, activity_flush_interval=3600.0)
+    process = worker(tmp_path, queue_name, base, pool=pool, activity_flush_interval=3600.0)
     with process:
         for result in [tasks.behave.delay(f"{sink.key}:{i}", ["ok"]) for i in range(5)]:
             result.get(timeout=60)
