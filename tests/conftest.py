@@ -94,7 +94,8 @@ def celery_config(broker: str, queue_name: str) -> Iterator[dict[str, Any]]:
         # Django store is tested on its own (tests/django_app).
         # The activity off in the embedded worker: its counts, added from a thread of the test process, would
         # land in later tests' hours (a test that wants them turns it on: test_admin_browser.py).
-        "guardrails": {"store": REDIS_URL, "dead_letter_sinks": ["redis"], "activity": False},
+        # Nor does it relay the outbox: a test relays it itself, and a thread of its own would race it.
+        "guardrails": {"store": REDIS_URL, "dead_letter_sinks": ["redis"], "activity": False, "outbox_relay": False},
     }
     # Each test has its own queue; drop it so RabbitMQ does not collect empty queues run after run.
     with Connection(BROKER_URLS[broker]) as conn, contextlib.suppress(*conn.channel_errors):  # never declared

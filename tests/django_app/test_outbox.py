@@ -176,7 +176,14 @@ def test_1000_transactions_half_rolled_back_the_relay_killed_twice_each_committe
     assert OutboxMessage.objects.count() == 500
     # When workers relay and run them (RabbitMQ: a killed worker's deliveries come back at once), and the
     # worker, relay and all, is SIGKILLed twice on the way
-    settings = {"store": "django", "dead_letter_sinks": ["django"], "outbox_relay_lease": 2.0, "outbox_batch": 50}
+    # (short leases: a key or an outbox row a killed worker held comes back in seconds, not a minute)
+    settings = {
+        "store": "django",
+        "dead_letter_sinks": ["django"],
+        "outbox_relay_lease": 2.0,
+        "outbox_batch": 50,
+        "idempotency_lease": 3.0,
+    }
     env = proj_env(queue=queue_name, broker="amqp", django=True, GUARDRAILS_TEST_GUARDRAILS=json.dumps(settings))
     kills = 0
     for run, until in enumerate((100, 300, 500)):
