@@ -40,6 +40,7 @@ from celery import bootsteps
 from celery.signals import worker_process_shutdown, worker_shutdown
 
 from celery_guardrails.clock import now
+from celery_guardrails.forks import quiet
 from celery_guardrails.options import app_value
 from celery_guardrails.stores import get_store
 from celery_guardrails.stores.base import ACQUIRED, Activity, OutcomeCount, QueueSample
@@ -107,7 +108,8 @@ class Recorder:
     def _loop(self, interval: float) -> None:
         while not self._stopping.wait(interval):
             try:
-                self.flush()
+                with quiet():  # no pool child forked while a flush is inside the database driver
+                    self.flush()
             except Exception:  # flush logs its own failures; this thread outlives anything else too
                 logger.exception("Activity: a flush failed")
 

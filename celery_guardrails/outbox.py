@@ -16,6 +16,7 @@ from typing import Any
 
 from celery import bootsteps
 
+from celery_guardrails.forks import quiet
 from celery_guardrails.options import app_value
 from celery_guardrails.stores import django_apps_installed
 
@@ -38,8 +39,9 @@ def relay_loop(app: Any, stopping: threading.Event, *, interval: float | None = 
             try:
                 # The project's CONN_MAX_AGE decides whether the connection lives across passes (Django's default,
                 # 0, closes it); one left broken by a failed pass is closed here either way.
-                close_old_connections()
-                done = relay(app, batch=size, lease=lease)
+                with quiet():  # no pool child forked while a pass is inside the database driver
+                    close_old_connections()
+                    done = relay(app, batch=size, lease=lease)
                 full = done.published + done.failed >= size
                 if failures:
                     logger.info("Outbox relay: working again after %d failed pass(es)", failures)

@@ -42,6 +42,7 @@ from celery import bootsteps
 from celery_guardrails import activity
 from celery_guardrails.beat import Entry, all_configured_entries, moment, report, skip_disabled
 from celery_guardrails.clock import now
+from celery_guardrails.forks import quiet
 from celery_guardrails.ledger import DISPATCHED, MISSED, OVERDUE, RUNNING, Heads
 from celery_guardrails.options import app_value
 from celery_guardrails.stores import get_store
@@ -173,7 +174,8 @@ class WatchdogStep(bootsteps.StartStopStep):  # type: ignore[misc]
     def _loop(self, app: Any, owner: str) -> None:
         interval = app_value(app, "watchdog_interval")
         while not self.stopping.wait(interval):
-            self.tick(app, owner)
+            with quiet():  # no pool child forked while a tick is inside the database driver
+                self.tick(app, owner)
 
     def tick(self, app: Any, owner: str) -> None:
         from celery_guardrails.alerts import flush_alert_summaries

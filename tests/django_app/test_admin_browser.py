@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import redis
 from django.contrib.auth.models import User
 from django.db import connection
 
@@ -185,6 +186,11 @@ def four_dead_letters(celery_worker: Any, sink: Sink) -> list[DeadLetter]:
     first = uuid.uuid4().int % 10**9
     app = celery_worker.app
     app.conf.guardrails = {**app.conf.guardrails, "activity": True}  # off in the suite's embedded workers
+    # This hour's activity in this process's Redis holds what earlier tests' workers counted: the chart of the
+    # six busiest tasks would leave the charge out. The hour starts empty here.
+    client = redis.Redis.from_url(REDIS_URL)
+    hour = int(time.time() // 3600 * 3600)
+    client.delete(*(f"guardrails:{{activity}}:{hour + k * 3600}" for k in (-1, 0, 1)))
     results = []
     with tenant_context("acme"):
         for n in range(4):
