@@ -236,6 +236,13 @@ class GuardedTask(Task):  # type: ignore[misc]
         message: where that matters, use the outbox (``enqueue_in_transaction``)."""
         from django.db import transaction
 
+        self.prepare_deferred(args, kwargs, options)
+        transaction.on_commit(functools.partial(self.apply_async, args, kwargs, **options), using=using)
+
+    def prepare_deferred(self, args: Any, kwargs: Any, options: dict[str, Any]) -> None:
+        """For a message published later than the call (on commit, through the outbox): the caller's tenant and
+        correlation id put in ``options`` (unless given), and what a publish refuses (``tenant_required``, the
+        payload contract) refused now, in the caller."""
         from celery_guardrails.context import current_correlation_id, current_tenant
         from celery_guardrails.exceptions import MissingTenantError
         from celery_guardrails.guardrails.contract import check_payload
@@ -243,13 +250,12 @@ class GuardedTask(Task):  # type: ignore[misc]
 
         with settings_snapshot(self.app):
             for name, value in (("tenant", current_tenant()), ("correlation_id", current_correlation_id())):
-                if value is not None:
-                    options.setdefault(name, value)
+                if value is not None and options.get(name) is None:
+                    options[name] = value
             call = check_call_options({name: options[name] for name in options if name in OPTIONS})
             if options.get("tenant") is None and resolve(self, "tenant_required", call):
                 raise MissingTenantError(self.name, where="given at publish")
             check_payload(self, tuple(args or ()), dict(kwargs or {}), call)
-        transaction.on_commit(functools.partial(self.apply_async, args, kwargs, **options), using=using)
 
     def enqueue_in_transaction(self, *args: Any, **kwargs: Any) -> Any:
         """Write this task's message in the caller's database transaction, for the outbox relay to publish once

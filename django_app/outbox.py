@@ -42,9 +42,7 @@ from django.db import connection, transaction
 from django.utils import timezone
 from kombu.serialization import dumps, loads
 
-from celery_guardrails.context import current_correlation_id, current_tenant
-from celery_guardrails.exceptions import MissingTenantError
-from celery_guardrails.options import OPTIONS, check_call_options, resolve
+from celery_guardrails.options import OPTIONS
 
 from .models import OutboxMessage
 
@@ -107,16 +105,11 @@ def _decode(options: dict[str, Any]) -> dict[str, Any]:
 
 def enqueue(task: Any, args: Any = None, kwargs: Any = None, **options: Any) -> Any:
     """Write ``task``'s message in the caller's transaction (see the module docstring); its ``AsyncResult``."""
-    from celery_guardrails.guardrails.contract import check_payload
-
     args, kwargs = tuple(args or ()), dict(kwargs or {})
     task_id = options.pop("task_id", None) or uuid()
-    tenant = options.pop("tenant", None) or current_tenant() or ""
-    correlation_id = options.pop("correlation_id", None) or current_correlation_id() or ""
-    call = check_call_options({name: options[name] for name in options if name in OPTIONS})
-    if not tenant and resolve(task, "tenant_required", call):
-        raise MissingTenantError(task.name, where="given at enqueue")
-    check_payload(task, args, kwargs, call)
+    task.prepare_deferred(args, kwargs, options)  # the caller's context captured, its checks run, now
+    tenant = options.pop("tenant", None) or ""
+    correlation_id = options.pop("correlation_id", None) or ""
     _, _, body = dumps((list(args), kwargs), serializer="json")  # type: ignore[no-untyped-call]
     OutboxMessage.objects.create(
         task_name=task.name,

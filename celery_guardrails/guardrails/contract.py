@@ -108,18 +108,47 @@ def _parameter_names(task: Any, count: int) -> list[str]:
     return names[:count]
 
 
-def _walk(value: Any, path: str, depth: int = 0) -> Iterator[tuple[str, Any, str | None]]:
-    """(path, value, key) of ``value`` and everything inside it; ``key`` is the dict key it is found under."""
-    yield path, value, None
+def _walk(
+    value: Any, depth: int = 0, parts: tuple[Any, ...] = ()
+) -> Iterator[tuple[tuple[Any, ...], Any, str | None, int]]:
+    """(path parts, value, key, depth) of ``value`` and everything inside it; ``key`` is the dict key it is found
+    under. The path stays a tuple of steps: it is written out only for an error (every publish walks this)."""
+    yield parts, value, None, depth
     if depth >= MAX_DEPTH:
         return
     if isinstance(value, Mapping):
         for key, item in value.items():
-            yield path, key, str(key)
-            yield from _walk(item, f"{path}[{key!r}]", depth + 1)
+            yield parts, key, str(key), depth
+            yield from _walk(item, depth + 1, (*parts, key))
     elif isinstance(value, list | tuple | set | frozenset):
         for index, item in enumerate(value):
-            yield from _walk(item, f"{path}[{index}]", depth + 1)
+            yield from _walk(item, depth + 1, (*parts, index))
+
+
+def _path(name: str, parts: tuple[Any, ...]) -> str:
+    return name + "".join(f"[{part!r}]" for part in parts)
+
+
+#: JSON bytes a str character may take at most (a character outside the BMP, escaped: two \uXXXX).
+_CHAR_BYTES = 12
+
+
+def _json_bound(value: Any, key: str | None) -> int | None:
+    """An upper bound of the JSON bytes ``value`` adds beside its contents (a dict key when ``key`` is set);
+    None for a type whose encoding this does not bound (the exact size is then measured)."""
+    if key is not None:
+        return _CHAR_BYTES * len(key) + 4
+    if isinstance(value, str):
+        return _CHAR_BYTES * len(value) + 3
+    if value is None or isinstance(value, bool):
+        return 6
+    if isinstance(value, int):
+        return len(str(value)) + 1
+    if isinstance(value, float):
+        return 26
+    if isinstance(value, Mapping | list | tuple):
+        return 3
+    return None
 
 
 def _leaves(signatures: Any, depth: int = 0) -> Iterator[Mapping[str, Any]]:
@@ -143,8 +172,7 @@ def check_payload(task: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any], c
     """The publish checks (entities, sensitive keys, size) of ``task``'s arguments, raising what a publish would:
     for a message published later (``apply_async_on_commit``, the outbox), checked in the caller now."""
     contract = PayloadContract()
-    contract._check_values(task, args, kwargs, call)
-    contract._check_size(task, args, kwargs, call)
+    contract._check_size(task, args, kwargs, call, contract._check_values(task, args, kwargs, call))
 
 
 class PayloadContract(Guardrail):
@@ -159,21 +187,22 @@ class PayloadContract(Guardrail):
             # that cannot be published comes back and tries again, for ever.
             publication.header.setdefault(headers.PAYLOAD_VERSION, resolve(task, "payload_version", call))
             return
-        self._check_values(task, publication.args, publication.kwargs, call)
-        self._check_size(task, publication.args, publication.kwargs, call)
+        bound = self._check_values(task, publication.args, publication.kwargs, call)
+        self._check_size(task, publication.args, publication.kwargs, call, bound)
         # The rest of a chain, a chord's body, callbacks: a worker publishes them after this message, where a
         # refusal would fail a task that succeeded. Guarded ones are checked now, with their tasks' settings.
         for leaf in _leaves(publication.later):
             later = task.app.tasks.get(leaf.get("task"))
             if later is not None and isinstance(getattr(later, "guardrails", None), tuple):
                 args, kwargs = tuple(leaf.get("args") or ()), dict(leaf.get("kwargs") or {})
-                self._check_values(later, args, kwargs, {})
-                self._check_size(later, args, kwargs, {})
+                self._check_size(later, args, kwargs, {}, self._check_values(later, args, kwargs, {}))
         publication.header[headers.PAYLOAD_VERSION] = resolve(task, "payload_version", call)
 
     def _check_values(
         self, task: GuardedTask, args: tuple[Any, ...], kwargs: Mapping[str, Any], call: Mapping[str, Any]
-    ) -> None:
+    ) -> int | None:
+        """Refuse entities and sensitive names; return an upper bound of the arguments' JSON size, or None when
+        it cannot be bounded (a type of its own, too many values, too deep) and must be measured."""
         entities = _entity_types()
         allowed = resolve(task, "allow_sensitive_payload", call)
         entries: tuple[str, ...] = () if allowed else resolve(task, "sensitive_keys", call)
@@ -181,6 +210,7 @@ class PayloadContract(Guardrail):
         named += [(f"#{index}", value) for index, value in enumerate(args[len(named) :], len(named))]
         named += list(kwargs.items())
         seen = 0
+        bound: int | None = 16  # the envelope's brackets
         for name, argument in named:
             if entries and not name.startswith("#") and (entry := matches(name, entries)):
                 raise SensitivePayloadError(
@@ -188,32 +218,47 @@ class PayloadContract(Guardrail):
                     f"argument {name!r} looks like a secret or personal data (sensitive_keys entry {entry!r}): "
                     "send a reference the worker can resolve, or give the task an allow_sensitive_payload reason",
                 )
-            for path, value, key in _walk(argument, name):
+            if bound is not None:
+                bound += _CHAR_BYTES * len(name) + 4
+            for parts, value, key, depth in _walk(argument):
                 seen += 1
                 if seen > MAX_VALUES:
-                    return
+                    return None
                 if key is not None:
                     if entries and (entry := matches(key, entries)):
                         raise SensitivePayloadError(
                             task.name,
-                            f"key {key!r} in {path} looks like a secret or personal data (sensitive_keys entry "
-                            f"{entry!r}): send a reference, or give the task an allow_sensitive_payload reason",
+                            f"key {key!r} in {_path(name, parts)} looks like a secret or personal data "
+                            f"(sensitive_keys entry {entry!r}): send a reference, or give the task an "
+                            "allow_sensitive_payload reason",
                         )
                 elif entities and isinstance(value, entities):
                     kind = type(value).__name__
                     raise EntityInPayloadError(
                         task.name,
-                        f"{path} is a {kind}: send identifiers, not entities (its primary key, and let the worker "
-                        "read the row as it is when the task runs)",
+                        f"{_path(name, parts)} is a {kind}: send identifiers, not entities (its primary key, and "
+                        "let the worker read the row as it is when the task runs)",
                     )
+                if bound is not None:
+                    more = _json_bound(value, key)
+                    deeper = depth >= MAX_DEPTH and key is None and isinstance(value, Mapping | list | tuple) and value
+                    bound = None if more is None or deeper else bound + more
+        return bound
 
     def _check_size(
-        self, task: GuardedTask, args: tuple[Any, ...], kwargs: Mapping[str, Any], call: Mapping[str, Any]
+        self,
+        task: GuardedTask,
+        args: tuple[Any, ...],
+        kwargs: Mapping[str, Any],
+        call: Mapping[str, Any],
+        bound: int | None = None,
     ) -> None:
         limit = resolve(task, "max_payload_bytes", call)
         if not limit:  # 0: no limit
             return
         serializer = task.serializer or task.app.conf.task_serializer
+        if bound is not None and bound <= limit and serializer == "json":
+            return  # surely within the limit: no second serialisation on the publish path
         try:
             _, _, body = dumps((args, kwargs), serializer=serializer)  # type: ignore[no-untyped-call]
         except Exception:  # Celery's own publish will raise the serializer's error, with its message

@@ -153,3 +153,27 @@ def test_a_version_the_worker_does_not_accept_is_dead_lettered_unrun(
     assert sink.items() == []
     reasons = [dead_letter_of(celery_app, task_id)["reason"] for task_id in ids]
     assert reasons == [*["unknown_payload_version"] * 3, "malformed_message"]
+
+
+@pytest.mark.parametrize(
+    "arguments",
+    [
+        ((1, "plain"), {}),
+        (("é" * 50, "😀" * 50, '"\\\n\t'), {"nested": {"k\u00fc": [1.5, None, True, -(10**30)]}}),
+        ((), {"rows": [{"id": n, "name": f"n{n}"} for n in range(200)]}),
+        (([[[[[[[[["deep"]]]]]]]]],), {}),
+    ],
+)
+def test_the_size_bound_that_spares_a_second_serialisation_is_never_below_the_real_size(
+    arguments: tuple[tuple[Any, ...], dict[str, Any]],
+) -> None:
+    # Given arguments of every JSON type, non-ASCII text and nesting, When their bound is taken
+    from kombu.serialization import dumps
+
+    from celery_guardrails.guardrails.contract import PayloadContract
+
+    args, kwargs = arguments
+    bound = PayloadContract()._check_values(tasks.behave, args, kwargs, {})
+    # Then it is None (measure it) or at least the size the serialiser writes
+    _, _, body = dumps((args, kwargs), serializer="json")
+    assert bound is None or bound >= len(body), (bound, len(body))
