@@ -7,7 +7,8 @@ multi-threaded process for this reason).
 :func:`quiet` is the cure: a thread does its store and database work inside ``with quiet():``, and a fork
 waits (``os.register_at_fork(before=...)``) until no such block runs, then lets them go on in the parent; in
 the child the lock starts free. A block is one pass (a relay batch, a watchdog tick, a flush): a fork waits
-for one at most.
+for one at most, and never longer than :data:`WAIT` seconds (then it goes ahead: a pass blocked on something
+the forking thread holds must not hang the worker).
 """
 
 from __future__ import annotations
@@ -27,12 +28,20 @@ def quiet() -> Iterator[None]:
         yield
 
 
+#: Seconds a fork waits for a pass at most. A pass that waits for something the forking thread holds (a pool
+#: lock of the main thread) would otherwise wait for the fork for ever: past this the fork goes ahead.
+WAIT = 5.0
+_held = threading.local()
+
+
 def _before_fork() -> None:
-    _lock.acquire()
+    _held.acquired = _lock.acquire(timeout=WAIT)
 
 
 def _after_in_parent() -> None:
-    _lock.release()
+    if getattr(_held, "acquired", False):
+        _held.acquired = False
+        _lock.release()
 
 
 def _after_in_child() -> None:
