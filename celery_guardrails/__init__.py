@@ -26,6 +26,7 @@ from celery_guardrails.exceptions import (
     StoreUnavailableError,
     TransientError,
 )
+from celery_guardrails.faults import fault_point
 from celery_guardrails.guardrails.budget import budget_status
 from celery_guardrails.guardrails.concurrency import concurrency_status
 from celery_guardrails.pipeline import Guardrail
@@ -54,5 +55,6 @@ __all__ = [
     "correlation_context",
     "current_correlation_id",
     "current_tenant",
+    "fault_point",
     "tenant_context",
 ]

@@ -271,14 +271,16 @@ class Metrics(Guardrail):
             # No delivery runs (Celery calls on_failure in the main process for a child its hard time limit
             # killed): the dead letter's signal counted it (see _on_dead_lettered); nothing to time here.
             return
-        metrics_on, activity_on = enabled(task.app), _activity_on(task)
-        if not (metrics_on or activity_on):
+        metrics_on, activity_on, told = enabled(task.app), _activity_on(task), _told(task)
+        if not (metrics_on or activity_on or told):
             return
         try:
             state = delivery(task)
             first = not state.outcome_counted
             state.outcome_counted = True
             queue = queue_of(request)
+            if told and first:
+                _tell(task, request.id, task.name, queue, outcome, detail)
             if metrics_on:
                 made = instruments(task.app)
                 labels = (task.name, queue)
@@ -308,17 +310,37 @@ def _count(
     app = getattr(task, "app", None)
     if app is None:
         return
-    metrics_on, activity_on = enabled(app), activity.enabled(app)
-    if not (metrics_on or activity_on):
+    metrics_on, activity_on, told = enabled(app), activity.enabled(app), _told(task, task_id)
+    if not (metrics_on or activity_on or told):
         return
     try:
         current = _mark(task, task_id)
+        if told:
+            _tell(task, task_id, name or task.name, queue_of(task.request) if current else queue, outcome, detail)
         if metrics_on:
             instruments(app).outcomes.labels(name or task.name, outcome, detail).inc()
         if activity_on and (not current or _activity_on(task)):
             activity.count(app, name or task.name, queue_of(task.request) if current else queue, outcome)
     except Exception as error:
         _failed(error, f"outcome {outcome}", task_id)
+
+
+def _told(task: Any, task_id: str | None = None) -> bool:
+    """Whether ``delivery_ended`` has receivers for the delivery ``task_id`` of ``task`` (default: the one it
+    runs now) on a worker: not a call in the caller's process, which no queue delivered. A message told of
+    outside its run (refused by the consumer) is told."""
+    if not signals.delivery_ended.receivers:
+        return False
+    request = getattr(task, "request", None)
+    if request is None or (task_id is not None and getattr(request, "id", None) != task_id):
+        return True
+    return not (request.called_directly or request.is_eager)
+
+
+def _tell(task: Any, task_id: str | None, name: str, queue: str, outcome: str, detail: str) -> None:
+    signals.delivery_ended.send(
+        sender=task, task_id=task_id, task_name=name, queue=queue, outcome=outcome, detail=detail
+    )
 
 
 def _mark(task: Any, task_id: str | None) -> bool:
@@ -375,7 +397,7 @@ def _on_final_failure(sender: Any = None, failure: Any = None, **_: Any) -> None
     # Sent for every final failure whose dead letter is recorded; ``dead_lettered`` counts the new ones. One
     # recorded before (a redelivery after the record, before the ack) is not counted again, nor as failed.
     app = getattr(sender, "app", None)
-    if app is not None and (enabled(app) or activity.enabled(app)):
+    if app is not None and (enabled(app) or activity.enabled(app) or _told(sender, failure.task_id)):
         try:
             _mark(sender, failure.task_id)
         except Exception as error:

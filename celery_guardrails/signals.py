@@ -71,6 +71,15 @@ ordering_gap_skipped
     the gap. Arguments: ``task_id`` (the waiting message that moved it), ``key`` (scoped), ``first`` and
     ``last`` (the sequence numbers given up), ``waited`` (seconds).
 
+delivery_ended
+    A guarded delivery ended, told once per delivery with the outcome and detail of the metric
+    ``celery_guardrails_task_outcomes_total`` (see :mod:`celery_guardrails.metrics`: ``succeeded``,
+    ``skipped``, ``retried``, ``retry_later``, ``deferred_budget``, ``deferred_circuit``, ``dead_lettered``,
+    ``duplicate_skipped``, ``failed``), whether metrics are on or not. Sent on the worker, before the ack;
+    also for a message the consumer refused before it ran (``dead_lettered``). Arguments: ``task_id``,
+    ``task_name``, ``queue``, ``outcome``, ``detail``. The test kit (:mod:`celery_guardrails.testing`) reads
+    deliveries through it.
+
 holder_reaped
     The reaper took a concurrency slot (``concurrency_key`` / ``exclusive_key``) from a holder whose heartbeat
     stopped (its worker died): the job is recorded as failed with reason ``lost`` (see
@@ -99,3 +108,4 @@ store_unavailable = Signal(name="store_unavailable")
 stale_skipped = Signal(name="stale_skipped")
 ordering_gap_skipped = Signal(name="ordering_gap_skipped")
 holder_reaped = Signal(name="holder_reaped")
+delivery_ended = Signal(name="delivery_ended")

@@ -28,7 +28,8 @@ the poison check come first): a version the task does not accept (``accepts_vers
 ``payload_version``; a message without ``pv`` is version 1) is dead-lettered with reason
 ``unknown_payload_version`` and never run. During a rollout, old workers dead-letter what new publishers send
 instead of misreading it; once new workers run, ``replay_dead_letters(reason="unknown_payload_version")`` runs
-those. A malformed ``pv`` is dead-lettered ``malformed_message``.
+those. A malformed ``pv`` is dead-lettered ``malformed_message``. The body reads the version it runs as
+``self.request.payload_version`` (to read an older shape it still accepts).
 """
 
 from __future__ import annotations
@@ -280,6 +281,7 @@ class PayloadContract(Guardrail):
         except ValueError as exc:
             self._refuse(task, PayloadContractError(task.name, f"malformed payload version: {exc}"), MALFORMED_MESSAGE)
         accepted = resolve(task, "accepts_versions", call) or (resolve(task, "payload_version", call),)
+        request.payload_version = version  # the body reads it to handle an older shape it still accepts
         if version not in accepted:
             error = UnknownPayloadVersionError(
                 task.name,

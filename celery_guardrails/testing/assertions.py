@@ -1,0 +1,110 @@
+"""The test kit's assertions: one effect, a dead letter with its reason, nothing lost.
+
+Each fails with an ``AssertionError`` that says what the kit's worker did with the messages concerned.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import TYPE_CHECKING, Any
+
+from celery_guardrails.testing import events
+
+if TYPE_CHECKING:
+    from celery_guardrails.testing.kit import Kit
+
+#: Outcomes of a delivery whose message was handled (run, or found done before).
+HANDLED = frozenset({"succeeded", "skipped", "duplicate_skipped"})
+
+
+def _count(effect: Any) -> int:
+    if callable(effect):
+        effect = effect()
+    counter = getattr(effect, "count", None)
+    if callable(counter) and not isinstance(effect, list | tuple | str):
+        effect = counter()  # a Django QuerySet
+    elif isinstance(effect, list | tuple | set | dict):
+        effect = len(effect)
+    return int(effect)
+
+
+def assert_single_effect(effect: Any, *, expected: int = 1, kit: Kit | None = None, what: str = "the effect") -> int:
+    """``effect`` happened exactly ``expected`` times (default once).
+
+    ``effect``: a number, a callable that returns one, a Django QuerySet (counted), or a collection (its
+    length), read once the kit's deliveries have ended. Returns the count."""
+    found = _count(effect)
+    if found != expected:
+        told = f"\n{kit.describe()}" if kit is not None else ""
+        raise AssertionError(f"{what} happened {found} times, expected {expected}{told}")
+    return found
+
+
+def dead_letter_of(app: Any, task_id: str) -> dict[str, Any] | None:
+    """The dead letter of ``task_id`` in ``app``'s sinks (the Django table, or the Redis stream), or None."""
+    from celery_guardrails.dead_letters import STREAM
+    from celery_guardrails.options import app_value
+    from celery_guardrails.stores import django_apps_installed, store_url
+
+    names = app_value(app, "dead_letter_sinks")
+    if names is None:
+        names = ["django"] if django_apps_installed() else ["redis"]
+    for name in names:
+        if name == "django":
+            from django_celery_guardrails.models import DeadLetter
+
+            record = DeadLetter.objects.filter(task_id=task_id).values().first()
+            if record is not None:
+                return dict(record)
+            continue
+        from celery_guardrails.stores.redis_client import connect
+
+        client = connect(store_url(app) if name == "redis" else name, timeout=5.0)
+        for _, entry in client.xrevrange(STREAM, count=5000):
+            record = json.loads(entry[b"record"])
+            if record.get("task_id") == task_id:
+                return dict(record)
+    return None
+
+
+def assert_dead_lettered(
+    task_id: str, *, reason: str | None = None, kit: Kit | None = None, app: Any = None
+) -> dict[str, Any]:
+    """A dead letter of ``task_id`` was recorded (with ``reason``, when given); returns the record."""
+    from celery_guardrails.testing import current_kit
+
+    kit = kit or current_kit()
+    record = dead_letter_of(app or kit.celery_app, task_id)
+    if record is None:
+        raise AssertionError(f"no dead letter for {task_id}\n{kit.describe()}")
+    if reason is not None and record.get("reason") != reason:
+        raise AssertionError(f"the dead letter of {task_id} gives the reason {record.get('reason')!r}, not {reason!r}")
+    return record
+
+
+def assert_no_loss(*task_ids: str, kit: Kit | None = None) -> dict[str, str]:
+    """Every message the kit sent (or each of ``task_ids``) was handled, or recorded as a dead letter.
+
+    Lost: a message whose deliveries all ended without it running (a failure Celery acked with nothing
+    recorded, a message refused and dropped), or that never ended at all. Returns task id -> how it ended
+    (``handled`` or ``dead_lettered``)."""
+    from celery_guardrails.testing import current_kit
+
+    kit = kit or current_kit()
+    wanted = list(task_ids) or list(kit.sent)
+    found = kit.messages()
+    verdicts: dict[str, str] = {}
+    lost: list[str] = []
+    for task_id in wanted:
+        message = found.get(task_id, events.Message(task_id))
+        outcomes = {outcome for outcome, _ in message.outcomes}
+        if outcomes & HANDLED:
+            verdicts[task_id] = "handled"
+        elif dead_letter_of(kit.celery_app, task_id) is not None:
+            verdicts[task_id] = "dead_lettered"
+        else:
+            ended = ", ".join(outcome for outcome, _ in message.outcomes) or "never ended"
+            lost.append(f"  {message.task_name or '?'}[{task_id}]: {ended}, no dead letter")
+    if lost:
+        raise AssertionError(f"{len(lost)} message(s) lost:\n" + "\n".join(lost) + f"\n{kit.describe()}")
+    return verdicts
