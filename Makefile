@@ -41,7 +41,8 @@ test-postgres: $(INSTALLED)
 # (The store tests' Redis and Redis Cluster cases touch no database: they run in the PostgreSQL pass only.)
 test-sqlite: $(INSTALLED)
 	GUARDRAILS_TEST_DB=sqlite $(PY) -m pytest -n $(WORKERS) $(PYTEST_ARGS) tests/django_app tests/example_project/test_shop.py \
-		tests/celery_guardrails/stores -k "not redis or django_app or example_project"
+		tests/celery_guardrails/stores tests/celery_guardrails/testing/test_kit.py \
+		-k "not redis or django_app or example_project"
 
 # A flake hunt: the whole suite RUNS times in a row (default 5) with LOAD busy loops alongside (default one per
 # core); lists every test that failed at least once, its output kept in test-artifacts/flaky/.

@@ -32,6 +32,9 @@ from tests.support.services import BROKER_SERVICE, BROKER_URLS, REDIS_URL, requi
 from tests.support.waiting import BOUND, wait_for
 from tests.support.workers import STARTED
 
+# pytester: the test kit's plugin is tested in pytest runs of its own (tests/celery_guardrails/testing).
+pytest_plugins = ["pytester"]
+
 BOTH_BROKERS = pytest.mark.parametrize("broker", ["redis", "amqp"], indirect=True)
 #: Where a failed test's process logs are kept (CI prints them too).
 FAILURES = Path(__file__).resolve().parents[1] / "test-artifacts" / "failures"

@@ -9,6 +9,8 @@ import textwrap
 import zipfile
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -111,7 +113,22 @@ print(result.get(timeout=60))
 """
 
 
-def test_the_documented_extras_are_enough_for_a_guarded_worker_on_redis(tmp_path: Path, queue_name: str) -> None:
+@pytest.fixture(scope="module")
+def fresh_venv(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """The wheel installed with only the extras the README names for a Django project on Redis, into a fresh
+    venv, from the package index (nothing from this environment); the venv and the wheel."""
+    folder = tmp_path_factory.mktemp("fresh-venv")
+    run(sys.executable, "-m", "build", "--wheel", "--outdir", folder / "dist", ROOT, cwd=folder)
+    (wheel,) = (folder / "dist").glob("celery_guardrails-*.whl")
+    venv = folder / "venv"
+    run(sys.executable, "-m", "venv", venv, cwd=folder)
+    run(venv / "bin" / "python", "-m", "pip", "install", "-q", f"{wheel}[django,redis]", cwd=folder)
+    return venv, wheel
+
+
+def test_the_documented_extras_are_enough_for_a_guarded_worker_on_redis(
+    tmp_path: Path, queue_name: str, fresh_venv: tuple[Path, Path]
+) -> None:
     import os
     import signal
     import uuid
@@ -119,13 +136,8 @@ def test_the_documented_extras_are_enough_for_a_guarded_worker_on_redis(tmp_path
     from tests.support.services import REDIS_URL, require
 
     require("redis")
-    # Given the wheel installed with only the extras the README names for a Django project on Redis, into a
-    # fresh venv, from the package index (nothing from this environment)
-    run(sys.executable, "-m", "build", "--wheel", "--outdir", tmp_path / "dist", ROOT, cwd=tmp_path)
-    (wheel,) = (tmp_path / "dist").glob("celery_guardrails-*.whl")
-    venv = tmp_path / "venv"
-    run(sys.executable, "-m", "venv", venv, cwd=tmp_path)
-    run(venv / "bin" / "python", "-m", "pip", "install", "-q", f"{wheel}[django,redis]", cwd=tmp_path)
+    # Given the wheel installed with the extras for a Django project on Redis
+    venv, _ = fresh_venv
     (tmp_path / "fresh.py").write_text(FRESH_APP)
     (tmp_path / "client.py").write_text(FRESH_CLIENT)
     env = {
@@ -171,3 +183,95 @@ def test_the_documented_extras_are_enough_for_a_guarded_worker_on_redis(tmp_path
     finally:
         os.killpg(worker.pid, signal.SIGTERM)
         worker.wait(30)
+
+
+KIT_APP = """
+import os
+
+import redis
+from celery import Celery
+
+from celery_guardrails import GuardedTask
+
+url = os.environ["FRESH_REDIS_URL"]
+app = Celery("fresh_kit", broker=url, backend=url)
+app.conf.guardrails = {"store": url, "dead_letter_sinks": ["redis"]}
+effects = redis.Redis.from_url(url)
+
+
+@app.task(name="fresh_kit.count_plain", acks_late=True)
+def count_plain(key):
+    effects.incr("fresh-kit:" + key)
+
+
+@app.task(base=GuardedTask, bind=True, name="fresh_kit.count_keyed", idempotency_key="count:{key}")
+def count_keyed(self, key):
+    effects.incr("fresh-kit:" + key)
+"""
+
+KIT_TESTS = """
+import uuid
+
+import pytest
+
+from celery_guardrails.testing import assert_single_effect, deliver_twice
+from fresh_kit import count_keyed, count_plain, effects
+
+pytestmark = pytest.mark.guardrails
+
+
+def count(key):
+    return int(effects.get("fresh-kit:" + key) or 0)
+
+
+def test_the_plain_task_is_caught():
+    key = uuid.uuid4().hex
+    deliver_twice(count_plain, key)
+    with pytest.raises(AssertionError, match="happened 2 times"):
+        assert_single_effect(lambda: count(key))
+
+
+def test_the_keyed_task_passes():
+    key = uuid.uuid4().hex
+    report = deliver_twice(count_keyed, key)
+    assert report.outcomes == [("succeeded", ""), ("duplicate_skipped", "completed")]
+    assert_single_effect(lambda: count(key))
+
+
+def test_the_worker_can_be_killed_and_started(guarded_worker):
+    guarded_worker.kill()
+    assert not guarded_worker.alive
+    guarded_worker.start()
+    assert guarded_worker.alive
+"""
+
+
+def test_the_kit_from_the_wheel_needs_only_the_broker_and_the_store(
+    tmp_path: Path, fresh_venv: tuple[Path, Path]
+) -> None:
+    import os
+
+    from tests.support.services import REDIS_URL, require
+
+    require("redis")
+    # Given the wheel's testing extra added, and a fresh project: an app with its broker URL and store, its
+    # tests marked for the kit, and no other set-up (no ini file, no conftest)
+    venv, wheel = fresh_venv
+    run(venv / "bin" / "python", "-m", "pip", "install", "-q", f"{wheel}[redis,testing]", cwd=tmp_path)
+    project = tmp_path / "project"
+    project.mkdir()
+    (project / "fresh_kit.py").write_text(KIT_APP)
+    (project / "test_fresh_kit.py").write_text(KIT_TESTS)
+    env = {"PATH": f"{venv / 'bin'}:{os.environ['PATH']}", "FRESH_REDIS_URL": REDIS_URL, "HOME": str(tmp_path)}
+    # When its tests run
+    done = subprocess.run(
+        [venv / "bin" / "python", "-m", "pytest", "-q", "-p", "no:cacheprovider"],
+        cwd=project,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    # Then the kit's worker ran them: the plain task was caught, the keyed one passed
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "3 passed" in done.stdout

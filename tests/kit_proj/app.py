@@ -5,17 +5,15 @@ The kit's own tests (tests/celery_guardrails/testing) run each helper on both: t
 the helper's assertion, the guarded one pass it.
 """
 
-import os
-
 from celery import Celery
 
 from tests.support.services import BROKER_URLS, REDIS_URL
 
 
-def make_app(name: str, includes: list[str]) -> Celery:
+def make_app(name: str, includes: list[str], *, broker: str = "redis") -> Celery:
     app = Celery(name, include=includes)
     app.conf.update(
-        broker_url=BROKER_URLS[os.environ.get("KIT_TEST_BROKER", "redis")],
+        broker_url=BROKER_URLS[broker],
         result_backend=REDIS_URL,
         task_default_queue="kit-tests",
         broker_connection_retry_on_startup=True,

@@ -167,7 +167,16 @@ def test_out_of_order_updates(task: object, final: str) -> None:
 # -- store_outage -------------------------------------------------------------------------------------------
 
 
-def test_store_outage_catches_a_handler_that_acks_a_failure() -> None:
+@pytest.fixture
+def cuttable() -> None:
+    """The store can be cut: not on SQLite, a file (the SQLite pass of the suite skips these)."""
+    from celery_guardrails.testing import current_kit
+
+    if current_kit().no_outage:
+        pytest.skip(current_kit().no_outage)
+
+
+def test_store_outage_catches_a_handler_that_acks_a_failure(cuttable: None) -> None:
     k = key()
     report = store_outage(tasks.swallow_plain, k)
     assert report.outcomes == [("succeeded", "")]  # acked, with nothing written
@@ -175,7 +184,7 @@ def test_store_outage_catches_a_handler_that_acks_a_failure() -> None:
         assert_single_effect(Effect.objects.filter(key=k))
 
 
-def test_store_outage_passes_the_guarded_task() -> None:
+def test_store_outage_passes_the_guarded_task(cuttable: None) -> None:
     k = key()
     report = store_outage(tasks.swallow_guarded, k)
     assert report.outcomes[0] == ("retried", "store_unavailable")
@@ -206,3 +215,38 @@ def test_deploy_passes_versioned_payloads() -> None:
     assert report.details["replayed"]
     for task_id in report.details["replayed"]:
         assert_dead_lettered(task_id, reason="unknown_payload_version")
+
+
+# -- the other pools, and RabbitMQ ----------------------------------------------------------------------------
+
+
+@pytest.mark.guardrails(pool="threads", concurrency=2)
+def test_on_a_threads_pool() -> None:
+    plain, guarded, job = key(), key(), key()
+    deliver_twice(tasks.record_plain, plain, concurrently=True)
+    deliver_twice(tasks.record_guarded, guarded, concurrently=True)
+    report = crash_mid_task(tasks.items_guarded, job, 6, at="half")
+    with pytest.raises(AssertionError, match="happened 2 times"):
+        assert_single_effect(Effect.objects.filter(key=plain))
+    assert_single_effect(Effect.objects.filter(key=guarded))
+    assert report.crashes == 1
+    assert_single_effect(ChunkItem.objects.filter(job=job), expected=6)
+
+
+@pytest.mark.guardrails(app="tests.kit_proj.amqp:app", pool="prefork")
+def test_on_rabbitmq_the_broker_gives_the_message_back() -> None:
+    from tests.kit_proj import amqp
+
+    require("rabbitmq")
+    plain, guarded = key(), key()
+    # Given RabbitMQ, which gives a dead consumer's unacked messages back itself
+    deliver_twice(amqp.record_plain, plain)
+    twice = deliver_twice(amqp.record_guarded, guarded)
+    crashed = crash_mid_task(amqp.record_guarded, key(), at="written")
+    with pytest.raises(AssertionError, match="happened 2 times"):
+        assert_single_effect(Effect.objects.filter(key=plain))
+    assert_single_effect(Effect.objects.filter(key=guarded))
+    assert twice.outcomes == [("succeeded", ""), ("duplicate_skipped", "completed")]
+    assert crashed.crashes == 1
+    assert crashed.outcomes == [("succeeded", "")]
+    assert_no_loss()
