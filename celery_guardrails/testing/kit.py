@@ -163,13 +163,14 @@ class Kit:
             default = overrides.get("default")
             if default is None:
                 self.no_outage = "the store is the Django database, and the kit was given none"
-            elif "sqlite" in str(default.pop("ENGINE", "")):
+            elif "sqlite" in (engine := str(default.pop("ENGINE", ""))):
                 self.no_outage = "the store is a SQLite database: a file, with no connection to cut"
             else:
                 host = str(default.get("HOST") or "127.0.0.1")
                 if host.startswith("/"):
                     host = "127.0.0.1"  # a Unix socket: the proxy reaches the same server over TCP
-                self.proxy = TcpProxy(int(default.get("PORT") or 5432), host=host)
+                port = int(default.get("PORT") or (3306 if "mysql" in engine else 5432))
+                self.proxy = TcpProxy(port, host=host)
                 default.update(HOST="127.0.0.1", PORT=str(self.proxy.port))
         else:
             for values in overrides.values():
