@@ -198,9 +198,11 @@ class Kit:
         return self
 
     def close(self) -> None:
-        """Stop the worker (warm), close the proxy, and drop the kit's queues."""
+        """Kill the worker, close the proxy, and drop the kit's queues. A SIGKILL, not a warm shutdown: the
+        helpers have waited for every delivery to end, and a prefork pool's warm shutdown takes seconds per
+        test; what the worker still held is given back to its queue, which is dropped."""
         try:
-            self.worker.stop()
+            self.worker.kill()
         finally:
             if hasattr(self, "_default_queue"):
                 self.celery_app.conf.task_default_queue = self._default_queue
@@ -506,10 +508,10 @@ class Kit:
         """A deployment while messages are in flight, old and new payload versions side by side.
 
         1. The worker runs ``old.app``; ``old.messages`` are published as old publishers do (``old.version``),
-           and the first of them is held inside its body;
+           and the first of them is held as it starts (delivered, running);
         2. new publishers start: ``new.messages`` go out (``new.version``) while the old worker still runs;
-        3. the old worker gets a warm shutdown (SIGTERM) with that message still in its body, which is then
-           let go: the shutdown waits for it, as a deployment's does;
+        3. the old worker gets a warm shutdown (SIGTERM) with that message still running, which is then let
+           go: the shutdown waits for it, as a deployment's does;
         4. the worker starts again on ``new.app``, and runs what is left;
         5. with ``replay`` (Django), dead letters ``unknown_payload_version`` of these messages are replayed
            (the old worker's refusals), on the new worker.
@@ -525,12 +527,12 @@ class Kit:
             self.worker.start()
         held = captured_old[0].task_id if captured_old else None
         if held:
-            self._plan("pause", held, at="body", times=1)
+            # Held as it starts, before the guardrails: a body held inside an atomic=True transaction would hold
+            # SQLite's write lock, and every other delivery would wait on it.
+            self._plan("pause", held, at="start", times=1)
         for message in captured_old:
             self.send(message)
-        tokens = (
-            self.wait_until("the first old message to be in its body", lambda: self._paused(held, 1)) if held else []
-        )
+        tokens = self.wait_until("the first old message to start", lambda: self._paused(held, 1)) if held else []
         for message in captured_new:
             self.send(message)
         # The old worker has had the new messages to refuse (or run wrongly) while it still ran.
