@@ -173,8 +173,6 @@ class Kit:
                 self.proxy = TcpProxy(port, host=host)
                 default.update(HOST="127.0.0.1", PORT=str(self.proxy.port))
         else:
-            for values in overrides.values():
-                values.pop("ENGINE", None)
             parts = urlsplit(url)
             if parts.scheme not in ("redis", "rediss") or "," in parts.netloc:
                 self.no_outage = f"the store {parts.scheme}:// is not one Redis server the kit can put a proxy before"
