@@ -2,8 +2,9 @@
 -A app worker ...``), in its main process and every pool child.
 
 It writes what the worker does to the kit's event log (:mod:`celery_guardrails.testing.events`), and carries
-out the test's plan (``plan.json`` in the kit's folder, read at each point): SIGKILL the whole worker, or hold
-the delivery until the test says go, when a given task id reaches a given point. The points are ``start``
+out the test's plan (``plan.json`` in the kit's folder, read at each point: ``{"crash"|"pause": {"<task id or
+name>@<point>": {"times": n or null}}}``): SIGKILL the whole worker, or hold the delivery until the test says
+go, when a given task id reaches a given point, at most ``times`` times. The points are ``start``
 (before the guardrails and the body: Celery's ``task_prerun``), ``after_body`` (the body returned and the
 guardrails recorded it, before the ack: ``task_postrun``) and every :func:`celery_guardrails.fault_point`.
 
@@ -80,8 +81,8 @@ def act(task_id: str | None, task_name: str, at: str) -> None:
     plan = _plan()
     for kind in ("pause", "crash"):
         rules = plan.get(kind) or {}
-        rule = rules.get(task_id) or rules.get(task_name) or rules.get("*")
-        if not rule or rule.get("at") != at:
+        rule = rules.get(f"{task_id}@{at}") or rules.get(f"{task_name}@{at}") or rules.get(f"*@{at}")
+        if not rule:
             continue
         number = _fire(kind, task_id, at, rule.get("times"))
         if number is None:

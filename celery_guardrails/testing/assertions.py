@@ -33,8 +33,11 @@ def assert_single_effect(effect: Any, *, expected: int = 1, kit: Kit | None = No
 
     ``effect``: a number, a callable that returns one, a Django QuerySet (counted), or a collection (its
     length), read once the kit's deliveries have ended. Returns the count."""
+    from celery_guardrails import testing
+
     found = _count(effect)
     if found != expected:
+        kit = kit or testing._current
         told = f"\n{kit.describe()}" if kit is not None else ""
         raise AssertionError(f"{what} happened {found} times, expected {expected}{told}")
     return found

@@ -217,9 +217,10 @@ class Kit:
 
     # -- messages ----------------------------------------------------------------------------------------
 
-    def capture(self, task: Any, *args: Any, options: dict[str, Any] | None = None, **kwargs: Any) -> Captured:
+    def capture(self, task: Any, *args: Any, publish_options: dict[str, Any] | None = None, **kwargs: Any) -> Captured:
         """Publish ``task(*args, **kwargs)`` through its own ``apply_async`` (to a queue no worker reads) and
-        keep the message as it went out."""
+        keep the message as it went out. ``publish_options``: more ``apply_async`` options (``headers``, a
+        per-call guardrail option, ...); every helper takes it."""
         task_id = str(uuid.uuid4())
         found: list[Captured] = []
 
@@ -243,7 +244,7 @@ class Kit:
 
         before_task_publish.connect(keep, weak=False)
         try:
-            task.apply_async(args, kwargs, task_id=task_id, queue=self.hold, **(options or {}))
+            task.apply_async(args, kwargs, task_id=task_id, queue=self.hold, **(publish_options or {}))
         finally:
             before_task_publish.disconnect(keep)
         if not found:
@@ -281,20 +282,22 @@ class Kit:
         return events.messages(self.event_log())
 
     def _plan(self, kind: str, key: str, *, at: str, times: int | None) -> None:
-        """Add a rule to the agent's plan (written whole, then renamed: the agent never reads half)."""
+        """Add a rule to the agent's plan: ``kind`` (crash or pause) the deliveries of ``key`` (a task id or
+        name) at the point ``at``, at most ``times`` times (None: every time)."""
+        self._write_plan(kind, f"{key}@{at}", {"times": times})
+
+    def _unplan(self, kind: str, key: str, *, at: str) -> None:
+        self._write_plan(kind, f"{key}@{at}", None)
+
+    def _write_plan(self, kind: str, name: str, rule: dict[str, Any] | None) -> None:
+        """Written whole, then renamed: the agent never reads half a plan."""
         path = self.folder / "plan.json"
         plan = json.loads(path.read_text()) if path.exists() else {}
-        plan.setdefault(kind, {})[key] = {"at": at, "times": times}
-        temporary = path.with_suffix(".tmp")
-        temporary.write_text(json.dumps(plan))
-        os.replace(temporary, path)
-
-    def _unplan(self, kind: str, key: str) -> None:
-        path = self.folder / "plan.json"
-        if not path.exists():
-            return
-        plan = json.loads(path.read_text())
-        (plan.get(kind) or {}).pop(key, None)
+        rules = plan.setdefault(kind, {})
+        if rule is None:
+            rules.pop(name, None)
+        else:
+            rules[name] = rule
         temporary = path.with_suffix(".tmp")
         temporary.write_text(json.dumps(plan))
         os.replace(temporary, path)
@@ -319,8 +322,11 @@ class Kit:
                 raise KitError(f"timed out waiting for {what}\n{self.describe()}")
             time.sleep(0.05)
 
-    def _paused(self, task_id: str, count: int) -> list[str]:
-        tokens = [e["token"] for e in self.event_log() if e["e"] == "paused" and e.get("id") == task_id]
+    def _paused(self, task_id: str, count: int, *, at: str) -> list[str]:
+        """The tokens of the deliveries of ``task_id`` held at ``at``, once there are ``count`` of them."""
+        tokens = [
+            e["token"] for e in self.event_log() if e["e"] == "paused" and e.get("id") == task_id and e.get("at") == at
+        ]
         return tokens if len(tokens) >= count else []
 
     def settle(
@@ -358,7 +364,11 @@ class Kit:
 
     def deliver_twice(self, task: Any, *args: Any, concurrently: bool = False, **kwargs: Any) -> Report:
         """The same message delivered twice: one after the other (a redelivery after an ack was lost), or
-        both at once (``concurrently=True``: held at ``start`` until both copies are in, then let go)."""
+        both at once (``concurrently=True``).
+
+        At once, the copies overlap by construction, not by luck: both are held at ``start`` until both are
+        in, then let go; the first to reach ``body`` (every guardrail let it run: it holds its key) is held
+        there until the other has ended an attempt (refused by the held key, or run its own body beside it)."""
         message = self.capture(task, *args, **kwargs)
         if concurrently:
             if self.worker.pool == "solo" or self.worker.concurrency < 2:
@@ -367,10 +377,17 @@ class Kit:
                     "(threads or prefork, concurrency >= 2)"
                 )
             self._plan("pause", message.task_id, at="start", times=2)
+            self._plan("pause", message.task_id, at="body", times=1)
             self.send(message)
             self.send(message)
-            tokens = self.wait_until("both copies to start", lambda: self._paused(message.task_id, 2))
-            self._go(tokens)
+            self._go(self.wait_until("both copies to start", lambda: self._paused(message.task_id, 2, at="start")))
+
+            def first_in_body_and_other_ended() -> list[str]:
+                held = self._paused(message.task_id, 1, at="body")
+                found = self.messages().get(message.task_id, events.Message(""))
+                return held if held and found.outcomes else []
+
+            self._go(self.wait_until("the copies to meet", first_in_body_and_other_ended))
         else:
             self.send(message)
             self.settle([message.task_id])
@@ -455,7 +472,7 @@ class Kit:
                 return found if found.get(message.task_id, events.Message("")).settled else None
 
             found = self.wait_until(f"{task.name}[{message.task_id}] to end", ended)
-            self._unplan("crash", message.task_id)
+            self._unplan("crash", message.task_id, at="body")
         elif how == "malformed":
             self.send(message, headers={"eta": "not a date"})
             found = self.settle([message.task_id])
@@ -488,7 +505,7 @@ class Kit:
         message = self.capture(task, *args, **kwargs)
         self._plan("pause", message.task_id, at=at, times=1)
         self.send(message)
-        tokens = self.wait_until(f"the delivery to reach {at!r}", lambda: self._paused(message.task_id, 1))
+        tokens = self.wait_until(f"the delivery to reach {at!r}", lambda: self._paused(message.task_id, 1, at=at))
         self.proxy.cut()
         cut_at = time.monotonic()
         try:
@@ -530,7 +547,9 @@ class Kit:
             self._plan("pause", held, at="start", times=1)
         for message in captured_old:
             self.send(message)
-        tokens = self.wait_until("the first old message to start", lambda: self._paused(held, 1)) if held else []
+        tokens = (
+            self.wait_until("the first old message to start", lambda: self._paused(held, 1, at="start")) if held else []
+        )
         for message in captured_new:
             self.send(message)
         # The old worker has had the new messages to refuse (or run wrongly) while it still ran.
