@@ -254,10 +254,20 @@ def test_the_kit_from_the_wheel_needs_only_the_broker_and_the_store(
     from tests.support.services import REDIS_URL, require
 
     require("redis")
-    # Given the wheel's testing extra added, and a fresh project: an app with its broker URL and store, its
-    # tests marked for the kit, and no other set-up (no ini file, no conftest)
+    # Given the wheel's testing extra added (beside pytest-celery, whose plugin loads too: the names do not
+    # clash), and a fresh project: an app with its broker URL and store, its tests marked for the kit, and no
+    # other set-up (no ini file, no conftest)
     venv, wheel = fresh_venv
-    run(venv / "bin" / "python", "-m", "pip", "install", "-q", f"{wheel}[redis,testing]", cwd=tmp_path)
+    run(
+        venv / "bin" / "python",
+        "-m",
+        "pip",
+        "install",
+        "-q",
+        f"{wheel}[redis,testing]",
+        "pytest-celery>=1.3,<2",
+        cwd=tmp_path,
+    )
     project = tmp_path / "project"
     project.mkdir()
     (project / "fresh_kit.py").write_text(KIT_APP)
@@ -275,3 +285,12 @@ def test_the_kit_from_the_wheel_needs_only_the_broker_and_the_store(
     # Then the kit's worker ran them: the plain task was caught, the keyed one passed
     assert done.returncode == 0, done.stdout + done.stderr
     assert "3 passed" in done.stdout
+    listed = subprocess.run(
+        [venv / "bin" / "python", "-m", "pytest", "--fixtures", "-p", "no:cacheprovider"],
+        cwd=project,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert "celery_setup" in listed.stdout and "guardrails_kit" in listed.stdout  # pytest-celery's, and the kit's
