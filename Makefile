@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 INSTALLED := $(VENV)/.installed
 
-.PHONY: demo test test-postgres test-sqlite services lint check bench flaky soak clean
+.PHONY: demo test test-postgres test-sqlite matrix matrix-edges services lint check bench flaky soak clean
 
 $(INSTALLED): setup.cfg pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -33,7 +33,7 @@ PYTEST_ARGS ?=
 # so two processes on two cores take half the time. Each has its own Redis database and test database.
 WORKERS ?= 2
 test: $(INSTALLED) services lint
-	$(MAKE) --no-print-directory test-postgres test-sqlite
+	$(MAKE) --no-print-directory test-postgres test-sqlite matrix-edges
 
 test-postgres: $(INSTALLED)
 	GUARDRAILS_TEST_DB=postgres $(PY) -m pytest -n $(WORKERS) $(PYTEST_ARGS)
@@ -48,6 +48,14 @@ KIT_ON_SQLITE := $(KIT_TESTS)::test_deliver_twice_passes_the_keyed_task \
 test-sqlite: $(INSTALLED)
 	GUARDRAILS_TEST_DB=sqlite $(PY) -m pytest -n $(WORKERS) $(PYTEST_ARGS) tests/django_app tests/example_project/test_shop.py \
 		tests/celery_guardrails/stores $(KIT_ON_SQLITE) -k "not redis or django_app or example_project"
+
+# The compatibility matrix (noxfile.py): the smoke subset on every combination, then the README's table.
+matrix: $(INSTALLED) services
+	$(VENV)/bin/nox -f noxfile.py -s smoke table
+
+# The oldest and the newest combinations (make test runs them after the whole suite).
+matrix-edges: $(INSTALLED)
+	$(VENV)/bin/nox -f noxfile.py -s "smoke(oldest)" "smoke(newest)"
 
 # A flake hunt: the whole suite RUNS times in a row (default 5) with LOAD busy loops alongside (default one per
 # core); lists every test that failed at least once, its output kept in test-artifacts/flaky/.

@@ -139,6 +139,7 @@ def consume(connection: Any, channel: Any, queues: list[str], count: int) -> lis
     return got
 
 
+@pytest.mark.smoke
 def test_messages_come_in_order_by_priority_then_queue_and_nothing_stays_recorded(
     broker_client: redis.Redis, channel_on: Any, queue_name: str
 ) -> None:

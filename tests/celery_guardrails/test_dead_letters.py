@@ -21,6 +21,7 @@ def stream_records(task_id: str) -> list[dict[str, Any]]:
     return [r for r in records if r["task_id"] == task_id]
 
 
+@pytest.mark.smoke
 def test_redis_stream_sink_records_once_redacted(celery_worker: Any, celery_app: Any) -> None:
     # Given the Redis stream sink (the default without Django; the tests' default too)
     failed = tasks.behave.apply_async(

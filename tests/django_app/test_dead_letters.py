@@ -210,6 +210,7 @@ def test_missing_tenant_is_dead_lettered(celery_worker: Any, celery_app: Any) ->
     assert (record.reason, record.owner, record.tenant) == ("missing_tenant", "accounts", "")
 
 
+@pytest.mark.smoke
 def test_poison_message_is_dead_lettered_and_the_queue_goes_on(
     celery_app: Any, queue_name: str, sink: Sink, tmp_path: Path
 ) -> None:

@@ -8,6 +8,7 @@ import pytest
 
 
 @pytest.mark.django_db
+@pytest.mark.smoke
 def test_migrations_apply_and_are_complete_on_the_configured_database() -> None:
     from django.core.management import call_command
     from django.db import connection

@@ -39,6 +39,7 @@ def periodic_task(name: str, sink: Sink, **schedule: Any) -> PeriodicTask:
     return PeriodicTask.objects.create(name=name, task=TASK, kwargs=json.dumps({"sink": sink.key}), **schedule)
 
 
+@pytest.mark.smoke
 def test_periodic_task_rows_with_a_policy_run_once_per_period(tmp_path: Path, sink: Sink) -> None:
     require("redis")
     name = f"db every 10s {uuid.uuid4().hex[:6]}"

@@ -48,6 +48,7 @@ def test_send_task_by_name(celery_worker: Any, celery_app: Any, broker: str) -> 
     assert_context(result.get(timeout=TIMEOUT), "acme", "req-send-1")
 
 
+@pytest.mark.smoke
 def test_chain_every_step(celery_worker: Any, sink: Sink) -> None:
     with tenant_context("acme"), correlation_context("req-chain-1"):
         chain(
@@ -89,6 +90,7 @@ def test_link_error_errback(celery_worker: Any, sink: Sink) -> None:
 
 
 @BOTH_BROKERS
+@pytest.mark.smoke
 def test_three_retries_keep_the_context(celery_worker: Any, sink: Sink, broker: str) -> None:
     with tenant_context("acme"), correlation_context("req-retry-1"):
         final = tasks.retry_thrice.delay(sink=sink.key).get(timeout=TIMEOUT)

@@ -32,6 +32,7 @@ def effects(sink: Sink) -> int:
     return int(sink.client.get(f"{sink.key}:effects") or 0)
 
 
+@pytest.mark.smoke
 def test_same_message_twice_and_same_key_twice_make_one_effect(
     celery_worker: Any, celery_app: Any, sink: Sink, oid: int, received: Any
 ) -> None:

@@ -27,6 +27,7 @@ def use_random(app: Any, source: Any) -> None:
     app.conf.guardrails = {**app.conf.guardrails, "backoff_random": source}
 
 
+@pytest.mark.smoke
 def test_two_transient_failures_then_success_run_three_times_with_exact_delays(
     celery_worker: Any, celery_app: Any, sink: Sink, received: Any
 ) -> None:
@@ -81,6 +82,7 @@ def test_fifty_simultaneous_failures_retry_spread_out(celery_worker: Any, receiv
     assert statistics.pstdev(delays) > 0.008  # a uniform spread over [0, 0.05) has about 0.0144
 
 
+@pytest.mark.smoke
 def test_max_attempts_reached_then_final_failure_with_the_whole_history(
     celery_worker: Any, sink: Sink, received: Any, caplog: pytest.LogCaptureFixture
 ) -> None:

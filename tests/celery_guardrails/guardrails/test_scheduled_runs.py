@@ -9,6 +9,8 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from celery_guardrails.guardrails.scheduled_runs import slot_key
 from celery_guardrails.ledger import DISPATCHED, OK, RUNNING, SKIPPED_OVERLAP, period_key
 from tests.conftest import Sink
@@ -158,6 +160,7 @@ def test_overlap_queue_waits_for_the_previous_run(tmp_path: Path, rigs: list[Rig
     assert overlapping(items) == []
 
 
+@pytest.mark.smoke
 def test_the_period_key_makes_a_rerun_of_the_same_period_a_duplicate(
     tmp_path: Path, rigs: list[Rig], sink: Sink, celery_app: Any
 ) -> None:

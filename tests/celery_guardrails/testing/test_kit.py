@@ -50,6 +50,7 @@ def test_deliver_twice_catches_a_non_idempotent_insert() -> None:
         assert_single_effect(Effect.objects.filter(key=k))
 
 
+@pytest.mark.smoke
 def test_deliver_twice_passes_the_keyed_task() -> None:
     k = key()
     report = deliver_twice(tasks.record_guarded, k)
@@ -85,6 +86,7 @@ def test_crash_half_way_catches_a_job_that_commits_half_its_work() -> None:
         assert_single_effect(ChunkItem.objects.filter(job=job), expected=10)
 
 
+@pytest.mark.smoke
 def test_crash_half_way_passes_the_job_in_one_transaction_with_its_key() -> None:
     job = key()
     report = crash_mid_task(tasks.items_guarded, job, 10, at="half")
