@@ -24,6 +24,7 @@ from urllib.parse import parse_qs, urlsplit
 import pytest
 import redis
 from kombu import Connection
+from kombu.asynchronous import set_event_loop
 
 from tests.support.proxy import TcpProxy
 from tests.support.redis_cluster import redis_cluster  # noqa: F401  (a session fixture, started on first use)
@@ -69,6 +70,14 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
 
 
 _first_process = pytest.StashKey[int]()
+
+
+@pytest.fixture(autouse=True)
+def _no_stale_event_loop() -> None:
+    """kombu < 5.6: ``Hub.close()`` leaves the closed hub as the process's event loop, and the next embedded
+    worker adopts it with the previous worker's timer, so its countdowns and ETAs (every retry) never fire
+    (celery/celery#9983, fixed by celery/kombu#2404 in kombu 5.6). Each test's worker makes a hub of its own."""
+    set_event_loop(None)
 
 
 @pytest.fixture
