@@ -20,10 +20,24 @@ def run(*command: str | Path, cwd: Path) -> str:
     return done.stdout
 
 
-def test_wheel_installs_into_a_fresh_venv_and_both_packages_import(tmp_path: Path) -> None:
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A wheel built from the source tree. One build at a time per checkout (a lock file): two at once, from two
+    test processes, write the same build/ and egg-info folders and fail."""
+    import fcntl
+    import hashlib
+
+    folder = tmp_path_factory.mktemp("wheel")
+    lock = Path("/tmp") / f"guardrails-build-{hashlib.sha256(str(ROOT).encode()).hexdigest()[:8]}.lock"
+    with lock.open("w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        run(sys.executable, "-m", "build", "--wheel", "--outdir", folder, ROOT, cwd=folder)
+    (built,) = folder.glob("celery_guardrails-*.whl")
+    return built
+
+
+def test_wheel_installs_into_a_fresh_venv_and_both_packages_import(tmp_path: Path, wheel: Path) -> None:
     # Given a wheel built from the source tree
-    run(sys.executable, "-m", "build", "--wheel", "--outdir", tmp_path / "dist", ROOT, cwd=tmp_path)
-    (wheel,) = (tmp_path / "dist").glob("celery_guardrails-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
     for expected in (
         "celery_guardrails/py.typed",
@@ -34,8 +48,8 @@ def test_wheel_installs_into_a_fresh_venv_and_both_packages_import(tmp_path: Pat
         assert expected in names
     assert not [name for name in names if name.startswith(("tests/", "example_project/", "django_app/"))]
     metadata = zipfile.ZipFile(wheel).read(next(n for n in names if n.endswith("METADATA"))).decode()
-    assert "Requires-Dist: celery<6,>=5.5" in metadata
-    assert 'Requires-Dist: Django<6,>=4.2; extra == "django"' in metadata
+    assert "Requires-Dist: celery<5.8,>=5.5.3" in metadata
+    assert 'Requires-Dist: Django<6.1,>=4.2; extra == "django"' in metadata
     # When it is installed (without dependencies) into a fresh venv whose dependencies come from this one
     venv = tmp_path / "venv"
     run(sys.executable, "-m", "venv", venv, cwd=tmp_path)
@@ -114,12 +128,10 @@ print(result.get(timeout=60))
 
 
 @pytest.fixture(scope="module")
-def fresh_venv(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+def fresh_venv(tmp_path_factory: pytest.TempPathFactory, wheel: Path) -> tuple[Path, Path]:
     """The wheel installed with only the extras the README names for a Django project on Redis, into a fresh
     venv, from the package index (nothing from this environment); the venv and the wheel."""
     folder = tmp_path_factory.mktemp("fresh-venv")
-    run(sys.executable, "-m", "build", "--wheel", "--outdir", folder / "dist", ROOT, cwd=folder)
-    (wheel,) = (folder / "dist").glob("celery_guardrails-*.whl")
     venv = folder / "venv"
     run(sys.executable, "-m", "venv", venv, cwd=folder)
     run(venv / "bin" / "python", "-m", "pip", "install", "-q", f"{wheel}[django,redis]", cwd=folder)
@@ -273,24 +285,15 @@ def test_the_kit_from_the_wheel_needs_only_the_broker_and_the_store(
     (project / "fresh_kit.py").write_text(KIT_APP)
     (project / "test_fresh_kit.py").write_text(KIT_TESTS)
     env = {"PATH": f"{venv / 'bin'}:{os.environ['PATH']}", "FRESH_REDIS_URL": REDIS_URL, "HOME": str(tmp_path)}
+
+    def pytest_there(*arguments: str) -> subprocess.CompletedProcess[str]:
+        command = [venv / "bin" / "python", "-m", "pytest", "-p", "no:cacheprovider", *arguments]
+        return subprocess.run(command, cwd=project, env=env, capture_output=True, text=True, timeout=300)
+
     # When its tests run
-    done = subprocess.run(
-        [venv / "bin" / "python", "-m", "pytest", "-q", "-p", "no:cacheprovider"],
-        cwd=project,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    done = pytest_there("-q")
     # Then the kit's worker ran them: the plain task was caught, the keyed one passed
     assert done.returncode == 0, done.stdout + done.stderr
     assert "3 passed" in done.stdout
-    listed = subprocess.run(
-        [venv / "bin" / "python", "-m", "pytest", "--fixtures", "-p", "no:cacheprovider"],
-        cwd=project,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert "celery_setup" in listed.stdout and "guardrails_kit" in listed.stdout  # pytest-celery's, and the kit's
+    listed = pytest_there("--fixtures").stdout
+    assert "celery_setup" in listed and "guardrails_kit" in listed  # pytest-celery's, and the kit's

@@ -24,6 +24,7 @@ Set up from the environment the kit gives the worker:
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import signal
@@ -65,6 +66,9 @@ def _fire(kind: str, task_id: str, at: str, times: int | None) -> int | None:
     counter.parent.mkdir(exist_ok=True)
     descriptor = os.open(counter, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
     try:
+        # Two copies of a message in two processes reach a point together: the count and its increment are
+        # one step under the file's lock, or both would see the rule unfired (and both be held).
+        fcntl.flock(descriptor, fcntl.LOCK_EX)
         fired = os.fstat(descriptor).st_size
         if times is not None and fired >= times:
             return None

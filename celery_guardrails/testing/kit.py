@@ -385,7 +385,7 @@ class Kit:
             def first_in_body_and_other_ended() -> list[str]:
                 held = self._paused(message.task_id, 1, at="body")
                 found = self.messages().get(message.task_id, events.Message(""))
-                return held if held and found.outcomes else []
+                return held if held and (found.outcomes or len(held) > 1) else []
 
             self._go(self.wait_until("the copies to meet", first_in_body_and_other_ended))
         else:

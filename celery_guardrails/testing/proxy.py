@@ -64,7 +64,7 @@ class TcpProxy:
 
     def close(self) -> None:
         self.cut()
-        self.listener.close()
+        _hang_up(self.listener)  # the shutdown wakes the thread blocked in accept(), which then ends
 
 
 def _hang_up(end: socket.socket) -> None:
