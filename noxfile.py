@@ -30,8 +30,6 @@ README = ROOT / "README.md"
 
 nox.options.sessions = ["smoke", "table"]
 nox.options.error_on_missing_interpreters = True
-# A combination's environment is kept between runs: its pins make it exact, and installing takes a minute.
-nox.options.reuse_existing_virtualenvs = True
 
 
 @dataclass(frozen=True)
@@ -88,6 +86,7 @@ def _record(combination: Combination, outcome: str, detail: str = "") -> None:
 def smoke(session: nox.Session, combination: str) -> None:
     """The smoke subset on one combination."""
     chosen = BY_NAME[combination]
+    # Kept between runs (installing takes a minute); the pins below make it exact each time.
     venv = ROOT / ".nox" / f"smoke-{chosen.name}"
     python = venv / "bin" / "python"
     if not python.exists():

@@ -18,10 +18,11 @@ from celery import Task
 from celery.exceptions import Reject
 from celery.utils import uuid
 
-from celery_guardrails import faults, headers
+from celery_guardrails import headers
 from celery_guardrails.checkpoint import Checkpoint, Checkpoints, checkpoint_of
 from celery_guardrails.delivery import Delivery, begin
 from celery_guardrails.exceptions import StoreError, StoreUnavailableError
+from celery_guardrails.faults import fault_point
 from celery_guardrails.guardrails.budget import RetryBudget
 from celery_guardrails.guardrails.concurrency import ConcurrencyLimit
 from celery_guardrails.guardrails.context import ContextPropagation
@@ -325,8 +326,7 @@ class GuardedTask(Task):  # type: ignore[misc]
             # Celery's tracer already pushed this request and task; Task.__call__ would push a copy of
             # both again (a custom __call__ is run in place of run()), for nothing.
             body = super().__call__ if self.request.called_directly else self.run
-            if faults._armed is not None:  # a test kit's worker: the point "body", after every guardrail
-                faults._armed("body")
+            fault_point("body")  # after every guardrail (a test kit's worker can crash or hold it here)
             try:
                 retval = body(*args, **kwargs)
             except BaseException as exc:

@@ -108,11 +108,14 @@ def _pause(task_id: str, task_name: str, at: str, number: int) -> None:
 
 
 def _point(name: str) -> None:
+    """The handler of :func:`celery_guardrails.fault_point` in this process."""
     from celery import current_task
 
     request = getattr(current_task, "request", None)
-    task_id = getattr(request, "id", None)
-    task_name = getattr(current_task, "name", "") or ""
+    _reached(getattr(request, "id", None), getattr(current_task, "name", "") or "", name)
+
+
+def _reached(task_id: str | None, task_name: str, name: str) -> None:
     _log("point", id=task_id, task=task_name, name=name)
     act(task_id, task_name, name)
 
@@ -128,8 +131,7 @@ def _on_prerun(sender: Any = None, task_id: str | None = None, task: Any = None,
     _log("start", id=task_id, task=name, redelivered=bool(info.get("redelivered")))
     act(task_id, name, "start")
     if not hasattr(task, "guardrails"):  # a plain task's body runs next (GuardedTask marks "body" itself)
-        _log("point", id=task_id, task=name, name="body")
-        act(task_id, name, "body")
+        _reached(task_id, name, "body")
 
 
 def _on_postrun(

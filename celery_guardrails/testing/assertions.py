@@ -45,28 +45,20 @@ def assert_single_effect(effect: Any, *, expected: int = 1, kit: Kit | None = No
 
 def dead_letter_of(app: Any, task_id: str) -> dict[str, Any] | None:
     """The dead letter of ``task_id`` in ``app``'s sinks (the Django table, or the Redis stream), or None."""
-    from celery_guardrails.dead_letters import STREAM
-    from celery_guardrails.options import app_value
-    from celery_guardrails.stores import django_apps_installed, store_url
+    from celery_guardrails.dead_letters import STREAM, RedisStreamSink, sinks_for
 
-    names = app_value(app, "dead_letter_sinks")
-    if names is None:
-        names = ["django"] if django_apps_installed() else ["redis"]
-    for name in names:
-        if name == "django":
-            from django_celery_guardrails.models import DeadLetter
-
-            record = DeadLetter.objects.filter(task_id=task_id).values().first()
-            if record is not None:
-                return dict(record)
+    for sink in sinks_for(app):  # the sinks the workers record to, as they resolve them
+        if isinstance(sink, RedisStreamSink):
+            for _, entry in sink.client.xrevrange(STREAM, count=5000):
+                record = json.loads(entry[b"record"])
+                if record.get("task_id") == task_id:
+                    return dict(record)
             continue
-        from celery_guardrails.stores.redis_client import connect
+        from django_celery_guardrails.models import DeadLetter
 
-        client = connect(store_url(app) if name == "redis" else name, timeout=5.0)
-        for _, entry in client.xrevrange(STREAM, count=5000):
-            record = json.loads(entry[b"record"])
-            if record.get("task_id") == task_id:
-                return dict(record)
+        found = DeadLetter.objects.filter(task_id=task_id).values().first()
+        if found is not None:
+            return dict(found)
     return None
 
 

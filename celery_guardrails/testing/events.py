@@ -63,14 +63,6 @@ class Message:
         """How many of its deliveries ended for good (a copy skipped, the message done or dead-lettered)."""
         return sum(1 for outcome, _ in self.outcomes if outcome in TERMINAL)
 
-    @property
-    def runs(self) -> int:
-        """Deliveries whose body ran to a success."""
-        return sum(1 for outcome, _ in self.outcomes if outcome == "succeeded")
-
-    def ended(self, outcome: str) -> bool:
-        return any(found == outcome for found, _ in self.outcomes)
-
 
 def messages(events: Iterable[dict[str, Any]]) -> dict[str, Message]:
     """The events of a log, gathered per task id, in the order they were written."""

@@ -58,7 +58,8 @@ class GuardedWorker:
         #: Task ids of the messages given back after a kill (Redis), in order.
         self.returned: list[str] = []
         #: Whether the broker is Redis (where the kit gives back what a dead worker held).
-        self.redis_broker = celery_app.connection_for_write().transport.driver_type == "redis"
+        with celery_app.connection_for_write() as connection:  # not connected: the transport class tells
+            self.redis_broker = connection.transport.driver_type == "redis"
 
     @property
     def log_path(self) -> Path:
@@ -230,6 +231,3 @@ class GuardedWorker:
 
     def _tail(self, lines: int = 60) -> str:
         return "\n".join(self.log.splitlines()[-lines:])
-
-    def describe(self) -> dict[str, Any]:
-        return {"app": self.app, "queue": self.queue, "pool": self.pool, "concurrency": self.concurrency}

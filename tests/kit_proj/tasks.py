@@ -7,6 +7,7 @@ have ended.
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any
 
 from django.db import DatabaseError, transaction
@@ -55,6 +56,16 @@ def items_plain(job: str, count: int) -> None:
 def items_guarded(self: GuardedTask, job: str, count: int) -> None:
     """The whole job in the key's transaction: a crash half-way leaves nothing; the redelivery does it all."""
     _items(job, count)
+
+
+@app.task(base=GuardedTask, bind=True, name="kit.items_slow", idempotency_key="slow:{job}", atomic=True)
+def items_slow(self: GuardedTask, job: str, count: int) -> None:
+    """The guarded job, a tenth of a second per item: long enough to be killed by the clock half-way."""
+    from tests.testapp.models import ChunkItem
+
+    for item in range(count):
+        ChunkItem.objects.create(job=job, item=item, run=1)
+        time.sleep(0.1)
 
 
 @app.task(name="kit.items_early_ack")

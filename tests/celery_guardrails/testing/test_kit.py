@@ -114,7 +114,19 @@ def test_crash_after_the_body_before_the_ack() -> None:
     assert report.outcomes == [("duplicate_skipped", "completed")]
 
 
-def test_crash_after_some_seconds() -> None:
+def test_crash_some_seconds_into_the_body() -> None:
+    # Given a job of 30 items, a tenth of a second each (3 s at least, however fast the machine)
+    job = key()
+    # When the worker is SIGKILLed half a second after the delivery started
+    report = crash_mid_task(tasks.items_slow, job, 30, at=0.5)
+    # Then the redelivery did the whole job once (the killed run's items rolled back with its transaction)
+    assert report.crashes == 1
+    assert report.deliveries == 2
+    assert report.outcomes == [("succeeded", "")]
+    assert_single_effect(ChunkItem.objects.filter(job=job), expected=30)
+
+
+def test_a_crash_timed_after_the_task_ended_says_so() -> None:
     job = key()
     with pytest.raises(KitError, match="nothing was crashed"):
         crash_mid_task(tasks.items_guarded, job, 3, at=30.0)
