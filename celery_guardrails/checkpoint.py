@@ -2,7 +2,7 @@
 
 The position reached (items done) is recorded in the store every ``every`` items, so a job killed by a deploy
 resumes where it stopped instead of starting over. It is keyed by the job: the scoped idempotency key
-(``self.request.idempotency_key``) of a keyed task; else the task id (``task:tenant:task-id:<id>``), which a
+of a keyed task; else the task id (``task:tenant:task-id:<id>``), which a
 redelivery, a retry and a ``RetryLater`` keep (a replay of a dead letter, a new message, starts over).
 
 * ``items`` is a sequence read again on every delivery in the same order (a list, a range, a tuple, a
@@ -254,11 +254,14 @@ def checkpoint_of(task: GuardedTask) -> Checkpoint:
     found: Checkpoint | None = getattr(request, REQUEST_ATTRIBUTE, None)
     if found is not None:
         return found
-    if getattr(request, ATTRIBUTE, None) is None or not (request.id or getattr(request, "idempotency_key", None)):
+    state = getattr(request, ATTRIBUTE, None)
+    # The scoped key from the delivery's state (the request's own idempotency_key is the opaque one a body
+    # hands downstream, and reading it counts as handing it on).
+    key = state.key if state is not None else None
+    if state is None or not (request.id or key):
         raise CheckpointError(
             f"{task.name}: self.checkpoint is only available inside the body of a running task (bind=True)"
         )
-    key = getattr(request, "idempotency_key", None)
     if not key:
         from celery_guardrails.guardrails.idempotency import scoped_key
 

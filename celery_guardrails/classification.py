@@ -5,24 +5,28 @@
 1. Celery's own control flow (``Retry``, ``Ignore``, ``Reject``) passes through untouched.
 2. ``RetryLater`` -> retry later (no attempt consumed); ``TransientError`` -> transient;
    ``PermanentError`` -> permanent.
-3. The task's ``permanent_errors``, then its ``transient_errors`` (``isinstance``).
-4. HTTP errors of requests, httpx, urllib3 or the standard library's urllib, by status: 408, 425, 429 and
+3. The task's ``permanent_errors``.
+4. ``deterministic_errors`` (``ValueError``, ``TypeError``, ``KeyError``, validation errors, ...): no retry
+   can fix them, so they are permanent, unless a class of ``transient_errors`` (or ``autoretry_for``) at least
+   as specific names the error (``transient_errors=(KeyError,)`` wins; ``autoretry_for=(Exception,)`` does not).
+5. The task's ``transient_errors``, and Celery's ``autoretry_for`` less ``dont_autoretry_for``
+   (``isinstance``).
+6. HTTP errors of requests, httpx, urllib3 or the standard library's urllib, by status: 408, 425, 429 and
    5xx are transient, any other 4xx is permanent; their transport errors (timeouts, refused connections)
    are transient. The libraries are recognised by the exception's module, never imported here.
-5. ``error_patterns``: regular expressions matched against ``str(exc)``, for errors that crossed an RPC
+7. ``error_patterns``: regular expressions matched against ``str(exc)``, for errors that crossed an RPC
    boundary as plain text (a remote "404 Not Found" must still be recognised).
-6. ``unknown_errors``: ``"auto"`` (default) makes an unknown error transient for an idempotent task
-   (``idempotent=True`` or an ``idempotency_key``) or one marked ``retry_unsafe=True``, and permanent, never
-   retried, for any other task.
+8. ``unknown_errors``: ``"auto"`` (default) makes an unknown error transient (and the gate decides), or all
+   ``"transient"`` / ``"permanent"``.
 
-Then one gate, **retry safety by construction**: a transient verdict for a task that is neither idempotent
-(``idempotent=True`` or an ``idempotency_key``) nor ``retry_unsafe=True`` stands only when the failure proves
-the request never reached the dependency (:func:`sent_nothing`: connection refused, a name that does not
-resolve, an unreachable network, a connect timeout, HTTP 408, 425 or 429) or when the task's own code raised
-``TransientError`` (its author's word). Anything ambiguous (a read timeout, a reset after sending, a 5xx, an
-error a pattern or ``transient_errors`` calls transient) becomes permanent with a rule ending in
-``:not_idempotent``: the dependency may have acted on it, and running a task that is not idempotent again
-could act twice (charge a card twice).
+Then one gate, **retry safety by construction** (:mod:`celery_guardrails.gate`): a transient verdict stands
+only when running the body again cannot repeat an effect (declared ``idempotent=True`` or ``retry_unsafe=True``,
+a key handed downstream, an atomic key, or a failure before the body's first marked effect), or when the task's
+own code raised ``TransientError`` (its author's word). Otherwise it becomes permanent with a rule ending in
+``:not_idempotent`` and a note saying what would make it retryable.
+
+:func:`sent_nothing` tells whether a failure proves the request never reached the other side; an ``effect()``
+block left by such a failure counts no effect (:mod:`celery_guardrails.effects`).
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from __future__ import annotations
 import enum
 import errno
 import socket
+import sys
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -39,7 +44,7 @@ from typing import Any
 from celery.exceptions import Ignore, Reject, Retry
 
 from celery_guardrails.exceptions import PermanentError, RetryLater, TransientError
-from celery_guardrails.options import resolve, task_attribute
+from celery_guardrails.options import DETERMINISTIC_ERRORS, DETERMINISTIC_MODULES, resolve
 
 #: Statuses worth retrying: request timeout, too early, too many requests (and every 5xx).
 TRANSIENT_STATUSES = frozenset({408, 425, 429})
@@ -95,16 +100,28 @@ class Verdict:
     kind: Kind
     rule: str
     retry_after: float | None = None
+    #: Why a transient failure was not retried, and what would make it retryable (the gate's note).
+    note: str | None = None
 
 
-def classify(exc: BaseException, task: Any, call: Mapping[str, Any]) -> Verdict:
-    """Classify ``exc`` raised by ``task`` (per-call options ``call``): the rules, then the safety gate."""
+def classify(exc: BaseException, task: Any, call: Mapping[str, Any], state: Any = None) -> Verdict:
+    """Classify ``exc`` raised by ``task`` (per-call options ``call``) in the delivery ``state`` (the running
+    one when None): the rules, then the retry gate."""
     verdict = _rules(exc, task, call)
-    if verdict.kind is not Kind.TRANSIENT or verdict.rule in OWN_WORD or retry_is_safe(task, call):
+    return gated(verdict, task, call, state)
+
+
+def gated(verdict: Verdict, task: Any, call: Mapping[str, Any], state: Any = None) -> Verdict:
+    """``verdict`` through the retry gate: a transient one stands only where a re-run is safe."""
+    if verdict.kind is not Kind.TRANSIENT or verdict.rule in OWN_WORD:
         return verdict
-    if sent_nothing(exc):
+    from celery_guardrails import gate
+    from celery_guardrails.delivery import delivery
+
+    safety = gate.judge(task, call, state if state is not None else delivery(task))
+    if safety.safe:
         return verdict
-    return Verdict(Kind.PERMANENT, f"{verdict.rule}:not_idempotent")
+    return Verdict(Kind.PERMANENT, f"{verdict.rule}:not_idempotent", note=safety.note)
 
 
 def _rules(exc: BaseException, task: Any, call: Mapping[str, Any]) -> Verdict:
@@ -118,33 +135,72 @@ def _rules(exc: BaseException, task: Any, call: Mapping[str, Any]) -> Verdict:
         return Verdict(Kind.PERMANENT, "PermanentError")
     if isinstance(exc, resolve(task, "permanent_errors", call)):
         return Verdict(Kind.PERMANENT, "permanent_errors")
-    if isinstance(exc, resolve(task, "transient_errors", call)):
-        return Verdict(Kind.TRANSIENT, "transient_errors", retry_after_of(exc))
+    transient, rule = _transient_class(exc, task, call)
+    deterministic = _deterministic_class(exc, task, call)
+    if (
+        deterministic is not None
+        and not (transient is not None and issubclass(transient, deterministic))
+        and not _transport_failure(exc)  # urllib3's ResponseNotChunked is a ProtocolError and a ValueError
+    ):
+        return Verdict(Kind.PERMANENT, "deterministic_errors")
+    if transient is not None:
+        return Verdict(Kind.TRANSIENT, rule, retry_after_of(exc))
     http = _http_verdict(exc)
     if http is not None:
         return http
-    message = str(exc)
-    for pattern, kind in resolve(task, "error_patterns", call):
+    patterns = resolve(task, "error_patterns", call)
+    message = _text(exc) if patterns else ""
+    for pattern, kind in patterns:
         if pattern.search(message):
             return Verdict(Kind(kind), f"error_patterns:{pattern.pattern}")
     unknown = resolve(task, "unknown_errors", call)
-    if unknown == "auto":
-        if is_idempotent(task, call):
-            return Verdict(Kind.TRANSIENT, "unknown_errors:auto:idempotent")
-        if resolve(task, "retry_unsafe", call):
-            return Verdict(Kind.TRANSIENT, "unknown_errors:auto:retry_unsafe")
-        return Verdict(Kind.PERMANENT, "unknown_errors:auto:not_idempotent")
-    return Verdict(Kind(unknown), f"unknown_errors:{unknown}")
+    return Verdict(Kind(unknown if unknown != "auto" else "transient"), f"unknown_errors:{unknown}")
 
 
-def is_idempotent(task: Any, call: Mapping[str, Any]) -> bool:
-    """Declared idempotent, or given an idempotency key (which makes a second run change nothing)."""
-    return bool(resolve(task, "idempotent", call) or task_attribute(task, "idempotency_key"))
+def _text(exc: BaseException) -> str:
+    """``str(exc)``, or "" for an exception whose ``__str__`` itself fails (it is still classified)."""
+    try:
+        return str(exc)
+    except Exception:
+        return ""
 
 
-def retry_is_safe(task: Any, call: Mapping[str, Any]) -> bool:
-    """Idempotent, or ``retry_unsafe=True`` (the author accepts that an ambiguous failure runs it again)."""
-    return is_idempotent(task, call) or bool(resolve(task, "retry_unsafe", call))
+def _transient_class(exc: BaseException, task: Any, call: Mapping[str, Any]) -> tuple[type | None, str]:
+    """The most specific class of ``transient_errors`` (or Celery's ``autoretry_for``) ``exc`` is, and its rule."""
+    matches = [(k, "transient_errors") for k in resolve(task, "transient_errors", call) if isinstance(exc, k)]
+    autoretry = tuple(getattr(task, "autoretry_for", None) or ())
+    if (
+        autoretry
+        and isinstance(exc, autoretry)
+        and not isinstance(exc, tuple(getattr(task, "dont_autoretry_for", None) or ()))
+    ):
+        matches += [(k, "autoretry_for") for k in autoretry if isinstance(exc, k)]
+    if not matches:
+        return None, ""
+    # The nearest in the error's own class hierarchy: (KeyError,) over (Exception,).
+    order = type(exc).__mro__
+    return min(matches, key=lambda match: order.index(match[0]) if match[0] in order else len(order))
+
+
+def _deterministic_class(exc: BaseException, task: Any, call: Mapping[str, Any]) -> type | None:
+    """The most specific ``deterministic_errors`` class ``exc`` is (the default's optional validation errors
+    included, once their module is imported), or None."""
+    classes = resolve(task, "deterministic_errors", call)
+    if classes is DETERMINISTIC_ERRORS:
+        classes = (*classes, *_imported_validation_errors())
+    order = type(exc).__mro__
+    found = [klass for klass in classes if klass in order]
+    return min(found, key=order.index) if found else None
+
+
+def _imported_validation_errors() -> tuple[type, ...]:
+    found = []
+    for module_name, name in DETERMINISTIC_MODULES:
+        module = sys.modules.get(module_name)
+        klass = getattr(module, name, None) if module is not None else None
+        if isinstance(klass, type) and issubclass(klass, BaseException):
+            found.append(klass)
+    return tuple(found)
 
 
 def sent_nothing(exc: BaseException) -> bool:
@@ -174,6 +230,12 @@ def sent_nothing(exc: BaseException) -> bool:
         wrapped = (error.__cause__, error.__context__, getattr(error, "reason", None), *error.args)
         pending.extend(item for item in wrapped if isinstance(item, BaseException))
     return False
+
+
+def _transport_failure(exc: BaseException) -> bool:
+    """A failure of an HTTP library to get an answer at all (its own transport error classes)."""
+    names = {klass.__name__ for klass in type(exc).__mro__}
+    return bool(names & (TRANSPORT_ERRORS | CONNECT_FAILURES)) and _http_library(exc)
 
 
 def _http_library(exc: BaseException) -> bool:

@@ -6,7 +6,8 @@ delivery (an after-hook, a re-publish, a final failure) can see everything the e
 to complete or release, a run slot, a dependency admission to report.
 
 What a task may read stays on ``self.request`` and is documented there: ``attempt``, ``attempt_history``,
-``idempotency_key``, ``schedule_name``, ``period``, ``period_key``, ``since``.
+``idempotency_key`` (the opaque key to hand downstream; reading it is recorded here, see
+:mod:`celery_guardrails.effects`), ``schedule_name``, ``period``, ``period_key``, ``since``.
 """
 
 from __future__ import annotations
@@ -76,6 +77,20 @@ class Delivery:
     body_error: BaseException | None = None
     #: What the body returned.
     retval: Any = None
+    #: The body is running: a ``self.retry()`` made now is the body's, and goes through the retry gate.
+    in_body: bool = False
+    #: The scoped idempotency key of this delivery (``task:tenant:key``), for the guardrails' own records; the
+    #: body is handed an opaque key made from it (``self.request.idempotency_key``).
+    key: str | None = None
+    #: How many effect blocks had completed when the body first read ``self.request.idempotency_key`` (None:
+    #: never read). Read before any effect, the key went downstream with them (a provider, a unique row): a
+    #: run after a failure presents the same key, and the effect cannot land twice.
+    key_read_at: int | None = None
+    #: Effect blocks (``effect()``) that completed, or ended in an error that may have acted: a failure after
+    #: one of them is not retried automatically (see celery_guardrails.effects).
+    effects: int = 0
+    #: Effect blocks open now.
+    effect_depth: int = 0
 
     def forget(self, owner: str) -> None:
         """The hold of ``owner`` is settled another way (its key completed or failed): nothing to release."""

@@ -54,6 +54,25 @@ SENSITIVE_KEYS = (
     "credit_card",
 )
 
+#: Errors no retry can fix (a bug, bad input): permanent at their first failure (deterministic_errors). Also
+#: Django's and pydantic's ValidationError, once their module is imported (see DETERMINISTIC_MODULES).
+DETERMINISTIC_ERRORS: tuple[type[BaseException], ...] = (
+    ValueError,
+    TypeError,
+    KeyError,
+    AttributeError,
+    LookupError,
+    NotImplementedError,
+    UnicodeError,
+)
+#: (module, class) of validation errors that are deterministic too, checked only when their module is imported:
+#: an error of a module nobody imported cannot be raised, and nothing is imported for them.
+DETERMINISTIC_MODULES = (
+    ("django.core.exceptions", "ValidationError"),
+    ("pydantic", "ValidationError"),
+    ("pydantic_core", "ValidationError"),
+)
+
 CALL = "call"
 TASK = "task"
 APP = "app"
@@ -383,7 +402,8 @@ OPTIONS: Mapping[str, Option] = {
         Option(
             name="idempotent",
             default=False,
-            doc="Declare the task safe to run twice; an unknown error is then retried (see unknown_errors).",
+            doc="Declare the task safe to run twice: any transient or unknown error is then retried, whatever "
+            "the body did before it (see celery_guardrails.gate).",
             check=_boolean,
             scopes=frozenset({TASK, APP}),
         ),
@@ -391,9 +411,18 @@ OPTIONS: Mapping[str, Option] = {
             name="retry_unsafe",
             default=False,
             doc="Let a task that is not idempotent be retried on ambiguous failures too (a read timeout, a 5xx, "
-            "an error transient_errors or error_patterns name): it may then act twice. Warned about at start-up.",
+            "an error after an effect): it may then act twice. The audit scores it 0; warned about at start-up.",
             check=_boolean,
             scopes=frozenset({TASK, APP}),
+        ),
+        Option(
+            name="marks_effects",
+            default=None,
+            doc="Whether the body marks its effects with effect() (then a failure before the first one is "
+            "retried); None: told from the task function's own code. Set True when the blocks are in code the "
+            "body calls from another module.",
+            check=_boolean,
+            scopes=frozenset({TASK}),
         ),
         Option(
             name="idempotency_key",
@@ -470,14 +499,17 @@ OPTIONS: Mapping[str, Option] = {
         Option(
             name="max_attempts",
             default=5,
-            doc="Runs at most, the first one included.",
+            doc="Runs at most, the first one included, however the retries come (classified failures, "
+            "autoretry_for, self.retry()). Unset on a task that sets Celery's max_retries (or retry_kwargs="
+            "{'max_retries': n}): that plus one.",
             check=_positive_int,
             scopes=frozenset({CALL, TASK, APP}),
         ),
         Option(
             name="transient_errors",
             default=(),
-            doc="Exception classes (or dotted paths) retried with backoff.",
+            doc="Exception classes (or dotted paths) retried with backoff, where the retry gate finds a re-run "
+            "safe. Celery's autoretry_for (less dont_autoretry_for) on a GuardedTask counts as these.",
             check=_exception_types,
             scopes=frozenset({TASK, APP}),
         ),
@@ -485,6 +517,17 @@ OPTIONS: Mapping[str, Option] = {
             name="permanent_errors",
             default=(),
             doc="Exception classes (or dotted paths) never retried; checked before transient_errors.",
+            check=_exception_types,
+            scopes=frozenset({TASK, APP}),
+        ),
+        Option(
+            name="deterministic_errors",
+            default=DETERMINISTIC_ERRORS,
+            doc="Exception classes (or dotted paths) no retry can fix: permanent at their first failure, even "
+            "when a broader transient_errors or autoretry_for class (Exception) matches; a class of "
+            "transient_errors at least as specific wins. Default: ValueError, TypeError, KeyError, "
+            "AttributeError, LookupError, NotImplementedError, UnicodeError, and Django's and pydantic's "
+            "ValidationError; () turns it off.",
             check=_exception_types,
             scopes=frozenset({TASK, APP}),
         ),
@@ -499,8 +542,9 @@ OPTIONS: Mapping[str, Option] = {
         Option(
             name="unknown_errors",
             default="auto",
-            doc="'auto': an unclassified error is transient for an idempotent task and not retried for "
-            "another; or 'transient' / 'permanent' for all tasks.",
+            doc="'auto': an unclassified error is transient, retried only where the retry gate finds a re-run "
+            "safe (celery_guardrails.gate); or 'transient' / 'permanent' for all tasks (the gate still applies "
+            "to 'transient').",
             check=_choice("auto", "transient", "permanent"),
             scopes=frozenset({TASK, APP}),
         ),
@@ -515,7 +559,8 @@ OPTIONS: Mapping[str, Option] = {
         Option(
             name="backoff_base",
             default=1.0,
-            doc="Seconds: the scale of the first retry delay.",
+            doc="Seconds: the scale of the first retry delay. Unset on a task with Celery's retry_backoff: "
+            "that (True: 1).",
             check=_seconds,
             scopes=frozenset({CALL, TASK, APP}),
         ),
@@ -523,7 +568,7 @@ OPTIONS: Mapping[str, Option] = {
             name="backoff_max",
             default=600.0,
             doc="Seconds: no retry delay (Retry-After included) is longer. Keep it below the Redis "
-            "visibility_timeout (1 hour by default).",
+            "visibility_timeout (1 hour by default). Unset on a task with Celery's retry_backoff_max: that.",
             check=_seconds,
             scopes=frozenset({CALL, TASK, APP}),
         ),
@@ -1113,12 +1158,68 @@ def check_call_options(call: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def task_attribute(task: Any, name: str) -> Any:
-    """Attribute ``name`` of the task's class (None when unset)."""
+    """Attribute ``name`` of the task's class (None when unset); unset, what Celery's own option of the same
+    meaning says, when the task sets one (:data:`CELERY_EQUIVALENTS`)."""
     # Read from the class: a function given as a decorator kwarg must not become a bound method. A task
     # from @app.task before the app is finalised is a proxy: look through it.
     if isinstance(task, Proxy):
         task = task._get_current_object()
-    return getattr(type(task), name, None)
+    value = getattr(type(task), name, None)
+    if value is None and name in CELERY_EQUIVALENTS:
+        return celery_equivalent(type(task), name)
+    return value
+
+
+def celery_option(kind: type, name: str) -> Any:
+    """Celery task option ``name`` as the task itself sets it (a decorator kwarg or a class attribute of the
+    project's), or None: Celery's and the extension's own defaults do not count."""
+    for klass in kind.__mro__:
+        if klass.__module__.partition(".")[0] in ("celery", "celery_guardrails"):
+            return None
+        if name in vars(klass):
+            return vars(klass)[name]
+    return None
+
+
+def _max_attempts_of_celery(kind: type) -> int | None:
+    retries = (celery_option(kind, "retry_kwargs") or {}).get("max_retries", celery_option(kind, "max_retries"))
+    if isinstance(retries, int) and not isinstance(retries, bool) and retries >= 0:
+        return retries + 1
+    return None  # unset, or None (Celery's "for ever"): the guardrails' bound applies
+
+
+def _backoff_base_of_celery(kind: type) -> float | None:
+    factor = celery_option(kind, "retry_backoff")
+    if factor is True:
+        return 1.0
+    if isinstance(factor, int | float) and not isinstance(factor, bool) and factor > 0:
+        return float(factor)
+    return None
+
+
+def _backoff_max_of_celery(kind: type) -> float | None:
+    maximum = celery_option(kind, "retry_backoff_max")
+    if isinstance(maximum, int | float) and not isinstance(maximum, bool) and maximum > 0:
+        return float(maximum)
+    return None
+
+
+#: Guardrail options a task may set with Celery's own names instead (its autoretry and retry settings): a
+#: GuardedTask retries through the guardrails, so Celery's settings are read as theirs.
+CELERY_EQUIVALENTS: Mapping[str, Callable[[type], Any]] = {
+    "max_attempts": _max_attempts_of_celery,
+    "backoff_base": _backoff_base_of_celery,
+    "backoff_max": _backoff_max_of_celery,
+}
+_EQUIVALENT: dict[tuple[type, str], Any] = {}
+
+
+def celery_equivalent(kind: type, name: str) -> Any:
+    """The guardrail option ``name`` as the task class ``kind`` sets it with Celery's own name (cached)."""
+    key = (kind, name)
+    if key not in _EQUIVALENT:
+        _EQUIVALENT[key] = CELERY_EQUIVALENTS[name](kind)
+    return _EQUIVALENT[key]
 
 
 def resolve(task: Any, name: str, call: Mapping[str, Any]) -> Any:

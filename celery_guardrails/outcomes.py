@@ -108,11 +108,19 @@ def _redacted(task: Any, text: str) -> str:
 
 
 def republish(
-    task: Any, *, countdown: float, header: dict[str, Any], exc: BaseException | None = None
+    task: Any,
+    *,
+    countdown: float,
+    header: dict[str, Any],
+    exc: BaseException | None = None,
+    args: Any = None,
+    kwargs: Any = None,
+    options: Mapping[str, Any] | None = None,
 ) -> BaseException:
     """Publish the running message again after ``countdown`` seconds with ``header``; return Celery's Retry.
 
-    Every other header of the message is kept (tenant included: it is in ``header``). The caller raises the
+    Every other header of the message is kept (tenant included: it is in ``header``). ``args``, ``kwargs`` and
+    ``options`` are what a body's ``self.retry(...)`` asked for (None: the message's own). The caller raises the
     returned exception so Celery records RETRY and acks the current delivery after the publish.
     """
     request = task.request
@@ -123,14 +131,18 @@ def republish(
     if kept:
         header = {**header, headers.GAVE_UP: [*header.get(headers.GAVE_UP, ()), *kept][-headers.GAVE_UP_LIMIT :]}
     state.republishing = True
-    message_headers = {**(request.headers or {}), headers.HEADER: header}
+    extra = dict(options or {})
+    message_headers = {**(request.headers or {}), **(extra.pop("headers", None) or {}), headers.HEADER: header}
     # max_retries: the guardrails count attempts themselves; Celery's own limit must not interfere.
     retry: BaseException = task.retry(
+        args=args,
+        kwargs=kwargs,
         exc=exc,
         countdown=min(max(0.0, countdown), longest_countdown(task.app)),
         max_retries=request.retries + 1,
-        headers=message_headers,
         throw=False,
+        headers=message_headers,
+        **extra,
     )
     return retry
 
@@ -278,7 +290,7 @@ def fail_finally(
         kwargs=dict(request.kwargs or {}),
         queue=(request.delivery_info or {}).get("routing_key"),
         owner=owner_of(task),
-        idempotency_key=getattr(request, "idempotency_key", None),
+        idempotency_key=delivery(task).key,  # the scoped key (replay reopens it), not the body's opaque one
         header={k: v for k, v in header.items() if k not in (headers.HISTORY, PENDING_DEAD_LETTER)},
         traceback=_redacted(task, "".join(traceback_module.format_exception(exc))[-20000:]),
         first_failed_at=history[0]["start"] if history and history[0].get("start") else timestamp(),

@@ -9,7 +9,8 @@ task hook, and what ``GuardedTask`` makes of them.
   letter cannot be written, the message is given back to the broker instead.
 * **A hard time limit.** The pool kills the process running the task; Celery marks it FAILURE and acks it.
   Here, first, the failure is handed over as any final failure is (a dead letter ``time_limit``), or, for a
-  task that may run again (idempotent, keyed, or ``retry_unsafe``) with attempts left, a retry is published
+  task the retry gate lets run again without seeing its body (``idempotent=True``, ``retry_unsafe``, or keyed
+  and ``atomic=True``: see :func:`celery_guardrails.gate.after_kill`) with attempts left, a retry is published
   (not for a chord's part or a task with errbacks: Celery's handling of the kill still runs and would report
   the failure to them).
   The claim the killed process held is taken over at once by the next delivery on this host (its process is
@@ -157,8 +158,8 @@ def _refuse_malformed(message: Any, task: Any, error: Exception) -> None:
 def _time_limit_reached(request: Any, timeout: float) -> bool:
     """Hand over the final failure of a task its hard time limit killed (module docstring); whether a retry
     was published instead."""
-    from celery_guardrails.classification import retry_is_safe
     from celery_guardrails.delivery import begin
+    from celery_guardrails.gate import after_kill
     from celery_guardrails.options import resolve, settings_snapshot
     from celery_guardrails.outcomes import attempt_record, fail_finally, republish
 
@@ -180,7 +181,9 @@ def _time_limit_reached(request: Any, timeout: float) -> bool:
                 # Not inside a chord or with errbacks: Celery's own handling of the kill, which still runs, would
                 # count the chord part failed and call the errbacks while the retry goes on.
                 plain = not getattr(context, "chord", None) and not getattr(context, "errbacks", None)
-                if plain and retry_is_safe(task, call) and attempt < resolve(task, "max_attempts", call):
+                # The gate, as far as this process can see: the killed process's effects died unseen with it.
+                safe = after_kill(task, call, keyed=bool(header.get(headers.IDEMPOTENCY_KEY))).safe
+                if plain and safe and attempt < resolve(task, "max_attempts", call):
                     record = attempt_record(task, kind="transient", rule=TIME_LIMIT, exc=exc, delay=0.0)
                     logger.warning("Task %s[%s] killed by its time limit; retrying", task.name, request.id)
                     task.backend.mark_as_retry(request.id, exc, request=context)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import sys
 from collections.abc import Mapping
 from contextlib import ExitStack
 from typing import Any, ClassVar
@@ -20,8 +21,9 @@ from celery.utils import uuid
 
 from celery_guardrails import headers
 from celery_guardrails.checkpoint import Checkpoint, Checkpoints, checkpoint_of
-from celery_guardrails.delivery import Delivery, begin
-from celery_guardrails.exceptions import StoreError, StoreUnavailableError
+from celery_guardrails.delivery import Delivery, begin, delivery
+from celery_guardrails.effects import effect, guard_request
+from celery_guardrails.exceptions import GuardrailsError, StoreError, StoreUnavailableError
 from celery_guardrails.faults import fault_point
 from celery_guardrails.guardrails.budget import RetryBudget
 from celery_guardrails.guardrails.concurrency import ConcurrencyLimit
@@ -31,7 +33,7 @@ from celery_guardrails.guardrails.dead_letter import PendingDeadLetters
 from celery_guardrails.guardrails.idempotency import Idempotency
 from celery_guardrails.guardrails.ordering import Ordering, SequenceStamp
 from celery_guardrails.guardrails.poison import PoisonMessages
-from celery_guardrails.guardrails.retries import Retries
+from celery_guardrails.guardrails.retries import Retries, RetryRequested
 from celery_guardrails.guardrails.scheduled_runs import ScheduledRuns
 from celery_guardrails.guardrails.tenancy import TenantGuard
 from celery_guardrails.install import install
@@ -109,6 +111,7 @@ class GuardedTask(Task):  # type: ignore[misc]
     max_deliveries: int | None = None
     idempotent: bool | None = None
     retry_unsafe: bool | None = None
+    marks_effects: bool | None = None
     idempotency_key: Any = None
     idempotency_lease: float | None = None
     idempotency_retention: float | None = None
@@ -118,6 +121,7 @@ class GuardedTask(Task):  # type: ignore[misc]
     max_attempts: int | None = None
     transient_errors: Any = None
     permanent_errors: Any = None
+    deterministic_errors: Any = None
     error_patterns: Any = None
     unknown_errors: str | None = None
     backoff: str | None = None
@@ -264,13 +268,51 @@ class GuardedTask(Task):  # type: ignore[misc]
         ``apply_async(args, kwargs, outbox=True)``."""
         return self.apply_async(args, kwargs, outbox=True)
 
-    def retry(self, *args: Any, **kwargs: Any) -> Any:
-        """Celery's ``retry``, except when the new message cannot be published: Celery then rejects the running
-        message without requeue (``Reject(exc, requeue=False)`` in ``Task.retry``), which on an acks-late
-        delivery removes it from the broker with nothing recorded. The ack is sacred: it is given back to the
-        broker unacked instead, and runs again when it is redelivered (no attempt is recorded for it)."""
+    def effect(self) -> effect:
+        """``with self.effect(): ...`` around the call that acts on the world: a failure before the body's first
+        effect is retried, one after it is not (see :mod:`celery_guardrails.effects`)."""
+        return effect(state=delivery(self))
+
+    def retry(
+        self,
+        args: Any = None,
+        kwargs: Any = None,
+        exc: BaseException | None = None,
+        throw: bool = True,
+        eta: Any = None,
+        countdown: float | None = None,
+        max_retries: int | None = None,
+        **options: Any,
+    ) -> Any:
+        """In the body: ask for a retry through the guardrails' one gate (raises; see
+        :mod:`celery_guardrails.guardrails.retries`): it counts in ``max_attempts``, and it is refused, as a final
+        failure ``not_idempotent``, when running the body again could repeat an effect. ``throw=False`` is not
+        honoured there: the retry is decided when the body ends, so the call raises anyway.
+
+        A guardrail re-publishing the message calls Celery's ``retry``, except that when the new message cannot
+        be published Celery rejects the running message without requeue (``Reject(exc, requeue=False)`` in
+        ``Task.retry``), which on an acks-late delivery removes it from the broker with nothing recorded. The ack
+        is sacred: it is given back to the broker unacked instead, and runs again when it is redelivered (no
+        attempt is recorded for it)."""
+        state = delivery(self)
+        if not self.request.called_directly and not state.republishing:
+            if state.in_body and any(isinstance(g, Retries) for g in self.guardrails):
+                raise RetryRequested.from_call(
+                    cause=exc if exc is not None else sys.exc_info()[1],
+                    eta=eta,
+                    countdown=countdown,
+                    max_retries=max_retries,
+                    args=args,
+                    kwargs=kwargs,
+                    options=options,
+                )
+            if not state.in_body:
+                raise GuardrailsError(
+                    f"{self.name}: self.retry() outside the task body; a guarded task is retried only by the "
+                    "guardrails' gate (raise TransientError or RetryLater from the body)"
+                )
         try:
-            return super().retry(*args, **kwargs)
+            return super().retry(args, kwargs, exc, throw, eta, countdown, max_retries, **options)
         except Reject as rejected:
             if rejected.requeue:
                 raise
@@ -295,6 +337,7 @@ class GuardedTask(Task):  # type: ignore[misc]
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         with settings_snapshot(self.app):
+            guard_request(self.request)
             state = begin(self.request)
             try:
                 return self._run_guarded(state, args, kwargs)
@@ -324,15 +367,19 @@ class GuardedTask(Task):  # type: ignore[misc]
                 if context is not None:
                     stack.enter_context(context)
             # Celery's tracer already pushed this request and task; Task.__call__ would push a copy of
-            # both again (a custom __call__ is run in place of run()), for nothing.
-            body = super().__call__ if self.request.called_directly else self.run
+            # both again (a custom __call__ is run in place of run()), for nothing. Celery's autoretry_for
+            # wrapper (``_orig_run`` keeps the body) is left out: its retries would bypass the gate; the
+            # Retries guardrail classifies autoretry_for as transient_errors instead.
+            body: Any = super().__call__ if self.request.called_directly else self.__dict__.get("_orig_run", self.run)
             fault_point("body")  # after every guardrail (a test kit's worker can crash or hold it here)
+            state.in_body = True
             try:
                 retval = body(*args, **kwargs)
             except BaseException as exc:
                 state.body_error = exc
                 raise
             finally:
+                state.in_body = False
                 state.body_ran = True
             state.retval = retval  # for a body context that completes with the result
             return retval

@@ -6,7 +6,8 @@
   :class:`~celery_guardrails.exceptions.IdempotencyKeyError` in the caller. It travels in the header, so
   every redelivery, retry and replay carries the same key. ``dedupe_on_publish`` optionally skips publishing a
   key seen within ``dedupe_ttl`` (an optimisation: the claim below is the guarantee).
-* Run: the key, scoped by task name and tenant (``self.request.idempotency_key``), is claimed in the store:
+* Run: the key, scoped by task name and tenant, is claimed in the store (the body reads an opaque key made from
+  it, ``self.request.idempotency_key``, to hand downstream: see :mod:`celery_guardrails.effects`):
 
   - acquired: the body runs; the claim's lease (``idempotency_lease``) is renewed by a heartbeat every third
     of it (the claim itself is the first beat); when the body returns, the key is completed with a short
@@ -26,7 +27,8 @@ completion mark commits in the same transaction as the database effect: it happe
 that lost its lease rolls back). Otherwise (Redis, or effects outside the database) a worker that dies after
 the effect and before the completion mark leaves a window: the next delivery takes over and runs the body
 again. Close it with a natural key on the effect or the provider's own idempotency key (pass it
-``self.request.idempotency_key``).
+``self.request.idempotency_key``): a body that hands its key on may also be retried after an ambiguous failure
+(:mod:`celery_guardrails.gate`); a keyed body that does not is retried only before its first effect.
 """
 
 from __future__ import annotations
@@ -426,7 +428,7 @@ class Idempotency(Guardrail):
                     raise pending from exc
                 raise
         scoped = scoped_key(task.name, current_tenant(), key)
-        request.idempotency_key = scoped
+        delivery(task).key = scoped  # the body reads an opaque key made from it (celery_guardrails.effects)
         store = get_store(task.app)
         owner = delivery_owner(request)
         now = time.time()

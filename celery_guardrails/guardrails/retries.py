@@ -2,32 +2,39 @@
 
 * ``before_run``: reads the attempt counters and history from the message into ``self.request.attempt``
   (1 for the first run) and ``self.request.attempt_history`` (the earlier attempts, oldest first).
-* Around the body: a failure is classified (:mod:`celery_guardrails.classification`):
+* Around the body: a failure is classified (:mod:`celery_guardrails.classification`) and every re-run goes
+  through the retry gate (:mod:`celery_guardrails.gate`):
 
-  - transient, attempts left (``max_attempts`` counts the first run): re-published after the backoff delay
-    (:mod:`celery_guardrails.backoff`), one attempt consumed, ``retry_scheduled`` sent;
+  - transient, safe to run again, attempts left (``max_attempts`` counts the first run): re-published after
+    the backoff delay (:mod:`celery_guardrails.backoff`), one attempt consumed, ``retry_scheduled`` sent;
   - ``RetryLater``: re-published after its delay with no attempt consumed, ``retry_later_max`` times at
     most; then a final failure ``retry_later_exhausted``;
-  - permanent, or transient with no attempt left: a final failure (``permanent``, ``not_idempotent``,
-    ``attempts_exhausted``) through :func:`celery_guardrails.outcomes.fail_finally`, and the task fails
-    with the original exception.
+  - permanent, transient but not safe to run again, or transient with no attempt left: a final failure
+    (``permanent``, ``not_idempotent``, ``attempts_exhausted``) through
+    :func:`celery_guardrails.outcomes.fail_finally`, and the task fails with the original exception.
 
   Every outcome appends an attempt record to the history the next delivery (or the final failure) carries.
-* ``on_publish``: a manual ``self.retry()`` in the task body counts as an attempt too and is recorded as
-  ``"manual"``.
+* Celery's own retry paths come here too. ``autoretry_for`` on a GuardedTask is classified as
+  ``transient_errors`` (``GuardedTask`` runs the body without Celery's autoretry wrapper); ``self.retry()`` in
+  the body raises :class:`RetryRequested`, handled here as a transient failure of the body: the gate decides,
+  it counts in ``max_attempts`` (and in its own ``max_retries`` when given), its ``countdown`` / ``eta`` is the
+  delay (else the backoff), and past the last attempt it is a final failure ``attempts_exhausted`` with the
+  history. Its record's class is ``"manual"``.
 """
 
 from __future__ import annotations
 
 import logging
-import sys
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager
+from datetime import datetime
 from typing import TYPE_CHECKING, Any
+
+from celery.exceptions import MaxRetriesExceededError, Retry
 
 from celery_guardrails import headers, signals
 from celery_guardrails.backoff import backoff_for
-from celery_guardrails.classification import Kind, Verdict, classify
+from celery_guardrails.classification import Kind, Verdict, classify, gated
 from celery_guardrails.delivery import delivery
 from celery_guardrails.exceptions import StoreError
 from celery_guardrails.options import resolve
@@ -40,31 +47,76 @@ from celery_guardrails.outcomes import (
     fail_finally,
     republish,
 )
-from celery_guardrails.pipeline import Guardrail, Publication
+from celery_guardrails.pipeline import Guardrail
 
 if TYPE_CHECKING:
     from celery_guardrails.task import GuardedTask
 
 logger = logging.getLogger(__name__)
 
+#: The rule and record class of a retry the body asked for with ``self.retry()``.
+SELF_RETRY = "self.retry"
+MANUAL = "manual"
+
+
+class RetryRequested(Retry):  # type: ignore[misc]
+    """``self.retry()`` called in a guarded body: handed to the Retries guardrail (never to Celery, which would
+    take it for a retry already published). A ``Retry``, so that code catching Celery's keeps working."""
+
+    def __init__(
+        self,
+        *,
+        cause: BaseException | None,
+        countdown: float | None,
+        max_retries: int | None,
+        args: Any = None,
+        kwargs: Any = None,
+        options: dict[str, Any] | None = None,
+    ) -> None:
+        super().__init__("self.retry() in the task body", cause, countdown)
+        self.cause = cause
+        self.countdown = countdown
+        self.max_retries = max_retries
+        self.new_args = args
+        self.new_kwargs = kwargs
+        self.options = dict(options or {})
+
+    @classmethod
+    def from_call(
+        cls,
+        *,
+        cause: BaseException | None,
+        eta: Any,
+        countdown: float | None,
+        max_retries: int | None,
+        args: Any,
+        kwargs: Any,
+        options: dict[str, Any],
+    ) -> RetryRequested:
+        """The request of a ``Task.retry(...)`` call (its ``eta`` made a countdown)."""
+        if countdown is None and isinstance(eta, datetime):
+            now = datetime.now(eta.tzinfo) if eta.tzinfo else datetime.now()
+            countdown = max(0.0, (eta - now).total_seconds())
+        return cls(
+            cause=cause,
+            countdown=None if countdown is None else max(0.0, float(countdown)),
+            max_retries=max_retries,
+            args=args,
+            kwargs=kwargs,
+            options=options,
+        )
+
+    def failure(self, task: Any) -> BaseException:
+        """What the task fails with when this retry is not made: the cause, else Celery's own error."""
+        cause: BaseException | None = self.cause
+        if cause is not None:
+            return cause
+        exhausted: BaseException = MaxRetriesExceededError(f"Can't retry {task.name}[{task.request.id}] any more")
+        return exhausted
+
 
 class Retries(Guardrail):
-    """Classified retries with backoff, RetryLater, attempt history."""
-
-    def on_publish(self, task: GuardedTask, publication: Publication) -> None:
-        request = task.request
-        is_own_redelivery = publication.task_id is not None and publication.task_id == request.id
-        if not is_own_redelivery or request.called_directly or delivery(task).republishing:
-            return
-        # The body called self.retry() itself: that is an attempt, and the history says so. What this delivery
-        # holds (its idempotency claim, a run slot) is given up first, so the retry does not find it held and
-        # wait out its lease.
-        delivery(task).give_up(request.id)
-        exc = sys.exc_info()[1]
-        attempt = headers.counter(publication.header, headers.ATTEMPT) + 1
-        record = attempt_record(task, kind="manual", rule="self.retry", exc=exc)
-        publication.header.clear()
-        publication.header.update(headers.with_record(headers.from_request(request), record, attempt=attempt))
+    """Classified retries with backoff, RetryLater, attempt history; the one gate for every re-run."""
 
     def before_run(self, task: GuardedTask, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         request = task.request
@@ -88,33 +140,52 @@ class Retries(Guardrail):
             retry = self.handle(task, exc)
             if retry is not None:
                 raise retry from exc
+            if isinstance(exc, RetryRequested):
+                # Never let it reach Celery, which would mark the task RETRY (and ack) with no retry published.
+                raise exc.failure(task) from exc
             raise
 
     def handle(self, task: GuardedTask, exc: Exception) -> BaseException | None:
         """Decide about ``exc``: return Celery's Retry to raise, or None to let ``exc`` fail the task."""
         call = task.call_options()
-        verdict = classify(exc, task, call)
+        state = delivery(task)
+        requested = exc if isinstance(exc, RetryRequested) else None
+        if requested is not None:
+            asked = Verdict(Kind.TRANSIENT, SELF_RETRY, requested.countdown)
+            verdict = gated(asked, task, call, state)
+        else:
+            verdict = classify(exc, task, call, state)
         request = task.request
-        delivery(task).verdict = verdict
+        state.verdict = verdict
         if verdict.kind is Kind.CONTROL:
             return None
         header = headers.from_request(request)
         if verdict.kind is Kind.RETRY_LATER:
             return retry_later(task, exc, delay=verdict.retry_after, rule=verdict.rule)
         attempt = request.attempt
-        if verdict.kind is Kind.TRANSIENT and attempt < resolve(task, "max_attempts", call):
-            previous = next((r.get("delay") for r in reversed(request.attempt_history) if r.get("delay")), None)
-            delay = backoff_for(task, call).delay(failures=attempt, previous=previous, retry_after=verdict.retry_after)
-            record = attempt_record(task, kind=verdict.kind.value, rule=verdict.rule, exc=exc, delay=delay)
+        limit = resolve(task, "max_attempts", call)
+        if requested is not None and requested.max_retries is not None:
+            limit = min(limit, requested.max_retries + 1)
+        error: BaseException = requested.failure(task) if requested is not None else exc
+        kind = MANUAL if requested is not None else verdict.kind.value
+        if verdict.kind is Kind.TRANSIENT and attempt < limit:
+            if requested is not None and requested.countdown is not None:
+                delay = min(requested.countdown, resolve(task, "backoff_max", call))
+            else:
+                previous = next((r.get("delay") for r in reversed(request.attempt_history) if r.get("delay")), None)
+                delay = backoff_for(task, call).delay(
+                    failures=attempt, previous=previous, retry_after=verdict.retry_after
+                )
+            record = attempt_record(task, kind=kind, rule=verdict.rule, exc=error, delay=delay)
             logger.warning(
                 "Task %s[%s] attempt %d failed (%s, %s); retrying in %.3fs: %s: %s",
                 task.name,
                 request.id,
                 attempt,
-                verdict.kind.value,
+                kind,
                 verdict.rule,
                 delay,
-                type(exc).__name__,
+                type(error).__name__,
                 record["msg"],  # redacted, as kept in the history
             )
             signals.retry_scheduled.send(
@@ -122,16 +193,25 @@ class Retries(Guardrail):
                 task_id=request.id,
                 attempt=attempt,
                 delay=delay,
-                kind=verdict.kind.value,
+                kind=kind,
                 rule=verdict.rule,
-                exc=exc,
+                exc=error,
             )
             return republish(
-                task, countdown=delay, exc=exc, header=headers.with_record(header, record, attempt=attempt)
+                task,
+                countdown=delay,
+                exc=error,
+                header=headers.with_record(header, record, attempt=attempt),
+                args=requested.new_args if requested is not None else None,
+                kwargs=requested.new_kwargs if requested is not None else None,
+                options=requested.options if requested is not None else None,
             )
-        record = attempt_record(task, kind=verdict.kind.value, rule=verdict.rule, exc=exc)
+        record = attempt_record(task, kind=kind, rule=verdict.rule, exc=error)
+        if verdict.note:
+            record["note"] = verdict.note
+            logger.warning("Task %s[%s] %s", task.name, request.id, verdict.note)
         # None: recorded, the exception fails the task; else the Retry carrying the pending dead letter.
-        return fail_finally(task, exc, reason=_reason(verdict), history=[*request.attempt_history, record])
+        return fail_finally(task, error, reason=_reason(verdict), history=[*request.attempt_history, record])
 
 
 def retry_later(

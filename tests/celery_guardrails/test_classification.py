@@ -17,6 +17,7 @@ from celery.exceptions import Ignore, Reject, Retry
 
 from celery_guardrails import GuardedTask, PermanentError, RetryLater, TransientError
 from celery_guardrails.classification import Kind, classify, parse_retry_after, sent_nothing
+from celery_guardrails.delivery import Delivery
 
 app = Celery("classification", set_as_current=False)
 
@@ -36,6 +37,12 @@ def configured(self: GuardedTask) -> None: ...
 def plain(self: GuardedTask) -> None: ...
 
 
+@app.task(base=GuardedTask, bind=True)
+def marked(self: GuardedTask) -> None:
+    with self.effect():
+        pass
+
+
 @app.task(base=GuardedTask, bind=True, idempotency_key="order:{order_id}")
 def keyed(self: GuardedTask, order_id: int) -> None: ...
 
@@ -45,11 +52,26 @@ def unsafe(self: GuardedTask) -> None: ...
 
 
 @app.task(base=GuardedTask, bind=True, transient_errors=(ConnectionError, TimeoutError))
-def plain_with_transient_errors(self: GuardedTask) -> None: ...
+def marked_with_transient_errors(self: GuardedTask) -> None:
+    with self.effect():
+        pass
 
 
-def verdict(exc: BaseException, task: Any = configured, call: dict[str, Any] | None = None) -> tuple[str, str]:
-    result = classify(exc, task, call or {})
+@app.task(base=GuardedTask, bind=True, autoretry_for=(Exception,), dont_autoretry_for=(OSError,))
+def autoretried(self: GuardedTask) -> None: ...
+
+
+#: Deliveries as the gate sees them: nothing happened yet; the key handed on before any effect; an effect done.
+FRESH = Delivery()
+KEY_HANDED = Delivery(key="tests:-:order:1", key_read_at=0)
+KEY_UNREAD = Delivery(key="tests:-:order:1")
+AFTER_EFFECT = Delivery(effects=1)
+
+
+def verdict(
+    exc: BaseException, task: Any = configured, call: dict[str, Any] | None = None, state: Delivery = FRESH
+) -> tuple[str, str]:
+    result = classify(exc, task, call or {}, state)
     return result.kind.value, result.rule
 
 
@@ -62,6 +84,7 @@ def test_rules_in_order() -> None:
     assert verdict(PermanentError("x")) == ("permanent", "PermanentError")
     # permanent_errors is checked before transient_errors (KeyError is a LookupError)
     assert verdict(KeyError("x")) == ("permanent", "permanent_errors")
+    # a transient_errors class at least as specific as the deterministic one wins (LookupError, IndexError)
     assert verdict(IndexError("x")) == ("transient", "transient_errors")
     assert verdict(ConnectionResetError()) == ("transient", "transient_errors")
     # a remote error that arrives as text
@@ -69,10 +92,14 @@ def test_rules_in_order() -> None:
     assert verdict(RuntimeError("busy, try again")) == ("transient", "error_patterns:(?i)try again")
 
 
-def test_unknown_errors_depend_on_idempotency() -> None:
-    assert verdict(RuntimeError("?")) == ("transient", "unknown_errors:auto:idempotent")
+def test_unknown_errors_are_retried_only_where_a_rerun_is_safe() -> None:
+    # Given an unclassified error, Then "auto" makes it transient and the gate decides
+    assert verdict(RuntimeError("?")) == ("transient", "unknown_errors:auto")  # idempotent=True
     assert verdict(RuntimeError("?"), plain) == ("permanent", "unknown_errors:auto:not_idempotent")
-    assert verdict(RuntimeError("?"), keyed) == ("transient", "unknown_errors:auto:idempotent")
+    assert verdict(RuntimeError("?"), marked) == ("transient", "unknown_errors:auto")  # before its first effect
+    assert verdict(RuntimeError("?"), marked, state=AFTER_EFFECT) == ("permanent", "unknown_errors:auto:not_idempotent")
+    assert verdict(RuntimeError("?"), keyed, state=KEY_UNREAD) == ("permanent", "unknown_errors:auto:not_idempotent")
+    assert verdict(RuntimeError("?"), keyed, state=KEY_HANDED) == ("transient", "unknown_errors:auto")
     app.conf.guardrails = {"unknown_errors": "transient"}
     try:
         # configured transient, but the task is not idempotent: the safety gate still says no
@@ -80,6 +107,117 @@ def test_unknown_errors_depend_on_idempotency() -> None:
         assert verdict(RuntimeError("?"), unsafe) == ("transient", "unknown_errors:transient")
     finally:
         app.conf.guardrails = {}
+
+
+def test_a_refused_verdict_says_why_and_what_to_do() -> None:
+    # Given a body that marks nothing, When a transient failure is not retried
+    note = classify(ConnectionRefusedError(), plain, {}, FRESH).note
+    # Then the note names the cause and the three ways out
+    assert note is not None and "marks no effect" in note
+    assert "self.effect()" in note and "self.request.idempotency_key" in note and "idempotent=True" in note
+    assert "never handed its idempotency key" in str(classify(TimeoutError(), keyed, {}, KEY_UNREAD).note)
+    assert classify(TimeoutError(), keyed, {}, KEY_HANDED).note is None
+
+
+@pytest.mark.parametrize(
+    "error",
+    [
+        ValueError("bad"),
+        TypeError("bad"),
+        KeyError("k"),
+        AttributeError("a"),
+        LookupError("l"),
+        NotImplementedError(),
+        UnicodeDecodeError("utf-8", b"\xff", 0, 1, "bad"),
+        IndexError(1),
+    ],
+)
+def test_deterministic_errors_are_permanent_in_every_task(error: BaseException) -> None:
+    # Given an error no retry can fix, Then it is permanent even where a rerun would be safe
+    for task, state in ((plain, FRESH), (keyed, KEY_HANDED), (unsafe, FRESH), (autoretried, FRESH)):
+        assert verdict(error, task, state=state) == ("permanent", "deterministic_errors"), (task.name, error)
+
+
+def test_validation_errors_of_django_and_pydantic_are_deterministic() -> None:
+    from django.core.exceptions import ValidationError
+
+    assert verdict(ValidationError("no"), keyed, state=KEY_HANDED) == ("permanent", "deterministic_errors")
+    pydantic = pytest.importorskip("pydantic")
+
+    class Model(pydantic.BaseModel):
+        n: int
+
+    with pytest.raises(pydantic.ValidationError) as caught:
+        Model(n="x")
+    assert verdict(caught.value, keyed, state=KEY_HANDED) == ("permanent", "deterministic_errors")
+
+
+def test_deterministic_errors_can_be_overridden_per_task_and_app() -> None:
+    # a transient_errors class at least as specific wins; () on the app turns the rule off
+    assert verdict(KeyError("k"), configured) == ("permanent", "permanent_errors")
+    assert verdict(IndexError(1), configured) == ("transient", "transient_errors")
+    app.conf.guardrails = {"deterministic_errors": ()}
+    try:
+        assert verdict(ValueError("v"), autoretried, state=KEY_HANDED) == ("transient", "autoretry_for")
+    finally:
+        app.conf.guardrails = {}
+
+
+def test_celerys_autoretry_for_is_transient_errors_through_the_gate() -> None:
+    # Given autoretry_for=(Exception,), dont_autoretry_for=(OSError,)
+    # Then a listed error is transient, but only where a rerun is safe (this body marks nothing)
+    assert verdict(RuntimeError("x"), autoretried, call={}, state=FRESH) == (
+        "permanent",
+        "autoretry_for:not_idempotent",
+    )
+    assert verdict(RuntimeError("x"), autoretried, state=KEY_HANDED) == ("transient", "autoretry_for")
+    # dont_autoretry_for falls through to the other rules (an unknown error here, and the gate)
+    assert verdict(FileNotFoundError(), autoretried, state=KEY_HANDED) == ("transient", "unknown_errors:auto")
+
+
+def test_no_transport_failure_of_the_http_libraries_is_deterministic() -> None:
+    # Given every exception class requests, httpx, urllib3, urllib and http.client define
+    import http.client
+    import inspect
+    import urllib.error
+
+    import httpx
+    import requests.exceptions
+    import urllib3.exceptions
+
+    from celery_guardrails.classification import CONNECT_FAILURES, TRANSPORT_ERRORS
+
+    classes = {
+        klass
+        for module in (requests.exceptions, httpx, urllib3.exceptions, urllib.error, http.client)
+        for _, klass in inspect.getmembers(module, inspect.isclass)
+        if issubclass(klass, BaseException) and klass.__module__.partition(".")[0] in ("requests", "httpx", "urllib3")
+    }
+
+    def rule_of(klass: type[BaseException]) -> str:
+        error = klass.__new__(klass)  # no constructor arguments needed: classes are matched, not messages
+        return classify(error, marked, {}, FRESH).rule
+
+    transport = {k for k in classes if {c.__name__ for c in k.__mro__} & (TRANSPORT_ERRORS | CONNECT_FAILURES)}
+    # Then none of their transport failures (no answer, a broken connection) is taken for a deterministic error
+    assert len(transport) > 20
+    assert sorted(k.__qualname__ for k in transport if rule_of(k) == "deterministic_errors") == []
+    # And what is deterministic among them is bad input: a URL, a scheme, a header, a body that is not JSON
+    deterministic = sorted(f"{k.__module__}.{k.__qualname__}" for k in classes if rule_of(k) == "deterministic_errors")
+    assert deterministic == [
+        "requests.exceptions.InvalidHeader",
+        "requests.exceptions.InvalidProxyURL",
+        "requests.exceptions.InvalidSchema",
+        "requests.exceptions.InvalidURL",
+        "requests.exceptions.JSONDecodeError",
+        "requests.exceptions.MissingSchema",
+        "requests.exceptions.StreamConsumedError",
+        "urllib3.exceptions.LocationParseError",
+        "urllib3.exceptions.LocationValueError",
+        "urllib3.exceptions.ProxySchemeUnknown",
+        "urllib3.exceptions.ProxySchemeUnsupported",
+        "urllib3.exceptions.URLSchemeUnknown",
+    ]
 
 
 STATUSES = [
@@ -115,15 +253,21 @@ def failures_of(url: str, *, read_timeout: float = 5.0) -> list[BaseException]:
 @pytest.mark.parametrize(("status", "kind"), STATUSES)
 def test_http_statuses_from_requests_httpx_and_urllib(provider: str, status: int, kind: str) -> None:
     errors = failures_of(f"{provider}/status/{status}")
-    # Given an idempotent task, Then the status decides
-    assert [verdict(error, keyed) for error in errors] == [(kind, f"http:{status}")] * 3
-    # Given a task that is not idempotent, Then only a status saying the request was not processed is
-    # retried: a 5xx may come after the provider acted
+    # Given a keyed task that handed its key on, Then the status decides
+    assert [verdict(error, keyed, state=KEY_HANDED) for error in errors] == [(kind, f"http:{status}")] * 3
+    # Given a body that marks its effects, failing inside its first one, Then only a status saying the request
+    # was not processed is retried: a 5xx may come after the provider acted
     if status in (408, 425, 429) or kind == "permanent":
-        assert [verdict(error, plain) for error in errors] == [(kind, f"http:{status}")] * 3
+        assert [verdict(error, marked) for error in errors] == [(kind, f"http:{status}")] * 3
     else:
-        assert [verdict(error, plain) for error in errors] == [("permanent", f"http:{status}:not_idempotent")] * 3
+        in_block = [Delivery(effects=1) for _ in errors]  # what the block's exit made of an ambiguous failure
+        assert [verdict(e, marked, state=d) for e, d in zip(errors, in_block, strict=True)] == [
+            ("permanent", f"http:{status}:not_idempotent")
+        ] * 3
         assert [verdict(error, unsafe) for error in errors] == [(kind, f"http:{status}")] * 3
+    # And a body that marks nothing is never retried on a transient status
+    if kind == "transient":
+        assert {verdict(error, plain)[0] for error in errors} == {"permanent"}
 
 
 def test_retry_after_in_seconds_and_as_a_date(provider: str) -> None:
@@ -132,61 +276,63 @@ def test_retry_after_in_seconds_and_as_a_date(provider: str) -> None:
     response = requests.get(f"{provider}/status/503?retry_after=7", timeout=5)
     with pytest.raises(requests.HTTPError) as caught:
         response.raise_for_status()
-    assert classify(caught.value, keyed, {}).retry_after == 7.0
+    assert classify(caught.value, keyed, {}, KEY_HANDED).retry_after == 7.0
     with pytest.raises(urllib.error.HTTPError) as by_urllib:
         urllib.request.urlopen(f"{provider}/status/429?retry_after=3", timeout=5)
-    assert classify(by_urllib.value, plain, {}).retry_after == 3.0
+    assert classify(by_urllib.value, marked, {}, FRESH).retry_after == 3.0
     when = datetime(2030, 1, 1, 12, 0, 10, tzinfo=UTC)
     assert parse_retry_after(format_datetime(when, usegmt=True), now=(when - timedelta(seconds=10)).timestamp()) == 10.0
     assert parse_retry_after("yesterday-ish") is None
 
 
-def test_a_refused_connection_is_retried_in_any_task() -> None:
+def test_a_refused_connection_is_retried_only_before_any_effect() -> None:
     # Given nothing listening (the discard port), When requests, httpx and urllib try to connect
     errors = failures_of("http://127.0.0.1:9")
-    # Then nothing was sent: retried even in a task that is not idempotent
     for error in errors:
+        # Then nothing was sent: retried in a body that had done nothing yet
         assert sent_nothing(error), repr(error)
-        assert classify(error, plain, {}).kind is Kind.TRANSIENT, repr(error)
-        assert classify(error, keyed, {}).kind is Kind.TRANSIENT, repr(error)
+        assert classify(error, marked, {}, FRESH).kind is Kind.TRANSIENT, repr(error)
+        # But not after an effect, nor in a body that marks nothing (anything may have happened before)
+        assert classify(error, marked, {}, AFTER_EFFECT).kind is Kind.PERMANENT, repr(error)
+        assert classify(error, plain, {}, FRESH).kind is Kind.PERMANENT, repr(error)
+        assert classify(error, keyed, {}, KEY_UNREAD).kind is Kind.PERMANENT, repr(error)
 
 
-def test_a_name_that_does_not_resolve_is_retried_in_any_task() -> None:
+def test_a_name_that_does_not_resolve_proves_nothing_was_sent() -> None:
     errors = failures_of("http://no-such-host.invalid/")
     for error in errors:
         assert sent_nothing(error), repr(error)
-        assert classify(error, plain, {}).kind is Kind.TRANSIENT, repr(error)
+        assert classify(error, marked, {}, FRESH).kind is Kind.TRANSIENT, repr(error)
 
 
-def test_a_read_timeout_is_final_for_a_task_that_is_not_idempotent(provider: str) -> None:
+def test_a_read_timeout_is_ambiguous(provider: str) -> None:
     # Given a provider that received the request and answers too late (it may act on it meanwhile)
     errors = failures_of(f"{provider}/slow/2", read_timeout=0.3)
     for error in errors:
-        # Then the request may have reached it: not retried unless the task is idempotent (or retry_unsafe)
+        # Then the request may have reached it: retried only where a rerun cannot act twice
         assert not sent_nothing(error), repr(error)
-        assert classify(error, plain, {}).kind is Kind.PERMANENT, repr(error)
-        assert classify(error, plain, {}).rule.endswith(":not_idempotent")
-        assert classify(error, keyed, {}).kind is Kind.TRANSIENT, repr(error)
-        assert classify(error, unsafe, {}).kind is Kind.TRANSIENT, repr(error)
+        assert classify(error, plain, {}, FRESH).rule.endswith(":not_idempotent")
+        assert classify(error, keyed, {}, KEY_UNREAD).kind is Kind.PERMANENT, repr(error)
+        assert classify(error, keyed, {}, KEY_HANDED).kind is Kind.TRANSIENT, repr(error)
+        assert classify(error, unsafe, {}, FRESH).kind is Kind.TRANSIENT, repr(error)
 
 
-def test_a_reset_after_sending_is_final_for_a_task_that_is_not_idempotent(provider: str) -> None:
+def test_a_reset_after_sending_is_ambiguous(provider: str) -> None:
     errors = failures_of(f"{provider}/reset")
     for error in errors:
         assert not sent_nothing(error), repr(error)
-        assert classify(error, plain, {}).kind is Kind.PERMANENT, repr(error)
-        assert classify(error, keyed, {}).kind is Kind.TRANSIENT, repr(error)
+        assert classify(error, plain, {}, FRESH).kind is Kind.PERMANENT, repr(error)
+        assert classify(error, keyed, {}, KEY_HANDED).kind is Kind.TRANSIENT, repr(error)
 
 
-def test_transient_errors_of_a_task_that_is_not_idempotent_pass_the_gate_only_with_proof() -> None:
-    # Given transient_errors=(ConnectionError, TimeoutError) on a task that is not idempotent
-    # Then a refused connection (nothing sent) is retried; a reset or a timeout (maybe sent) is not
-    assert verdict(ConnectionRefusedError(), plain_with_transient_errors) == ("transient", "transient_errors")
-    assert verdict(ConnectionResetError(), plain_with_transient_errors) == (
+def test_transient_errors_pass_the_gate_only_where_a_rerun_is_safe() -> None:
+    # Given transient_errors=(ConnectionError, TimeoutError) on a body that marks its effects
+    # Then before its first effect they are retried; after one, not
+    assert verdict(ConnectionResetError(), marked_with_transient_errors) == ("transient", "transient_errors")
+    assert verdict(TimeoutError(), marked_with_transient_errors, state=AFTER_EFFECT) == (
         "permanent",
         "transient_errors:not_idempotent",
     )
-    assert verdict(TimeoutError(), plain_with_transient_errors) == ("permanent", "transient_errors:not_idempotent")
     # And the author's own TransientError and RetryLater are their word, whatever the task
     assert verdict(TransientError("x"), plain) == ("transient", "TransientError")
     assert verdict(RetryLater("x"), plain) == ("retry_later", "RetryLater")

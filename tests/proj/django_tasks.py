@@ -50,7 +50,7 @@ def fail_with(self: GuardedTask, step: str, card_number: str = "", **details: ob
     if step == "later":
         raise RetryLater("not yet", delay=0.05)
     if step == "unknown":
-        raise LookupError("no idea")
+        raise RuntimeError("no idea")
     if step == "leak":  # an error whose text carries secrets (a provider echoing the request back)
         raise TransientError(
             f"login refused: password=hunter2 Authorization: Bearer s3cr3t-t0ken, card {card_number} declined"
@@ -60,7 +60,7 @@ def fail_with(self: GuardedTask, step: str, card_number: str = "", **details: ob
 
 @shared_task(base=GuardedTask, bind=True, backoff_base=0.05)
 def not_idempotent(self: GuardedTask) -> None:
-    raise LookupError("unknown, and this task is not idempotent")
+    raise RuntimeError("unknown, and this task is not idempotent")
 
 
 @shared_task(base=GuardedTask, bind=True, tenant_required=True, owner="accounts")

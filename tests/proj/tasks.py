@@ -136,7 +136,7 @@ def _behave(task: GuardedTask, sink: str, script: list[str]) -> dict[str, Any]:
     if kind == "value_error":
         raise ValueError(f"run {runs}: bad value")
     if kind == "unknown":
-        raise LookupError(f"run {runs}: nobody knows")
+        raise RuntimeError(f"run {runs}: nobody knows")
     if kind == "remote":
         raise RuntimeError(arg)
     if kind == "until" and not redis.Redis.from_url(REDIS_URL).exists(arg):  # down until the key exists
