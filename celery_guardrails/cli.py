@@ -10,10 +10,12 @@ redraws every ``--interval`` seconds, with each queue's depth change per second,
 ``--count N`` stops after N reads. A single read that could not read a source (broker or store down) prints
 what it could, names the source, and exits 1.
 
-``audit`` grades the app's configuration and registered tasks (:mod:`celery_guardrails.audit`): per axis of the
-rubric its score (0 to 5) and findings, each naming the task or setting to change and how; ``--json`` prints the
-same as JSON. It exits 1 when an axis scores below ``--min-score`` (default 3), for CI; 2 when the guardrails
-settings themselves are invalid.
+``audit`` grades the app's configuration, registered tasks and source (:mod:`celery_guardrails.audit`): per axis
+of the rubric its score (0 to 5) and findings, each naming the task, setting or file to change and how, then the
+average; ``--json`` prints the same as JSON. It exits 1 when the report misses the rubric's threshold, for CI: an
+axis below ``--min-score`` (default 3) or an average below ``--min-average`` (default 4.0); 2 when the guardrails
+settings themselves are invalid. ``--source DIR`` names the folder of the project's code (default: the current
+directory, or Django's ``BASE_DIR``).
 """
 
 from __future__ import annotations
@@ -65,9 +67,22 @@ def status(ctx: click.Context, as_json: bool, watch: bool, interval: float, coun
     show_default=True,
     help="Exit 1 when an axis scores below this.",
 )
+@click.option(
+    "--min-average",
+    type=click.FloatRange(min=0, max=5),
+    default=4.0,
+    show_default=True,
+    help="Exit 1 when the average of the axes is below this.",
+)
+@click.option(
+    "--source",
+    type=click.Path(exists=True, file_okay=False, dir_okay=True),
+    default=None,
+    help="The folder of the project's code and tests (default: Django's BASE_DIR, else the current directory).",
+)
 @click.pass_context
-def audit(ctx: click.Context, as_json: bool, min_score: int) -> None:
-    """Score the configuration and registered tasks on the rubric's axes (0 to 5), with the findings."""
+def audit(ctx: click.Context, as_json: bool, min_score: int, min_average: float, source: str | None) -> None:
+    """Score the configuration, tasks and source on the rubric's axes (0 to 5), with the findings."""
     from celery_guardrails import audit as audit_module
     from celery_guardrails.exceptions import ConfigurationError
 
@@ -77,17 +92,17 @@ def audit(ctx: click.Context, as_json: bool, min_score: int) -> None:
     except Exception as exc:
         click.echo(f"warning: importing the app's task modules failed: {exc!r}", err=True)
     try:
-        report = audit_module.audit(app)
+        report = audit_module.audit(app, source=source)
     except ConfigurationError as exc:
         click.echo(f"error: {exc}", err=True)
         ctx.exit(2)
     text = (
-        audit_module.as_json(report, min_score=min_score)
+        audit_module.as_json(report, min_score=min_score, min_average=min_average)
         if as_json
-        else audit_module.render(report, min_score=min_score)
+        else audit_module.render(report, min_score=min_score, min_average=min_average)
     )
     click.echo(text)
-    if report.below(min_score):
+    if not report.passed(min_score=min_score, min_average=min_average):
         ctx.exit(1)
 
 

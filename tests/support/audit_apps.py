@@ -1,12 +1,15 @@
-"""Celery apps for the audit's tests: one with every planted finding, one with none.
+"""Celery apps for the audit's tests: one with every planted finding, one with none, the tasks of issue #27.
 
-``bad_app()`` and ``good_app()`` make a fresh app each (``set_as_current=False``: no other test sees it). The
-module's ``bad`` and ``good`` are for ``celery -A tests.support.audit_apps:bad guardrails audit`` in a
-subprocess. Nothing here talks to the broker: the audit reads configuration only.
+``bad_app()``, ``good_app()`` and ``issue27_app()`` make a fresh app each (``set_as_current=False``: no other test
+sees it). The module's ``bad``, ``good`` and ``issue27`` are for ``celery -A tests.support.audit_apps:bad
+guardrails audit`` in a subprocess. Nothing here talks to the broker, and no task here is ever run: the audit
+reads configuration, options and code only. The source the audit reads with them is a folder the test writes
+(``write_tree``): the bad app's is empty (no test uses the kit), the good app's is ``good_tree()``.
 """
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 from celery import Celery
@@ -14,6 +17,23 @@ from celery.schedules import crontab
 from cryptography.fernet import Fernet
 
 from celery_guardrails import GuardedTask
+from tests.support.issue27 import ISSUE27_RETRIES, add_issue27_tasks, post
+
+__all__ = [
+    "BROKER",
+    "ISSUE27_RETRIES",
+    "PLANTED",
+    "bad",
+    "bad_app",
+    "good",
+    "good_app",
+    "good_tree",
+    "issue27",
+    "issue27_app",
+    "kit_test",
+    "own_tasks",
+    "write_tree",
+]
 
 #: The broker named in the apps' config (never connected to).
 BROKER = "redis://127.0.0.1:6379/15"
@@ -28,10 +48,12 @@ PLANTED = {
     ("GA105", "bad.versions"),  # accepts_versions without its own payload_version
     ("GA201", "bad.unsafe"),  # retry_unsafe without a key
     ("GA201", "bad.keyless"),  # idempotent without a key
-    ("GA301", "bad.unsafe"),  # the retry_unsafe opt-out, listed
+    ("GA202", "bad.slow"),  # keyed, but its body never hands the key on (nor atomic, nor marked)
+    ("GA301", "bad.unsafe"),  # retry_unsafe: the zero rule
     ("GA302", "bad.early"),  # acks_late off
     ("GA303", "bad.plain_late"),  # acks_late without reject_on_worker_lost
     ("GA304", "bad.slow"),  # time_limit without soft_time_limit
+    *(("GA309", f"bad.{name}") for name in ("early", "ordered", "report", "secret", "versions")),  # never retried
     ("GA401", "bad.keyless"),  # no owner
     ("GA402", "alert_channels"),  # only "log"
     ("GA405", "seal_keys"),  # no seal_keys
@@ -45,7 +67,36 @@ PLANTED = {
     ("GA606", "watchdog"),  # the watchdog off
     ("GA701", "metrics"),  # metrics off
     ("GA702", "activity"),  # activity off
+    ("GA801", "tests"),  # its source (an empty folder) has no test that uses the kit
+    *(  # ... so no guarded task is named in one
+        ("GA802", f"bad.{name}")
+        for name in ("early", "keyless", "ordered", "report", "secret", "slow", "unsafe", "versions")
+    ),
 }
+
+
+def write_tree(root: Path, files: dict[str, str]) -> Path:
+    """Write ``files`` (relative path: text) below ``root``, for the audit to read as a project's source."""
+    for path, text in files.items():
+        (root / path).parent.mkdir(parents=True, exist_ok=True)
+        (root / path).write_text(text)
+    return root
+
+
+def kit_test(*names: str) -> str:
+    """A test module that uses the test kit and names ``names`` (never run: the audit only parses it)."""
+    calls = "".join(f"    deliver_twice({name}, 1)\n" for name in names)
+    return (
+        "import pytest\n"
+        "from celery_guardrails.testing import assert_no_loss, deliver_twice\n\n"
+        'pytestmark = pytest.mark.guardrails(app="proj.celery:app")\n\n\n'
+        f"def test_each_task_once() -> None:\n{calls}    assert_no_loss()\n"
+    )
+
+
+def good_tree(root: Path) -> Path:
+    """The good app's source: one test that uses the kit, naming both its tasks."""
+    return write_tree(root, {"tests/test_good.py": kit_test("charge", "settle")})
 
 
 def own_tasks(app: Celery, prefix: str) -> Celery:
@@ -161,13 +212,34 @@ def good_app() -> Celery:
     )
 
     @app.task(shared=False, name="good.charge", base=GuardedTask, bind=True, idempotency_key="charge:{order_id}")
-    def charge(self: Any, order_id: int) -> None: ...
+    def charge(self: Any, order_id: int) -> None:
+        post(f"http://127.0.0.1:9/charges/{order_id}", key=self.request.idempotency_key)
 
     @app.task(shared=False, name="good.settle", base=GuardedTask, bind=True)
-    def settle(self: Any) -> None: ...
+    def settle(self: Any) -> None:
+        with self.effect():
+            post("http://127.0.0.1:9/settlements")
 
     return own_tasks(app, "good.")
 
 
+def issue27_app(*, plain: bool = True, unsafe: bool = True) -> Celery:
+    """The tasks of issue #27 in an app configured as the good one is: what is found is the tasks'."""
+    app = Celery("issue27", set_as_current=False)
+    app.conf.update(
+        broker_url=BROKER,
+        worker_prefetch_multiplier=1,
+        guardrails={
+            "owners": {"issue27.*": "shop"},
+            "alert_channels": ["log", "webhook"],
+            "alert_webhooks": ["http://127.0.0.1:9/alerts"],
+            "seal_keys": [Fernet.generate_key().decode()],
+            "metrics": True,
+        },
+    )
+    return own_tasks(add_issue27_tasks(app, plain=plain, unsafe=unsafe), "issue27.")
+
+
 bad = bad_app()
 good = good_app()
+issue27 = issue27_app()
