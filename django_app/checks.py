@@ -9,23 +9,35 @@ guardrails.W002  no ``seal_keys``: dead letters keep no sealed copy, so a record
 The deployment audit (:mod:`celery_guardrails.audit`) of the project's Celery app, as deployment checks
 (``manage.py check --deploy``; the audit reads every registered task, so it is not run before every command):
 one ``Warning`` per finding, its ``obj`` the task, setting or beat entry the finding names, with the finding's
-fix as the hint. Each finding code has its id, ``guardrails.W1`` + the code's axis digit + its number:
+fix as the hint. Each finding code has its id, ``guardrails.W1`` + the code's axis digit + its number (GA0xx,
+placement, is W10x; GA8xx, tests, W18x):
 
-    GA101 W111  plain Celery task           GA401 W141  guarded task without owner
-    GA102 W112  no max_payload_bytes        GA402 W142  alert_channels empty or only "log"
-    GA103 W113  allow_sensitive_payload     GA403 W143  "webhook" without alert_webhooks
-    GA104 W114  no sensitive_keys           GA404 W144  "mail" with nobody to mail
-    GA105 W115  accepts_versions without    GA405 -     no seal_keys: W002 says it (not twice)
-                its payload_version         GA501 W151  Redis visibility_timeout not longer than a limit
-    GA201 W121  retried without a key       GA502 W152  prefetch above 1 with long tasks
-    GA301 W131  retry_unsafe                GA503 W153  ordering_key without idempotency_key
-    GA302 W132  acks_late off               GA601 W161  beat entry without policy
-    GA303 W133  acks_late without           GA602 W162  crontab policy without timezone
-                reject_on_worker_lost       GA603 W163  schedule without owner
-    GA304 W134  time_limit without          GA604 W164  policy for a missing entry
-                soft_time_limit             GA605 W165  policy for a plain task's entry
-    GA701 W171  metrics off                 GA606 W166  watchdog off
-    GA702 W172  activity off                GA703 W173  metrics without prometheus-client
+    GA001 W101  task_always_eager on        GA401 W141  guarded task without owner
+    GA002 W102  publish inside a            GA402 W142  alert_channels empty or only "log"
+                transaction, not on commit  GA403 W143  "webhook" without alert_webhooks
+    GA003 W103  waits on a result (request) GA404 W144  "mail" with nobody to mail
+    GA004 W104  waits on a result (script)  GA405 -     no seal_keys: W002 says it (not twice)
+    GA009 W109  source not read whole       GA501 W151  Redis visibility_timeout not longer than a limit
+    GA101 W111  plain Celery task           GA502 W152  prefetch above 1 with long tasks
+    GA102 W112  no max_payload_bytes        GA503 W153  ordering_key without idempotency_key
+    GA103 W113  allow_sensitive_payload     GA601 W161  beat entry without policy
+    GA104 W114  no sensitive_keys           GA602 W162  crontab policy without timezone
+    GA105 W115  accepts_versions without    GA603 W163  schedule without owner
+                its payload_version         GA604 W164  policy for a missing entry
+    GA201 W121  retried without a key       GA605 W165  policy for a plain task's entry
+    GA202 W122  key never reaches effect    GA606 W166  watchdog off
+    GA301 W131  retry_unsafe (zero rule)    GA701 W171  metrics off
+    GA302 W132  acks_late off               GA702 W172  activity off
+    GA303 W133  acks_late without           GA703 W173  metrics without prometheus-client
+                reject_on_worker_lost       GA801 W181  no test uses the test kit
+    GA304 W134  time_limit without          GA802 W182  guarded task no kit test names
+                soft_time_limit             GA809 W189  tests not read whole
+    GA305 W135  plain task retried
+                (zero rule)
+    GA306 W136  fixed retry interval
+    GA307 W137  retried on any error
+    GA308 W138  more than 10 retries
+    GA309 W139  never retried automatically
 
 The audit check never raises: an app that cannot be loaded or audited gives no audit warnings (an invalid
 ``CELERY_GUARDRAILS`` is E001).
@@ -43,7 +55,7 @@ from celery_guardrails.options import django_settings
 
 #: The system check id of each audit finding code (see the module docstring); None: another check says it.
 AUDIT_IDS: dict[str, str | None] = {
-    **{f"GA{axis}0{number}": f"guardrails.W1{axis}{number}" for axis in range(1, 8) for number in range(1, 10)},
+    **{f"GA{axis}0{number}": f"guardrails.W1{axis}{number}" for axis in range(9) for number in range(1, 10)},
     "GA405": None,
 }
 
