@@ -432,7 +432,7 @@ def contract_and_outbox() -> None:
 
 def audit() -> None:
     """The deployment graded against the rubric: ``manage.py guardrails_audit``."""
-    print("\n-- 15. manage.py guardrails_audit (the configuration and the tasks, scored 0-5 per axis)")
+    print("\n-- 15. manage.py guardrails_audit (configuration, tasks, source and tests, scored 0-5 on nine axes)")
     print_command([sys.executable, str(ROOT / "example_project" / "manage.py"), "guardrails_audit"])
 
 

@@ -1,7 +1,9 @@
 """``manage.py guardrails_audit`` and the audit's system checks, on the example project and on a bad config.
 
 Each runs as an operator runs it, in a subprocess: the audit grades every task registered in the process, and
-this test process holds the whole suite's tasks as well as the project's.
+this test process holds the whole suite's tasks as well as the project's. The example project's source is read
+under its BASE_DIR (example_project/), and, since that folder holds no test of its own, its tests under the
+repository (its tests/example_project/ uses the test kit for every shop task).
 """
 
 from __future__ import annotations
@@ -17,6 +19,31 @@ from tests.support.waiting import BOUND
 from tests.support.workers import ROOT
 
 SHOP = "example_project.shop.tasks"
+
+#: What the example project is audited to, and why each is kept: the demo script waits on results (it is a
+#: script: information), three tasks the gate never retries (they mark no effect: information), Celery's prefetch
+#: of 4 and metrics off (the demo names how to turn them on).
+EXAMPLE_FINDINGS = [
+    ("GA004", "demo.py"),
+    ("GA309", f"{SHOP}.build_report"),
+    ("GA309", f"{SHOP}.send_receipt"),
+    ("GA309", f"{SHOP}.settle_payments"),
+    ("GA502", "worker_prefetch_multiplier"),
+    ("GA701", "metrics"),
+]
+
+#: The tasks of issue #27 on the example project's app (PLAIN, UNSAFE: with the plain task, the retry_unsafe one).
+ISSUE27_MODULE = """
+from example_project.celery_app import app
+from tests.support.issue27 import add_issue27_tasks
+
+add_issue27_tasks(app, plain={plain}, unsafe={unsafe})
+"""
+ISSUE27_SETTINGS = """
+from example_project.settings import *  # noqa: F403
+
+CELERY_IMPORTS = ["issue27_tasks"]
+"""
 
 #: A bad configuration: the example project's settings, overridden.
 BAD_SETTINGS = """
@@ -37,14 +64,23 @@ CELERY_GUARDRAILS = {
 """
 
 
-def run(tmp_path: Path, *arguments: str, bad: bool = False) -> subprocess.CompletedProcess[str]:
-    """``manage.py <arguments>`` of the example project (its settings, or the bad ones)."""
+def run(
+    tmp_path: Path, *arguments: str, bad: bool = False, issue27: tuple[bool, bool] | None = None
+) -> subprocess.CompletedProcess[str]:
+    """``manage.py <arguments>`` of the example project (its settings, the bad ones, or with the tasks of issue
+    #27: ``issue27`` = (with the plain task, with the retry_unsafe one))."""
     env = {**os.environ, "EXAMPLE_VAR_DIR": str(tmp_path / "var"), "PYTHONPATH": str(ROOT)}
     env.pop("DJANGO_SETTINGS_MODULE", None)
     if bad:
         (tmp_path / "bad_settings.py").write_text(BAD_SETTINGS)
         env["PYTHONPATH"] = f"{tmp_path}{os.pathsep}{ROOT}"
         env["DJANGO_SETTINGS_MODULE"] = "bad_settings"
+    if issue27 is not None:
+        plain, unsafe = issue27
+        (tmp_path / "issue27_tasks.py").write_text(ISSUE27_MODULE.format(plain=plain, unsafe=unsafe))
+        (tmp_path / "issue27_settings.py").write_text(ISSUE27_SETTINGS)
+        env["PYTHONPATH"] = f"{tmp_path}{os.pathsep}{ROOT}"
+        env["DJANGO_SETTINGS_MODULE"] = "issue27_settings"
     return subprocess.run(
         [sys.executable, str(ROOT / "example_project" / "manage.py"), *arguments],
         cwd=ROOT,
@@ -60,13 +96,17 @@ def audit_warnings(output: str) -> list[tuple[str, str]]:
     return re.findall(r"^(\S+): \((guardrails\.W1\d\d)\)", output, flags=re.MULTILINE)
 
 
-def test_the_example_project_scores_no_axis_below_4(tmp_path: Path) -> None:
+def test_the_example_project_passes_the_rubric_s_threshold(tmp_path: Path) -> None:
     # When the example project is audited
     done = run(tmp_path, "guardrails_audit", "--json")
-    # Then it passes, and no axis scores below 4
+    # Then it passes the rubric's threshold (no axis below 3, an average of 4 or more) on nine axes
     assert done.returncode == 0, done.stderr
     report = json.loads(done.stdout)
+    assert (report["min_score"], report["min_average"], report["passed"]) == (3, 4.0, True)
+    assert (report["lowest"], report["average"]) == (4, 4.78)
+    # And the axes below 5 are ordering (Celery's prefetch of 4) and observability (metrics off)
     assert [(axis["name"], axis["score"]) for axis in report["axes"]] == [
+        ("placement", 5),
         ("message_design", 5),
         ("idempotency", 5),
         ("retry_policy", 5),
@@ -74,23 +114,22 @@ def test_the_example_project_scores_no_axis_below_4(tmp_path: Path) -> None:
         ("ordering_concurrency", 4),
         ("scheduled_work", 5),
         ("observability", 4),
+        ("tests", 5),
     ]
-    # And what it still finds is what the demo keeps on purpose: Celery's prefetch of 4, and metrics off (the demo
-    # names how to turn them on)
-    assert [(f["code"], f["subject"]) for f in report["findings"]] == [
-        ("GA502", "worker_prefetch_multiplier"),
-        ("GA701", "metrics"),
-    ]
-    assert (report["lowest"], report["min_score"], report["passed"]) == (4, 3, True)
+    # And what it finds is what it keeps on purpose (EXAMPLE_FINDINGS says why)
+    assert [(f["code"], f["subject"]) for f in report["findings"]] == EXAMPLE_FINDINGS
+    # And its source is its BASE_DIR, its tests the repository's (BASE_DIR holds none)
+    assert (report["source"], report["tests_source"]) == (str(ROOT / "example_project"), str(ROOT))
 
 
 def test_the_command_prints_text_and_exits_1_below_the_threshold(tmp_path: Path) -> None:
     # When the example project is audited as text
     done = run(tmp_path, "guardrails_audit")
-    # Then every axis is printed with its score, then the verdict
+    # Then every axis is printed with its score, then the average, the folders read and the verdict
     assert done.returncode == 0, done.stderr
     lines = done.stdout.splitlines()
     assert [line for line in lines if not line.startswith(" ")] == [
+        "placement: 5/5",
         "message design: 5/5",
         "idempotency enforced: 5/5",
         "retry policy with classification: 5/5",
@@ -98,22 +137,33 @@ def test_the_command_prints_text_and_exits_1_below_the_threshold(tmp_path: Path)
         "ordering and concurrency: 4/5",
         "scheduled work: 5/5",
         "observability: 4/5",
-        "OK: every axis scores 3 or more (lowest 4)",
+        "tests: 5/5",
+        "average: 4.78/5 over 9 axes",
+        f"source read under {ROOT / 'example_project'}; tests read under {ROOT}",
+        "OK: every axis scores 3 or more (lowest 4), and the average 4.78 is 4.0 or more",
     ]
-    assert lines[-3:-1] == [
+    assert lines[-6:-4] == [
         "  GA701 warning metrics: metrics is off: no Prometheus metrics (durations, outcomes, queue wait, arrivals "
         "against throughput)",
         "        fix: set metrics=True (the prometheus extra) and scrape metrics_port or the Django view",
     ]
     # When a bad configuration is audited, with a threshold of 4
     bad = run(tmp_path, "guardrails_audit", "--min-score", "4", bad=True)
-    # Then the axes below it are named, and the command exits 1
+    # Then the axes below it and the average are named, and the command exits 1
     assert bad.returncode == 1, bad.stderr
-    assert bad.stdout.splitlines()[-1] == "FAIL: below 4: ordering and concurrency 0, observability 3"
-    assert bad.stderr.splitlines() == ["CommandError: below 4: ordering and concurrency 0, observability 3"]
-    # And a threshold that is not a score is refused
+    verdict = "below 4: ordering and concurrency 0, observability 3; average 3.89 below 4.0"
+    assert bad.stdout.splitlines()[-1] == f"FAIL: {verdict}"
+    assert bad.stderr.splitlines() == [f"CommandError: {verdict}"]
+    # And the example project misses an average of 4.8
+    strict = run(tmp_path, "guardrails_audit", "--min-average", "4.8")
+    assert (strict.returncode, strict.stderr) == (1, "CommandError: average 4.78 below 4.8\n")
+    # And a threshold that is not a score, or a source that is not a folder, is refused
     wrong = run(tmp_path, "guardrails_audit", "--min-score", "six")
     assert (wrong.returncode, wrong.stderr) == (1, "CommandError: --min-score 'six': give a whole number from 0 to 5\n")
+    wrong = run(tmp_path, "guardrails_audit", "--min-average", "4,5")
+    assert (wrong.returncode, wrong.stderr) == (1, "CommandError: --min-average '4,5': give a number from 0 to 5\n")
+    wrong = run(tmp_path, "guardrails_audit", "--source", str(tmp_path / "nowhere"))
+    assert (wrong.returncode, wrong.stderr) == (1, f"CommandError: --source '{tmp_path / 'nowhere'}': not a folder\n")
 
 
 def test_a_bad_config_reports_its_findings_as_json(tmp_path: Path) -> None:
@@ -123,19 +173,21 @@ def test_a_bad_config_reports_its_findings_as_json(tmp_path: Path) -> None:
     # the 300 s visibility timeout with the default backoff_max of 600 s)
     assert done.returncode == 1
     report = json.loads(done.stdout)
-    assert [(f["code"], f["subject"]) for f in report["findings"]] == [
-        ("GA102", "max_payload_bytes"),
-        ("GA402", "alert_channels"),
-        ("GA501", f"{SHOP}.build_report"),
-        ("GA501", f"{SHOP}.charge_order"),
-        ("GA501", f"{SHOP}.send_receipt"),
-        ("GA501", f"{SHOP}.settle_payments"),
-        ("GA502", "worker_prefetch_multiplier"),
-        ("GA601", "nightly-cleanup"),
-        ("GA701", "metrics"),
-        ("GA702", "activity"),
-    ]
-    assert report["findings"][2] == {
+    assert [(f["code"], f["subject"]) for f in report["findings"]] == sorted(
+        [
+            *EXAMPLE_FINDINGS,
+            ("GA102", "max_payload_bytes"),
+            ("GA402", "alert_channels"),
+            ("GA501", f"{SHOP}.build_report"),
+            ("GA501", f"{SHOP}.charge_order"),
+            ("GA501", f"{SHOP}.send_receipt"),
+            ("GA501", f"{SHOP}.settle_payments"),
+            ("GA601", "nightly-cleanup"),
+            ("GA702", "activity"),
+        ]
+    )
+    (first,) = [f for f in report["findings"] if f["code"] == "GA501" and f["subject"] == f"{SHOP}.build_report"]
+    assert first == {
         "code": "GA501",
         "axis": "ordering_concurrency",
         "severity": "warning",
@@ -147,35 +199,114 @@ def test_a_bad_config_reports_its_findings_as_json(tmp_path: Path) -> None:
     assert (report["lowest"], report["passed"]) == (0, False)
 
 
+def test_the_tasks_of_issue_27_score_the_retry_axis_0(tmp_path: Path) -> None:
+    # Given the example project with the tasks of issue #27: a GuardedTask that POSTs then calls a refused service
+    # (no key), one with autoretry_for=(Exception,), one using self.retry() with max_attempts=3, a keyed task that
+    # never hands its key on, one that does, one raising ValueError, a retry_unsafe one, and a plain Celery task
+    # with autoretry_for and 20 fixed retries
+    # When `guardrails_audit --json` runs
+    done = run(tmp_path, "guardrails_audit", "--json", issue27=(True, True))
+    # Then it shows nine axes, and the retry axis scores 0 (the zero rule): the retry_unsafe task and the plain
+    # task are errors, each with its fix
+    report = json.loads(done.stdout)
+    scores = {axis["name"]: axis["score"] for axis in report["axes"]}
+    assert list(scores) == [
+        "placement",
+        "message_design",
+        "idempotency",
+        "retry_policy",
+        "dead_letters",
+        "ordering_concurrency",
+        "scheduled_work",
+        "observability",
+        "tests",
+    ]
+    assert scores["retry_policy"] == 0
+    errors = [
+        (f["code"], f["subject"])
+        for f in report["findings"]
+        if f["axis"] == "retry_policy" and f["severity"] == "error"
+    ]
+    assert errors == [("GA301", "issue27.unsafe"), ("GA305", "issue27.plain")]
+    assert {(f["code"], f["subject"]) for f in report["findings"] if f["subject"].startswith("issue27.")} >= {
+        ("GA306", "issue27.plain"),
+        ("GA307", "issue27.autoretried"),
+        ("GA308", "issue27.plain"),
+        ("GA202", "issue27.keyed_not_handed"),
+    }
+    # And `guardrails_audit --min-score 3` exits non-zero
+    strict = run(tmp_path, "guardrails_audit", "--min-score", "3", issue27=(True, True))
+    assert strict.returncode == 1
+    assert strict.stderr.startswith("CommandError: below 3: retry policy with classification 0")
+    # When the plain task and the retry_unsafe one are taken out
+    safer = json.loads(run(tmp_path, "guardrails_audit", "--json", issue27=(False, False)).stdout)
+    # Then the retry axis scores 3 or more
+    (retries,) = [axis for axis in safer["axes"] if axis["name"] == "retry_policy"]
+    assert retries["score"] >= 3
+    assert [(f["code"], f["subject"]) for f in retries["findings"] if f["severity"] != "info"] == [
+        ("GA307", "issue27.autoretried")
+    ]
+
+
+def test_the_source_option_reads_another_folder(tmp_path: Path) -> None:
+    # Given a source tree with a view that waits on a task's result, and a kit test for the shop's tasks
+    source = tmp_path / "src"
+    (source / "shop").mkdir(parents=True)
+    (source / "shop" / "views.py").write_text(
+        "from example_project.shop.tasks import send_receipt\n\n\n"
+        "def receipt(request, order_id):\n    return send_receipt.delay(order_id).get(timeout=10)\n"
+    )
+    (source / "shop" / "tests.py").write_text(
+        "from celery_guardrails.testing import deliver_twice\n"
+        "from example_project.shop.tasks import build_report, charge_order, send_receipt, settle_payments\n"
+    )
+    # When the example project is audited with --source at it
+    report = json.loads(run(tmp_path, "guardrails_audit", "--json", "--source", str(source)).stdout)
+    # Then the view's wait is the placement finding, and the tests are read there too
+    assert [(f["code"], f["subject"]) for f in report["findings"] if f["axis"] in ("placement", "tests")] == [
+        ("GA003", "shop/views.py")
+    ]
+    assert (report["source"], report["tests_source"]) == (str(source), str(source))
+
+
 def test_the_system_checks_raise_the_findings_of_a_bad_config_and_none_of_them_for_the_example(
     tmp_path: Path,
 ) -> None:
     # When `manage.py check --deploy` runs on the bad configuration
     bad = run(tmp_path, "check", "--deploy", bad=True)
     # Then each finding is a guardrails.W1xx warning naming its subject, with the fix as the hint
-    assert sorted(audit_warnings(bad.stderr + bad.stdout)) == [
-        ("activity", "guardrails.W172"),
-        ("alert_channels", "guardrails.W142"),
-        (f"{SHOP}.build_report", "guardrails.W151"),
-        (f"{SHOP}.charge_order", "guardrails.W151"),
-        (f"{SHOP}.send_receipt", "guardrails.W151"),
-        (f"{SHOP}.settle_payments", "guardrails.W151"),
-        ("max_payload_bytes", "guardrails.W112"),
-        ("metrics", "guardrails.W171"),
-        ("nightly-cleanup", "guardrails.W161"),
-        ("worker_prefetch_multiplier", "guardrails.W152"),
-    ]
+    assert sorted(audit_warnings(bad.stderr + bad.stdout)) == sorted(
+        [
+            *EXAMPLE_CHECKS,
+            ("activity", "guardrails.W172"),
+            ("alert_channels", "guardrails.W142"),
+            (f"{SHOP}.build_report", "guardrails.W151"),
+            (f"{SHOP}.charge_order", "guardrails.W151"),
+            (f"{SHOP}.send_receipt", "guardrails.W151"),
+            (f"{SHOP}.settle_payments", "guardrails.W151"),
+            ("max_payload_bytes", "guardrails.W112"),
+            ("nightly-cleanup", "guardrails.W161"),
+        ]
+    )
     assert 'HINT: add schedules["nightly-cleanup"] = ' in bad.stderr + bad.stdout
     # When it runs on the example project
     example = run(tmp_path, "check", "--deploy")
-    # Then none of the bad config's warnings: only the two findings the example keeps on purpose
-    assert sorted(audit_warnings(example.stderr + example.stdout)) == [
-        ("metrics", "guardrails.W171"),
-        ("worker_prefetch_multiplier", "guardrails.W152"),
-    ]
+    # Then none of the bad config's warnings: only the findings the example keeps on purpose
+    assert sorted(audit_warnings(example.stderr + example.stdout)) == sorted(EXAMPLE_CHECKS)
     # And a plain `manage.py check` (not --deploy) runs no audit
     plain = run(tmp_path, "check")
     assert (plain.returncode, audit_warnings(plain.stderr + plain.stdout)) == (0, [])
+
+
+#: EXAMPLE_FINDINGS as system checks.
+EXAMPLE_CHECKS = [
+    ("demo.py", "guardrails.W104"),
+    (f"{SHOP}.build_report", "guardrails.W139"),
+    (f"{SHOP}.send_receipt", "guardrails.W139"),
+    (f"{SHOP}.settle_payments", "guardrails.W139"),
+    ("worker_prefetch_multiplier", "guardrails.W152"),
+    ("metrics", "guardrails.W171"),
+]
 
 
 def test_the_audit_check_never_raises(tmp_path: Path) -> None:

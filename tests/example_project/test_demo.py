@@ -94,7 +94,7 @@ def check_output(out: str) -> None:
     # the outbox: a rollback leaves nothing, a commit is published by the worker's relay
     assert "order 47: the transaction rolled back; outbox messages: 0" in out
     assert re.search(r"order 48 charged ch_\d+ by the worker; outbox messages left: 0", out)
-    # the audit of the example project: no axis below 4
+    # the audit of the example project: it passes the rubric's threshold, no axis below 4
     assert "15. manage.py guardrails_audit" in out
-    assert "OK: every axis scores 3 or more (lowest 4)" in out
+    assert re.search(r"OK: every axis scores 3 or more \(lowest 4\), and the average 4\.\d\d is 4\.0 or more", out)
     assert "== worker stopped (exit code 0)" in out

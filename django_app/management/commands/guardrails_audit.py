@@ -1,12 +1,16 @@
 """``manage.py guardrails_audit``: the deployment audit of the project's Celery app (see celery_guardrails.audit).
 
-Prints per axis of the rubric its score (0 to 5) and the findings, each naming the task or setting to change
-and how; ``--json`` prints the same as JSON. Exit status 1 when an axis scores below ``--min-score`` (default
-3), for CI; the same findings are Django system checks (``manage.py check --deploy``, ``guardrails.W1xx``).
+Prints per axis of the rubric its score (0 to 5) and the findings, each naming the task, setting or file to
+change and how, then the average; ``--json`` prints the same as JSON. Exit status 1 when the report misses the
+rubric's threshold, for CI: an axis below ``--min-score`` (default 3) or an average below ``--min-average``
+(default 4.0). ``--source DIR``: the folder of the project's code and tests (default: ``BASE_DIR``; its parent
+for the tests when it holds none). The same findings are Django system checks (``manage.py check --deploy``,
+``guardrails.W1xx``).
 """
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError, CommandParser
@@ -25,17 +29,36 @@ class Command(BaseCommand):
         parser.add_argument(
             "--min-score", default="3", help="Exit 1 when an axis scores below this, 0 to 5 (default 3)."
         )
+        parser.add_argument(
+            "--min-average", default="4.0", help="Exit 1 when the axes' average is below this, 0 to 5 (default 4.0)."
+        )
+        parser.add_argument(
+            "--source", default=None, help="The folder of the project's code and tests (default: BASE_DIR)."
+        )
 
-    def handle(self, *args: Any, json: bool, min_score: str, **options: Any) -> None:
+    def handle(
+        self, *args: Any, json: bool, min_score: str, min_average: str, source: str | None, **options: Any
+    ) -> None:
         if not min_score.isdigit() or not 0 <= int(min_score) <= 5:
             raise CommandError(f"--min-score {min_score!r}: give a whole number from 0 to 5")
-        threshold = int(min_score)
         try:
-            report = audit(health.celery_app())
+            average = float(min_average)
+        except ValueError:
+            average = -1.0
+        if not 0 <= average <= 5:  # also refuses nan
+            raise CommandError(f"--min-average {min_average!r}: give a number from 0 to 5")
+        if source is not None and not os.path.isdir(source):
+            raise CommandError(f"--source {source!r}: not a folder")
+        score = int(min_score)
+        try:
+            report = audit(health.celery_app(), source=source)
         except ConfigurationError as exc:
             raise CommandError(str(exc)) from None
-        self.stdout.write(as_json(report, min_score=threshold) if json else render(report, min_score=threshold))
-        below = report.below(threshold)
-        if below:
-            names = ", ".join(f"{axis.title} {axis.score}" for axis in below)
-            raise CommandError(f"below {threshold}: {names}", returncode=1)
+        self.stdout.write(
+            as_json(report, min_score=score, min_average=average)
+            if json
+            else render(report, min_score=score, min_average=average)
+        )
+        failures = report.failures(min_score=score, min_average=average)
+        if failures:
+            raise CommandError("; ".join(failures), returncode=1)
