@@ -61,7 +61,8 @@ class GuardrailsBootstep(bootsteps.Step):  # type: ignore[misc]
 
 
 def warn_about(app: Any, guarded: list[Any]) -> None:
-    """Start-up warnings: settings that make a guardrail weaker than it looks."""
+    """Start-up warnings: settings that make a guardrail weaker than it looks (the retry rules are the audit's:
+    :func:`celery_guardrails.audit.retry_rules`)."""
     from celery_guardrails.outcomes import owner_of
 
     unowned = sorted(task.name for task in guarded if owner_of(task) is None)
@@ -72,31 +73,25 @@ def warn_about(app: Any, guarded: list[Any]) -> None:
             len(unowned),
             ", ".join(unowned),
         )
-    unsafe = sorted(task.name for task in guarded if options.resolve(task, "retry_unsafe", {}))
-    if unsafe:
-        logger.warning(
-            "celery-guardrails: %s retry_unsafe: retried on ambiguous failures (a read timeout, a 5xx) although "
-            "not idempotent; the dependency may act twice on one message",
-            ", ".join(unsafe),
-        )
-    hard = sorted(
-        task.name
-        for task in guarded
-        if (task.time_limit or app.conf.task_time_limit) and not (task.soft_time_limit or app.conf.task_soft_time_limit)
-    )
-    if hard:
-        logger.warning(
-            "celery-guardrails: %s set a hard time_limit without soft_time_limit: the pool kills the process "
-            "without a word to the task (it is dead-lettered as time_limit); set soft_time_limit below it so "
-            "the task can stop cleanly",
-            ", ".join(hard),
-        )
-    early = sorted(task.name for task in guarded if not task.acks_late or not task.reject_on_worker_lost)
-    if early:
-        logger.warning(
-            "celery-guardrails: %s ack early or do not reject on a lost worker: a message whose worker "
-            "dies is lost instead of redelivered (and poison protection cannot see it)",
-            ", ".join(early),
+    # The retry rules are the audit's (GA201, GA202, GA3xx), so a worker says at start what the audit grades,
+    # one line a finding: an error (the zero rule) as an error, a warning as a warning; the information too (a
+    # task the gate never retries: worth knowing at the first start after an upgrade to the gate).
+    from celery_guardrails.audit import ERROR, WARNING, graded_tasks, retry_rules
+
+    levels = {ERROR: logging.ERROR, WARNING: logging.WARNING}
+    try:
+        findings = retry_rules(app, graded_tasks(app))
+    except Exception as exc:  # a start-up warning never stops a worker: say it could not be read, and go on
+        logger.warning("celery-guardrails: the retry rules could not be read: %r", exc)
+        findings = []
+    for finding in findings:
+        logger.log(
+            levels.get(finding.severity, logging.INFO),
+            "celery-guardrails: %s %s: %s; fix: %s",
+            finding.code,
+            finding.subject,
+            finding.message,
+            finding.fix,
         )
     broker = str(app.conf.broker_url or "")
     if broker.startswith(("redis://", "rediss://")):

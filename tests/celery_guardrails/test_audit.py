@@ -7,6 +7,7 @@ placement and tests axes read is the test's, not this repository's.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -20,6 +21,7 @@ import celery_guardrails.testing
 import celery_guardrails.testing.plugin
 from celery_guardrails import GuardedTask, audit_source
 from celery_guardrails.audit import audit, graded_tasks, render, report_of, retry_rules
+from celery_guardrails.install import warn_about
 from celery_guardrails.testing import entry
 from tests.support.audit_apps import (
     BROKER,
@@ -47,6 +49,17 @@ AXES = [
     "observability",
     "tests",
 ]
+
+
+class Caught(logging.Handler):
+    """The records of the logger it is added to."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
 
 
 def audit_command(app: str, *args: str) -> subprocess.CompletedProcess[str]:
@@ -418,6 +431,41 @@ def test_the_zero_rule_scores_the_retry_axis_0_whatever_else_is_right(tmp_path: 
     assert [axis.score for axis in report_of(report.findings).axes if axis.name == "retry_policy"] == [0]
     # And the average 4.44 passes, but the axis at 0 fails the threshold
     assert report.failures() == ["below 3: retry policy with classification 0"]
+
+
+def test_the_worker_logs_the_audit_s_retry_rules_as_it_starts() -> None:
+    # Given the tasks of issue #27
+    app = issue27_app()
+    guarded = [task for task in app.tasks.values() if isinstance(task, GuardedTask)]
+    # When a worker's start-up warnings are logged (caught on the extension's logger itself: Celery's Django
+    # fixup configures logging again as the app imports its modules, which takes pytest's handler off the root)
+    caught = Caught()
+    logger = logging.getLogger("celery_guardrails.install")
+    level, logger.level = logger.level, logging.INFO
+    logger.addHandler(caught)
+    try:
+        warn_about(app, guarded)
+    finally:
+        logger.removeHandler(caught)
+        logger.setLevel(level)
+    # Then each of the audit's retry findings is a line, at the level of its severity
+    logged = [
+        (record.levelname, record.getMessage())
+        for record in caught.records
+        if "celery-guardrails: GA" in record.getMessage()
+    ]
+    expected = [
+        (
+            {"error": "ERROR", "warning": "WARNING", "info": "INFO"}[f.severity],
+            f"celery-guardrails: {f.code} {f.subject}: {f.message}; fix: {f.fix}",
+        )
+        for f in retry_rules(app, graded_tasks(app))
+    ]
+    assert logged == expected
+    assert {(level, message.split(":")[1].strip()) for level, message in logged if level == "ERROR"} == {
+        ("ERROR", "GA301 issue27.unsafe"),
+        ("ERROR", "GA305 issue27.plain"),
+    }
 
 
 def test_placement_findings_from_a_source_tree(tmp_path: Path) -> None:

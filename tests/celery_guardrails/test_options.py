@@ -156,5 +156,6 @@ def test_worker_start_warns_about_tasks_without_an_owner_and_tasks_retried_unsaf
         pass
     (line,) = [text for text in worker.log.splitlines() if "can dead-letter with no owner" in text]
     assert "tests.proj.tasks.observe" in line and "tests.proj.django_tasks" not in line
-    (unsafe,) = [text for text in worker.log.splitlines() if "retry_unsafe: retried" in text]
-    assert "tests.proj.tasks.behave_retry_unsafe retry_unsafe: retried on ambiguous failures" in unsafe
+    # And the retry rules are the audit's: retry_unsafe is its zero-rule error GA301
+    (unsafe,) = [text for text in worker.log.splitlines() if "GA301 tests.proj.tasks.behave_retry_unsafe:" in text]
+    assert "ERROR" in unsafe and "retry_unsafe=True: run again after failures that may have acted" in unsafe
