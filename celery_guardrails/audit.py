@@ -774,7 +774,7 @@ def _plain_retries(task: Any) -> list[Finding]:
         why.append(f"autoretry_for=({', '.join(getattr(k, '__name__', str(k)) for k in autoretry)},)")
     if _set_by_project(kind, "max_retries"):
         why.append(f"max_retries={celery_option(kind, 'max_retries')!r}")
-    if celery_option(kind, "retry_kwargs") is not None:
+    if celery_option(kind, "retry_kwargs"):  # an empty dict asks for nothing
         why.append(f"retry_kwargs={celery_option(kind, 'retry_kwargs')!r}")
     if code.calls:
         why.append(".retry( in its code")
@@ -1126,10 +1126,15 @@ def _first_helper(task: Any) -> str:
 
 
 def _named_in(task: Any, names: frozenset[str]) -> bool:
+    """Whether ``names`` (a kit test file's) name the task: its full name, the last part of it, its class, or its
+    function (not a class-based task's ``run``, which names nothing)."""
     from celery_guardrails.effects import body_function
 
-    function = body_function(task)
-    return bool({getattr(function, "__name__", None), task.name.rpartition(".")[2], task.name} & names)
+    function = getattr(body_function(task), "__name__", None)
+    candidates = {task.name, task.name.rpartition(".")[2], type(task).__name__}
+    if function and function != "run":
+        candidates.add(function)
+    return bool(candidates & names)
 
 
 def _tests(guarded: list[Any], walked: audit_source.Walk) -> list[Finding]:

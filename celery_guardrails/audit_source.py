@@ -16,7 +16,8 @@ placement (:func:`read_placement`)
 tests (:func:`read_tests`)
     which test files (``test_*.py``, ``*_test.py``, ``tests.py``, ``conftest.py``, or any file below a ``tests``
     folder) use the test kit (:mod:`celery_guardrails.testing`: they import it, list it in ``pytest_plugins``,
-    take its fixtures or carry its marker), and the names each of those files mentions.
+    take its fixtures or carry its marker), and the names each of those files mentions (imported, read as an
+    attribute, written as a short string, or used and never assigned).
 
 What is read, and what it costs: the walk skips virtualenvs (a folder holding ``pyvenv.cfg``),
 ``site-packages``, migrations, ``node_modules``, ``__pycache__`` and hidden folders; it stops after
@@ -397,10 +398,16 @@ def _uses_kit(module: ast.Module) -> bool:
 
 
 def _names(module: ast.Module) -> frozenset[str]:
+    """The names a test file mentions: what it imports, the attributes it reads, short string constants, and the
+    names it uses but never assigns (``report = deliver_twice(...)`` does not name a task called ``report``)."""
     found: set[str] = set()
+    used: set[str] = set()
+    assigned: set[str] = set()
     for node in ast.walk(module):
         if isinstance(node, ast.Name):
-            found.add(node.id)
+            (assigned if isinstance(node.ctx, ast.Store | ast.Del) else used).add(node.id)
+        elif isinstance(node, ast.arg):
+            assigned.add(node.arg)
         elif isinstance(node, ast.Attribute):
             found.add(node.attr)
         elif isinstance(node, ast.alias):
@@ -409,7 +416,7 @@ def _names(module: ast.Module) -> frozenset[str]:
                 found.add(node.asname)
         elif isinstance(node, ast.Constant) and isinstance(node.value, str) and len(node.value) <= LONGEST_NAME:
             found.add(node.value)
-    return frozenset(found)
+    return frozenset(found | (used - assigned))
 
 
 def read_tests(walked: Walk) -> tuple[int, tuple[KitFile, ...]]:

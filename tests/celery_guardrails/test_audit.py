@@ -618,6 +618,44 @@ def test_the_tests_axis_without_the_kit_and_with_the_kit_for_one_task_only(tmp_p
     assert [axis.score for axis in report.axes if axis.name == "tests"] == [4]
 
 
+def test_a_task_is_named_by_what_a_kit_test_imports_or_uses_not_by_a_name_it_assigns(tmp_path: Path) -> None:
+    # Given a decorated task called report and a class-based task (its body is a run method)
+    app = Celery("names", set_as_current=False)
+    app.conf.update(broker_url=BROKER, guardrails={"owners": {"names.*": "shop"}})
+
+    @app.task(shared=False, name="names.report", base=GuardedTask, bind=True, idempotent=True, idempotency_key="r")
+    def report(self: Any) -> None: ...
+
+    class Refund(GuardedTask):
+        name = "names.refund"
+        idempotent = True
+        idempotency_key = "refund"
+
+        def run(self) -> None: ...
+
+    app.register_task(Refund())
+    own_tasks(app, "names.")
+    # And a kit test that keeps a helper's report in a variable called report, and runs a worker
+    text = (
+        "from celery_guardrails.testing import deliver_twice\n\n\n"
+        "def test_charge(worker):\n    report = deliver_twice(charge)\n    worker.run()\n    assert report.task_id\n"
+    )
+    write_tree(tmp_path, {"tests/test_charge.py": text})
+    # Then neither task is named by it
+    assert [(f.code, f.subject) for f in audit(app, source=tmp_path).findings if f.axis == "tests"] == [
+        ("GA802", "names.refund"),
+        ("GA802", "names.report"),
+    ]
+    # When another kit test imports the class, and names the decorated task by its name
+    text = (
+        "from celery_guardrails.testing import poison\nfrom shop.tasks import Refund\n\n\n"
+        'def test_both():\n    poison(Refund)\n    poison("names.report")\n'
+    )
+    write_tree(tmp_path, {"tests/test_both.py": text})
+    # Then both are named
+    assert [f for f in audit(app, source=tmp_path).findings if f.axis == "tests"] == []
+
+
 @pytest.mark.parametrize(
     "text",
     [
