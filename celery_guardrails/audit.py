@@ -502,8 +502,8 @@ class RetryCode:
     """What a task function's own code shows of its ``.retry(`` calls (read with ``ast``, else its bytecode)."""
 
     calls: bool = False
-    #: Each call whose wait is fixed: no countdown (Celery's default_retry_delay), or a constant one.
-    fixed: tuple[str, ...] = ()
+    #: (line, countdown) of each call whose wait is fixed: a constant countdown, or None (default_retry_delay).
+    fixed: tuple[tuple[int, float | None], ...] = ()
     #: A call under ``except Exception:``, ``except BaseException:`` or a bare ``except:``.
     on_any_error: bool = False
     #: The constants passed as ``max_retries=`` (None: for ever).
@@ -550,7 +550,7 @@ def _read_retry_code(function: Any) -> RetryCode:
         return RetryCode(calls=found)
     body = next((node for node in ast.walk(tree) if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef)), tree)
     calls = _retry_calls([body])
-    fixed: list[str] = []
+    fixed: list[tuple[int, float | None]] = []
     max_retries: list[int | None] = []
     for call in calls:
         keywords = {keyword.arg: keyword.value for keyword in call.keywords if keyword.arg}
@@ -558,9 +558,9 @@ def _read_retry_code(function: Any) -> RetryCode:
         if "eta" in keywords:
             pass  # a computed time: not a fixed interval
         elif countdown is None:
-            fixed.append(f"self.retry() on line {call.lineno} waits default_retry_delay")
+            fixed.append((call.lineno, None))
         elif isinstance(countdown, ast.Constant) and isinstance(countdown.value, int | float):
-            fixed.append(f"self.retry(countdown={countdown.value!r}) on line {call.lineno}")
+            fixed.append((call.lineno, float(countdown.value)))
         limit = keywords.get("max_retries")
         if isinstance(limit, ast.Constant) and (limit.value is None or type(limit.value) is int):
             max_retries.append(limit.value)
@@ -792,15 +792,17 @@ def _plain_retries(task: Any) -> list[Finding]:
             f"gate) and {_retry_unsafe_fix()}; or remove its retries",
         )
     ]
-    fixed = list(code.fixed)
+    default = celery_option(kind, "default_retry_delay")
+    default = float(default if default is not None else CELERY_RETRY_DELAY)
+    fixed = [
+        f"self.retry() on line {line} waits "
+        + (f"{wait:g} s" if wait is not None else f"default_retry_delay {default:g} s")
+        for line, wait in code.fixed
+    ]
     if autoretry and not celery_option(kind, "retry_backoff"):
         kwargs = celery_option(kind, "retry_kwargs") or {}
         delay = kwargs.get("countdown") if isinstance(kwargs, dict) else None
-        if delay is None:
-            delay = celery_option(kind, "default_retry_delay")
-        fixed.insert(
-            0, f"autoretry_for waits {float(delay if delay is not None else CELERY_RETRY_DELAY):g} s each time"
-        )
+        fixed.insert(0, f"autoretry_for waits {float(delay) if delay is not None else default:g} s each time")
     if fixed:
         found.append(
             _finding(
