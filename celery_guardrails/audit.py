@@ -537,7 +537,7 @@ def _retry_calls(nodes: Iterable[ast.AST]) -> list[ast.Call]:
 def _read_retry_code(function: Any) -> RetryCode:
     try:
         tree = ast.parse(textwrap.dedent(inspect.getsource(function)))
-    except (OSError, TypeError, SyntaxError, ValueError):
+    except (OSError, TypeError, SyntaxError, ValueError, RecursionError):
         # No source (a function built at run time, a .pyc only): the bytecode shows the calls, not their waits.
         codes, found = [function.__code__], False
         while codes and not found:
@@ -613,7 +613,8 @@ def _max_retries(kind: type) -> tuple[bool, int | None]:
     return _set_by_project(kind, "max_retries"), celery_option(kind, "max_retries")
 
 
-def _retry_unsafe_fix() -> str:
+def _gate_fix() -> str:
+    """What makes a re-run safe, in the gate's words (its dead letters and log say the same)."""
     from celery_guardrails.gate import FIX
 
     return FIX
@@ -671,7 +672,7 @@ def _guarded_retries(app: Any, task: Any) -> list[Finding]:
                 "retry_unsafe=True: run again after failures that may have acted (a read timeout, a 5xx) although "
                 "not idempotent: the dependency may act twice on one message (the zero rule: the retry axis "
                 "scores 0)",
-                f"drop retry_unsafe and make a re-run safe: {_retry_unsafe_fix()}",
+                f"drop retry_unsafe and make a re-run safe: {_gate_fix()}",
             )
         )
     marks = marks_effects(task)
@@ -701,7 +702,7 @@ def _guarded_retries(app: Any, task: Any) -> list[Finding]:
                     "never retried automatically: not idempotent, unkeyed, and its body marks no effect, so the "
                     "retry gate counts it as one effect from its first line"
                     + (f"; {asked} cannot run it again (a final failure, not_idempotent)" if asked else ""),
-                    f"for retries, {_retry_unsafe_fix()}",
+                    f"for retries, {_gate_fix()}",
                 )
             )
     broad = _catches_anything(
@@ -789,7 +790,7 @@ def _plain_retries(task: Any) -> list[Finding]:
             "before it failed (no retry gate), so a charge or a mail can happen twice (the zero rule: the retry "
             "axis scores 0)",
             f"make it a GuardedTask (base=GuardedTask: its autoretry_for and self.retry() then pass the retry "
-            f"gate) and {_retry_unsafe_fix()}; or remove its retries",
+            f"gate) and {_gate_fix()}; or remove its retries",
         )
     ]
     default = celery_option(kind, "default_retry_delay")
