@@ -16,6 +16,7 @@ from django.test import Client
 from django.urls import reverse
 
 from celery_guardrails import tenant_context
+from celery_guardrails.effects import provider_key
 from django_celery_guardrails.models import DeadLetter
 from django_celery_guardrails.replay import replay_dead_letters
 from tests.conftest import Sink
@@ -68,7 +69,7 @@ def test_replay_after_the_fix_keeps_tenant_correlation_and_key(
         "acme",
         "req-replay-1",
         1,
-        record.idempotency_key,
+        provider_key(record.idempotency_key),  # the body is handed the opaque key made from the same scoped one
     )
     record.refresh_from_db()
     assert (record.status, record.replayed_task_id) == ("replayed", task_id)
