@@ -290,3 +290,37 @@ def test_a_refused_connection_inside_the_effect_is_retried_and_the_effect_lands_
     assert result.get(timeout=TIMEOUT) == "charged"
     assert sink.client.get(f"{sink.key}:runs") == b"2"
     assert payments.calls("/charges/7") == [None]
+
+
+@pytest.fixture(scope="module")
+def threads_queue(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A real worker on the threads pool (four threads), on a queue of its own."""
+    require("redis")
+    queue = f"gr-gate-threads-{uuid.uuid4().hex[:12]}"
+    log = Path(tmp_path_factory.mktemp("gate-threads")) / "worker.log"
+    with WorkerProcess(
+        app=PROJ_APP, queue=queue, log_path=log, pool="threads", concurrency=4, env=proj_env(queue=queue)
+    ):
+        yield queue
+
+
+def test_on_threads_each_delivery_counts_its_own_effects(
+    celery_app: Any, threads_queue: str, payments: Provider, sink: Sink
+) -> None:
+    # Given deliveries running side by side in one process's threads: bodies whose effect is refused at first,
+    # and bodies that charge and then fail
+    marked = [
+        run(tasks.marked_charge, payments.url, 100 + n, f"{sink.key}:m{n}", queue=threads_queue) for n in range(4)
+    ]
+    failing = [
+        run(tasks.charge_then_notify, payments.url, 200 + n, f"{sink.key}:f{n}", queue=threads_queue) for n in range(4)
+    ]
+    # Then each body's effects are its own: every refused booking retried and charged once, every charge that
+    # came before a failure left alone (one charge each)
+    assert [result.get(timeout=TIMEOUT) for result in marked] == ["charged"] * 4
+    for result in failing:
+        with pytest.raises(Exception, match=r"Connection refused|Max retries"):
+            result.get(timeout=TIMEOUT)
+    assert [len(payments.calls(f"/charges/{100 + n}")) for n in range(4)] == [1, 1, 1, 1]
+    assert [len(payments.calls(f"/charges/{200 + n}")) for n in range(4)] == [1, 1, 1, 1]
+    assert {dead_letter_of(celery_app, result.id)["reason"] for result in failing} == {"not_idempotent"}
