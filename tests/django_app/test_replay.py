@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import threading
 import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 from io import StringIO
 from typing import Any
 
 import pytest
+from celery.signals import before_task_publish
 from django.contrib.admin.models import LogEntry
 from django.contrib.auth.models import Permission, User
 from django.core.exceptions import PermissionDenied
@@ -16,8 +19,16 @@ from django.test import Client
 from django.urls import reverse
 
 from celery_guardrails import tenant_context
+from celery_guardrails.outcomes import NOT_IDEMPOTENT
 from django_celery_guardrails.models import DeadLetter
-from django_celery_guardrails.replay import replay_dead_letters
+from django_celery_guardrails.replay import (
+    NOT_IDEMPOTENT_REFUSAL,
+    Refused,
+    plan,
+    refusals,
+    replay_dead_letters,
+    replay_with_changes,
+)
 from tests.conftest import Sink
 from tests.proj import tasks
 
@@ -391,3 +402,91 @@ def test_the_command_prints_progress_and_the_admin_logs_many_replays_in_few_inse
     assert entries == {str(pk): f"Replayed as task {task_id}" for pk, task_id in held}
     inserts = [q for q in queries.captured_queries if q["sql"].startswith('INSERT INTO "django_admin_log"')]
     assert len(inserts) == (2 if connection.vendor == "postgresql" else 5)  # SQLite: 999 parameters an INSERT
+
+
+# not_idempotent records: a task that failed after it may already have acted is replayed only on a person's word.
+
+#: The advice the core puts in the last attempt record of a not_idempotent failure ("note"), as a test writes it.
+NOTE = "mark the effect with effect(), hand self.request.idempotency_key downstream, or declare idempotent=True"
+
+
+def not_idempotent_letter(sink: Sink, *, note: str = "") -> DeadLetter:
+    """A real not_idempotent dead letter, for tenant acme: behave_not_idempotent's first run fails with an error
+    nobody classified, after it may have acted, so it is not retried; its next run (a replay) succeeds.
+    ``note``: the last attempt record says it, as the core writes its advice there."""
+    with tenant_context("acme"):
+        result = tasks.behave_not_idempotent.delay(sink.key, ["unknown", "ok"])
+    with pytest.raises(LookupError, match="nobody knows"):
+        result.get(timeout=TIMEOUT)
+    record = DeadLetter.objects.get(task_id=result.id)
+    assert record.reason == NOT_IDEMPOTENT and len(sink.items()) == 1
+    if note:
+        record.history = [*record.history[:-1], {**record.history[-1], "note": note}]
+        DeadLetter.objects.filter(pk=record.pk).update(history=record.history)
+    return record
+
+
+@contextmanager
+def published() -> Iterator[list[str]]:
+    """The task ids this process publishes while the block runs (Celery's before_task_publish: a replay
+    publishes from its caller's process, so a refusal that published anyway would show here at once)."""
+    ids: list[str] = []
+
+    def seen(sender: Any = None, headers: dict[str, Any] | None = None, **_: Any) -> None:
+        ids.append(str((headers or {}).get("id")))
+
+    before_task_publish.connect(seen, weak=False, dispatch_uid="test-replay-published")
+    try:
+        yield ids
+    finally:
+        before_task_publish.disconnect(dispatch_uid="test-replay-published")
+
+
+def test_a_not_idempotent_record_is_replayed_only_when_the_caller_allows_it(
+    celery_worker: Any, celery_app: Any, sink: Sink
+) -> None:
+    # Given a task that failed after it may already have acted (it ran once)
+    record = not_idempotent_letter(sink)
+    # When it is replayed like any other record
+    with published() as ids:
+        result = replay_dead_letters([record.pk], user=user_with("replay_deadletter"))
+    # Then nothing is published, the record stays open, and the result says why and how to replay it anyway
+    assert ids == [] and result.replayed == []
+    assert result.skipped == [(record.pk, NOT_IDEMPOTENT_REFUSAL)]
+    assert NOT_IDEMPOTENT_REFUSAL.startswith("not_idempotent: it may already have acted")
+    assert "allow_not_idempotent=True" in NOT_IDEMPOTENT_REFUSAL and "--allow-not-idempotent" in NOT_IDEMPOTENT_REFUSAL
+    record.refresh_from_db()
+    assert (record.status, record.replayed_task_id, record.handled_by) == ("open", "", "")
+    # And a dry run asks the same question and gets the same answer
+    with pytest.raises(Refused) as refused:
+        plan(record)
+    assert str(refused.value) == NOT_IDEMPOTENT_REFUSAL
+    assert [(r.pk, why) for r, why in refusals([record.pk])] == [(record.pk, NOT_IDEMPOTENT_REFUSAL)]
+    assert [why for _, why in refusals([record.pk], allow_not_idempotent=True)] == [""]
+    # When the caller says they checked the effect did not happen
+    with published() as ids:
+        result = replay_dead_letters([record.pk], user=user_with("replay_deadletter"), allow_not_idempotent=True)
+    # Then it is published once and a real worker runs it again, as its tenant
+    ((replayed_pk, task_id),) = result.replayed
+    assert (replayed_pk, ids, result.skipped) == (record.pk, [task_id], [])
+    again = celery_app.AsyncResult(task_id).get(timeout=TIMEOUT)
+    assert (again["run"], again["step"], again["tenant"]) == (2, "ok", "acme")
+    assert len(sink.items()) == 2
+    record.refresh_from_db()
+    assert (record.status, record.replayed_task_id) == ("replayed", task_id)
+
+
+def test_edit_and_replay_of_a_not_idempotent_record_needs_the_same_word(
+    celery_worker: Any, celery_app: Any, sink: Sink
+) -> None:
+    # Given a not_idempotent record
+    record = not_idempotent_letter(sink)
+    # When it is replayed with a fix (another tenant): new values do not undo what the failed run may have done
+    with published() as ids:
+        result = replay_with_changes(record.pk, tenant="globex")
+    # Then it is refused the same way, and stays open
+    assert (ids, result.replayed, result.skipped) == ([], [], [(record.pk, NOT_IDEMPOTENT_REFUSAL)])
+    assert DeadLetter.objects.get(pk=record.pk).status == "open"
+    # When the caller allows it, Then the fix is replayed and the worker runs it as the new tenant
+    ((_, task_id),) = replay_with_changes(record.pk, tenant="globex", allow_not_idempotent=True).replayed
+    assert celery_app.AsyncResult(task_id).get(timeout=TIMEOUT)["tenant"] == "globex"
