@@ -15,6 +15,7 @@ from django.contrib.admin.models import LogEntry
 from django.contrib.auth.models import Permission, User
 from django.core.exceptions import PermissionDenied
 from django.core.management import call_command
+from django.core.management.base import CommandError
 from django.test import Client
 from django.urls import reverse
 
@@ -490,3 +491,43 @@ def test_edit_and_replay_of_a_not_idempotent_record_needs_the_same_word(
     # When the caller allows it, Then the fix is replayed and the worker runs it as the new tenant
     ((_, task_id),) = replay_with_changes(record.pk, tenant="globex", allow_not_idempotent=True).replayed
     assert celery_app.AsyncResult(task_id).get(timeout=TIMEOUT)["tenant"] == "globex"
+
+
+def test_the_command_refuses_not_idempotent_records_without_the_flag(
+    celery_worker: Any, celery_app: Any, sink: Sink, oid: int
+) -> None:
+    # Given a not_idempotent record and a permanent one
+    unsafe = not_idempotent_letter(Sink.of(f"{sink.key}:unsafe"))
+    permanent = dead_letter(sink, oid)
+    only = ["--task", tasks.behave_not_idempotent.name]
+    # When a dry run is asked without the flag
+    out, err = StringIO(), StringIO()
+    with pytest.raises(CommandError, match=r"^1 dead letter\(s\) would be refused"):
+        call_command("guardrails_replay", *only, "--dry-run", stdout=out, stderr=err)
+    # Then it says it would refuse the record, why, and how to replay it anyway
+    assert err.getvalue() == (
+        f"would refuse {unsafe.pk}: {unsafe.task_name}[{unsafe.task_id}]: {NOT_IDEMPOTENT_REFUSAL}\n"
+    )
+    assert out.getvalue() == "0 dead letter(s) would be replayed, 1 refused.\n"
+    # And with the flag it would replay it
+    out = StringIO()
+    call_command("guardrails_replay", *only, "--dry-run", "--allow-not-idempotent", stdout=out)
+    assert f"would replay {unsafe.pk}: {unsafe.task_name}[{unsafe.task_id}] not_idempotent" in out.getvalue()
+    # When everything open is replayed without the flag
+    out, err = StringIO(), StringIO()
+    with published() as ids, pytest.raises(CommandError, match=r"^1 dead letter\(s\) refused"):
+        call_command("guardrails_replay", "--since", "1h", stdout=out, stderr=err)
+    # Then the permanent record is replayed, the not_idempotent one refused, named on stderr, and left open
+    assert err.getvalue() == f"refused {unsafe.pk}: {NOT_IDEMPOTENT_REFUSAL}\n"
+    assert out.getvalue().splitlines()[-1] == "Replayed 1 dead letter(s); refused 1."
+    statuses = dict(DeadLetter.objects.filter(pk__in=[unsafe.pk, permanent.pk]).values_list("pk", "status"))
+    assert statuses == {unsafe.pk: "open", permanent.pk: "replayed"}
+    assert ids == [DeadLetter.objects.get(pk=permanent.pk).replayed_task_id]
+    # When it is replayed with the flag
+    out = StringIO()
+    call_command("guardrails_replay", *only, "--allow-not-idempotent", stdout=out)
+    # Then it is replayed, and a worker runs it again
+    assert out.getvalue().splitlines()[-1] == "Replayed 1 dead letter(s); refused 0."
+    unsafe.refresh_from_db()
+    assert unsafe.status == "replayed"
+    assert celery_app.AsyncResult(unsafe.replayed_task_id).get(timeout=TIMEOUT)["run"] == 2
