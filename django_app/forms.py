@@ -19,13 +19,17 @@ class EditAndReplayForm(forms.Form):
         required=False,
         help_text=_("The tenant the replay runs as; blank: as recorded."),
     )
+    # Not required: Django's JSONField takes [] and {} for "no value", and a task without positional or keyword
+    # arguments (most) could not be edited and replayed at all. A blank field is still refused, by clean_*.
     args = forms.JSONField(
         label=_("arguments"),
+        required=False,
         help_text=_('A JSON list. A value left as "[redacted]" is replayed with the original from the sealed copy.'),
         widget=forms.Textarea(attrs={"rows": 4, "cols": 80}),
     )
     kwargs = forms.JSONField(
         label=_("keyword arguments"),
+        required=False,
         help_text=_('A JSON object. A value left as "[redacted]" is replayed with the original from the sealed copy.'),
         widget=forms.Textarea(attrs={"rows": 6, "cols": 80}),
     )
@@ -42,11 +46,11 @@ class EditAndReplayForm(forms.Form):
     def clean_args(self) -> list[Any]:
         value = self.cleaned_data["args"]
         if not isinstance(value, list):
-            raise forms.ValidationError(_('Give a JSON list, such as [42, "EUR"].'))
+            raise forms.ValidationError(_('Give a JSON list, such as [42, "EUR"], or [] for none.'))
         return value
 
     def clean_kwargs(self) -> dict[str, Any]:
         value = self.cleaned_data["kwargs"]
         if not isinstance(value, dict):
-            raise forms.ValidationError(_('Give a JSON object, such as {"amount": 10}.'))
+            raise forms.ValidationError(_('Give a JSON object, such as {"amount": 10}, or {} for none.'))
         return value

@@ -531,3 +531,16 @@ def test_the_command_refuses_not_idempotent_records_without_the_flag(
     unsafe.refresh_from_db()
     assert unsafe.status == "replayed"
     assert celery_app.AsyncResult(unsafe.replayed_task_id).get(timeout=TIMEOUT)["run"] == 2
+
+
+def test_the_edit_form_takes_empty_arguments_and_refuses_a_blank_field() -> None:
+    from django_celery_guardrails.forms import EditAndReplayForm
+
+    # Given a task without keyword arguments (or positional ones): [] and {} are values, not missing ones
+    assert EditAndReplayForm({"tenant": "", "args": "[]", "kwargs": "{}"}).is_valid()
+    # But a field left blank is refused, saying what to give
+    blank = EditAndReplayForm({"tenant": "", "args": "", "kwargs": ""})
+    assert not blank.is_valid() and blank.errors == {
+        "args": ['Give a JSON list, such as [42, "EUR"], or [] for none.'],
+        "kwargs": ['Give a JSON object, such as {"amount": 10}, or {} for none.'],
+    }
