@@ -34,6 +34,21 @@ class EditAndReplayForm(forms.Form):
         widget=forms.Textarea(attrs={"rows": 6, "cols": 80}),
     )
 
+    def __init__(self, *args: Any, not_idempotent: bool = False, **kwargs: Any) -> None:
+        """``not_idempotent``: the record's task may already have acted; the form then has an unticked box that
+        must be ticked for the replay to run it (replay_with_changes(..., allow_not_idempotent=True))."""
+        super().__init__(*args, **kwargs)
+        if not_idempotent:
+            self.fields["allow_not_idempotent"] = forms.BooleanField(
+                label=_("I checked that the effect did not happen; replay it anyway"),
+                required=False,  # unticked is an answer too: the replay is then refused, the record stays open
+                initial=False,
+                help_text=_(
+                    "This task failed after it may already have acted (charged a card, sent a mail): replaying "
+                    "runs it again and may repeat that effect."
+                ),
+            )
+
     def clean_tenant(self) -> str:
         tenant: str = self.cleaned_data["tenant"].strip()
         if tenant:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import threading
 import uuid
 from collections.abc import Iterator
@@ -533,6 +534,127 @@ def test_the_command_refuses_not_idempotent_records_without_the_flag(
     assert celery_app.AsyncResult(unsafe.replayed_task_id).get(timeout=TIMEOUT)["run"] == 2
 
 
+def messages_of(response: Any) -> list[str]:
+    return [str(m) for m in response.context["messages"]]
+
+
+def test_the_replay_action_warns_of_not_idempotent_records_and_replays_them_only_when_ticked(
+    celery_worker: Any, celery_app: Any, sink: Sink, oid: int
+) -> None:
+    # Given a not_idempotent record whose last attempt carries the core's note, and a permanent one
+    unsafe = not_idempotent_letter(Sink.of(f"{sink.key}:unsafe"), note=NOTE)
+    permanent = dead_letter(sink, oid)
+    user = user_with("replay_deadletter")
+    client = Client()
+    client.force_login(user)
+    changelist = reverse("admin:guardrails_deadletter_changelist")
+    form = {"action": "replay_selected", "_selected_action": [unsafe.pk, permanent.pk], "select_across": "0"}
+    # When both are ticked and the replay action chosen
+    confirm = client.post(changelist, form)
+    # Then the confirmation page warns of the not_idempotent one, names it with its note, and asks for a tick
+    page = confirm.content.decode()
+    assert confirm.status_code == 200 and "Are you sure you want to replay" in page
+    start = page.index('id="not-idempotent"')
+    warning = page[start : page.index("</form>", start)]  # (the header's log-out form closes earlier)
+    assert "1 of these records failed as <code>not_idempotent</code>" in warning
+    assert "may already have acted" in warning and "may repeat that effect" in warning
+    assert f'{unsafe.task_name}[{unsafe.task_id}] (tenant acme): <span class="note">{NOTE}</span>' in warning
+    assert permanent.task_id not in warning
+    box = '<input type="checkbox" name="allow_not_idempotent" value="yes" id="allow-not-idempotent">'
+    assert box in warning  # unticked, inside the form it posts with
+    assert "I checked that the effect did not happen; replay these anyway" in warning
+    # When it is confirmed without the tick
+    done = client.post(changelist, {**form, "post": "yes"}, follow=True)
+    # Then the permanent record is replayed, the other reported not replayed with the reason, and left open
+    assert messages_of(done) == [
+        "Replayed 1 dead letter(s).",
+        f"1 dead letter(s) not replayed ({unsafe.pk}): {NOT_IDEMPOTENT_REFUSAL}",
+    ]
+    statuses = dict(DeadLetter.objects.filter(pk__in=[unsafe.pk, permanent.pk]).values_list("pk", "status"))
+    assert statuses == {unsafe.pk: "open", permanent.pk: "replayed"}
+    assert list(LogEntry.objects.filter(object_id=str(unsafe.pk))) == []
+    # And a selection without not_idempotent records shows no warning and no box
+    other = dead_letter(Sink.of(f"{sink.key}:other"), oid + 1)
+    plain = client.post(changelist, {**form, "_selected_action": [other.pk]})
+    assert b"not-idempotent" not in plain.content and b"allow_not_idempotent" not in plain.content
+    # When it is confirmed with the tick
+    done = client.post(
+        changelist, {**form, "_selected_action": [unsafe.pk], "post": "yes", "allow_not_idempotent": "yes"}
+    )
+    assert done.status_code == 302
+    # Then it is replayed, a worker runs it again, and its LogEntry says whose word let it run
+    unsafe.refresh_from_db()
+    assert (unsafe.status, unsafe.handled_by) == ("replayed", user.username)
+    assert celery_app.AsyncResult(unsafe.replayed_task_id).get(timeout=TIMEOUT)["run"] == 2
+    (entry,) = LogEntry.objects.filter(object_id=str(unsafe.pk))
+    assert entry.change_message == (
+        f"Replayed as task {unsafe.replayed_task_id}; not_idempotent: replayed on the user's word that the effect "
+        "did not happen"
+    )
+    (entry,) = LogEntry.objects.filter(object_id=str(permanent.pk))
+    assert entry.change_message == f"Replayed as task {DeadLetter.objects.get(pk=permanent.pk).replayed_task_id}"
+    # And the record's page shows the note in its attempt history
+    detail = client.get(reverse("admin:guardrails_deadletter_change", args=[unsafe.pk])).content.decode()
+    table = detail[detail.index('<table class="attempt-history">') :]
+    table = table[: table.index("</table>")]
+    assert "<th>note</th>" in table and f'<td class="note">{NOTE}</td>' in table
+
+
+def test_the_one_record_pages_of_a_not_idempotent_record_ask_for_the_tick(
+    celery_worker: Any, celery_app: Any, sink: Sink
+) -> None:
+    # Given a not_idempotent record with the core's note, and one without (recorded before notes existed)
+    unsafe = not_idempotent_letter(Sink.of(f"{sink.key}:unsafe"), note=NOTE)
+    older = not_idempotent_letter(Sink.of(f"{sink.key}:older"))
+    client = Client()
+    client.force_login(user_with("replay_deadletter"))
+    replay = reverse("admin:guardrails_deadletter_replay", args=[unsafe.pk])
+    # When its Replay page is opened
+    page = client.get(replay).content.decode()
+    # Then it warns, names it with its note, has the unticked box, and no other refusal
+    assert "This record failed as <code>not_idempotent</code>" in page and NOTE in page
+    assert 'name="allow_not_idempotent" value="yes" id="allow-not-idempotent">' in page
+    assert "As it is, this record would not be replayed" not in page
+    # When it is confirmed without the tick: Then it is not replayed, saying why
+    done = client.post(replay, {"post": "yes"}, follow=True)
+    assert messages_of(done) == [f"1 dead letter(s) not replayed ({unsafe.pk}): {NOT_IDEMPOTENT_REFUSAL}"]
+    assert DeadLetter.objects.get(pk=unsafe.pk).status == "open"
+    # When its Edit and replay page is opened: Then it warns, with the note, and the form has the unticked box
+    edit = reverse("admin:guardrails_deadletter_edit_and_replay", args=[unsafe.pk])
+    form = client.get(edit)
+    assert b'id="not-idempotent"' in form.content and NOTE.encode() in form.content
+    assert form.context["form"]["allow_not_idempotent"].value() is False
+    assert b"Unchanged, it would not be replayed" not in form.content
+    # When the fix is sent without the tick: Then nothing is replayed, the form is shown again with the reason
+    values = {"tenant": "globex", "args": json.dumps(unsafe.args), "kwargs": json.dumps(unsafe.kwargs)}
+    again = client.post(edit, values)
+    assert again.status_code == 200 and messages_of(again) == [
+        f"1 dead letter(s) not replayed ({unsafe.pk}): {NOT_IDEMPOTENT_REFUSAL}"
+    ]
+    assert DeadLetter.objects.get(pk=unsafe.pk).status == "open"
+    # When it is sent with the tick: Then it is replayed as the new tenant, and the LogEntry says both
+    done = client.post(edit, {**values, "allow_not_idempotent": "on"}, follow=True)
+    assert messages_of(done) == ["Replayed 1 dead letter(s)."]
+    unsafe.refresh_from_db()
+    assert celery_app.AsyncResult(unsafe.replayed_task_id).get(timeout=TIMEOUT)["tenant"] == "globex"
+    (entry,) = LogEntry.objects.filter(object_id=str(unsafe.pk))
+    assert entry.change_message == (
+        f"Replayed as task {unsafe.replayed_task_id}; changed tenant 'acme' -> 'globex'; not_idempotent: replayed "
+        "on the user's word that the effect did not happen"
+    )
+    # And a record without a note still warns and asks for the tick; its history's note cells are empty
+    page = client.get(reverse("admin:guardrails_deadletter_replay", args=[older.pk])).content.decode()
+    assert "This record failed as <code>not_idempotent</code>" in page and 'id="allow-not-idempotent"' in page
+    assert 'class="note"' not in page
+    detail = client.get(reverse("admin:guardrails_deadletter_change", args=[older.pk])).content.decode()
+    assert '<td class="note"></td>' in detail
+    # And its Replay page, with the tick, replays it
+    client.post(
+        reverse("admin:guardrails_deadletter_replay", args=[older.pk]), {"post": "yes", "allow_not_idempotent": "yes"}
+    )
+    assert DeadLetter.objects.get(pk=older.pk).status == "replayed"
+
+
 def test_the_edit_form_takes_empty_arguments_and_refuses_a_blank_field() -> None:
     from django_celery_guardrails.forms import EditAndReplayForm
 
@@ -544,3 +666,6 @@ def test_the_edit_form_takes_empty_arguments_and_refuses_a_blank_field() -> None
         "args": ['Give a JSON list, such as [42, "EUR"], or [] for none.'],
         "kwargs": ['Give a JSON object, such as {"amount": 10}, or {} for none.'],
     }
+    # And the not_idempotent box is there, unticked, only for a not_idempotent record
+    assert "allow_not_idempotent" not in EditAndReplayForm().fields
+    assert EditAndReplayForm(not_idempotent=True).fields["allow_not_idempotent"].initial is False
