@@ -441,6 +441,7 @@ def retry_gate(app: Any, provider: Any) -> None:
     """The retry gate: whether a task may run again depends on what it did before it failed."""
     from celery_guardrails import tenant_context
     from django_celery_guardrails.models import DeadLetter
+    from django_celery_guardrails.replay import replay_dead_letters
     from example_project.shop.tasks import ship_order
 
     print(
@@ -466,6 +467,13 @@ def retry_gate(app: Any, provider: Any) -> None:
         f"attempt(s), not retried; parcels the carrier booked: {provider.bookings[50]}"
     )
     print(f"   the dead letter's note: {record.history[-1].get('note')}")
+    refused = replay_dead_letters([record.pk], app=app)
+    ((_, why),) = refused.skipped
+    print(f"   replay_dead_letters([{record.pk}]): replayed {len(refused.replayed)}, refused: {why[:60]}...")
+    print(
+        "   (allow_not_idempotent=True, guardrails_replay --allow-not-idempotent or the admin's tick replay it, once "
+        "someone checked the parcel was not booked)"
+    )
 
 
 def print_command(argv: list[str]) -> None:

@@ -131,7 +131,7 @@ def not_idempotent_letter(celery_worker: Any, sink: Sink) -> DeadLetter:
     admin user, written before the browser starts (see ``schedules``)."""
     with tenant_context("acme"):
         failed = tasks.behave_not_idempotent.delay(sink.key, ["unknown", "ok"])
-    with pytest.raises(LookupError):
+    with pytest.raises(RuntimeError):
         failed.get(timeout=30)
     User.objects.create_superuser("admin", "admin@example.com", "pw-for-tests")
     return DeadLetter.objects.get(task_id=failed.id, reason="not_idempotent")

@@ -106,4 +106,5 @@ def check_output(out: str) -> None:
         "retried; parcels the carrier booked: 1" in out
     )
     assert "the dead letter's note: not retried: it failed after an effect() block that may have acted" in out
+    assert re.search(r"replay_dead_letters\(\[\d+\]\): replayed 0, refused: not_idempotent: it may already", out)
     assert "== worker stopped (exit code 0)" in out
