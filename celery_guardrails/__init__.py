@@ -1,7 +1,8 @@
 """celery-guardrails: guardrails for Celery tasks.
 
 Switch a task's base class to :class:`GuardedTask`; publish inside :func:`tenant_context` /
-:func:`correlation_context`; read :func:`current_tenant` / :func:`current_correlation_id` anywhere.
+:func:`correlation_context`; read :func:`current_tenant` / :func:`current_correlation_id` anywhere; mark the
+call that acts on the world with :func:`effect` (``with self.effect():`` in a bound body).
 """
 
 from celery_guardrails import alerts  # noqa: F401  (connects the owners' alerts)
@@ -11,6 +12,7 @@ from celery_guardrails.context import (
     current_tenant,
     tenant_context,
 )
+from celery_guardrails.effects import effect
 from celery_guardrails.exceptions import (
     BudgetExhaustedError,
     ConcurrencyKeyError,
@@ -55,6 +57,7 @@ __all__ = [
     "correlation_context",
     "current_correlation_id",
     "current_tenant",
+    "effect",
     "fault_point",
     "tenant_context",
 ]

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import dis
 import inspect
+import logging
 import uuid
 from contextlib import ContextDecorator
 from types import CodeType, FunctionType
@@ -42,6 +43,8 @@ from celery.local import Proxy
 
 from celery_guardrails.classification import sent_nothing
 from celery_guardrails.delivery import ATTRIBUTE, Delivery
+
+logger = logging.getLogger(__name__)
 
 #: The namespace of the opaque keys (uuid5 of the scoped key): fixed, so a key never changes across releases.
 KEY_NAMESPACE = uuid.UUID("6f3c1d52-8a0e-5b7e-9c41-2d8f0b6a9e13")
@@ -90,8 +93,17 @@ class effect(ContextDecorator):  # lower case: used like a function, ``with effe
         state.effect_depth -= 1
         # A block left by an error that proves nothing reached the other side counts nothing; any other end
         # (done, or an error after the request may have gone out) is an effect that may have happened.
-        if exc is None or not sent_nothing(exc):
+        if exc is None or not _proves_nothing_sent(exc):
             state.effects += 1
+
+
+def _proves_nothing_sent(exc: BaseException) -> bool:
+    """:func:`sent_nothing`, never raising (an exception with a broken attribute): unknown counts as sent, and
+    the body's own exception is the one that goes on."""
+    try:
+        return sent_nothing(exc)
+    except Exception:
+        return False
 
 
 class GuardedContext(Context):  # type: ignore[misc]
@@ -177,7 +189,12 @@ def marks_effects(task: Any, call: Any = None) -> bool:
     kind = type(task._get_current_object() if isinstance(task, Proxy) else task)
     found = _MARKS.get(kind)
     if found is None:
-        found = _MARKS[kind] = _uses_effect(body_function(task), set(), FOLLOW_DEPTH)
+        try:
+            found = _uses_effect(body_function(task), set(), FOLLOW_DEPTH)
+        except Exception:  # code that cannot be read (a C function, a broken wrapper): taken as marking nothing
+            logger.warning("Task %s: its code could not be read for effect() blocks", getattr(task, "name", task))
+            found = False
+        _MARKS[kind] = found
     return found
 
 
@@ -188,12 +205,15 @@ def reads_key(task: Any) -> bool:
     found = _READS_KEY.get(kind)
     if found is None:
         function = body_function(task)
-        found = isinstance(function, FunctionType) and any(
-            instruction.argval == "idempotency_key"
-            for code in _codes(function.__code__)
-            for instruction in dis.get_instructions(code)
-            if instruction.opname in ("LOAD_ATTR", "LOAD_METHOD", "LOAD_CONST")
-        )
+        try:
+            found = isinstance(function, FunctionType) and any(
+                instruction.argval == "idempotency_key"
+                for code in _codes(function.__code__)
+                for instruction in dis.get_instructions(code)
+                if instruction.opname in ("LOAD_ATTR", "LOAD_METHOD", "LOAD_CONST")
+            )
+        except Exception:
+            found = False
         _READS_KEY[kind] = found
     return found
 

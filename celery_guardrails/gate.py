@@ -31,25 +31,38 @@ from celery_guardrails.delivery import Delivery
 from celery_guardrails.effects import marks_effects
 from celery_guardrails.options import resolve
 
-#: What the author of a task that is not safe to retry can do about it (the dead letter and the log say it).
-FIX = (
+#: What the author of a task that is not safe to retry can do about it (the dead letter and the log say it), by
+#: the reason it was not: its body marks nothing, it failed after an effect, its key never went downstream.
+FIX_UNMARKED = (
     "mark the call that acts with `with self.effect():` (failures before it are then retried), hand "
     "self.request.idempotency_key to the provider or a unique row, or declare idempotent=True if running it "
     "twice is harmless"
 )
+FIX_AFTER_EFFECT = (
+    "hand self.request.idempotency_key to the provider before its effect (a retry then presents the same key), "
+    "move the work after the effect into a task of its own (chain it), or declare idempotent=True if running it "
+    "twice is harmless"
+)
+FIX_KEY_KEPT = (
+    "hand self.request.idempotency_key to the provider or a unique row, set atomic=True when the effect is in "
+    "the database, or mark the call that acts with `with self.effect():`"
+)
+#: Every fix, for documentation and tests.
+FIX = FIX_UNMARKED
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Safety:
-    """The gate's answer: whether the body may run again, and why (for the attempt record and the log)."""
+    """The gate's answer: whether the body may run again, why, and (when not) what would make it retryable."""
 
     safe: bool
     why: str
+    fix: str = ""
 
     @property
     def note(self) -> str:
         """What the dead letter of an unsafe failure tells its owner."""
-        return self.why if self.safe else f"not retried: {self.why}; to make it retryable, {FIX}"
+        return self.why if self.safe else f"not retried: {self.why}; to make it retryable, {self.fix}"
 
 
 def declared(task: Any, call: Mapping[str, Any]) -> Safety | None:
@@ -72,7 +85,9 @@ def judge(task: Any, call: Mapping[str, Any], state: Delivery) -> Safety:
     if atomic and state.effects == 0:
         return Safety(safe=True, why="atomic=True: its database work rolled back with its key")
     if state.effects:
-        return Safety(safe=False, why=f"it failed after {_blocks(state.effects)} that may have acted")
+        return Safety(
+            safe=False, why=f"it failed after {_blocks(state.effects)} that may have acted", fix=FIX_AFTER_EFFECT
+        )
     if atomic or marks_effects(task, call):
         return Safety(safe=True, why="it failed before its first effect")
     if state.key is not None:
@@ -80,8 +95,9 @@ def judge(task: Any, call: Mapping[str, Any], state: Delivery) -> Safety:
             safe=False,
             why="its body marks no effect and never handed its idempotency key downstream (the key guards a "
             "completed run, not a failed one)",
+            fix=FIX_KEY_KEPT,
         )
-    return Safety(safe=False, why="its body marks no effect, so it counts as one from its first line")
+    return Safety(safe=False, why="its body marks no effect, so it counts as one from its first line", fix=FIX_UNMARKED)
 
 
 def after_kill(task: Any, call: Mapping[str, Any], *, keyed: bool) -> Safety:
@@ -92,11 +108,15 @@ def after_kill(task: Any, call: Mapping[str, Any], *, keyed: bool) -> Safety:
         return safety
     if keyed and resolve(task, "atomic", call):
         return Safety(safe=True, why="atomic=True: its database work died with its process")
-    return Safety(safe=False, why="it was killed mid-body, and what it did by then is not known")
+    return Safety(
+        safe=False,
+        why="it was killed mid-body, and what it did by then is not known",
+        fix="declare idempotent=True if running it twice is harmless, or key it with atomic=True",
+    )
 
 
 def _blocks(count: int) -> str:
     return "an effect() block" if count == 1 else f"{count} effect() blocks"
 
 
-__all__ = ["FIX", "Safety", "after_kill", "declared", "judge"]
+__all__ = ["FIX", "FIX_AFTER_EFFECT", "FIX_KEY_KEPT", "FIX_UNMARKED", "Safety", "after_kill", "declared", "judge"]

@@ -35,7 +35,8 @@ An attempt record: ``{"n": 1, "start": "2026-11-30T08:00:00.123+00:00", "end": "
 "exc": "requests.exceptions.HTTPError", "msg": "503 Server Error" (at most MESSAGE_LIMIT characters),
 "class": "transient" | "permanent" | "retry_later" | "manual" | "deferred_budget" | "deferred_circuit" |
 "store_unavailable",
-"rule": "http:503", "delay": 3.2}`` (``delay`` is null when none was chosen).
+"rule": "http:503", "delay": 3.2}`` (``delay`` is null when none was chosen; a failure the retry gate did not
+retry also has ``"note"``: why, and what would make it retryable).
 
 Version history:
 
@@ -62,6 +63,10 @@ Version history:
   re-publishes. A malformed ``pv`` (not a whole number of at least 1) is not treated as missing: the message is
   dead-lettered (``malformed_message``), since running it as version 1 could misread its arguments. A release
   that does not know it runs every message.
+
+* ``1`` (0.7): an attempt record may carry ``note`` (a release that does not know it keeps it in the history).
+  Attempt records of a body's ``self.retry()`` are written by the worker as it handles the retry (class
+  ``manual``), no longer by the publish.
 
 Compatibility rules:
 

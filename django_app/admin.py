@@ -8,6 +8,11 @@ itself lives in :mod:`django_celery_guardrails.replay` and :func:`~.maintenance.
 tests call directly. "Select all N" in the change list applies an action to everything the current filter
 matches. "Edit and replay" fixes one record's tenant or arguments before replaying it. Records and internal
 tables are read only (no Add, no Save); replay is offered only to users who may replay.
+
+A replay whose records include ``not_idempotent`` ones (their task may already have acted before it failed) says
+so on its confirmation page, lists them with the note of their last attempt, and replays them only when its
+unticked box ("I checked that the effect did not happen") is ticked; without it the others are replayed and
+these are reported not replayed, like any other refusal.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ from django.utils.html import format_html, format_html_join
 from django.utils.http import urlencode
 
 from celery_guardrails.exceptions import ConfigurationError
+from celery_guardrails.outcomes import NOT_IDEMPOTENT
 from celery_guardrails.stores import store_url
 
 from . import health
@@ -54,15 +60,50 @@ from .replay import Refused, ReplayResult, plan, replay_dead_letters, replay_wit
 #: LogEntries written per INSERT by the actions; the fields of a record its LogEntry names (``str(record)``).
 LOG_BATCH = 500
 LOGGED = ("pk", "task_name", "task_id", "reason", "status")
+#: The confirmation pages' box that lets a replay run not_idempotent records (posted as "yes" when ticked).
+ALLOW_NOT_IDEMPOTENT = "allow_not_idempotent"
+#: not_idempotent records a confirmation page names (with their notes); past these, it says how many more.
+NOT_IDEMPOTENT_SHOWN = 100
+#: What a replayed not_idempotent record's LogEntry adds: who let it run again, and on what word.
+ALLOWED_NOTE = "; not_idempotent: replayed on the user's word that the effect did not happen"
 
 
-def _refusal(record: DeadLetter) -> str:
+def _refusal(record: DeadLetter, *, allow_not_idempotent: bool = False) -> str:
     """Why a replay of ``record`` would be refused ("" when it would go through)."""
     try:
-        plan(record)
+        plan(record, allow_not_idempotent=allow_not_idempotent)
     except Refused as why:
         return str(why)
     return ""
+
+
+def _note(record: DeadLetter) -> str:
+    """The note of the record's last attempt ("" when it has none): for a not_idempotent failure the core says
+    there what the task's author can do (mark the effect with ``effect()``, hand the key downstream, or declare
+    ``idempotent=True``). Records written before notes existed have none."""
+    last = record.history[-1] if record.history else None
+    return str(last.get("note") or "") if isinstance(last, dict) else ""
+
+
+def _not_idempotent(queryset: QuerySet[DeadLetter]) -> dict[str, Any]:
+    """A replay confirmation page's warning: the open not_idempotent records among ``queryset`` (how many, the
+    first :data:`NOT_IDEMPOTENT_SHOWN` with their notes). Empty when there are none: the page shows no box."""
+    records = queryset.filter(reason=NOT_IDEMPOTENT, status=DeadLetter.Status.OPEN).order_by("pk")
+    count = records.count()
+    if not count:
+        return {}
+    shown = [(record, _note(record)) for record in records[:NOT_IDEMPOTENT_SHOWN]]
+    return {
+        "not_idempotent": shown,
+        "not_idempotent_count": count,
+        "not_idempotent_more": count - len(shown),
+        "allow_field": ALLOW_NOT_IDEMPOTENT,
+    }
+
+
+def _allowed(request: HttpRequest) -> bool:
+    """Whether the confirmation page's not_idempotent box was ticked (unticked, a browser posts nothing)."""
+    return request.POST.get(ALLOW_NOT_IDEMPOTENT) == "yes"
 
 
 def _short(text: str, limit: int) -> str:
@@ -131,7 +172,8 @@ class DeadLetterAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
     def attempt_history(self, obj: DeadLetter) -> str:
         rows = format_html_join(
             "",
-            "<tr><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td></tr>",
+            "<tr><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td>"
+            '<td class="note">{}</td></tr>',
             (
                 (
                     r.get("n"),
@@ -142,13 +184,15 @@ class DeadLetterAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
                     r.get("rule"),
                     r.get("exc") or "",
                     r.get("delay") if r.get("delay") is not None else "",
+                    r.get("note") or "",  # the core's advice on a not_idempotent failure; older records have none
                 )
                 for r in obj.history
             ),
         )
         return format_html(
             '<table class="attempt-history"><thead><tr><th>#</th><th>start</th><th>end</th><th>worker</th>'
-            "<th>class</th><th>rule</th><th>exception</th><th>delay s</th></tr></thead><tbody>{}</tbody></table>",
+            "<th>class</th><th>rule</th><th>exception</th><th>delay s</th><th>note</th></tr></thead>"
+            "<tbody>{}</tbody></table>",
             rows,
         )
 
@@ -192,11 +236,13 @@ class DeadLetterAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
     # The three actions: confirmation page first, then the work, a LogEntry each, a summary message.
 
     def _confirm(
-        self, request: HttpRequest, queryset: QuerySet[DeadLetter], action: str, verb: str
+        self, request: HttpRequest, queryset: QuerySet[DeadLetter], action: str, verb: str, *, replay: bool = False
     ) -> HttpResponse | None:
         if request.POST.get("post"):
             return None
         context = {
+            # A replay warns of the not_idempotent records it holds, and asks for the tick that lets them run.
+            **(_not_idempotent(queryset) if replay else {}),
             **self.admin_site.each_context(request),
             "title": f"Are you sure you want to {verb}?",
             "queryset": queryset,
@@ -216,20 +262,25 @@ class DeadLetterAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
     def replay_selected(self, request: HttpRequest, queryset: QuerySet[DeadLetter]) -> HttpResponse | None:
         if not self.has_replay_permission(request):
             raise PermissionDenied
-        confirm = self._confirm(request, queryset, "replay_selected", "replay these dead letters")
+        confirm = self._confirm(request, queryset, "replay_selected", "replay these dead letters", replay=True)
         if confirm is not None:
             return confirm
         self._replay(request, queryset)
         return None
 
     def _replay(self, request: HttpRequest, queryset: QuerySet[DeadLetter]) -> None:
-        self._report(request, replay_dead_letters(queryset, user=request.user))
+        result = replay_dead_letters(queryset, user=request.user, allow_not_idempotent=_allowed(request))
+        self._report(request, result)
 
     def _report(self, request: HttpRequest, result: ReplayResult, changes: str = "") -> None:
         replayed_as = dict(result.replayed)
-        self._log_changes(
-            request, list(replayed_as), lambda record: f"Replayed as task {replayed_as[record.pk]}{changes}"
-        )
+
+        def message(record: DeadLetter) -> str:
+            # A not_idempotent record was replayed only because this user ticked the box: the log says so.
+            allowed = ALLOWED_NOTE if record.reason == NOT_IDEMPOTENT else ""
+            return f"Replayed as task {replayed_as[record.pk]}{changes}{allowed}"
+
+        self._log_changes(request, list(replayed_as), message)
         if result.replayed:
             self.message_user(request, f"Replayed {len(result.replayed)} dead letter(s).", messages.SUCCESS)
         # One message per reason, not per record: replaying 500 records of a task that is gone says so once.
@@ -329,7 +380,10 @@ class DeadLetterAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
             raise PermissionDenied
         record = get_object_or_404(DeadLetter, pk=pk)
         initial = {"tenant": record.tenant, "args": record.args, "kwargs": record.kwargs}
-        form = EditAndReplayForm(request.POST if request.method == "POST" else None, initial=initial)
+        warning = _not_idempotent(DeadLetter.objects.filter(pk=pk))
+        form = EditAndReplayForm(
+            request.POST if request.method == "POST" else None, initial=initial, not_idempotent=bool(warning)
+        )
         if request.method == "POST" and form.is_valid():
             tenant = form.cleaned_data["tenant"] or None
             args = form.cleaned_data["args"] if form.cleaned_data["args"] != record.args else None
@@ -341,7 +395,10 @@ class DeadLetterAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
                 *(["arguments"] if args is not None else []),
                 *([f"keyword arguments ({', '.join(_changed_keys(record.kwargs, kwargs))})"] if kwargs else []),
             ]
-            result = replay_with_changes(pk, user=request.user, tenant=tenant, args=args, kwargs=kwargs)
+            allow = bool(form.cleaned_data.get(ALLOW_NOT_IDEMPOTENT))
+            result = replay_with_changes(
+                pk, user=request.user, tenant=tenant, args=args, kwargs=kwargs, allow_not_idempotent=allow
+            )
             self._report(request, result, f"; changed {', '.join(changes)}" if changes else "")
             if result.replayed:
                 return redirect(reverse("admin:guardrails_deadletter_change", args=[pk]))
@@ -351,8 +408,10 @@ class DeadLetterAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
             "record": record,
             "form": form,
             "sealed": SealedMessage.objects.filter(dead_letter_id=record.pk).exists(),
-            "refusal": _refusal(record),
+            # Other obstacles only: the not_idempotent one is the warning and the form's box.
+            "refusal": _refusal(record, allow_not_idempotent=True),
             "opts": self.model._meta,
+            **warning,
         }
         return TemplateResponse(request, "admin/guardrails/deadletter/edit_and_replay.html", context)
 
@@ -372,8 +431,10 @@ class DeadLetterAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
             "action": "",
             "verb": "replay this dead letter",
             "record": record,
-            "refusal": _refusal(record),
+            # Other obstacles only: the not_idempotent one is the warning and its box.
+            "refusal": _refusal(record, allow_not_idempotent=True),
             "opts": self.model._meta,
+            **_not_idempotent(queryset),
         }
         return TemplateResponse(request, "admin/guardrails/deadletter/confirm_action.html", context)
 

@@ -1,12 +1,13 @@
 """Replay dead letters: one function for the admin, the ``guardrails_replay`` command and Python callers.
 
-``replay_dead_letters(queryset_or_ids, *, user=None, tenant=None)`` re-publishes each open record's task with
-its original arguments, tenant, correlation id, per-call options and idempotency key (a failed key is reopened
-deliberately), a fresh attempt count, and links the new task id to the record (status ``replayed``).
-``replay_with_changes(pk, *, user=None, tenant=None, args=None, kwargs=None)`` replays one record with a fix
-(the admin's "edit and replay"). Arguments come from the record's sealed copy when it has one
-(:mod:`celery_guardrails.sealing`): a record whose secrets were redacted for display replays with the real
-values. :func:`plan` says, without publishing, what a replay would do (the command's ``--dry-run``).
+``replay_dead_letters(queryset_or_ids, *, user=None, tenant=None, allow_not_idempotent=False)`` re-publishes
+each open record's task with its original arguments, tenant, correlation id, per-call options and idempotency
+key (a failed key is reopened deliberately), a fresh attempt count, and links the new task id to the record
+(status ``replayed``). ``replay_with_changes(pk, *, user=None, tenant=None, args=None, kwargs=None,
+allow_not_idempotent=False)`` replays one record with a fix (the admin's "edit and replay"). Arguments come
+from the record's sealed copy when it has one (:mod:`celery_guardrails.sealing`): a record whose secrets were
+redacted for display replays with the real values. :func:`plan` says, without publishing, what a replay would
+do (the command's ``--dry-run``).
 
 Safe to run twice: each record moves from ``open`` to ``replayed`` by a conditional UPDATE before anything
 is published, so two concurrent replays of one record publish once. Records go :data:`BATCH` (500) at a time:
@@ -15,8 +16,10 @@ store call reopens their keys, one broker connection publishes them; ``progress`
 
 A record is left open, with the reason in the result, when its task is no longer registered, its sealed copy
 cannot be opened with the configured keys, or its arguments were not stored as JSON or had secrets redacted
-and no sealed copy holds them. Without the ``guardrails.replay_deadletter`` permission, a given ``user`` gets
-:class:`~django.core.exceptions.PermissionDenied`.
+and no sealed copy holds them; and a ``not_idempotent`` record (its task failed after it may already have
+acted: charged a card, sent a mail) unless the caller says ``allow_not_idempotent=True``, having checked that
+the effect did not happen (:data:`NOT_IDEMPOTENT_REFUSAL`). Without the ``guardrails.replay_deadletter``
+permission, a given ``user`` gets :class:`~django.core.exceptions.PermissionDenied`.
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ from django.utils import timezone
 from celery_guardrails import headers
 from celery_guardrails.context import validate_tenant
 from celery_guardrails.exceptions import ContextError, SealError
+from celery_guardrails.outcomes import NOT_IDEMPOTENT
 from celery_guardrails.redaction import REDACTED
 from celery_guardrails.sealing import restore_redacted, sealer_for
 from celery_guardrails.stores import get_store
@@ -74,6 +78,15 @@ BATCH = 500
 UNREAD = ("history", "traceback", "exc_message", "exc_type")
 #: ``progress(done, total)``: records handled so far, of all the records asked for.
 Progress = Callable[[int, int], None]
+#: Why a ``not_idempotent`` record is not replayed unless the caller allows it: its task failed after it may
+#: already have acted, and a replay runs it again (the rubric: never retry a non-idempotent handler; a replay is
+#: a retry a person asks for, so a person has to say they checked). One text for every path, so the admin's
+#: summary groups these records under one message and the command prints the same words.
+NOT_IDEMPOTENT_REFUSAL = (
+    f"{NOT_IDEMPOTENT}: it may already have acted (charged a card, sent a mail) before it failed, and a replay "
+    "runs it again; replay it only if you checked the effect did not happen: allow_not_idempotent=True / "
+    "--allow-not-idempotent / the admin's tick"
+)
 
 
 @dataclass
@@ -100,10 +113,12 @@ def replay_dead_letters(
     *,
     user: Any = None,
     tenant: str | None = None,
+    allow_not_idempotent: bool = False,
     app: Any = None,
     progress: Progress | None = None,
 ) -> ReplayResult:
     """Replay each open record; ``tenant`` gives every one of them that tenant (e.g. ``missing_tenant`` ones).
+    ``not_idempotent`` records are refused (left open, in ``skipped``) unless ``allow_not_idempotent=True``.
 
     Records are handled :data:`BATCH` at a time, in id order; ``progress(done, total)`` is called after each
     batch (the command prints it)."""
@@ -116,7 +131,7 @@ def replay_dead_letters(
     )
     result = ReplayResult()
     for done, batch in read_batches(ids):
-        _replay_batch(batch, app, user, result, tenant=tenant)
+        _replay_batch(batch, app, user, result, tenant=tenant, allow_not_idempotent=allow_not_idempotent)
         if progress is not None:
             progress(done, len(ids))
     return result
@@ -140,16 +155,20 @@ def replay_with_changes(
     tenant: str | None = None,
     args: list[Any] | None = None,
     kwargs: dict[str, Any] | None = None,
+    allow_not_idempotent: bool = False,
     app: Any = None,
 ) -> ReplayResult:
     """Replay one record with a fix: another tenant, other arguments. Arguments are edited as the record shows
     them: a value left as the redaction placeholder is replayed with the original from the sealed copy. When
-    the arguments change, the idempotency key is made again from the new ones."""
+    the arguments change, the idempotency key is made again from the new ones. A ``not_idempotent`` record is
+    refused unless ``allow_not_idempotent=True``: new arguments do not undo what the failed run may have done."""
     _check_permission(user)
     app = app or current_app
     result = ReplayResult()
     for _, batch in read_batches([pk]):
-        _replay_batch(batch, app, user, result, tenant=tenant, args=args, kwargs=kwargs)
+        _replay_batch(
+            batch, app, user, result, tenant=tenant, args=args, kwargs=kwargs, allow_not_idempotent=allow_not_idempotent
+        )
     if not result.replayed and not result.skipped:
         result.skipped.append((pk, "no such dead letter"))
     return result
@@ -161,12 +180,21 @@ def plan(
     tenant: str | None = None,
     args: list[Any] | None = None,
     kwargs: dict[str, Any] | None = None,
+    allow_not_idempotent: bool = False,
     app: Any = None,
 ) -> Message:
     """What replaying ``record`` would publish, or :class:`Refused` saying why it cannot be replayed (a dry run
     and the real run ask this same question)."""
     token = SealedMessage.objects.filter(dead_letter_id=record.pk).values_list("token", flat=True).first()
-    return _plan(record, token, app or current_app, tenant=tenant, args=args, kwargs=kwargs)
+    return _plan(
+        record,
+        token,
+        app or current_app,
+        tenant=tenant,
+        args=args,
+        kwargs=kwargs,
+        allow_not_idempotent=allow_not_idempotent,
+    )
 
 
 def _plan(
@@ -177,6 +205,7 @@ def _plan(
     tenant: str | None = None,
     args: list[Any] | None = None,
     kwargs: dict[str, Any] | None = None,
+    allow_not_idempotent: bool = False,
 ) -> Message:
     """:func:`plan`, with the record's sealed copy (``token``) read already."""
     if record.status != DeadLetter.Status.OPEN:
@@ -203,17 +232,23 @@ def _plan(
             header[headers.TENANT] = validate_tenant(tenant)
         except ContextError as exc:
             raise Refused(str(exc)) from None
+    # Asked last, once nothing else stands in the way: this refusal then means "it goes through once you say
+    # you checked", so the admin's tick and the command's flag are the whole answer to it.
+    if record.reason == NOT_IDEMPOTENT and not allow_not_idempotent:
+        raise Refused(NOT_IDEMPOTENT_REFUSAL)
     return Message(args=list(new_args), kwargs=dict(new_kwargs), header=header)
 
 
-def refusals(ids: list[int], *, tenant: str | None = None, app: Any = None) -> Iterator[tuple[DeadLetter, str]]:
+def refusals(
+    ids: list[int], *, tenant: str | None = None, allow_not_idempotent: bool = False, app: Any = None
+) -> Iterator[tuple[DeadLetter, str]]:
     """Each record of ``ids`` (in id order) with why a replay would refuse it, "" when it would go through:
     :func:`plan` for many records, read in batches (the command's ``--dry-run``)."""
     app = app or current_app
     for _, batch in read_batches(ids):
         for record, token in batch:
             try:
-                _plan(record, token, app, tenant=tenant)
+                _plan(record, token, app, tenant=tenant, allow_not_idempotent=allow_not_idempotent)
             except Refused as why:
                 yield record, str(why)
             else:
@@ -311,12 +346,14 @@ def _claim(planned: list[_Claimed], user: Any) -> list[_Claimed]:
 
 def _replayed(item: _Claimed, user: Any) -> None:
     logger.info(
-        "Dead letter %s (%s[%s]) replayed as %s by %s",
+        "Dead letter %s (%s[%s]) replayed as %s by %s%s",
         item.record.pk,
         item.record.task_name,
         item.record.task_id,
         item.task_id,
         getattr(user, "username", None) or "-",
+        # Only a caller that allowed it gets here with one: the log says whose word let it run again.
+        " (not_idempotent, allowed by the caller)" if item.record.reason == NOT_IDEMPOTENT else "",
     )
 
 

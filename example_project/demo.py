@@ -299,6 +299,7 @@ def main() -> None:
         status_table(app)
         contract_and_outbox()
         audit()
+        retry_gate(app, provider)
 
         print("\n-- the worker's log lines for request demo-req-42 (tenant and correlation id on each line)")
         for line in log_path.read_text(errors="replace").splitlines():
@@ -434,6 +435,45 @@ def audit() -> None:
     """The deployment graded against the rubric: ``manage.py guardrails_audit``."""
     print("\n-- 15. manage.py guardrails_audit (configuration, tasks, source and tests, scored 0-5 on nine axes)")
     print_command([sys.executable, str(ROOT / "example_project" / "manage.py"), "guardrails_audit"])
+
+
+def retry_gate(app: Any, provider: Any) -> None:
+    """The retry gate: whether a task may run again depends on what it did before it failed."""
+    from celery_guardrails import tenant_context
+    from django_celery_guardrails.models import DeadLetter
+    from django_celery_guardrails.replay import replay_dead_letters
+    from example_project.shop.tasks import ship_order
+
+    print(
+        "\n-- 16. the retry gate: ship_order books a parcel (its effect, marked with self.effect(); the carrier "
+        "takes no key), then tells the warehouse"
+    )
+    provider.busy_carrier[51] = 1  # the carrier's first answer for order 51: 429, the request was not processed
+    provider.warehouse_down.add(50)  # the warehouse answers 503 for order 50, after its parcel was booked
+    with tenant_context("acme"):
+        busy, down = ship_order.delay(51), ship_order.delay(50)
+    shipped = busy.get(timeout=60)
+    for record in shipped["history"]:
+        print(
+            f"   order 51, attempt {record['n']}: {record['msg'][:45]} inside the effect -> {record['class']} by rule "
+            f"{record['rule']}, retried after {record['delay']:.3f}s"
+        )
+    print(f"   order 51: shipped on attempt {shipped['attempt']}; parcels the carrier booked: {provider.bookings[51]}")
+    with contextlib.suppress(Exception):  # the failure itself; the record says what it was
+        down.get(timeout=30)
+    record = DeadLetter.objects.get(task_id=down.id)
+    print(
+        f"   order 50: {record.exc_message[:45]} after the booking -> {record.reason} after {record.attempts} "
+        f"attempt(s), not retried; parcels the carrier booked: {provider.bookings[50]}"
+    )
+    print(f"   the dead letter's note: {record.history[-1].get('note')}")
+    refused = replay_dead_letters([record.pk], app=app)
+    ((_, why),) = refused.skipped
+    print(f"   replay_dead_letters([{record.pk}]): replayed {len(refused.replayed)}, refused: {why[:60]}...")
+    print(
+        "   (allow_not_idempotent=True, guardrails_replay --allow-not-idempotent or the admin's tick replay it, once "
+        "someone checked the parcel was not booked)"
+    )
 
 
 def print_command(argv: list[str]) -> None:

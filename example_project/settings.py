@@ -90,7 +90,11 @@ EMAIL_FILE_PATH = str(VAR_DIR / "mail")
 CELERY_GUARDRAILS: dict[str, Any] = {
     "tenant_resolver": "example_project.shop.tenants.tenant_from_header",
     "owners": {"example_project.shop.*": "shop"},
-    "owner_emails": {"payments": ["payments@example.com"], "shop": ["shop@example.com"]},
+    "owner_emails": {
+        "payments": ["payments@example.com"],
+        "shipping": ["shipping@example.com"],
+        "shop": ["shop@example.com"],
+    },
     "schedules": {
         # Every minute, Berlin time; never two settlements at once; after beat downtime settle once for all
         # the missed minutes, from the end of the last successful settlement (read from the run ledger).

@@ -66,9 +66,9 @@ class RetryRequested(Retry):  # type: ignore[misc]
     def __init__(
         self,
         *,
-        cause: BaseException | None,
-        countdown: float | None,
-        max_retries: int | None,
+        cause: BaseException | None = None,
+        countdown: float | None = None,
+        max_retries: int | None = None,
         args: Any = None,
         kwargs: Any = None,
         options: dict[str, Any] | None = None,
@@ -80,6 +80,10 @@ class RetryRequested(Retry):  # type: ignore[misc]
         self.new_args = args
         self.new_kwargs = kwargs
         self.options = dict(options or {})
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Celery's Retry rebuilds itself from (message, exc, when); this one takes keywords only.
+        return (type(self), (), dict(self.__dict__))
 
     @classmethod
     def from_call(

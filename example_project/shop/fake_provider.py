@@ -4,6 +4,11 @@ A real HTTP server on 127.0.0.1. ``POST /charges`` for an order listed in ``flak
 times, then answers 201 with a charge id; a request repeating an Idempotency-Key gets the same charge back and
 never charges twice, as a real provider's idempotency keys promise. ``calls`` and ``charges`` count by order;
 ``cards`` keeps the card token each order was last charged with.
+
+It stands in for the carrier and the warehouse too: ``POST /shipments`` books an order's parcel (201; an order
+listed in ``busy_carrier`` first gets that many 429s, which say the request was not processed), ``POST
+/warehouse`` tells the warehouse (201; 503 for an order in ``warehouse_down``). ``bookings`` counts the parcels
+booked per order.
 """
 
 from __future__ import annotations
@@ -23,6 +28,10 @@ class FlakyProvider:
         self.by_key: dict[str, dict[str, Any]] = {}
         self.charges: Counter[int] = Counter()
         self.cards: dict[int, str] = {}  # the card token each order was last charged with
+        self.busy_carrier: dict[int, int] = {}  # orders whose booking gets that many 429s first
+        self.warehouse_down: set[int] = set()  # orders the warehouse answers 503 for
+        self.carrier_calls: Counter[int] = Counter()
+        self.bookings: Counter[int] = Counter()
         provider = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -30,6 +39,17 @@ class FlakyProvider:
                 key = self.headers.get("Idempotency-Key", "")
                 body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))) or b"{}")
                 order = int(body.get("order_id", 0))
+                if self.path == "/shipments":
+                    provider.carrier_calls[order] += 1
+                    if provider.carrier_calls[order] <= provider.busy_carrier.get(order, 0):
+                        self._answer(429, {"error": "too many requests"})
+                        return
+                    provider.bookings[order] += 1
+                    self._answer(201, {"id": f"parcel_{order}_{provider.bookings[order]}"})
+                    return
+                if self.path == "/warehouse":
+                    self._answer(503 if order in provider.warehouse_down else 201, {})
+                    return
                 provider.calls[order] += 1
                 provider.cards[order] = str(body.get("card_token", ""))
                 if order in provider.declined:

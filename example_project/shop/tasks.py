@@ -8,7 +8,7 @@ from typing import Any
 from celery import shared_task
 
 from celery_guardrails import GuardedTask, current_correlation_id, current_tenant
-from example_project.shop import payments
+from example_project.shop import payments, shipping
 
 logger = logging.getLogger(__name__)
 
@@ -60,6 +60,19 @@ def charge_order(self: GuardedTask, order_id: int, amount_cents: int, card_token
         "attempt": self.request.attempt,
         "history": self.request.attempt_history,
     }
+
+
+# The carrier takes no idempotency key: booking a parcel twice ships two parcels, so this task must never run
+# its booking again. The booking is marked as the task's effect: a failure before it, or one inside it that
+# proves the carrier never got the request (a refused connection, a 429), is retried; any failure after it (the
+# warehouse answering 503) is final (not_idempotent), with a note saying so, and the booking stands once.
+@shared_task(base=GuardedTask, bind=True, tenant_required=True, owner="shipping", backoff_base=0.3)
+def ship_order(self: GuardedTask, order_id: int) -> dict[str, Any]:
+    """Book the order's parcel with the carrier, then tell the warehouse."""
+    with self.effect():
+        shipping.book_parcel(order_id)
+    shipping.tell_warehouse(order_id)
+    return {"order_id": order_id, "attempt": self.request.attempt, "history": self.request.attempt_history}
 
 
 # Scheduled every minute by beat (CELERY_BEAT_SCHEDULE) with the policy in CELERY_GUARDRAILS["schedules"]:

@@ -115,6 +115,7 @@ def test_a_refused_verdict_says_why_and_what_to_do() -> None:
     # Then the note names the cause and the three ways out
     assert note is not None and "marks no effect" in note
     assert "self.effect()" in note and "self.request.idempotency_key" in note and "idempotent=True" in note
+    assert "chain it" in str(classify(TimeoutError(), marked, {}, AFTER_EFFECT).note)
     assert "never handed its idempotency key" in str(classify(TimeoutError(), keyed, {}, KEY_UNREAD).note)
     assert classify(TimeoutError(), keyed, {}, KEY_HANDED).note is None
 

@@ -51,7 +51,7 @@ class RecordedTask(GuardedTask):
     guardrails = (*GuardedTask.guardrails, Recorder(name="a"), Recorder(name="b"))
 
 
-@shared_task(base=RecordedTask, bind=True, max_retries=1)
+@shared_task(base=RecordedTask, bind=True, max_retries=1, idempotent=True)
 def recorded(self: GuardedTask, outcome: str) -> str:
     CALLS.append(("body", outcome, current_tenant()))
     if outcome == "fail":

@@ -111,6 +111,7 @@ def test_replay_a_dead_letter_in_the_admin(celery_worker: Any, live_server: Any,
     page.click("a.replay-link")
     page.wait_for_selector("#confirm")
     shot("4-confirm")
+    assert page.locator("#allow-not-idempotent").count() == 0  # a permanent failure: no not_idempotent box
     page.click("#confirm")
     page.wait_for_selector("ul.messagelist")
     shot("5-replayed")
@@ -122,6 +123,49 @@ def test_replay_a_dead_letter_in_the_admin(celery_worker: Any, live_server: Any,
     # cannot drop the test database at the end ("being accessed by other users").
     connection.close()
     assert record.status == "replayed" and record.handled_by == "admin"
+
+
+@pytest.fixture
+def not_idempotent_letter(celery_worker: Any, sink: Sink) -> DeadLetter:
+    """A real not_idempotent dead letter (its task may have acted before it failed; a replay succeeds) and an
+    admin user, written before the browser starts (see ``schedules``)."""
+    with tenant_context("acme"):
+        failed = tasks.behave_not_idempotent.delay(sink.key, ["unknown", "ok"])
+    with pytest.raises(RuntimeError):
+        failed.get(timeout=30)
+    User.objects.create_superuser("admin", "admin@example.com", "pw-for-tests")
+    return DeadLetter.objects.get(task_id=failed.id, reason="not_idempotent")
+
+
+def test_a_not_idempotent_dead_letter_replays_only_once_its_box_is_ticked(
+    not_idempotent_letter: DeadLetter, live_server: Any, browser: Any
+) -> None:
+    record = not_idempotent_letter
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    page = browser.new_page()
+    detail = f"/admin/guardrails/deadletter/{record.pk}/change/"
+    log_in(page, live_server, detail, f"**{detail}")
+    # When the operator opens its Replay page
+    page.click("a.replay-link")
+    page.wait_for_selector("#not-idempotent")
+    page.screenshot(path=str(ARTIFACTS / "8-not-idempotent-confirm.png"), full_page=True)
+    # Then it warns that the effect may already have happened, and the box is unticked
+    assert "may repeat that effect" in page.inner_text("#not-idempotent")
+    assert not page.is_checked("#allow-not-idempotent")
+    # When they confirm without ticking it: Then it is not replayed, and the message says why
+    page.click("#confirm")
+    page.wait_for_selector("ul.messagelist")
+    assert "not replayed" in page.inner_text("ul.messagelist") and "open" in page.inner_text("div.field-status")
+    # When they tick it and confirm: Then it is replayed
+    page.click("a.replay-link")
+    page.check("#allow-not-idempotent")
+    page.click("#confirm")
+    page.wait_for_selector("ul.messagelist")
+    page.screenshot(path=str(ARTIFACTS / "9-not-idempotent-replayed.png"), full_page=True)
+    assert "Replayed 1 dead letter(s)." in page.inner_text("ul.messagelist")
+    status = DeadLetter.objects.get(pk=record.pk).status
+    connection.close()  # the ORM's connection in Playwright's thread (see above)
+    assert status == "replayed"
 
 
 @pytest.fixture

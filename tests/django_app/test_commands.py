@@ -178,3 +178,49 @@ def test_prune_and_since_read_ages() -> None:
     now = datetime(2026, 11, 30, 12, tzinfo=UTC)
     assert since("2h", option="--since", now=now) == datetime(2026, 11, 30, 10, tzinfo=UTC)
     assert since("2026-11-29T08:00+00:00", option="--since") == datetime(2026, 11, 29, 8, tzinfo=UTC)
+
+
+def test_replay_refuses_not_idempotent_records_unless_the_operator_says_they_checked() -> None:
+    # Given an open not_idempotent record of a task the project still runs: the receipt mail may have gone out
+    record = letter(
+        1, task_name="example_project.shop.tasks.send_receipt", reason="not_idempotent", args=[42], kwargs={}
+    )
+    refusal = "not_idempotent: it may already have acted (charged a card, sent a mail) before it failed"
+    # When the operator replays the not_idempotent records without the flag
+    process = manage("guardrails_replay", "--reason", "not_idempotent")
+    out, err = process.communicate(timeout=BOUND)
+    # Then it exits 1, names the record on stderr with why and how to replay it anyway, and leaves it open
+    assert process.returncode == 1, (out, err)
+    first, last = err.splitlines()
+    assert first.startswith(f"refused {record.pk}: {refusal}") and "--allow-not-idempotent" in first, err
+    assert last == "CommandError: 1 dead letter(s) refused (reasons above)"
+    assert out.splitlines()[-1] == "Replayed 0 dead letter(s); refused 1." and "Traceback" not in err
+    assert DeadLetter.objects.get(pk=record.pk).status == "open"
+    # And a dry run says it would refuse it, exit 1
+    process = manage("guardrails_replay", "--reason", "not_idempotent", "--dry-run")
+    out, err = process.communicate(timeout=BOUND)
+    assert process.returncode == 1, (out, err)
+    assert err.startswith(f"would refuse {record.pk}: example_project.shop.tasks.send_receipt[task-1]: {refusal}"), err
+    assert out.strip() == "0 dead letter(s) would be replayed, 1 refused."
+    # And with the flag the dry run would replay it, exit 0
+    process = manage("guardrails_replay", "--reason", "not_idempotent", "--dry-run", "--allow-not-idempotent")
+    out, err = process.communicate(timeout=BOUND)
+    assert process.returncode == 0, (out, err)
+    assert out.splitlines() == [
+        f"would replay {record.pk}: example_project.shop.tasks.send_receipt[task-1] not_idempotent",
+        "1 dead letter(s) would be replayed, 0 refused.",
+    ]
+    assert DeadLetter.objects.get(pk=record.pk).status == "open"
+
+
+def test_the_replay_help_says_what_allow_not_idempotent_means() -> None:
+    from django.core.management import load_command_class
+
+    command = load_command_class("django_celery_guardrails", "guardrails_replay")
+    text = " ".join(command.create_parser("manage.py", "guardrails_replay").format_help().split())
+    assert (
+        "--allow-not-idempotent Replay not_idempotent records too. Their task failed after it may already have acted "
+        "(charged a card, sent a mail), and a replay runs it again: give this only once you checked that the effect "
+        "did not happen. Without it they are refused and stay open."
+    ) in text
+    assert "not_idempotent records are refused unless --allow-not-idempotent is given." in text

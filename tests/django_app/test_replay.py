@@ -2,22 +2,36 @@
 
 from __future__ import annotations
 
+import json
 import threading
 import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 from io import StringIO
 from typing import Any
 
 import pytest
+from celery.signals import before_task_publish
 from django.contrib.admin.models import LogEntry
 from django.contrib.auth.models import Permission, User
 from django.core.exceptions import PermissionDenied
 from django.core.management import call_command
+from django.core.management.base import CommandError
 from django.test import Client
 from django.urls import reverse
 
 from celery_guardrails import tenant_context
+from celery_guardrails.effects import provider_key
+from celery_guardrails.outcomes import NOT_IDEMPOTENT
 from django_celery_guardrails.models import DeadLetter
-from django_celery_guardrails.replay import replay_dead_letters
+from django_celery_guardrails.replay import (
+    NOT_IDEMPOTENT_REFUSAL,
+    Refused,
+    plan,
+    refusals,
+    replay_dead_letters,
+    replay_with_changes,
+)
 from tests.conftest import Sink
 from tests.proj import tasks
 
@@ -68,7 +82,7 @@ def test_replay_after_the_fix_keeps_tenant_correlation_and_key(
         "acme",
         "req-replay-1",
         1,
-        record.idempotency_key,
+        provider_key(record.idempotency_key),  # the body is handed the opaque key made from the same scoped one
     )
     record.refresh_from_db()
     assert (record.status, record.replayed_task_id) == ("replayed", task_id)
@@ -391,3 +405,270 @@ def test_the_command_prints_progress_and_the_admin_logs_many_replays_in_few_inse
     assert entries == {str(pk): f"Replayed as task {task_id}" for pk, task_id in held}
     inserts = [q for q in queries.captured_queries if q["sql"].startswith('INSERT INTO "django_admin_log"')]
     assert len(inserts) == (2 if connection.vendor == "postgresql" else 5)  # SQLite: 999 parameters an INSERT
+
+
+# not_idempotent records: a task that failed after it may already have acted is replayed only on a person's word.
+
+#: A note in the last attempt record of a not_idempotent failure, as a test writes it (the core's own is longer).
+NOTE = "mark the effect with effect(), hand self.request.idempotency_key downstream, or declare idempotent=True"
+
+
+def not_idempotent_letter(sink: Sink, *, note: str = "") -> DeadLetter:
+    """A real not_idempotent dead letter, for tenant acme: behave_not_idempotent's first run fails with an error
+    nobody classified, after it may have acted, so it is not retried; its next run (a replay) succeeds.
+    ``note``: what its last attempt record says (the core writes its own advice there; "": a record written
+    before notes existed, with none)."""
+    with tenant_context("acme"):
+        result = tasks.behave_not_idempotent.delay(sink.key, ["unknown", "ok"])
+    with pytest.raises(RuntimeError, match="nobody knows"):
+        result.get(timeout=TIMEOUT)
+    record = DeadLetter.objects.get(task_id=result.id)
+    assert record.reason == NOT_IDEMPOTENT and len(sink.items()) == 1
+    assert "marks no effect" in record.history[-1]["note"]  # the core's advice
+    last = {k: v for k, v in record.history[-1].items() if k != "note"}
+    record.history = [*record.history[:-1], {**last, "note": note} if note else last]
+    DeadLetter.objects.filter(pk=record.pk).update(history=record.history)
+    return record
+
+
+@contextmanager
+def published() -> Iterator[list[str]]:
+    """The task ids this process publishes while the block runs (Celery's before_task_publish: a replay
+    publishes from its caller's process, so a refusal that published anyway would show here at once)."""
+    ids: list[str] = []
+
+    def seen(sender: Any = None, headers: dict[str, Any] | None = None, **_: Any) -> None:
+        ids.append(str((headers or {}).get("id")))
+
+    before_task_publish.connect(seen, weak=False, dispatch_uid="test-replay-published")
+    try:
+        yield ids
+    finally:
+        before_task_publish.disconnect(dispatch_uid="test-replay-published")
+
+
+def test_a_not_idempotent_record_is_replayed_only_when_the_caller_allows_it(
+    celery_worker: Any, celery_app: Any, sink: Sink
+) -> None:
+    # Given a task that failed after it may already have acted (it ran once)
+    record = not_idempotent_letter(sink)
+    # When it is replayed like any other record
+    with published() as ids:
+        result = replay_dead_letters([record.pk], user=user_with("replay_deadletter"))
+    # Then nothing is published, the record stays open, and the result says why and how to replay it anyway
+    assert ids == [] and result.replayed == []
+    assert result.skipped == [(record.pk, NOT_IDEMPOTENT_REFUSAL)]
+    assert NOT_IDEMPOTENT_REFUSAL.startswith("not_idempotent: it may already have acted")
+    assert "allow_not_idempotent=True" in NOT_IDEMPOTENT_REFUSAL and "--allow-not-idempotent" in NOT_IDEMPOTENT_REFUSAL
+    record.refresh_from_db()
+    assert (record.status, record.replayed_task_id, record.handled_by) == ("open", "", "")
+    # And a dry run asks the same question and gets the same answer
+    with pytest.raises(Refused) as refused:
+        plan(record)
+    assert str(refused.value) == NOT_IDEMPOTENT_REFUSAL
+    assert [(r.pk, why) for r, why in refusals([record.pk])] == [(record.pk, NOT_IDEMPOTENT_REFUSAL)]
+    assert [why for _, why in refusals([record.pk], allow_not_idempotent=True)] == [""]
+    # When the caller says they checked the effect did not happen
+    with published() as ids:
+        result = replay_dead_letters([record.pk], user=user_with("replay_deadletter"), allow_not_idempotent=True)
+    # Then it is published once and a real worker runs it again, as its tenant
+    ((replayed_pk, task_id),) = result.replayed
+    assert (replayed_pk, ids, result.skipped) == (record.pk, [task_id], [])
+    again = celery_app.AsyncResult(task_id).get(timeout=TIMEOUT)
+    assert (again["run"], again["step"], again["tenant"]) == (2, "ok", "acme")
+    assert len(sink.items()) == 2
+    record.refresh_from_db()
+    assert (record.status, record.replayed_task_id) == ("replayed", task_id)
+
+
+def test_edit_and_replay_of_a_not_idempotent_record_needs_the_same_word(
+    celery_worker: Any, celery_app: Any, sink: Sink
+) -> None:
+    # Given a not_idempotent record
+    record = not_idempotent_letter(sink)
+    # When it is replayed with a fix (another tenant): new values do not undo what the failed run may have done
+    with published() as ids:
+        result = replay_with_changes(record.pk, tenant="globex")
+    # Then it is refused the same way, and stays open
+    assert (ids, result.replayed, result.skipped) == ([], [], [(record.pk, NOT_IDEMPOTENT_REFUSAL)])
+    assert DeadLetter.objects.get(pk=record.pk).status == "open"
+    # When the caller allows it, Then the fix is replayed and the worker runs it as the new tenant
+    ((_, task_id),) = replay_with_changes(record.pk, tenant="globex", allow_not_idempotent=True).replayed
+    assert celery_app.AsyncResult(task_id).get(timeout=TIMEOUT)["tenant"] == "globex"
+
+
+def test_the_command_refuses_not_idempotent_records_without_the_flag(
+    celery_worker: Any, celery_app: Any, sink: Sink, oid: int
+) -> None:
+    # Given a not_idempotent record and a permanent one
+    unsafe = not_idempotent_letter(Sink.of(f"{sink.key}:unsafe"))
+    permanent = dead_letter(sink, oid)
+    only = ["--task", tasks.behave_not_idempotent.name]
+    # When a dry run is asked without the flag
+    out, err = StringIO(), StringIO()
+    with pytest.raises(CommandError, match=r"^1 dead letter\(s\) would be refused"):
+        call_command("guardrails_replay", *only, "--dry-run", stdout=out, stderr=err)
+    # Then it says it would refuse the record, why, and how to replay it anyway
+    assert err.getvalue() == (
+        f"would refuse {unsafe.pk}: {unsafe.task_name}[{unsafe.task_id}]: {NOT_IDEMPOTENT_REFUSAL}\n"
+    )
+    assert out.getvalue() == "0 dead letter(s) would be replayed, 1 refused.\n"
+    # And with the flag it would replay it
+    out = StringIO()
+    call_command("guardrails_replay", *only, "--dry-run", "--allow-not-idempotent", stdout=out)
+    assert f"would replay {unsafe.pk}: {unsafe.task_name}[{unsafe.task_id}] not_idempotent" in out.getvalue()
+    # When everything open is replayed without the flag
+    out, err = StringIO(), StringIO()
+    with published() as ids, pytest.raises(CommandError, match=r"^1 dead letter\(s\) refused"):
+        call_command("guardrails_replay", "--since", "1h", stdout=out, stderr=err)
+    # Then the permanent record is replayed, the not_idempotent one refused, named on stderr, and left open
+    assert err.getvalue() == f"refused {unsafe.pk}: {NOT_IDEMPOTENT_REFUSAL}\n"
+    assert out.getvalue().splitlines()[-1] == "Replayed 1 dead letter(s); refused 1."
+    statuses = dict(DeadLetter.objects.filter(pk__in=[unsafe.pk, permanent.pk]).values_list("pk", "status"))
+    assert statuses == {unsafe.pk: "open", permanent.pk: "replayed"}
+    assert ids == [DeadLetter.objects.get(pk=permanent.pk).replayed_task_id]
+    # When it is replayed with the flag
+    out = StringIO()
+    call_command("guardrails_replay", *only, "--allow-not-idempotent", stdout=out)
+    # Then it is replayed, and a worker runs it again
+    assert out.getvalue().splitlines()[-1] == "Replayed 1 dead letter(s); refused 0."
+    unsafe.refresh_from_db()
+    assert unsafe.status == "replayed"
+    assert celery_app.AsyncResult(unsafe.replayed_task_id).get(timeout=TIMEOUT)["run"] == 2
+
+
+def messages_of(response: Any) -> list[str]:
+    return [str(m) for m in response.context["messages"]]
+
+
+def test_the_replay_action_warns_of_not_idempotent_records_and_replays_them_only_when_ticked(
+    celery_worker: Any, celery_app: Any, sink: Sink, oid: int
+) -> None:
+    # Given a not_idempotent record whose last attempt carries the core's note, and a permanent one
+    unsafe = not_idempotent_letter(Sink.of(f"{sink.key}:unsafe"), note=NOTE)
+    permanent = dead_letter(sink, oid)
+    user = user_with("replay_deadletter")
+    client = Client()
+    client.force_login(user)
+    changelist = reverse("admin:guardrails_deadletter_changelist")
+    form = {"action": "replay_selected", "_selected_action": [unsafe.pk, permanent.pk], "select_across": "0"}
+    # When both are ticked and the replay action chosen
+    confirm = client.post(changelist, form)
+    # Then the confirmation page warns of the not_idempotent one, names it with its note, and asks for a tick
+    page = confirm.content.decode()
+    assert confirm.status_code == 200 and "Are you sure you want to replay" in page
+    start = page.index('id="not-idempotent"')
+    warning = page[start : page.index("</form>", start)]  # (the header's log-out form closes earlier)
+    assert "1 of these records failed as <code>not_idempotent</code>" in warning
+    assert "may already have acted" in warning and "may repeat that effect" in warning
+    assert f'{unsafe.task_name}[{unsafe.task_id}] (tenant acme): <span class="note">{NOTE}</span>' in warning
+    assert permanent.task_id not in warning
+    box = '<input type="checkbox" name="allow_not_idempotent" value="yes" id="allow-not-idempotent">'
+    assert box in warning  # unticked, inside the form it posts with
+    assert "I checked that the effect did not happen; replay these anyway" in warning
+    # When it is confirmed without the tick
+    done = client.post(changelist, {**form, "post": "yes"}, follow=True)
+    # Then the permanent record is replayed, the other reported not replayed with the reason, and left open
+    assert messages_of(done) == [
+        "Replayed 1 dead letter(s).",
+        f"1 dead letter(s) not replayed ({unsafe.pk}): {NOT_IDEMPOTENT_REFUSAL}",
+    ]
+    statuses = dict(DeadLetter.objects.filter(pk__in=[unsafe.pk, permanent.pk]).values_list("pk", "status"))
+    assert statuses == {unsafe.pk: "open", permanent.pk: "replayed"}
+    assert list(LogEntry.objects.filter(object_id=str(unsafe.pk))) == []
+    # And a selection without not_idempotent records shows no warning and no box
+    other = dead_letter(Sink.of(f"{sink.key}:other"), oid + 1)
+    plain = client.post(changelist, {**form, "_selected_action": [other.pk]})
+    assert b"not-idempotent" not in plain.content and b"allow_not_idempotent" not in plain.content
+    # When it is confirmed with the tick
+    done = client.post(
+        changelist, {**form, "_selected_action": [unsafe.pk], "post": "yes", "allow_not_idempotent": "yes"}
+    )
+    assert done.status_code == 302
+    # Then it is replayed, a worker runs it again, and its LogEntry says whose word let it run
+    unsafe.refresh_from_db()
+    assert (unsafe.status, unsafe.handled_by) == ("replayed", user.username)
+    assert celery_app.AsyncResult(unsafe.replayed_task_id).get(timeout=TIMEOUT)["run"] == 2
+    (entry,) = LogEntry.objects.filter(object_id=str(unsafe.pk))
+    assert entry.change_message == (
+        f"Replayed as task {unsafe.replayed_task_id}; not_idempotent: replayed on the user's word that the effect "
+        "did not happen"
+    )
+    (entry,) = LogEntry.objects.filter(object_id=str(permanent.pk))
+    assert entry.change_message == f"Replayed as task {DeadLetter.objects.get(pk=permanent.pk).replayed_task_id}"
+    # And the record's page shows the note in its attempt history
+    detail = client.get(reverse("admin:guardrails_deadletter_change", args=[unsafe.pk])).content.decode()
+    table = detail[detail.index('<table class="attempt-history">') :]
+    table = table[: table.index("</table>")]
+    assert "<th>note</th>" in table and f'<td class="note">{NOTE}</td>' in table
+
+
+def test_the_one_record_pages_of_a_not_idempotent_record_ask_for_the_tick(
+    celery_worker: Any, celery_app: Any, sink: Sink
+) -> None:
+    # Given a not_idempotent record with the core's note, and one without (recorded before notes existed)
+    unsafe = not_idempotent_letter(Sink.of(f"{sink.key}:unsafe"), note=NOTE)
+    older = not_idempotent_letter(Sink.of(f"{sink.key}:older"))
+    client = Client()
+    client.force_login(user_with("replay_deadletter"))
+    replay = reverse("admin:guardrails_deadletter_replay", args=[unsafe.pk])
+    # When its Replay page is opened
+    page = client.get(replay).content.decode()
+    # Then it warns, names it with its note, has the unticked box, and no other refusal
+    assert "This record failed as <code>not_idempotent</code>" in page and NOTE in page
+    assert 'name="allow_not_idempotent" value="yes" id="allow-not-idempotent">' in page
+    assert "As it is, this record would not be replayed" not in page
+    # When it is confirmed without the tick: Then it is not replayed, saying why
+    done = client.post(replay, {"post": "yes"}, follow=True)
+    assert messages_of(done) == [f"1 dead letter(s) not replayed ({unsafe.pk}): {NOT_IDEMPOTENT_REFUSAL}"]
+    assert DeadLetter.objects.get(pk=unsafe.pk).status == "open"
+    # When its Edit and replay page is opened: Then it warns, with the note, and the form has the unticked box
+    edit = reverse("admin:guardrails_deadletter_edit_and_replay", args=[unsafe.pk])
+    form = client.get(edit)
+    assert b'id="not-idempotent"' in form.content and NOTE.encode() in form.content
+    assert form.context["form"]["allow_not_idempotent"].value() is False
+    assert b"Unchanged, it would not be replayed" not in form.content
+    # When the fix is sent without the tick: Then nothing is replayed, the form is shown again with the reason
+    values = {"tenant": "globex", "args": json.dumps(unsafe.args), "kwargs": json.dumps(unsafe.kwargs)}
+    again = client.post(edit, values)
+    assert again.status_code == 200 and messages_of(again) == [
+        f"1 dead letter(s) not replayed ({unsafe.pk}): {NOT_IDEMPOTENT_REFUSAL}"
+    ]
+    assert DeadLetter.objects.get(pk=unsafe.pk).status == "open"
+    # When it is sent with the tick: Then it is replayed as the new tenant, and the LogEntry says both
+    done = client.post(edit, {**values, "allow_not_idempotent": "on"}, follow=True)
+    assert messages_of(done) == ["Replayed 1 dead letter(s)."]
+    unsafe.refresh_from_db()
+    assert celery_app.AsyncResult(unsafe.replayed_task_id).get(timeout=TIMEOUT)["tenant"] == "globex"
+    (entry,) = LogEntry.objects.filter(object_id=str(unsafe.pk))
+    assert entry.change_message == (
+        f"Replayed as task {unsafe.replayed_task_id}; changed tenant 'acme' -> 'globex'; not_idempotent: replayed "
+        "on the user's word that the effect did not happen"
+    )
+    # And a record without a note still warns and asks for the tick; its history's note cells are empty
+    page = client.get(reverse("admin:guardrails_deadletter_replay", args=[older.pk])).content.decode()
+    assert "This record failed as <code>not_idempotent</code>" in page and 'id="allow-not-idempotent"' in page
+    assert 'class="note"' not in page
+    detail = client.get(reverse("admin:guardrails_deadletter_change", args=[older.pk])).content.decode()
+    assert '<td class="note"></td>' in detail
+    # And its Replay page, with the tick, replays it
+    client.post(
+        reverse("admin:guardrails_deadletter_replay", args=[older.pk]), {"post": "yes", "allow_not_idempotent": "yes"}
+    )
+    assert DeadLetter.objects.get(pk=older.pk).status == "replayed"
+
+
+def test_the_edit_form_takes_empty_arguments_and_refuses_a_blank_field() -> None:
+    from django_celery_guardrails.forms import EditAndReplayForm
+
+    # Given a task without keyword arguments (or positional ones): [] and {} are values, not missing ones
+    assert EditAndReplayForm({"tenant": "", "args": "[]", "kwargs": "{}"}).is_valid()
+    # But a field left blank is refused, saying what to give
+    blank = EditAndReplayForm({"tenant": "", "args": "", "kwargs": ""})
+    assert not blank.is_valid() and blank.errors == {
+        "args": ['Give a JSON list, such as [42, "EUR"], or [] for none.'],
+        "kwargs": ['Give a JSON object, such as {"amount": 10}, or {} for none.'],
+    }
+    # And the not_idempotent box is there, unticked, only for a not_idempotent record
+    assert "allow_not_idempotent" not in EditAndReplayForm().fields
+    assert EditAndReplayForm(not_idempotent=True).fields["allow_not_idempotent"].initial is False

@@ -97,4 +97,14 @@ def check_output(out: str) -> None:
     # the audit of the example project: it passes the rubric's threshold, no axis below 4
     assert "15. manage.py guardrails_audit" in out
     assert re.search(r"OK: every axis scores 3 or more \(lowest 4\), and the average 4\.\d\d is 4\.0 or more", out)
+    # the retry gate: a 429 inside the marked booking is retried; a 503 after it is final, the parcel booked once
+    assert "16. the retry gate: ship_order books a parcel" in out
+    assert re.search(r"order 51, attempt 1: HTTP Error 429: Too Many Requests inside the effect -> transient", out)
+    assert "order 51: shipped on attempt 2; parcels the carrier booked: 1" in out
+    assert (
+        "order 50: HTTP Error 503: Service Unavailable after the booking -> not_idempotent after 1 attempt(s), not "
+        "retried; parcels the carrier booked: 1" in out
+    )
+    assert "the dead letter's note: not retried: it failed after an effect() block that may have acted" in out
+    assert re.search(r"replay_dead_letters\(\[\d+\]\): replayed 0, refused: not_idempotent: it may already", out)
     assert "== worker stopped (exit code 0)" in out

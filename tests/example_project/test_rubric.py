@@ -26,6 +26,7 @@ import pytest
 # Imported at collection, for the reason test_shop.py gives (shared tasks register through a finalizer).
 import example_project.shop.tasks  # noqa: F401
 from celery_guardrails import tenant_context
+from celery_guardrails.effects import provider_key
 from celery_guardrails.testing import (
     assert_dead_lettered,
     assert_no_loss,
@@ -83,8 +84,9 @@ def test_a_charge_delivered_twice_charges_the_customer_once(payments: FlakyProvi
     # delivery, not the provider's own deduplication)
     assert_single_effect(lambda: charges(payments, order), what=f"a charge of order {order}")
     assert payments.calls[order] == 1
-    # as tenant acme: the key the provider was given is the task's, scoped by the tenant the publish captured
-    assert list(payments.by_key) == [f"{charge_order.name}:{TENANT}:charge:{order}"]
+    # as tenant acme: the key the provider was given is made from the task's, scoped by the tenant the publish
+    # captured (an opaque UUID: it tells the provider neither the module nor the tenant)
+    assert list(payments.by_key) == [provider_key(f"{charge_order.name}:{TENANT}:charge:{order}")]
     # the first delivery charged, the second was skipped as a duplicate of it
     assert report.outcomes == [("succeeded", ""), ("duplicate_skipped", "completed")]
     assert_no_loss()

@@ -56,7 +56,8 @@ def collect(self: GuardedTask, parts: list[Any], sink: str | None = None) -> dic
     return seen(self, sink, parts=parts)
 
 
-@shared_task(base=GuardedTask, bind=True, max_retries=5)
+# Idempotent: its only effect is its report (a retry's gate lets self.retry() through).
+@shared_task(base=GuardedTask, bind=True, max_retries=5, idempotent=True)
 def retry_thrice(self: GuardedTask, sink: str) -> dict[str, Any]:
     report = seen(self, sink)
     if self.request.retries < 3:
@@ -94,7 +95,7 @@ def log_line(self: GuardedTask, text: str) -> None:
     logging.getLogger("tests.proj").warning("%s", text)
 
 
-@shared_task(base=GuardedTask, bind=True, max_retries=1)
+@shared_task(base=GuardedTask, bind=True, max_retries=1, idempotent=True)
 def header_echo(self: GuardedTask, sink: str) -> None:
     from celery_guardrails.headers import from_request
 
@@ -262,8 +263,9 @@ def retry_keyed(self: GuardedTask, order_id: int, sink: str) -> dict[str, Any]:
     """A keyed task whose first run asks for a retry itself (``self.retry``)."""
     runs = redis.Redis.from_url(REDIS_URL).incr(f"{sink}:runs")
     if runs == 1:
-        raise self.retry(countdown=0.2)
-    return seen(self, sink, run=runs, history=self.request.attempt_history)
+        raise self.retry(countdown=0.2)  # before its effect: the gate lets it through
+    with self.effect():
+        return seen(self, sink, run=runs, history=self.request.attempt_history)
 
 
 @shared_task(base=GuardedTask, bind=True, idempotency_key="poison:{order_id}", owner="ops")
@@ -418,3 +420,84 @@ def versioned(self: GuardedTask, sink: str, order_id: int, fail_first: bool = Fa
     if fail_first and self.request.attempt == 1:
         raise TransientError("provider busy")
     return report
+
+
+# The retry gate (celery_guardrails.gate) on real workers: each effect is a POST to the test's fake provider,
+# which counts it; ``provider`` is its URL.
+
+
+def _post(url: str, *, key: str | None = None) -> None:
+    import requests
+
+    headers = {"Idempotency-Key": key} if key else {}
+    requests.post(url, headers=headers, timeout=5).raise_for_status()
+
+
+def _run_number(sink: str) -> int:
+    return int(redis.Redis.from_url(REDIS_URL).incr(f"{sink}:runs"))
+
+
+#: A port nothing listens on (the discard port): connecting there is refused, nothing is sent.
+REFUSED = "http://127.0.0.1:9"
+
+
+@shared_task(base=GuardedTask, bind=True, backoff_base=0.05)
+def charge_then_notify(self: GuardedTask, provider: str, order_id: int, sink: str) -> None:
+    """Charges (an effect, not marked), then calls a notifier that refuses the connection."""
+    _run_number(sink)
+    _post(f"{provider}/charges/{order_id}")
+    _post(f"{REFUSED}/notify/{order_id}")
+
+
+@shared_task(base=GuardedTask, bind=True, autoretry_for=(Exception,), retry_backoff=0.05)
+def autoretried_charge(self: GuardedTask, provider: str, order_id: int, sink: str) -> None:
+    """Celery's autoretry_for=(Exception,): charges, then fails."""
+    _run_number(sink)
+    _post(f"{provider}/charges/{order_id}")
+    raise RuntimeError("the receipt could not be stored")
+
+
+@shared_task(base=GuardedTask, bind=True, idempotent=True, max_attempts=3)
+def asks_again(self: GuardedTask, sink: str) -> None:
+    """Idempotent; asks for a retry itself every time (self.retry())."""
+    _run_number(sink)
+    raise self.retry(countdown=0.05)
+
+
+@shared_task(base=GuardedTask, bind=True, max_attempts=3)
+def asks_again_not_idempotent(self: GuardedTask, provider: str, sink: str) -> None:
+    """Charges, then asks for a retry itself (self.retry()): the gate refuses it."""
+    _run_number(sink)
+    _post(f"{provider}/charges/asks-again")
+    raise self.retry(countdown=0.05)
+
+
+@shared_task(base=GuardedTask, bind=True, idempotency_key="pay:{order_id}", backoff_base=0.05)
+def keyed_key_kept(self: GuardedTask, provider: str, order_id: int, sink: str) -> None:
+    """Keyed, but the key never reaches the provider."""
+    _run_number(sink)
+    _post(f"{provider}/flaky/{order_id}")
+
+
+@shared_task(base=GuardedTask, bind=True, idempotency_key="pay:{order_id}", backoff_base=0.05)
+def keyed_key_handed(self: GuardedTask, provider: str, order_id: int, sink: str) -> str:
+    """Keyed, and the key goes to the provider (which deduplicates by it)."""
+    _run_number(sink)
+    _post(f"{provider}/flaky/{order_id}", key=self.request.idempotency_key)
+    return "paid"
+
+
+@shared_task(base=GuardedTask, bind=True, idempotency_key="value:{order_id}", backoff_base=0.05)
+def keyed_value_error(self: GuardedTask, order_id: int, sink: str) -> None:
+    """Keyed; its input is wrong (a deterministic error: no retry can fix it)."""
+    _run_number(sink)
+    raise ValueError(f"order {order_id}: amount must be positive")
+
+
+@shared_task(base=GuardedTask, bind=True, backoff_base=0.05)
+def marked_charge(self: GuardedTask, provider: str, order_id: int, sink: str, down_runs: int = 1) -> str:
+    """Marks its effect; the provider refuses the connection for its first ``down_runs`` runs."""
+    run = _run_number(sink)
+    with self.effect():
+        _post(f"{REFUSED if run <= down_runs else provider}/charges/{order_id}")
+    return "charged"

@@ -1,4 +1,8 @@
-"""``manage.py guardrails_replay``: replay open dead letters, after the cause was fixed."""
+"""``manage.py guardrails_replay``: replay open dead letters, after the cause was fixed.
+
+``not_idempotent`` records (their task may already have acted before it failed) are refused unless
+``--allow-not-idempotent`` says the operator checked that the effect did not happen; ``--dry-run`` asks the
+same question, so it says "would refuse" for them too."""
 
 from __future__ import annotations
 
@@ -18,7 +22,8 @@ from ..arguments import AGE_HELP, choice, since
 class Command(BaseCommand):
     help = (
         f"Replay open dead letters (all of them, or those matching --task, --reason, --since), {BATCH} at a time, "
-        "printing progress. Exits 1 when a record was refused (each is named on stderr with the reason)."
+        "printing progress. Exits 1 when a record was refused (each is named on stderr with the reason). "
+        "not_idempotent records are refused unless --allow-not-idempotent is given."
     )
 
     def add_arguments(self, parser: CommandParser) -> None:
@@ -27,10 +32,19 @@ class Command(BaseCommand):
         parser.add_argument("--since", help=f"Only failures since an ISO date/time or {AGE_HELP}.")
         parser.add_argument("--tenant", help="Replay them as this tenant (e.g. missing_tenant records).")
         parser.add_argument(
+            "--allow-not-idempotent",
+            action="store_true",
+            help=(
+                "Replay not_idempotent records too. Their task failed after it may already have acted (charged a "
+                "card, sent a mail), and a replay runs it again: give this only once you checked that the effect "
+                "did not happen. Without it they are refused and stay open."
+            ),
+        )
+        parser.add_argument(
             "--dry-run", action="store_true", help="Say what would be replayed or refused; publish nothing."
         )
 
-    def handle(self, *args: Any, dry_run: bool, **options: Any) -> None:
+    def handle(self, *args: Any, dry_run: bool, allow_not_idempotent: bool, **options: Any) -> None:
         records = DeadLetter.objects.open()
         if options["task"]:
             records = records.filter(task_name=options["task"])
@@ -45,13 +59,14 @@ class Command(BaseCommand):
             except ContextError as exc:
                 raise CommandError(f"--tenant: {exc}") from None
         ids = list(records.order_by("pk").values_list("pk", flat=True))
-        refused = self._dry_run(ids, tenant) if dry_run else self._replay(ids, tenant)
+        run = self._dry_run if dry_run else self._replay
+        refused = run(ids, tenant, allow_not_idempotent)
         if refused:
             raise CommandError(f"{refused} dead letter(s) {'would be ' if dry_run else ''}refused (reasons above)")
 
-    def _dry_run(self, ids: list[int], tenant: str | None) -> int:
+    def _dry_run(self, ids: list[int], tenant: str | None, allow_not_idempotent: bool) -> int:
         refused = 0
-        for record, why in refusals(ids, tenant=tenant):
+        for record, why in refusals(ids, tenant=tenant, allow_not_idempotent=allow_not_idempotent):
             if why:
                 refused += 1
                 self.stderr.write(f"would refuse {record.pk}: {record.task_name}[{record.task_id}]: {why}")
@@ -60,7 +75,7 @@ class Command(BaseCommand):
         self.stdout.write(f"{len(ids) - refused} dead letter(s) would be replayed, {refused} refused.")
         return refused
 
-    def _replay(self, ids: list[int], tenant: str | None) -> int:
+    def _replay(self, ids: list[int], tenant: str | None, allow_not_idempotent: bool) -> int:
         # A bar redrawn in place on a terminal; a line a batch in a log (cron, a Kubernetes job).
         redraw = self.stdout.isatty()
 
@@ -69,7 +84,7 @@ class Command(BaseCommand):
             self.stdout.write(f"\r{bar}" if redraw else bar, ending="" if redraw else "\n")
             self.stdout.flush()
 
-        result = replay_dead_letters(ids, tenant=tenant, progress=progress)
+        result = replay_dead_letters(ids, tenant=tenant, allow_not_idempotent=allow_not_idempotent, progress=progress)
         for record_id, why in result.skipped:
             self.stderr.write(f"refused {record_id}: {why}")
         end_of_bar = "\n" if redraw else ""

@@ -153,7 +153,7 @@ def test_unknown_error_not_retried_unless_idempotent(celery_worker: Any, sink: S
     tasks.behave.delay(other.key, ["unknown", "ok"]).get(timeout=TIMEOUT)
     assert [r["history"][-1]["rule"] if r["history"] else None for r in other.items()] == [
         None,
-        "unknown_errors:auto:idempotent",
+        "unknown_errors:auto",
     ]
 
 
@@ -184,14 +184,19 @@ def test_a_task_that_is_not_idempotent_runs_once_on_a_read_timeout_and_is_dead_l
     assert dead_letter_of(celery_app, final.task_id)["reason"] == "not_idempotent"
 
 
-def test_a_task_that_is_not_idempotent_is_retried_when_the_connection_was_refused(
-    celery_worker: Any, sink: Sink
+def test_a_body_that_marks_nothing_is_not_retried_even_on_a_refused_connection(
+    celery_worker: Any, celery_app: Any, sink: Sink, received: Any
 ) -> None:
-    # Given a task that is not idempotent whose first call finds nothing listening (nothing was sent)
-    report = tasks.behave_not_idempotent.delay(sink.key, ["get_quick:http://127.0.0.1:9", "ok"]).get(timeout=TIMEOUT)
-    # Then it was retried, and the retry succeeded
-    assert [r["run"] for r in runs(sink)] == [1, 2]
-    assert [r["rule"] for r in report["history"]] == ["http:transport"]
+    finals = received(signals.final_failure)
+    # Given a task that is not idempotent and marks no effect, whose call finds nothing listening
+    with pytest.raises(Exception, match="Connection refused"):
+        tasks.behave_not_idempotent.delay(sink.key, ["get_quick:http://127.0.0.1:9", "ok"]).get(timeout=TIMEOUT)
+    # Then the refusal proves only that this call sent nothing, not that the body did nothing before it: one run,
+    # a final failure that says how to make it retryable
+    assert [r["run"] for r in runs(sink)] == [1]
+    [final] = [f["failure"] for f in finals]
+    assert (final.reason, final.history[-1]["rule"]) == ("not_idempotent", "http:transport:not_idempotent")
+    assert "with self.effect()" in final.history[-1]["note"]
 
 
 def test_retry_later_consumes_no_attempt_and_keeps_the_tenant(celery_worker: Any, sink: Sink) -> None:

@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 
+from celery_guardrails.effects import provider_key
 from celery_guardrails.guardrails.scheduled_runs import slot_key
 from celery_guardrails.ledger import DISPATCHED, OK, RUNNING, SKIPPED_OVERLAP, period_key
 from tests.conftest import Sink
@@ -181,7 +182,7 @@ def test_the_period_key_makes_a_rerun_of_the_same_period_a_duplicate(
     [report] = sink.items()
     assert report["period"] == first.period
     assert report["period_key"] == period_key(name, first.period)
-    assert report["idempotency_key"] == f"{TASK}:-:{period_key(name, first.period)}"
+    assert report["idempotency_key"] == provider_key(f"{TASK}:-:{period_key(name, first.period)}")
     # When someone runs the same period again by hand (the message a re-run tool would publish)
     celery_app.send_task(
         TASK,
