@@ -20,9 +20,10 @@ from tests.support.workers import ROOT
 
 SHOP = "example_project.shop.tasks"
 
-#: What the example project is audited to, and why each is kept: the demo script waits on results (it is a
-#: script: information), three tasks the gate never retries (they mark no effect: information), Celery's prefetch
-#: of 4 and metrics off (the demo names how to turn them on).
+#: What the example project is audited to, and why: the demo script waits on results (it is a script:
+#: information), three tasks the gate never retries (they mark no effect: information), Celery's prefetch of 4 and
+#: metrics off (the demo names how to turn them on), and ship_order, which no test of the kit names yet (the demo
+#: shows it through the gate; tests/example_project/test_rubric.py does not have it).
 EXAMPLE_FINDINGS = [
     ("GA004", "demo.py"),
     ("GA309", f"{SHOP}.build_report"),
@@ -30,6 +31,7 @@ EXAMPLE_FINDINGS = [
     ("GA309", f"{SHOP}.settle_payments"),
     ("GA502", "worker_prefetch_multiplier"),
     ("GA701", "metrics"),
+    ("GA802", f"{SHOP}.ship_order"),
 ]
 
 #: The tasks of issue #27 on the example project's app (PLAIN, UNSAFE: with the plain task, the retry_unsafe one).
@@ -103,8 +105,8 @@ def test_the_example_project_passes_the_rubric_s_threshold(tmp_path: Path) -> No
     assert done.returncode == 0, done.stderr
     report = json.loads(done.stdout)
     assert (report["min_score"], report["min_average"], report["passed"]) == (3, 4.0, True)
-    assert (report["lowest"], report["average"]) == (4, 4.78)
-    # And the axes below 5 are ordering (Celery's prefetch of 4) and observability (metrics off)
+    assert (report["lowest"], report["average"]) == (4, 4.67)
+    # And the axes below 5 are ordering (Celery's prefetch of 4), observability (metrics off) and tests (ship_order)
     assert [(axis["name"], axis["score"]) for axis in report["axes"]] == [
         ("placement", 5),
         ("message_design", 5),
@@ -114,7 +116,7 @@ def test_the_example_project_passes_the_rubric_s_threshold(tmp_path: Path) -> No
         ("ordering_concurrency", 4),
         ("scheduled_work", 5),
         ("observability", 4),
-        ("tests", 5),
+        ("tests", 4),
     ]
     # And what it finds is what it keeps on purpose (EXAMPLE_FINDINGS says why)
     assert [(f["code"], f["subject"]) for f in report["findings"]] == EXAMPLE_FINDINGS
@@ -137,12 +139,12 @@ def test_the_command_prints_text_and_exits_1_below_the_threshold(tmp_path: Path)
         "ordering and concurrency: 4/5",
         "scheduled work: 5/5",
         "observability: 4/5",
-        "tests: 5/5",
-        "average: 4.78/5 over 9 axes",
+        "tests: 4/5",
+        "average: 4.67/5 over 9 axes",
         f"source read under {ROOT / 'example_project'}; tests read under {ROOT}",
-        "OK: every axis scores 3 or more (lowest 4), and the average 4.78 is 4.0 or more",
+        "OK: every axis scores 3 or more (lowest 4), and the average 4.67 is 4.0 or more",
     ]
-    assert lines[-6:-4] == [
+    assert lines[-8:-6] == [
         "  GA701 warning metrics: metrics is off: no Prometheus metrics (durations, outcomes, queue wait, arrivals "
         "against throughput)",
         "        fix: set metrics=True (the prometheus extra) and scrape metrics_port or the Django view",
@@ -151,12 +153,12 @@ def test_the_command_prints_text_and_exits_1_below_the_threshold(tmp_path: Path)
     bad = run(tmp_path, "guardrails_audit", "--min-score", "4", bad=True)
     # Then the axes below it and the average are named, and the command exits 1
     assert bad.returncode == 1, bad.stderr
-    verdict = "below 4: ordering and concurrency 0, observability 3; average 3.89 below 4.0"
+    verdict = "below 4: ordering and concurrency 0, observability 3; average 3.78 below 4.0"
     assert bad.stdout.splitlines()[-1] == f"FAIL: {verdict}"
     assert bad.stderr.splitlines() == [f"CommandError: {verdict}"]
-    # And the example project misses an average of 4.8
-    strict = run(tmp_path, "guardrails_audit", "--min-average", "4.8")
-    assert (strict.returncode, strict.stderr) == (1, "CommandError: average 4.78 below 4.8\n")
+    # And the example project misses an average of 4.7
+    strict = run(tmp_path, "guardrails_audit", "--min-average", "4.7")
+    assert (strict.returncode, strict.stderr) == (1, "CommandError: average 4.67 below 4.7\n")
     # And a threshold that is not a score, or a source that is not a folder, is refused
     wrong = run(tmp_path, "guardrails_audit", "--min-score", "six")
     assert (wrong.returncode, wrong.stderr) == (1, "CommandError: --min-score 'six': give a whole number from 0 to 5\n")
@@ -182,6 +184,7 @@ def test_a_bad_config_reports_its_findings_as_json(tmp_path: Path) -> None:
             ("GA501", f"{SHOP}.charge_order"),
             ("GA501", f"{SHOP}.send_receipt"),
             ("GA501", f"{SHOP}.settle_payments"),
+            ("GA501", f"{SHOP}.ship_order"),
             ("GA601", "nightly-cleanup"),
             ("GA702", "activity"),
         ]
@@ -259,6 +262,7 @@ def test_the_source_option_reads_another_folder(tmp_path: Path) -> None:
     (source / "shop" / "tests.py").write_text(
         "from celery_guardrails.testing import deliver_twice\n"
         "from example_project.shop.tasks import build_report, charge_order, send_receipt, settle_payments\n"
+        "from example_project.shop.tasks import ship_order\n"
     )
     # When the example project is audited with --source at it
     report = json.loads(run(tmp_path, "guardrails_audit", "--json", "--source", str(source)).stdout)
@@ -284,6 +288,7 @@ def test_the_system_checks_raise_the_findings_of_a_bad_config_and_none_of_them_f
             (f"{SHOP}.charge_order", "guardrails.W151"),
             (f"{SHOP}.send_receipt", "guardrails.W151"),
             (f"{SHOP}.settle_payments", "guardrails.W151"),
+            (f"{SHOP}.ship_order", "guardrails.W151"),
             ("max_payload_bytes", "guardrails.W112"),
             ("nightly-cleanup", "guardrails.W161"),
         ]
@@ -306,6 +311,7 @@ EXAMPLE_CHECKS = [
     (f"{SHOP}.settle_payments", "guardrails.W139"),
     ("worker_prefetch_multiplier", "guardrails.W152"),
     ("metrics", "guardrails.W171"),
+    (f"{SHOP}.ship_order", "guardrails.W182"),
 ]
 
 
