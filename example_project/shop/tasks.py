@@ -63,10 +63,19 @@ def charge_order(self: GuardedTask, order_id: int, amount_cents: int, card_token
 
 
 # The carrier takes no idempotency key: booking a parcel twice ships two parcels, so this task must never run
-# its booking again. The booking is marked as the task's effect: a failure before it, or one inside it that
-# proves the carrier never got the request (a refused connection, a 429), is retried; any failure after it (the
-# warehouse answering 503) is final (not_idempotent), with a note saying so, and the booking stands once.
-@shared_task(base=GuardedTask, bind=True, tenant_required=True, owner="shipping", backoff_base=0.3)
+# its booking again. The key makes a second delivery of a shipped order a duplicate skipped. The booking is
+# marked as the task's effect: a failure before it, or one inside it that proves the carrier never got the
+# request (a refused connection, a 429), is retried; any failure after it (the warehouse answering 503) is final
+# (not_idempotent), with a note saying so, and the booking stands once. (A worker killed between the booking and
+# the key's completion leaves the one window the key cannot close: the carrier would need a key of its own.)
+@shared_task(
+    base=GuardedTask,
+    bind=True,
+    tenant_required=True,
+    idempotency_key="ship:{order_id}",
+    owner="shipping",
+    backoff_base=0.3,
+)
 def ship_order(self: GuardedTask, order_id: int) -> dict[str, Any]:
     """Book the order's parcel with the carrier, then tell the warehouse."""
     with self.effect():

@@ -22,8 +22,7 @@ SHOP = "example_project.shop.tasks"
 
 #: What the example project is audited to, and why: the demo script waits on results (it is a script:
 #: information), three tasks the gate never retries (they mark no effect: information), Celery's prefetch of 4 and
-#: metrics off (the demo names how to turn them on), and ship_order, which no test of the kit names yet (the demo
-#: shows it through the gate; tests/example_project/test_rubric.py does not have it).
+#: metrics off (the demo names how to turn them on).
 EXAMPLE_FINDINGS = [
     ("GA004", "demo.py"),
     ("GA309", f"{SHOP}.build_report"),
@@ -31,7 +30,6 @@ EXAMPLE_FINDINGS = [
     ("GA309", f"{SHOP}.settle_payments"),
     ("GA502", "worker_prefetch_multiplier"),
     ("GA701", "metrics"),
-    ("GA802", f"{SHOP}.ship_order"),
 ]
 
 #: The tasks of issue #27 on the example project's app (PLAIN, UNSAFE: with the plain task, the retry_unsafe one).
@@ -105,8 +103,8 @@ def test_the_example_project_passes_the_rubric_s_threshold(tmp_path: Path) -> No
     assert done.returncode == 0, done.stderr
     report = json.loads(done.stdout)
     assert (report["min_score"], report["min_average"], report["passed"]) == (3, 4.0, True)
-    assert (report["lowest"], report["average"]) == (4, 4.67)
-    # And the axes below 5 are ordering (Celery's prefetch of 4), observability (metrics off) and tests (ship_order)
+    assert (report["lowest"], report["average"]) == (4, 4.78)
+    # And the axes below 5 are ordering (Celery's prefetch of 4) and observability (metrics off)
     assert [(axis["name"], axis["score"]) for axis in report["axes"]] == [
         ("placement", 5),
         ("message_design", 5),
@@ -116,7 +114,7 @@ def test_the_example_project_passes_the_rubric_s_threshold(tmp_path: Path) -> No
         ("ordering_concurrency", 4),
         ("scheduled_work", 5),
         ("observability", 4),
-        ("tests", 4),
+        ("tests", 5),
     ]
     # And what it finds is what it keeps on purpose (EXAMPLE_FINDINGS says why)
     assert [(f["code"], f["subject"]) for f in report["findings"]] == EXAMPLE_FINDINGS
@@ -139,12 +137,13 @@ def test_the_command_prints_text_and_exits_1_below_the_threshold(tmp_path: Path)
         "ordering and concurrency: 4/5",
         "scheduled work: 5/5",
         "observability: 4/5",
-        "tests: 4/5",
-        "average: 4.67/5 over 9 axes",
+        "tests: 5/5",
+        "average: 4.78/5 over 9 axes",
         f"source read under {ROOT / 'example_project'}; tests read under {ROOT}",
-        "OK: every axis scores 3 or more (lowest 4), and the average 4.67 is 4.0 or more",
+        "OK: every axis scores 3 or more (lowest 4), and the average 4.78 is 4.0 or more",
     ]
-    assert lines[-8:-6] == [
+    at = next(n for n, line in enumerate(lines) if line.startswith("  GA701 "))
+    assert lines[at : at + 2] == [
         "  GA701 warning metrics: metrics is off: no Prometheus metrics (durations, outcomes, queue wait, arrivals "
         "against throughput)",
         "        fix: set metrics=True (the prometheus extra) and scrape metrics_port or the Django view",
@@ -153,12 +152,12 @@ def test_the_command_prints_text_and_exits_1_below_the_threshold(tmp_path: Path)
     bad = run(tmp_path, "guardrails_audit", "--min-score", "4", bad=True)
     # Then the axes below it and the average are named, and the command exits 1
     assert bad.returncode == 1, bad.stderr
-    verdict = "below 4: ordering and concurrency 0, observability 3; average 3.78 below 4.0"
+    verdict = "below 4: ordering and concurrency 0, observability 3; average 3.89 below 4.0"
     assert bad.stdout.splitlines()[-1] == f"FAIL: {verdict}"
     assert bad.stderr.splitlines() == [f"CommandError: {verdict}"]
-    # And the example project misses an average of 4.7
-    strict = run(tmp_path, "guardrails_audit", "--min-average", "4.7")
-    assert (strict.returncode, strict.stderr) == (1, "CommandError: average 4.67 below 4.7\n")
+    # And the example project misses an average of 4.8
+    strict = run(tmp_path, "guardrails_audit", "--min-average", "4.8")
+    assert (strict.returncode, strict.stderr) == (1, "CommandError: average 4.78 below 4.8\n")
     # And a threshold that is not a score, or a source that is not a folder, is refused
     wrong = run(tmp_path, "guardrails_audit", "--min-score", "six")
     assert (wrong.returncode, wrong.stderr) == (1, "CommandError: --min-score 'six': give a whole number from 0 to 5\n")
@@ -311,7 +310,6 @@ EXAMPLE_CHECKS = [
     (f"{SHOP}.settle_payments", "guardrails.W139"),
     ("worker_prefetch_multiplier", "guardrails.W152"),
     ("metrics", "guardrails.W171"),
-    (f"{SHOP}.ship_order", "guardrails.W182"),
 ]
 
 

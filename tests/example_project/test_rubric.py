@@ -6,6 +6,7 @@ HTTP server that counts the charges its customers would see).
 The rubric's five tests, for the tasks they fit:
 
 * duplicate delivery: ``charge_order`` twice in a row and twice at once; a beat period of ``settle_payments``;
+  ``ship_order`` twice (its carrier takes no key: the booking must not happen twice);
 * failure mid-job: ``charge_order`` killed after the provider charged, before the ack; ``build_report`` killed
   in its body;
 * poison: ``send_receipt`` and ``charge_order`` killing their worker every time; a malformed envelope;
@@ -39,7 +40,7 @@ from celery_guardrails.testing import (
 from django_celery_guardrails.models import ScheduledRun
 from example_project.celery_app import app as shop_app
 from example_project.shop.fake_provider import FlakyProvider
-from example_project.shop.tasks import build_report, charge_order, send_receipt, settle_payments
+from example_project.shop.tasks import build_report, charge_order, send_receipt, settle_payments, ship_order
 from tests.support.services import require
 
 pytestmark = [pytest.mark.guardrails(app="example_project.celery_app:app", pool="prefork", concurrency=2)]
@@ -106,6 +107,18 @@ def test_a_charge_delivered_twice_at_once_charges_the_customer_once(payments: Fl
     assert report.outcomes[0] == ("retry_later", "")
     ended = [outcome for outcome in report.outcomes[1:] if outcome != ("retry_later", "")]
     assert sorted(ended) == [("duplicate_skipped", "completed"), ("succeeded", "")], report.outcomes
+    assert_no_loss()
+
+
+def test_a_shipment_delivered_twice_books_one_parcel(payments: FlakyProvider) -> None:
+    # Given an order to ship, whose carrier takes no idempotency key
+    order = 301
+    # When its message is delivered twice, the second after the first was handled
+    with tenant_context(TENANT):
+        report = deliver_twice(ship_order, order)
+    # Then one parcel was booked: the second delivery was skipped as a duplicate of the first
+    assert_single_effect(lambda: payments.bookings[order], what=f"a parcel booked for order {order}")
+    assert report.outcomes == [("succeeded", ""), ("duplicate_skipped", "completed")]
     assert_no_loss()
 
 
