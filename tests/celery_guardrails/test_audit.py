@@ -25,6 +25,7 @@ from celery_guardrails.audit import audit, graded_tasks, render, report_of, retr
 from celery_guardrails.install import warn_about
 from celery_guardrails.testing import entry
 from tests.support.audit_apps import (
+    AXES,
     BROKER,
     ISSUE27_RETRIES,
     PLANTED,
@@ -38,18 +39,6 @@ from tests.support.audit_apps import (
 )
 from tests.support.waiting import BOUND
 from tests.support.workers import ROOT
-
-AXES = [
-    "placement",
-    "message_design",
-    "idempotency",
-    "retry_policy",
-    "dead_letters",
-    "ordering_concurrency",
-    "scheduled_work",
-    "observability",
-    "tests",
-]
 
 
 class Caught(logging.Handler):

@@ -162,16 +162,21 @@ def oid() -> int:
     return uuid.uuid4().int % 10**9
 
 
-@pytest.fixture(scope="module")
-def prefork_queue(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """One real prefork worker (two child processes) for the module, on a queue of its own."""
+def worker_queue(tmp_path_factory: pytest.TempPathFactory, *, pool: str, concurrency: int) -> Iterator[str]:
+    """A real worker of the tests' app on ``pool``, consuming a queue of its own (yielded)."""
     require("redis")
-    queue = f"gr-gate-{uuid.uuid4().hex[:12]}"
-    log = Path(tmp_path_factory.mktemp("gate")) / "worker.log"
+    queue = f"gr-gate-{pool}-{uuid.uuid4().hex[:12]}"
+    log = Path(tmp_path_factory.mktemp(f"gate-{pool}")) / "worker.log"
     with WorkerProcess(
-        app=PROJ_APP, queue=queue, log_path=log, pool="prefork", concurrency=2, env=proj_env(queue=queue)
+        app=PROJ_APP, queue=queue, log_path=log, pool=pool, concurrency=concurrency, env=proj_env(queue=queue)
     ):
         yield queue
+
+
+@pytest.fixture(scope="module")
+def prefork_queue(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """One real prefork worker (two child processes) for the module."""
+    yield from worker_queue(tmp_path_factory, pool="prefork", concurrency=2)
 
 
 def run(task: Any, *args: Any, queue: str) -> Any:
@@ -294,14 +299,8 @@ def test_a_refused_connection_inside_the_effect_is_retried_and_the_effect_lands_
 
 @pytest.fixture(scope="module")
 def threads_queue(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """A real worker on the threads pool (four threads), on a queue of its own."""
-    require("redis")
-    queue = f"gr-gate-threads-{uuid.uuid4().hex[:12]}"
-    log = Path(tmp_path_factory.mktemp("gate-threads")) / "worker.log"
-    with WorkerProcess(
-        app=PROJ_APP, queue=queue, log_path=log, pool="threads", concurrency=4, env=proj_env(queue=queue)
-    ):
-        yield queue
+    """A real worker on the threads pool (four threads)."""
+    yield from worker_queue(tmp_path_factory, pool="threads", concurrency=4)
 
 
 def test_on_threads_each_delivery_counts_its_own_effects(

@@ -15,6 +15,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from tests.support.audit_apps import AXES
 from tests.support.waiting import BOUND
 from tests.support.workers import ROOT
 
@@ -212,17 +213,7 @@ def test_the_tasks_of_issue_27_score_the_retry_axis_0(tmp_path: Path) -> None:
     # task are errors, each with its fix
     report = json.loads(done.stdout)
     scores = {axis["name"]: axis["score"] for axis in report["axes"]}
-    assert list(scores) == [
-        "placement",
-        "message_design",
-        "idempotency",
-        "retry_policy",
-        "dead_letters",
-        "ordering_concurrency",
-        "scheduled_work",
-        "observability",
-        "tests",
-    ]
+    assert list(scores) == AXES
     assert scores["retry_policy"] == 0
     errors = [
         (f["code"], f["subject"])

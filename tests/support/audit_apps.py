@@ -35,6 +35,19 @@ __all__ = [
     "write_tree",
 ]
 
+#: The rubric's nine axes, in its order, as the audit must report them.
+AXES = [
+    "placement",
+    "message_design",
+    "idempotency",
+    "retry_policy",
+    "dead_letters",
+    "ordering_concurrency",
+    "scheduled_work",
+    "observability",
+    "tests",
+]
+
 #: The broker named in the apps' config (never connected to).
 BROKER = "redis://127.0.0.1:6379/15"
 
