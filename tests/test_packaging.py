@@ -47,6 +47,20 @@ def test_wheel_installs_into_a_fresh_venv_and_both_packages_import(tmp_path: Pat
     ):
         assert expected in names
     assert not [name for name in names if name.startswith(("tests/", "example_project/", "django_app/"))]
+    # And every file of the two packages is in it (the admin's templates, whatever folder holds them: a list of
+    # folders once left out the dashboard's, a 500 after a wheel install)
+    shipped = {"celery_guardrails": ROOT / "celery_guardrails", "django_celery_guardrails": ROOT / "django_app"}
+    missing = sorted(
+        f"{package}/{path.relative_to(folder)}"
+        for package, folder in shipped.items()
+        for path in folder.rglob("*")
+        if path.is_file()
+        and "__pycache__" not in path.parts
+        and path.suffix != ".pyc"
+        and f"{package}/{path.relative_to(folder)}" not in names
+    )
+    assert missing == []
+    assert "django_celery_guardrails/templates/admin/guardrails/dashboard/dashboard.html" in names
     metadata = zipfile.ZipFile(wheel).read(next(n for n in names if n.endswith("METADATA"))).decode()
     assert "Requires-Dist: celery<5.8,>=5.5.3" in metadata
     assert 'Requires-Dist: Django<6.1,>=4.2; extra == "django"' in metadata
