@@ -120,7 +120,7 @@ from typing import Any
 from celery.schedules import crontab
 
 from celery_guardrails import audit_source
-from celery_guardrails.options import app_value, celery_option, resolve, task_attribute
+from celery_guardrails.options import app_value, celery_option, celery_option_set, resolve, task_attribute
 
 ERROR = "error"
 WARNING = "warning"
@@ -539,14 +539,13 @@ def _read_retry_code(function: Any) -> RetryCode:
         tree = ast.parse(textwrap.dedent(inspect.getsource(function)))
     except (OSError, TypeError, SyntaxError, ValueError, RecursionError):
         # No source (a function built at run time, a .pyc only): the bytecode shows the calls, not their waits.
-        codes, found = [function.__code__], False
-        while codes and not found:
-            code = codes.pop()
-            codes += [const for const in code.co_consts if isinstance(const, CodeType)]
-            found = any(
-                instruction.argval == "retry" and instruction.opname in ("LOAD_ATTR", "LOAD_METHOD")
-                for instruction in dis.get_instructions(code)
-            )
+        from celery_guardrails.effects import code_objects
+
+        found = any(
+            instruction.argval == "retry" and instruction.opname in ("LOAD_ATTR", "LOAD_METHOD")
+            for code in code_objects(function.__code__)
+            for instruction in dis.get_instructions(code)
+        )
         return RetryCode(calls=found)
     body = next((node for node in ast.walk(tree) if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef)), tree)
     calls = _retry_calls([body])
@@ -594,23 +593,12 @@ def _catches_anything(kinds: Iterable[Any]) -> list[str]:
     ]
 
 
-def _set_by_project(kind: type, name: str) -> bool:
-    """Whether the project set Celery option ``name`` (even to None): celery_option's walk, telling None set
-    from None left at Celery's default."""
-    for klass in kind.__mro__:
-        if klass.__module__.partition(".")[0] in ("celery", "celery_guardrails"):
-            return False
-        if name in vars(klass):
-            return True
-    return False
-
-
 def _max_retries(kind: type) -> tuple[bool, int | None]:
     """(set by the project, the value) of max_retries, ``retry_kwargs['max_retries']`` first (Celery's order)."""
     kwargs = celery_option(kind, "retry_kwargs") or {}
     if isinstance(kwargs, dict) and "max_retries" in kwargs:
         return True, kwargs["max_retries"]
-    return _set_by_project(kind, "max_retries"), celery_option(kind, "max_retries")
+    return celery_option_set(kind, "max_retries"), celery_option(kind, "max_retries")
 
 
 def _gate_fix() -> str:
@@ -773,7 +761,7 @@ def _plain_retries(task: Any) -> list[Finding]:
     why = []
     if autoretry:
         why.append(f"autoretry_for=({', '.join(getattr(k, '__name__', str(k)) for k in autoretry)},)")
-    if _set_by_project(kind, "max_retries"):
+    if celery_option_set(kind, "max_retries"):
         why.append(f"max_retries={celery_option(kind, 'max_retries')!r}")
     if celery_option(kind, "retry_kwargs"):  # an empty dict asks for nothing
         why.append(f"retry_kwargs={celery_option(kind, 'retry_kwargs')!r}")

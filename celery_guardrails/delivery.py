@@ -89,8 +89,6 @@ class Delivery:
     #: Effect blocks (``effect()``) that completed, or ended in an error that may have acted: a failure after
     #: one of them is not retried automatically (see celery_guardrails.effects).
     effects: int = 0
-    #: Effect blocks open now.
-    effect_depth: int = 0
 
     def forget(self, owner: str) -> None:
         """The hold of ``owner`` is settled another way (its key completed or failed): nothing to release."""

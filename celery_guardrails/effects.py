@@ -82,15 +82,16 @@ class effect(ContextDecorator):  # lower case: used like a function, ``with effe
         if state is not None and not state.in_body:
             state = None
         self.state = state
-        if state is not None:
-            state.effect_depth += 1
         return self
+
+    def _recreate_cm(self) -> effect:
+        # As a decorator, one block per call: the instance holds the state of the call it is in (threads, nesting).
+        return type(self)(state=self.explicit)
 
     def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: Any) -> None:
         state, self.state = self.state, None
         if state is None:
             return
-        state.effect_depth -= 1
         # A block left by an error that proves nothing reached the other side counts nothing; any other end
         # (done, or an error after the request may have gone out) is an effect that may have happened.
         if exc is None or not _proves_nothing_sent(exc):
@@ -143,12 +144,12 @@ def body_function(task: Any) -> Any:
         return run
 
 
-def _codes(code: CodeType) -> list[CodeType]:
+def code_objects(code: CodeType) -> list[CodeType]:
     """``code`` and the code of every function, lambda and comprehension defined inside it."""
     found = [code]
     for const in code.co_consts:
         if isinstance(const, CodeType):
-            found.extend(_codes(const))
+            found.extend(code_objects(const))
     return found
 
 
@@ -157,7 +158,7 @@ def _uses_effect(function: Any, seen: set[int], depth: int) -> bool:
         return False
     seen.add(id(function))
     namespace = function.__globals__
-    for code in _codes(function.__code__):
+    for code in code_objects(function.__code__):
         for instruction in dis.get_instructions(code):
             name = instruction.argval
             if not isinstance(name, str):
@@ -208,7 +209,7 @@ def reads_key(task: Any) -> bool:
         try:
             found = isinstance(function, FunctionType) and any(
                 instruction.argval == "idempotency_key"
-                for code in _codes(function.__code__)
+                for code in code_objects(function.__code__)
                 for instruction in dis.get_instructions(code)
                 if instruction.opname in ("LOAD_ATTR", "LOAD_METHOD", "LOAD_CONST")
             )

@@ -1170,15 +1170,26 @@ def task_attribute(task: Any, name: str) -> Any:
     return value
 
 
-def celery_option(kind: type, name: str) -> Any:
-    """Celery task option ``name`` as the task itself sets it (a decorator kwarg or a class attribute of the
-    project's), or None: Celery's and the extension's own defaults do not count."""
+def _project_class_setting(kind: type, name: str) -> type | None:
+    """The class of the project's (before Celery's and the extension's own) that sets ``name``, or None."""
     for klass in kind.__mro__:
         if klass.__module__.partition(".")[0] in ("celery", "celery_guardrails"):
             return None
         if name in vars(klass):
-            return vars(klass)[name]
+            return klass
     return None
+
+
+def celery_option(kind: type, name: str) -> Any:
+    """Celery task option ``name`` as the task itself sets it (a decorator kwarg or a class attribute of the
+    project's), or None: Celery's and the extension's own defaults do not count."""
+    klass = _project_class_setting(kind, name)
+    return None if klass is None else vars(klass)[name]
+
+
+def celery_option_set(kind: type, name: str) -> bool:
+    """Whether the task sets Celery option ``name`` itself, even to None (``max_retries=None``: for ever)."""
+    return _project_class_setting(kind, name) is not None
 
 
 def _max_attempts_of_celery(kind: type) -> int | None:

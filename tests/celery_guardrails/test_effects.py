@@ -149,6 +149,24 @@ def test_each_block_counts_unless_its_error_proves_nothing_was_sent() -> None:
     assert result == [0, 1, 1, 2, 3]
 
 
+@effect()
+def _book(task: GuardedTask) -> None:
+    """A helper marked as an effect by its decorator (one block per call)."""
+
+
+@app.task(base=GuardedTask, bind=True, marks_effects=True)
+def books_twice(self: GuardedTask) -> int:
+    _book(self)
+    _book(self)
+    return delivery(self).effects
+
+
+def test_an_effect_decorator_counts_each_call() -> None:
+    require("redis")
+    # Given a helper decorated with effect(), When a body calls it twice, Then each call is one block
+    assert books_twice.apply().get() == 2
+
+
 def test_outside_a_guarded_body_an_effect_block_does_nothing() -> None:
     # Given no task running, When code marks an effect (a helper called from a script, a test)
     with effect():
