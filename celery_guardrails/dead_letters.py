@@ -60,10 +60,17 @@ ARGUMENTS_LIMIT = 64 * 1024
 TRACEBACK_LIMIT = 20_000
 
 
-def storable(value: Any) -> Any:
+#: Levels of lists and dicts a stored value keeps; deeper ones are replaced by :data:`CUT_DEEP` (the redaction
+#: cuts arguments sooner: this bounds every other value a record takes, e.g. a header another producer wrote).
+STORABLE_DEPTH = 100
+#: What stands for a value nested deeper than a record keeps.
+CUT_DEEP = "[cut: nested too deep to keep]"
+
+
+def storable(value: Any, depth: int = 0) -> Any:
     """``value`` with what a database refuses in text written out instead: NUL as ``\\x00`` (PostgreSQL refuses
-    it in text and JSON), a lone surrogate as ``\\udXXX`` (not UTF-8). The record keeps what the message held,
-    escaped, instead of failing for ever."""
+    it in text and JSON), a lone surrogate as ``\\udXXX`` (not UTF-8); dict keys made text; values nested deeper
+    than :data:`STORABLE_DEPTH` cut. The record keeps what the message held, escaped, instead of failing for ever."""
     if isinstance(value, str):
         if "\x00" in value:
             value = value.replace("\x00", "\\x00")
@@ -72,10 +79,12 @@ def storable(value: Any) -> Any:
         except UnicodeEncodeError:
             value = value.encode("utf-8", "backslashreplace").decode()
         return value
+    if isinstance(value, dict | list | tuple) and depth >= STORABLE_DEPTH:
+        return CUT_DEEP
     if isinstance(value, dict):
-        return {storable(k): storable(v) for k, v in value.items()}
+        return {storable(k if isinstance(k, str) else str(k)): storable(v, depth + 1) for k, v in value.items()}
     if isinstance(value, list | tuple):
-        return [storable(item) for item in value]
+        return [storable(item, depth + 1) for item in value]
     return value
 
 
@@ -126,6 +135,41 @@ def _sealed(task: Any, failure: FinalFailure) -> str:
         return ""
 
 
+def cut_record(task: Any, failure: FinalFailure, error: BaseException) -> dict[str, Any]:
+    """The record of ``failure`` when its whole record could not be built (a walk that failed, a value the
+    encoder refused): who, what and why, none of the message's contents, and the sealed copy (replay reads the
+    original from it). The reason it was cut is in its exception message."""
+    from celery_guardrails.outcomes import exception_name
+
+    note = f"[record cut: {exception_name(error)} while building it] "
+    fields: dict[str, Any] = storable(
+        {
+            "task_name": str(failure.task_name)[:200],
+            "task_id": str(failure.task_id)[:255],
+            "queue": str(failure.queue or "")[:200],
+            "routing_key": str(failure.queue or "")[:200],
+            "args": [],
+            "kwargs": {},
+            "arguments_are_repr": True,
+            "tenant": str(failure.tenant or "")[:200],
+            "correlation_id": str(failure.correlation_id or "")[:200],
+            "idempotency_key": str(failure.idempotency_key or "")[:500],
+            "header": {},
+            "reason": str(failure.reason)[:64],
+            "exc_type": str(failure.exc_type)[:255],
+            "exc_message": note + str(failure.exc_message)[:500],
+            "traceback": "",
+            "history": [],
+            "attempts": failure.attempts if isinstance(failure.attempts, int) else 1,
+            "first_failed_at": str(failure.first_failed_at),
+            "last_failed_at": str(failure.last_failed_at),
+            "owner": str(failure.owner or "")[:200],
+        }
+    )
+    fields["sealed"] = _sealed(task, failure)
+    return fields
+
+
 def minimal(fields: dict[str, Any], error: BaseException) -> dict[str, Any]:
     """What is left of a record a sink refused as data: who, what and why, without the message's contents
     (arguments, header, history, traceback), and the refusal in the exception message."""
@@ -154,8 +198,10 @@ class DjangoSink:
             return self._write(fields)
         except StoreUnavailableError:
             raise
-        except StoreError as refused:  # refused as data: keep what can be kept, never retry it for ever
-            logger.error("Dead letter of %s refused by the database (%s); recording it cut", fields["task_id"], refused)
+        except Exception as refused:
+            # Refused as data (a StoreError), or a value the driver could not even adapt (a RecursionError in its
+            # JSON encoding): keep what can be kept, never retry it for ever.
+            logger.error("Dead letter of %s refused by the database (%r); recording it cut", fields["task_id"], refused)
             return self._write(minimal(fields, refused))
 
     @staticmethod
@@ -213,12 +259,21 @@ class RedisStreamSink:
             # Recorded by a release before the hash tag (another slot: read on its own; nothing writes it now)
             if self.client.exists(LEGACY_MARKER + task_id):
                 return False
-            record = json.dumps(fields, default=str)
+            record = _encoded(fields)
             new = self._record(keys=[MARKER + task_id, STREAM], args=[record, MARKER_TTL, STREAM_MAXLEN])
         except (redis.RedisError, redis.exceptions.RedisClusterException, OSError) as exc:
             # the store's rule: an outage comes back, a refusal is final
             raise failure("dead-letter stream", self.url, exc) from exc
         return bool(new)
+
+
+def _encoded(fields: dict[str, Any]) -> str:
+    """The stream entry's JSON; the record cut (:func:`minimal`) when the whole one cannot be encoded."""
+    try:
+        return json.dumps(fields, default=str)
+    except Exception as refused:  # a value nested too deep, a circular one, a default=str that raised
+        logger.error("Dead letter of %s not encodable (%r); recording it cut", fields.get("task_id"), refused)
+        return json.dumps(minimal(fields, refused), default=str)
 
 
 def sinks_for(app: Any) -> list[Sink]:
@@ -237,7 +292,15 @@ def sinks_for(app: Any) -> list[Sink]:
 
 
 def record(task: Any, failure: FinalFailure) -> bool:
-    """Record ``failure`` in every sink; raises StoreError when one cannot; True when it was new."""
-    fields = record_fields(task, failure)
+    """Record ``failure`` in every sink; raises StoreError when one cannot; True when it was new.
+
+    Whatever the message holds, a record is written: one whose fields cannot be built (any exception at all,
+    from a walk, the encoder or a repr) is recorded cut (:func:`cut_record`), one a sink refuses as data is
+    recorded minimal (:func:`minimal`). What is left to raise is a sink that cannot be reached."""
+    try:
+        fields = record_fields(task, failure)
+    except Exception as error:
+        logger.exception("Dead letter of %s[%s]: not built whole; recording it cut", failure.task_name, failure.task_id)
+        fields = cut_record(task, failure, error)
     new = [sink.record(fields) for sink in sinks_for(task.app)]
     return any(new)

@@ -71,6 +71,10 @@ class Delivery:
     holds: list[Hold] = field(default_factory=list)
     #: A guardrail is publishing the message again (so it is not taken for the body's own ``self.retry()``).
     republishing: bool = False
+    #: How this delivery was settled so far: ``"recorded"`` (its dead letter is durably written) or
+    #: ``"republished"`` (a retry or a wait is published). An exception that leaves ``GuardedTask`` with neither
+    #: set was recorded by nothing: the task records it then (see ``GuardedTask.__call__``).
+    ended: str | None = None
     #: The body ran (returned or raised): its effects may have happened.
     body_ran: bool = False
     #: What the body itself raised (a store error from the task's own code is the task's, not the guardrails').

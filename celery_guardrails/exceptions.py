@@ -11,6 +11,7 @@ Every exception the extension raises derives from one root, :class:`GuardrailsEr
     ├── ConcurrencyKeyError     a concurrency_key / exclusive_key that cannot be made (the same rules)
     ├── PayloadContractError    a message that breaks the payload contract (refused at publish, nothing sent)
     │   ├── PayloadTooLargeError    its serialised arguments are over max_payload_bytes
+    │   ├── PayloadTooDeepError     its arguments are nested deeper than max_payload_depth
     │   ├── SensitivePayloadError   an argument name or dict key is a secret or personal data (sensitive_keys)
     │   ├── EntityInPayloadError    a Django model instance or queryset among the arguments
     │   └── UnknownPayloadVersionError  (on the worker) a payload version the task does not accept:
@@ -209,6 +210,10 @@ class PayloadContractError(GuardrailsError, ValueError):
 
 class PayloadTooLargeError(PayloadContractError):
     """The serialised arguments are larger than ``max_payload_bytes``."""
+
+
+class PayloadTooDeepError(PayloadContractError):
+    """The arguments are nested deeper than ``max_payload_depth`` (levels of lists and dicts)."""
 
 
 class SensitivePayloadError(PayloadContractError):

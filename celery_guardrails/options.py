@@ -128,6 +128,19 @@ def _bytes_or_off(value: Any) -> int:
     return value
 
 
+#: Default max_payload_depth: levels of lists and dicts in a task's arguments.
+MAX_PAYLOAD_DEPTH = 100
+#: The deepest max_payload_depth may be: well inside what pickle (prefork's hand-over to its child), the JSON
+#: codecs and the record's walks take under Python's default recursion limit of 1,000.
+DEPTH_CEILING = 400
+
+
+def _depth(value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= DEPTH_CEILING:
+        raise ValueError(f"must be a whole number of levels from 1 to {DEPTH_CEILING}, got {value!r:.80}")
+    return value
+
+
 def _key_names(value: Any) -> tuple[str, ...]:
     if isinstance(value, str | bytes) or not isinstance(value, Iterable):
         raise ValueError(f"must be a list of argument or key names, got {value!r:.80}")
@@ -843,6 +856,16 @@ OPTIONS: Mapping[str, Option] = {
             "(PayloadTooLargeError, naming the size): send a storage reference instead. 0: no limit.",
             check=_bytes_or_off,
             scopes=frozenset({CALL, TASK, APP}),
+        ),
+        Option(
+            name="max_payload_depth",
+            default=MAX_PAYLOAD_DEPTH,
+            doc="Deepest nesting of lists and dicts the arguments may have (an argument that is a list of numbers "
+            "is 1 level): deeper is refused at publish (PayloadTooDeepError) and, from another producer, "
+            "dead-lettered malformed_message on delivery, never run. At most 400: a prefork worker hands the "
+            "arguments to its child with pickle, which fails several hundred levels down.",
+            check=_depth,
+            scopes=frozenset({TASK, APP}),
         ),
         Option(
             name="sensitive_keys",

@@ -41,6 +41,9 @@ TIME_LIMIT = "time_limit"
 ORDERING_GAP = "ordering_gap"
 #: A message of a payload version its task does not accept (accepts_versions): a replay on newer workers runs it.
 UNKNOWN_PAYLOAD_VERSION = "unknown_payload_version"
+#: An exception that no guardrail settled (a guardrail's own failure on this message, or a body's error where no
+#: guardrail classifies errors): recorded so that nothing is acked away unseen; replay it once the cause is fixed.
+GUARDRAIL_ERROR = "guardrail_error"
 #: Every reason a dead letter can give (the commands check ``--reason`` against it).
 REASONS = (
     PERMANENT,
@@ -57,6 +60,7 @@ REASONS = (
     TIME_LIMIT,
     ORDERING_GAP,
     UNKNOWN_PAYLOAD_VERSION,
+    GUARDRAIL_ERROR,
 )
 
 #: Header field of a final failure whose dead letter could not be recorded yet (the message came back).
@@ -85,12 +89,53 @@ def attempt_record(
         "start": timestamp(started if started is not None else delivery(task).started),
         "end": timestamp(),
         "host": request.hostname,
-        "exc": f"{type(exc).__module__}.{type(exc).__qualname__}" if exc is not None else None,
-        "msg": _redacted(task, str(exc))[: headers.MESSAGE_LIMIT] if exc is not None else None,
+        "exc": exception_name(exc) if exc is not None else None,
+        "msg": kept_text(task, describe(exc), headers.MESSAGE_LIMIT) if exc is not None else None,
         "class": kind,
         "rule": rule,
         "delay": None if delay is None else round(delay, 3),
     }
+
+
+def exception_name(exc: BaseException) -> str:
+    """``module.QualName`` of ``exc``'s class."""
+    kind = type(exc)
+    return f"{getattr(kind, '__module__', None) or '?'}.{getattr(kind, '__qualname__', None) or kind.__name__}"
+
+
+def describe(exc: BaseException) -> str:
+    """``str(exc)``, or what can be said of it when its ``__str__`` raises (any exception at all, a recursion):
+    a failure is recorded whatever its exception does."""
+    try:
+        text = str(exc)
+    except Exception as error:
+        return f"<{exception_name(exc)}: its str() raised {type(error).__name__}>"
+    return text if isinstance(text, str) else f"<{exception_name(exc)}>"
+
+
+def formatted_traceback(exc: BaseException) -> str:
+    """``exc``'s traceback as text, or a line saying why there is none (a chain too deep to format)."""
+    try:
+        return "".join(traceback_module.format_exception(exc))
+    except Exception as error:
+        return f"(traceback not kept: formatting it raised {type(error).__name__})"
+
+
+#: Characters of text read past the part kept, so that a secret cut at the edge is still seen whole by the
+#: redaction (a URL's password cut in two would otherwise leave its first half in clear).
+_MARGIN = 4096
+
+
+def kept_text(task: Any, text: str, limit: int, *, tail: bool = False) -> str:
+    """Text about a failure (a message, a traceback) as it may be kept: redacted with the task's settings, then
+    cut to ``limit`` characters (the last ones when ``tail``). Redaction that fails keeps nothing of the text."""
+    window = text[-(limit + _MARGIN) :] if tail else text[: limit + _MARGIN]
+    try:
+        clean = _redacted(task, window)
+    except Exception:  # never keep in clear what could not be redacted
+        logger.exception("Task %s: failure text not redacted; not kept", getattr(task, "name", "?"))
+        return "[not kept: the text could not be redacted]"
+    return clean[-limit:] if tail else clean[:limit]
 
 
 def _redacted(task: Any, text: str) -> str:
@@ -144,6 +189,7 @@ def republish(
         headers=message_headers,
         **extra,
     )
+    state.ended = "republished"
     return retry
 
 
@@ -271,31 +317,16 @@ def fail_finally(
 
     Returns None when the dead letter is recorded: the caller lets the task fail (and Celery acks). When no
     sink can record it, the message is published again carrying the pending dead letter (no body will run
-    for it) and Celery's Retry is returned for the caller to raise: nothing is acked away unrecorded.
+    for it) and Celery's Retry is returned for the caller to raise: nothing is acked away unrecorded. Where
+    even that publish fails, a ``Reject`` that gives the message back to the broker is returned. Whatever the
+    exception or the message holds (a ``__str__`` that raises, arguments nested past the recursion limit),
+    this returns one of the three; it does not raise.
     """
-    request = task.request
-    history = list(history or ())
-    header = headers.from_request(request)
-    failure = FinalFailure(
-        task_name=task.name,
-        task_id=request.id,
-        reason=reason,
-        exc_type=f"{type(exc).__module__}.{type(exc).__qualname__}",
-        exc_message=_redacted(task, str(exc))[: headers.MESSAGE_LIMIT],
-        tenant=current_tenant(),
-        correlation_id=current_correlation_id(),
-        attempts=getattr(request, "attempt", 1),
-        history=history,
-        args=tuple(request.args or ()),
-        kwargs=dict(request.kwargs or {}),
-        queue=(request.delivery_info or {}).get("routing_key"),
-        owner=owner_of(task),
-        idempotency_key=delivery(task).key,  # the scoped key (replay reopens it), not the body's opaque one
-        header={k: v for k, v in header.items() if k not in (headers.HISTORY, PENDING_DEAD_LETTER)},
-        traceback=_redacted(task, "".join(traceback_module.format_exception(exc))[-20000:]),
-        first_failed_at=history[0]["start"] if history and history[0].get("start") else timestamp(),
-        last_failed_at=timestamp(),
-    )
+    try:
+        failure = _final_failure(task, exc, reason=reason, history=history)
+    except Exception:  # a failure that cannot even be described: its message goes back, not acked away
+        logger.exception("Task %s: final failure (%s) not described; the message goes back", _name(task), reason)
+        return _given_back(task, exc)
     logger.error(
         "Task %s[%s] failed finally (%s) after %d attempt(s): %s: %s (tenant %s, correlation id %s)",
         failure.task_name,
@@ -310,15 +341,64 @@ def fail_finally(
     return hand_over(task, failure, exc)
 
 
+def _name(task: Any) -> str:
+    return f"{getattr(task, 'name', '?')}[{getattr(task.request, 'id', '?')}]"
+
+
+def _final_failure(task: Any, exc: BaseException, *, reason: str, history: list[dict[str, Any]] | None) -> FinalFailure:
+    from celery_guardrails.dead_letters import TRACEBACK_LIMIT
+
+    request = task.request
+    history = list(history or ())
+    header = headers.from_request(request)
+    return FinalFailure(
+        task_name=task.name,
+        task_id=request.id,
+        reason=reason,
+        exc_type=exception_name(exc),
+        exc_message=kept_text(task, describe(exc), headers.MESSAGE_LIMIT),
+        tenant=current_tenant(),
+        correlation_id=current_correlation_id(),
+        attempts=getattr(request, "attempt", 1),
+        history=history,
+        args=tuple(request.args or ()),
+        kwargs=dict(request.kwargs or {}),
+        queue=(request.delivery_info or {}).get("routing_key"),
+        owner=owner_of(task),
+        idempotency_key=delivery(task).key,  # the scoped key (replay reopens it), not the body's opaque one
+        header={k: v for k, v in header.items() if k not in (headers.HISTORY, PENDING_DEAD_LETTER)},
+        traceback=kept_text(task, formatted_traceback(exc), TRACEBACK_LIMIT, tail=True),
+        first_failed_at=history[0]["start"] if history and history[0].get("start") else timestamp(),
+        last_failed_at=timestamp(),
+    )
+
+
 def hand_over(task: Any, failure: FinalFailure, exc: BaseException | None = None) -> BaseException | None:
-    """Record ``failure``'s dead letter; on success send the signals, else re-publish it pending."""
+    """Record ``failure``'s dead letter; on success send the signals, else re-publish it pending (or, when that
+    fails too, give the message back to the broker). Never raises: see :func:`fail_finally`."""
     from celery_guardrails import dead_letters
-    from celery_guardrails.exceptions import StoreError
-    from celery_guardrails.options import resolve
 
     try:
         new = dead_letters.record(task, failure)
-    except StoreError as error:
+    except Exception as error:
+        # A store error (down, or refusing even the cut record) or anything else at all: the message must not be
+        # acked with nothing recorded. dead_letters.record already fell back to a cut record for data it could
+        # not store, so what is left is an outage: try again later.
+        return _pending(task, failure, exc, error)
+    delivery(task).ended = "recorded"
+    for signal in (signals.final_failure, *((signals.dead_lettered,) if new else ())):
+        try:
+            signal.send(sender=task, failure=failure)
+        except Exception:  # a receiver's bug: the record stands, the delivery ends as recorded
+            logger.exception("Task %s[%s]: a receiver of %s failed", failure.task_name, failure.task_id, signal.name)
+    return None
+
+
+def _pending(task: Any, failure: FinalFailure, exc: BaseException | None, error: BaseException) -> BaseException:
+    """Publish the message again carrying its pending dead letter; a Reject when that cannot be done."""
+    from celery_guardrails.options import resolve
+
+    try:
         request = task.request
         header = headers.from_request(request)
         tries = headers.counter(header, headers.PENDING_TRIES) + 1
@@ -332,7 +412,16 @@ def hand_over(task: Any, failure: FinalFailure, exc: BaseException | None = None
         )
         header.update({PENDING_DEAD_LETTER: failure.to_dict(), headers.PENDING_TRIES: tries})
         return republish(task, countdown=delay, header=header, exc=exc)
-    signals.final_failure.send(sender=task, failure=failure)
-    if new:
-        signals.dead_lettered.send(sender=task, failure=failure)
-    return None
+    except Exception:
+        logger.exception("Task %s[%s]: pending dead letter not published", failure.task_name, failure.task_id)
+        return _given_back(task, exc)
+
+
+def _given_back(task: Any, exc: BaseException | None) -> BaseException:
+    """A Reject that gives the running message back to the broker unacked (it is delivered again; its
+    redeliveries are counted by the poison guard)."""
+    from celery.exceptions import Reject
+
+    logger.error("Task %s: given back to the broker unacked", _name(task))
+    rejected: BaseException = Reject(exc, requeue=True)
+    return rejected

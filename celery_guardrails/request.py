@@ -7,6 +7,13 @@ task hook, and what ``GuardedTask`` makes of them.
   no record. Here the envelope is checked as the request is built: a malformed one is dead-lettered with
   reason ``malformed_message``, then refused as an invalid task (Celery removes it and goes on). If its dead
   letter cannot be written, the message is given back to the broker instead.
+* **A payload the pool cannot take.** A prefork worker hands each request to its child with pickle, in the
+  main process: arguments (or headers) nested several hundred levels deep, or an object pickle refuses, raise
+  there and stop the worker (``Unrecoverable error``); the message is restored, so the next worker that takes
+  it stops too. Here a request nested deeper than ``max_payload_depth`` is refused as malformed when it is built
+  (any pool), and on a pool that pickles, a payload that is not plain JSON data is tried with pickle before
+  the hand-over: a refusal, or any exception from the hand-over itself, dead-letters the message
+  ``malformed_message`` (or gives it back if that cannot be written), and the worker goes on.
 * **A hard time limit.** The pool kills the process running the task; Celery marks it FAILURE and acks it.
   Here, first, the failure is handed over as any final failure is (a dead letter ``time_limit``), or, for a
   task the retry gate lets run again without seeing its body (``idempotent=True``, ``retry_unsafe``, or keyed
@@ -22,13 +29,16 @@ Celery's consumer before any task's request exists (it logs and acks it; see the
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import logging
 import math
+import pickle
 import time
 from datetime import datetime
-from typing import Any
+from typing import Any, NoReturn
 
-from celery.exceptions import InvalidTaskError, TimeLimitExceeded
+from celery.exceptions import InvalidTaskError, TaskRevokedError, TimeLimitExceeded
 from celery.worker import state
 from celery.worker.request import Request
 
@@ -51,6 +61,15 @@ class GuardedRequest(Request):  # type: ignore[misc]
             _check_envelope(self)
         except Exception as exc:
             _refuse_malformed(message, kwargs.get("task"), exc)  # raises InvalidTaskError
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        # Celery makes a subclass of the task's Request class for each task (create_request_cls in
+        # celery/worker/request.py) whose execute_using_pool hands the request to the pool: it is guarded here, as
+        # it is defined, since an override on this class would be shadowed by it.
+        hand_over = cls.__dict__.get("execute_using_pool")
+        if hand_over is not None and not getattr(hand_over, "guarded", False):
+            cls.execute_using_pool = _guarded_hand_over(hand_over)
 
     def on_timeout(self, soft: bool, timeout: float) -> None:
         retried = False
@@ -96,12 +115,40 @@ def _check_envelope(request: Any) -> None:
         if not isinstance(eta, datetime):
             raise ValueError(f"eta must be an ISO 8601 date and time, got {eta!r:.80}")
         eta.timestamp()  # OverflowError / ValueError for an instant Celery cannot wait for
+    _check_depth(request)
+
+
+def _depth_limit(task: Any) -> int:
+    from celery_guardrails.options import DEPTH_CEILING, resolve
+
+    try:
+        return int(resolve(task, "max_payload_depth", {}))
+    except Exception:  # a bad setting stops the worker at start-up; here, never the message's fault
+        return DEPTH_CEILING
+
+
+def _check_depth(request: Any) -> None:
+    """Raise ValueError for arguments or headers nested deeper than ``max_payload_depth`` (see the module
+    docstring): the pool's pickle, the record's walks and the body itself would fail on them."""
+    from celery_guardrails.guardrails.contract import nesting_over
+
+    limit = _depth_limit(request.task)
+    args, kwargs = request.args, request.kwargs
+    values = [
+        *(args if isinstance(args, list | tuple) else (args,)),
+        *(kwargs.values() if isinstance(kwargs, dict) else (kwargs,)),
+        *(value for name, value in request.request_dict.items() if name not in ("args", "kwargs")),
+    ]
+    depth = nesting_over(values, limit)
+    if depth is not None:
+        raise ValueError(
+            f"arguments or headers nested more than {depth - 1} levels deep, over max_payload_depth {limit}: not "
+            "handed to the pool (a prefork child could not receive it)"
+        )
 
 
 def _refuse_malformed(message: Any, task: Any, error: Exception) -> None:
     """Dead-letter a message whose envelope Celery cannot read; then refuse it as invalid (removed)."""
-    from celery_guardrails.outcomes import FinalFailure, timestamp
-
     raw = dict(getattr(message, "headers", None) or {})
     task_id = str(raw.get("id") or "")[:255]
     args: Any = ()
@@ -112,47 +159,131 @@ def _refuse_malformed(message: Any, task: Any, error: Exception) -> None:
             args, kwargs = body[0], body[1]
     except Exception:
         logger.debug("Malformed message %s: body not decoded", task_id, exc_info=True)
-    header = headers.sanitise(headers.from_message_headers(raw), task_id=task_id)
-    failure = FinalFailure(
-        task_name=str(raw.get("task") or getattr(task, "name", "") or "")[:200],
-        task_id=task_id,
-        reason=MALFORMED_MESSAGE,
-        exc_type=f"{type(error).__module__}.{type(error).__qualname__}",
-        exc_message=str(error)[: headers.MESSAGE_LIMIT],
-        tenant=header.get(headers.TENANT) if isinstance(header.get(headers.TENANT), str) else None,
-        correlation_id=header.get(headers.CORRELATION_ID)
-        if isinstance(header.get(headers.CORRELATION_ID), str)
-        else None,
-        attempts=headers.counter(headers.sanitise(header, task_id=task_id), headers.ATTEMPT) + 1,
-        args=tuple(args) if isinstance(args, list | tuple) else (),
-        kwargs=dict(kwargs) if isinstance(kwargs, dict) else {},
-        header={k: v for k, v in header.items() if k != headers.HISTORY},
-        first_failed_at=timestamp(),
-        last_failed_at=timestamp(),
-    )
-    logger.error("Message %s of %s is malformed (%s): dead-lettering it", task_id, failure.task_name, error)
+    logger.error("Message %s of %s is malformed (%s): dead-lettering it", task_id, raw.get("task"), error)
     if task is None or not task_id:
         raise InvalidTaskError(f"malformed message {task_id or '(no id)'}: {error}") from error
-    from celery_guardrails import dead_letters
-    from celery_guardrails.outcomes import owner_of
-
-    failure = FinalFailure.from_dict({**failure.to_dict(), "owner": owner_of(task)})
-    for attempt in range(1, RECORD_TRIES + 1):
-        try:
-            new = dead_letters.record(task, failure)
-        except Exception as exc:  # a store error or anything else: never out of the consumer (it would stop)
-            logger.error("Dead letter of malformed message %s not recorded (%s), try %d", task_id, exc, attempt)
-            if attempt < RECORD_TRIES:
-                time.sleep(1.0)
-            continue
-        signals.final_failure.send(sender=task, failure=failure)
-        if new:
-            signals.dead_lettered.send(sender=task, failure=failure)
+    if _recorded(task, _malformed(raw, task, error, args=args, kwargs=kwargs)):
         raise InvalidTaskError(f"malformed message {task_id}: {error} (dead-lettered)") from error
     # Not recorded: the consumer refuses it as invalid; make that refusal give the message back.
     reject = message.reject
     message.reject = lambda requeue=False: reject(requeue=True)
     raise InvalidTaskError(f"malformed message {task_id}: {error} (not recorded: given back)") from error
+
+
+def _malformed(raw: dict[str, Any], task: Any, error: BaseException, *, args: Any, kwargs: Any) -> Any:
+    """The final failure ``malformed_message`` of a message refused in the worker's main process."""
+    from celery_guardrails.outcomes import FinalFailure, describe, exception_name, kept_text, owner_of, timestamp
+
+    task_id = str(raw.get("id") or "")[:255]
+    header = headers.sanitise(headers.from_message_headers(raw), task_id=task_id)
+    tenant, correlation_id = header.get(headers.TENANT), header.get(headers.CORRELATION_ID)
+    return FinalFailure(
+        task_name=str(raw.get("task") or getattr(task, "name", "") or "")[:200],
+        task_id=task_id,
+        reason=MALFORMED_MESSAGE,
+        exc_type=exception_name(error),
+        exc_message=kept_text(task, describe(error), headers.MESSAGE_LIMIT),
+        tenant=tenant if isinstance(tenant, str) else None,
+        correlation_id=correlation_id if isinstance(correlation_id, str) else None,
+        attempts=headers.counter(header, headers.ATTEMPT) + 1,
+        args=tuple(args) if isinstance(args, list | tuple) else (),
+        kwargs=dict(kwargs) if isinstance(kwargs, dict) else {},
+        owner=owner_of(task),
+        header={k: v for k, v in header.items() if k != headers.HISTORY},
+        first_failed_at=timestamp(),
+        last_failed_at=timestamp(),
+    )
+
+
+def _recorded(task: Any, failure: Any) -> bool:
+    """Write the dead letter of a message refused in the worker's main process (RECORD_TRIES tries, a second
+    apart); whether it was written. Nothing escapes: an exception here would stop the consumer."""
+    from celery_guardrails import dead_letters
+
+    for attempt in range(1, RECORD_TRIES + 1):
+        try:
+            new = dead_letters.record(task, failure)
+        except Exception as exc:  # a store error or anything else: never out of the consumer (it would stop)
+            logger.error("Dead letter of malformed message %s not recorded (%r), try %d", failure.task_id, exc, attempt)
+            if attempt < RECORD_TRIES:
+                time.sleep(1.0)
+            continue
+        for signal in (signals.final_failure, *((signals.dead_lettered,) if new else ())):
+            try:
+                signal.send(sender=task, failure=failure)
+            except Exception:  # a receiver's bug: the record stands
+                logger.exception("Dead letter of malformed message %s: a receiver failed", failure.task_id)
+        return True
+    return False
+
+
+#: Content types whose decoded values are plain data (str, numbers, lists, dicts, and kombu's registered JSON
+#: types): pickle takes them at any depth max_payload_depth allows, so the hand-over is not tried first.
+PLAIN_CONTENT = frozenset({"application/json", "application/x-msgpack"})
+
+
+def _guarded_hand_over(hand_over: Any) -> Any:
+    """``execute_using_pool`` that never lets a payload stop the worker (module docstring)."""
+
+    @functools.wraps(hand_over)
+    def execute_using_pool(self: Any, pool: Any, **kwargs: Any) -> Any:
+        if not _pickles(pool):  # solo and threads run the request in this process: nothing to hand over
+            return hand_over(self, pool, **kwargs)
+        problem: BaseException | None = None
+        if self.content_type not in PLAIN_CONTENT:
+            try:
+                pickle.dumps(self.request_dict, protocol=pickle.HIGHEST_PROTOCOL)
+            except Exception as exc:
+                problem = exc
+        if problem is None:
+            try:
+                return hand_over(self, pool, **kwargs)
+            except TaskRevokedError:
+                raise
+            except Exception as exc:  # the pool's own pickling (or anything else) refused it
+                _forget_job(pool, self.id)
+                problem = exc
+        _refuse_unhandable(self, problem)
+
+    execute_using_pool.guarded = True  # type: ignore[attr-defined]
+    return execute_using_pool
+
+
+def _pickles(pool: Any) -> bool:
+    """Whether ``pool`` hands requests to child processes (prefork)."""
+    from celery.concurrency.prefork import TaskPool
+
+    return isinstance(pool, TaskPool)
+
+
+def _forget_job(pool: Any, task_id: str) -> None:
+    """Drop the job a failed hand-over left in the pool's table (billiard registers it before pickling it): a job
+    that never reaches a child would be waited for at shutdown."""
+    with contextlib.suppress(Exception):
+        cache = pool._pool._cache
+        for job, result in list(cache.items()):
+            if getattr(result, "correlation_id", None) == task_id:
+                cache.pop(job, None)
+
+
+def _refuse_unhandable(request: Any, problem: BaseException) -> NoReturn:
+    """Dead-letter a request the pool cannot take (``malformed_message``) and ack it, or give it back when that
+    cannot be written; then raise TaskRevokedError, the one exception Celery's hand-over expects: it frees the
+    pool slot taken for the request (``WorkController._process_task``, celery#877) and goes on."""
+    error = ValueError(f"the pool could not take this message: {type(problem).__name__}: {problem!s:.300}")
+    logger.error("Task %s[%s] cannot be handed to the pool (%r): dead-lettering it", request.name, request.id, problem)
+    try:
+        failure = _malformed(dict(request.request_dict), request.task, error, args=request.args, kwargs=request.kwargs)
+        recorded = _recorded(request.task, failure)
+    except Exception:
+        logger.exception("Task %s[%s]: dead letter not built", request.name, request.id)
+        recorded = False
+    state.task_ready(request)
+    if recorded:
+        request.acknowledge()
+    else:
+        request.reject(requeue=True)
+    raise TaskRevokedError(f"{request.id}: not handed to the pool ({type(problem).__name__})") from problem
 
 
 def _time_limit_reached(request: Any, timeout: float) -> bool:

@@ -16,7 +16,7 @@ from contextlib import ExitStack
 from typing import Any, ClassVar
 
 from celery import Task
-from celery.exceptions import Reject
+from celery.exceptions import Ignore, Reject, Retry
 from celery.utils import uuid
 
 from celery_guardrails import headers
@@ -39,7 +39,13 @@ from celery_guardrails.guardrails.tenancy import TenantGuard
 from celery_guardrails.install import install
 from celery_guardrails.metrics import Metrics
 from celery_guardrails.options import OPTIONS, check_call_options, settings_snapshot
-from celery_guardrails.outcomes import STORE_REFUSED, attempt_record, fail_finally, store_unavailable
+from celery_guardrails.outcomes import (
+    GUARDRAIL_ERROR,
+    STORE_REFUSED,
+    attempt_record,
+    fail_finally,
+    store_unavailable,
+)
 from celery_guardrails.pipeline import Guardrail, Publication, SkipBody, SkipPublish, overriding
 
 logger = logging.getLogger(__name__)
@@ -151,6 +157,7 @@ class GuardedTask(Task):  # type: ignore[misc]
     payload_version: int | None = None
     accepts_versions: Any = None
     max_payload_bytes: int | None = None
+    max_payload_depth: int | None = None
     sensitive_keys: Any = None
     allow_sensitive_payload: str | None = None
 
@@ -354,6 +361,34 @@ class GuardedTask(Task):  # type: ignore[misc]
                 history = [*getattr(self.request, "attempt_history", ()), record]
                 pending = fail_finally(self, exc, reason=STORE_REFUSED, history=history)
                 raise (pending or exc) from exc
+            except Exception as exc:
+                if state.ended or isinstance(exc, Retry | Reject | Ignore) or self._in_caller():
+                    raise
+                settled = self._unsettled(exc)
+                if settled is None:  # recorded: the exception fails the task (and Celery acks)
+                    raise
+                raise settled from exc
+
+    def _in_caller(self) -> bool:
+        """Run in the caller's process (``task(...)``, ``apply()``, eager): its exception reaches the caller."""
+        request = self.request
+        return bool(request.called_directly or request.is_eager)
+
+    def _unsettled(self, exc: Exception) -> BaseException | None:
+        """Record an exception that left the guardrails with nothing settled: a guardrail failed on this message
+        (a bug, a value it did not expect), or nothing classifies the body's errors. The ack is sacred: it is
+        dead-lettered ``guardrail_error`` (None: recorded), or the message is published again pending, or given
+        back to the broker (the exception to raise)."""
+        logger.error(
+            "Task %s[%s]: %s left the guardrails unsettled; recording it", self.name, self.request.id, type(exc)
+        )
+        try:
+            record = attempt_record(self, kind="permanent", rule=GUARDRAIL_ERROR, exc=exc)
+            history = [*getattr(self.request, "attempt_history", ()), record]
+        except Exception:  # the history is lost, not the record
+            logger.exception("Task %s[%s]: attempt record not made", self.name, self.request.id)
+            history = []
+        return fail_finally(self, exc, reason=GUARDRAIL_ERROR, history=history)
 
     def _run_guarded(self, state: Delivery, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         try:

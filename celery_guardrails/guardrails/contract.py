@@ -16,6 +16,11 @@ in the caller, before anything is sent or reserved:
 * **Size**: the arguments serialised with the task's serializer, over ``max_payload_bytes`` (64 KiB), are
   refused with :class:`~celery_guardrails.exceptions.PayloadTooLargeError` naming the size: store the data and
   send a reference.
+* **Depth**: arguments nested deeper than ``max_payload_depth`` levels of lists and dicts (100) are refused
+  with :class:`~celery_guardrails.exceptions.PayloadTooDeepError`. A prefork worker hands the arguments to its
+  child with pickle, which fails several hundred levels down and stops the worker's main process; on the worker
+  such a message from another producer is dead-lettered ``malformed_message`` before it reaches the pool
+  (:mod:`celery_guardrails.request`).
 * **Version**: the message is stamped with the task's ``payload_version`` (header field ``pv``).
 
 A re-publish (``retry``, a guardrail's wait, a replay: the message carries ``pv`` already, or it is the
@@ -46,6 +51,7 @@ from celery_guardrails import headers
 from celery_guardrails.exceptions import (
     EntityInPayloadError,
     PayloadContractError,
+    PayloadTooDeepError,
     PayloadTooLargeError,
     SensitivePayloadError,
     UnknownPayloadVersionError,
@@ -169,11 +175,37 @@ def _leaves(signatures: Any, depth: int = 0) -> Iterator[Mapping[str, Any]]:
             yield signature
 
 
+#: Containers' items looked at by :func:`nesting_over` at most: past it the depth is not known (a payload that
+#: big is the size limit's business; on the worker, the pool's hand-over is guarded whatever it holds).
+NESTING_BUDGET = 1_000_000
+_CONTAINERS = (Mapping, list, tuple, set, frozenset)
+
+
+def nesting_over(values: Iterator[Any] | tuple[Any, ...] | list[Any], limit: int) -> int | None:
+    """The nesting depth reached past ``limit`` by any of ``values`` (a list of numbers is 1 level), or None when
+    none goes deeper (or :data:`NESTING_BUDGET` items were looked at first). A loop, not a recursion: it takes
+    any depth, and stops at the first level past the limit."""
+    stack = [(value, 1) for value in values if isinstance(value, _CONTAINERS)]
+    seen = 0
+    while stack:
+        value, depth = stack.pop()
+        if depth > limit:
+            return depth
+        items = value.values() if isinstance(value, Mapping) else value
+        seen += len(value)
+        if seen > NESTING_BUDGET:
+            return None
+        stack.extend((item, depth + 1) for item in items if isinstance(item, _CONTAINERS))
+    return None
+
+
 def check_payload(task: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any], call: Mapping[str, Any]) -> None:
-    """The publish checks (entities, sensitive keys, size) of ``task``'s arguments, raising what a publish would:
-    for a message published later (``apply_async_on_commit``, the outbox), checked in the caller now."""
+    """The publish checks (entities, sensitive keys, depth, size) of ``task``'s arguments, raising what a publish
+    would: for a message published later (``apply_async_on_commit``, the outbox), checked in the caller now."""
     contract = PayloadContract()
-    contract._check_size(task, args, kwargs, call, contract._check_values(task, args, kwargs, call))
+    bound = contract._check_values(task, args, kwargs, call)
+    contract._check_depth(task, args, kwargs, bound)
+    contract._check_size(task, args, kwargs, call, bound)
 
 
 class PayloadContract(Guardrail):
@@ -189,6 +221,7 @@ class PayloadContract(Guardrail):
             publication.header.setdefault(headers.PAYLOAD_VERSION, resolve(task, "payload_version", call))
             return
         bound = self._check_values(task, publication.args, publication.kwargs, call)
+        self._check_depth(task, publication.args, publication.kwargs, bound)
         self._check_size(task, publication.args, publication.kwargs, call, bound)
         # The rest of a chain, a chord's body, callbacks: a worker publishes them after this message, where a
         # refusal would fail a task that succeeded. Guarded ones are checked now, with their tasks' settings.
@@ -196,7 +229,9 @@ class PayloadContract(Guardrail):
             later = task.app.tasks.get(leaf.get("task"))
             if later is not None and isinstance(getattr(later, "guardrails", None), tuple):
                 args, kwargs = tuple(leaf.get("args") or ()), dict(leaf.get("kwargs") or {})
-                self._check_size(later, args, kwargs, {}, self._check_values(later, args, kwargs, {}))
+                leaf_bound = self._check_values(later, args, kwargs, {})
+                self._check_depth(later, args, kwargs, leaf_bound)
+                self._check_size(later, args, kwargs, {}, leaf_bound)
         publication.header[headers.PAYLOAD_VERSION] = resolve(task, "payload_version", call)
 
     def _check_values(
@@ -245,6 +280,21 @@ class PayloadContract(Guardrail):
                     deeper = depth >= MAX_DEPTH and key is None and isinstance(value, Mapping | list | tuple) and value
                     bound = None if more is None or deeper else bound + more
         return bound
+
+    def _check_depth(
+        self, task: GuardedTask, args: tuple[Any, ...], kwargs: Mapping[str, Any], bound: int | None
+    ) -> None:
+        limit = resolve(task, "max_payload_depth", {})
+        if bound is not None and limit > MAX_DEPTH:
+            return  # _check_values saw every value, none deeper than MAX_DEPTH: no second walk on the publish path
+        depth = nesting_over((*args, *kwargs.values()), limit)
+        if depth is not None:
+            raise PayloadTooDeepError(
+                task.name,
+                f"its arguments are nested more than {depth - 1} levels deep, over max_payload_depth {limit}: a "
+                "prefork worker could not hand them to its child; flatten them, or store the data and send a "
+                "reference",
+            )
 
     def _check_size(
         self,

@@ -457,6 +457,7 @@ class Idempotency(Guardrail):
             if claim.state == COMPLETED:
                 raise SkipBody(original_result(task, original, claim.summary))
             # A client waiting on the duplicate sees the original's failure (its dead letter is the record).
+            delivery(task).ended = "duplicate"
             raise DuplicateOfFailureError(scoped, original, claim.reason)
         # Held by another delivery: look again soon, then less and less often (retry_later_delay doubling),
         # never later than just after its lease would run out if its worker has died. A wait behind a live

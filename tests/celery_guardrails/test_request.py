@@ -85,3 +85,52 @@ def test_an_idempotent_task_killed_by_its_hard_time_limit_is_retried(worker: Wor
     report = result.get(timeout=10)
     assert (report["run"], report["attempt"]) == (2, 2)
     assert [r["rule"] for r in report["history"]] == ["time_limit"]
+
+
+def nested(levels: int) -> Any:
+    value: Any = "x"
+    for _ in range(levels):
+        value = [value]
+    return value
+
+
+@pytest.mark.parametrize("pool", ["prefork", "solo"])
+def test_a_payload_the_pool_cannot_take_is_dead_lettered_and_the_worker_goes_on(
+    celery_app: Any, sink: Sink, queue_name: str, tmp_path: Path, pool: str
+) -> None:
+    # Given a worker that takes pickle as well as JSON, and messages another producer wrote: arguments 700 levels
+    # deep, a header 700 levels deep (prefork pickles both to hand them to its child: past the recursion limit
+    # that stopped the worker's main process, and every worker after it), and a pickled object that refuses to
+    # be pickled again
+    # (C_FORCE_ROOT: Celery refuses pickle to a worker running as root, as CI's does)
+    env = proj_env(queue=queue_name, GUARDRAILS_TEST_ACCEPT=json.dumps(["json", "pickle"]), C_FORCE_ROOT="1")
+    with WorkerProcess(app=PROJ_APP, queue=queue_name, log_path=tmp_path / "worker.log", env=env, pool=pool) as worker:
+        observe = "tests.proj.tasks.observe"
+        bad = [
+            publish_raw(celery_app, queue_name, observe, args=[nested(700)], kwargs={"sink": sink.key}),
+            publish_raw(celery_app, queue_name, observe, kwargs={"sink": sink.key}, deep_header=nested(700)),
+        ]
+        if pool == "prefork":  # the other pools hand nothing over: an object that pickles once runs there
+            once = tasks.TravelsOnce()
+            bad.append(
+                publish_raw(
+                    celery_app, queue_name, observe, args=[once], kwargs={"sink": sink.key}, serializer="pickle"
+                )
+            )
+        good = tasks.observe.delay()
+        # When the worker meets them, Then the next message still runs: the worker did not stop
+        assert good.get(timeout=60)["task"] == observe
+        wait_for(
+            "every bad message settled",
+            lambda: waiting_messages("redis", queue_name) == 0 and not any(map(unacked, bad)),
+        )
+        # And none of them ran: each is a dead letter malformed_message that says why
+        assert sink.items() == []
+        records = [dead_letter_of(celery_app, task_id) for task_id in bad]
+        assert [r["reason"] for r in records] == ["malformed_message"] * len(bad)
+        assert "over max_payload_depth 100" in records[0]["exc_message"]
+        assert "over max_payload_depth 100" in records[1]["exc_message"]
+        if pool == "prefork":
+            assert "the pool could not take this message: TypeError: TravelsOnce" in records[2]["exc_message"]
+        assert worker.process is not None and worker.process.poll() is None
+        assert "Unrecoverable error" not in worker.log

@@ -1,7 +1,8 @@
 """The Celery app that ``celery worker`` / ``celery beat`` subprocesses of the tests load.
 
 Configured from the environment: GUARDRAILS_TEST_BROKER_URL, GUARDRAILS_TEST_REDIS_URL (results, sinks),
-GUARDRAILS_TEST_QUEUE, GUARDRAILS_TEST_GUARDRAILS (JSON for app.conf.guardrails), GUARDRAILS_TEST_BEAT (JSON
+GUARDRAILS_TEST_QUEUE, GUARDRAILS_TEST_GUARDRAILS (JSON for app.conf.guardrails), GUARDRAILS_TEST_ACCEPT (JSON
+for accept_content), GUARDRAILS_TEST_BEAT (JSON
 for beat_schedule entries: {"name": {"task": ..., "schedule": seconds, "kwargs": {...}, "options": {...}}}).
 """
 
@@ -23,6 +24,7 @@ app.conf.update(
     result_expires=3600,
     beat_schedule=json.loads(os.environ.get("GUARDRAILS_TEST_BEAT", "{}")),
     broker_transport_options=json.loads(os.environ.get("GUARDRAILS_TEST_TRANSPORT_OPTIONS", "{}")),
+    accept_content=json.loads(os.environ.get("GUARDRAILS_TEST_ACCEPT", '["json"]')),
 )
 app.conf.guardrails = {"store": redis_url, **json.loads(os.environ.get("GUARDRAILS_TEST_GUARDRAILS", "{}"))}
 

@@ -18,6 +18,7 @@ from celery import shared_task
 
 from celery_guardrails import (
     GuardedTask,
+    Guardrail,
     PermanentError,
     RetryLater,
     TransientError,
@@ -501,3 +502,44 @@ def marked_charge(self: GuardedTask, provider: str, order_id: int, sink: str, do
     with self.effect():
         _post(f"{REFUSED if run <= down_runs else provider}/charges/{order_id}")
     return "charged"
+
+
+# Issue #28: nothing escapes the record.
+
+
+class TravelsOnce:
+    """Pickled once by its producer; the copy a worker unpickles refuses to be pickled again (as a prefork worker
+    does to hand it to its child)."""
+
+    def __init__(self, arrived: bool = False) -> None:
+        self.arrived = arrived
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        if self.arrived:
+            raise TypeError("TravelsOnce: it travels once")
+        return (TravelsOnce, (True,))
+
+
+class BuggyGuardrail(Guardrail):
+    """A project's own guardrail with a bug: it raises before the body runs."""
+
+    def before_run(self, task: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        raise RuntimeError("BuggyGuardrail.before_run: a bug in the project's own guardrail")
+
+
+@shared_task(base=GuardedTask, bind=True, guardrails=(*GuardedTask.guardrails, BuggyGuardrail()))
+def guarded_by_a_bug(self: GuardedTask, sink: str) -> dict[str, Any]:
+    return seen(self, sink)
+
+
+class Unprintable(Exception):
+    """An exception whose ``str()`` raises (a library's bug)."""
+
+    def __str__(self) -> str:
+        raise RuntimeError("Unprintable.__str__ failed")
+
+
+@shared_task(base=GuardedTask, bind=True)
+def raise_unprintable(self: GuardedTask, sink: str) -> None:
+    seen(self, sink)
+    raise Unprintable()

@@ -7,8 +7,18 @@ import uuid
 from typing import Any
 
 
-def publish_raw(app: Any, queue: str, task_name: str, *, args: Any = (), kwargs: Any = None, **envelope: Any) -> str:
-    """Publish ``task_name`` to ``queue`` with ``envelope`` header fields set as given; the task id."""
+def publish_raw(
+    app: Any,
+    queue: str,
+    task_name: str,
+    *,
+    args: Any = (),
+    kwargs: Any = None,
+    serializer: str = "json",
+    **envelope: Any,
+) -> str:
+    """Publish ``task_name`` to ``queue`` with ``envelope`` header fields set as given (the body encoded with
+    ``serializer``); the task id."""
     task_id = str(uuid.uuid4())
     message = app.amqp.as_task_v2(task_id, task_name, args=list(args), kwargs=dict(kwargs or {}))
     headers = {**message.headers, **envelope}
@@ -18,7 +28,7 @@ def publish_raw(app: Any, queue: str, task_name: str, *, args: Any = (), kwargs:
             routing_key=queue,
             exchange="",
             headers=headers,
-            serializer="json",
+            serializer=serializer,
             **{k: v for k, v in message.properties.items() if k in ("correlation_id", "reply_to")},
         )
     return task_id

@@ -15,6 +15,7 @@ from celery import chain, chord, group
 from celery_guardrails import headers
 from celery_guardrails.exceptions import (
     EntityInPayloadError,
+    PayloadTooDeepError,
     PayloadTooLargeError,
     SensitivePayloadError,
 )
@@ -95,6 +96,35 @@ def test_an_oversize_payload_is_refused_with_its_size_and_nothing_is_sent(celery
     assert queued(queue_name) == 0
     tasks.behave.apply_async(("sink", ["x" * 100_000]), max_payload_bytes=200_000)
     assert queued(queue_name) == 1
+
+
+def nested(levels: int) -> Any:
+    """A value ``levels`` lists deep (a list of a string is 1 level)."""
+    value: Any = "x"
+    for _ in range(levels):
+        value = [value]
+    return value
+
+
+def test_arguments_nested_deeper_than_max_payload_depth_are_refused_and_nothing_is_sent(
+    celery_app: Any, queue_name: str
+) -> None:
+    # Given the default max_payload_depth of 100 levels
+    # When arguments 101 levels deep are published (one argument, a keyword argument, a chain's later step)
+    for publish in (
+        lambda: tasks.behave.delay("sink", nested(101)),
+        lambda: tasks.behave.delay("sink", script=[{"a": nested(100)}]),
+        lambda: chain(tasks.observe.s(), tasks.behave.si("sink", nested(101))).apply_async(),
+    ):
+        # Then each is refused, naming the limit, and nothing is sent
+        with pytest.raises(PayloadTooDeepError, match=r"nested more than 100 levels deep, over max_payload_depth 100"):
+            publish()
+    assert queued(queue_name) == 0
+    # And 100 levels, or 5,000 levels of an argument past the recursion limit refused just the same, behave
+    tasks.behave.delay("sink", nested(100))
+    assert queued(queue_name) == 1
+    with pytest.raises(PayloadTooDeepError):
+        tasks.behave.delay("sink", nested(5000))
 
 
 def test_every_publish_path_is_checked(celery_app: Any, queue_name: str) -> None:
