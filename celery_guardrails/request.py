@@ -23,8 +23,13 @@ task hook, and what ``GuardedTask`` makes of them.
   The claim the killed process held is taken over at once by the next delivery on this host (its process is
   gone), and a breaker probe it held is given up after ``circuit_probe_timeout``.
 
-Not intercepted: a message whose body cannot be decoded at all, or that names no known task, is handled by
-Celery's consumer before any task's request exists (it logs and acks it; see the README).
+* **A body that cannot be decoded** (bad JSON, nested past the decoder's recursion limit, a content type the
+  worker does not accept): Celery's consumer logs it, with the start of the raw body (secrets and all), and
+  acks it. A guarded task's strategy (:func:`strategy`) dead-letters it ``malformed_message`` instead, without
+  its arguments (they could not be read), and acks it once the record is written (or gives it back).
+
+Not intercepted: a message that names no known task is handled by Celery's consumer before any task is
+involved (it logs and acks it; see the README).
 """
 
 from __future__ import annotations
@@ -41,6 +46,7 @@ from typing import Any, NoReturn
 from celery.exceptions import InvalidTaskError, TaskRevokedError, TimeLimitExceeded
 from celery.worker import state
 from celery.worker.request import Request
+from kombu.exceptions import ContentDisallowed, DecodeError
 
 from celery_guardrails import headers, signals
 from celery_guardrails.context import activate, deactivate
@@ -215,6 +221,41 @@ def _recorded(task: Any, failure: Any) -> bool:
                 logger.exception("Dead letter of malformed message %s: a receiver failed", failure.task_id)
         return True
     return False
+
+
+def strategy(task: Any, app: Any, consumer: Any, **kwargs: Any) -> Any:
+    """``GuardedTask.Strategy``: Celery's default strategy, with a body that cannot be decoded dead-lettered
+    instead of logged (raw body included) and acked (module docstring)."""
+    from celery.worker.strategy import default
+
+    handle = default(task, app, consumer, **kwargs)
+
+    def task_message_handler(message: Any, body: Any, ack: Any, reject: Any, callbacks: Any, **more: Any) -> Any:
+        try:
+            return handle(message, body, ack, reject, callbacks, **more)
+        except (DecodeError, ContentDisallowed) as exc:
+            # Raised as the strategy first reads the payload, before any request exists (celery/worker/strategy.py).
+            _refuse_undecodable(message, task, exc, errors=tuple(consumer.connection_errors or ()))
+            return None
+
+    return task_message_handler
+
+
+def _refuse_undecodable(message: Any, task: Any, exc: BaseException, *, errors: tuple[Any, ...]) -> None:
+    raw = dict(getattr(message, "headers", None) or {})
+    error = ValueError(
+        f"the body could not be decoded ({getattr(message, 'content_type', None)}): {type(exc).__name__}: {exc}"
+    )
+    logger.error("Message %s of %s cannot be decoded (%r): dead-lettering it", raw.get("id"), task.name, exc)
+    try:
+        recorded = bool(raw.get("id")) and _recorded(task, _malformed(raw, task, error, args=(), kwargs={}))
+    except Exception:
+        logger.exception("Message %s: dead letter not built", raw.get("id"))
+        recorded = False
+    if recorded:
+        message.ack_log_error(logger, errors)
+    else:  # no id to record it under, or no sink: as Celery would, but never acked away unrecorded
+        message.reject_log_error(logger, errors, requeue=bool(raw.get("id")))
 
 
 #: Content types whose decoded values are plain data (str, numbers, lists, dicts, and kombu's registered JSON

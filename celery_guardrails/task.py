@@ -108,6 +108,8 @@ class GuardedTask(Task):  # type: ignore[misc]
     reject_on_worker_lost = True
     #: The worker's request: a malformed envelope and a hard time limit end in a record, not an ack alone.
     Request = "celery_guardrails.request:GuardedRequest"
+    #: The worker's strategy: a body that cannot be decoded is dead-lettered, not logged and acked.
+    Strategy = "celery_guardrails.request:strategy"
 
     # Guardrail options as task attributes; None means "not set here", so the app config applies.
     tenant_required: bool | None = None

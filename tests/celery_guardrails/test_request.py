@@ -14,7 +14,7 @@ import pytest
 from tests.conftest import Sink, unacked, waiting_messages
 from tests.proj import tasks
 from tests.support.dead_letters import dead_letter_of, has_dead_letter
-from tests.support.messages import publish_raw
+from tests.support.messages import publish_body, publish_raw
 from tests.support.waiting import wait_for
 from tests.support.workers import PROJ_APP, WorkerProcess, proj_env
 
@@ -110,6 +110,10 @@ def test_a_payload_the_pool_cannot_take_is_dead_lettered_and_the_worker_goes_on(
             publish_raw(celery_app, queue_name, observe, args=[nested(700)], kwargs={"sink": sink.key}),
             publish_raw(celery_app, queue_name, observe, kwargs={"sink": sink.key}, deep_header=nested(700)),
         ]
+        undecodable = [
+            publish_body(celery_app, queue_name, observe, b"[[" + b"[" * 3000 + b"1" + b"]" * 3000 + b"], {}, {}]"),
+            publish_body(celery_app, queue_name, observe, b'[["sink", {"password": "hunter2"'),
+        ]
         if pool == "prefork":  # the other pools hand nothing over: an object that pickles once runs there
             once = tasks.TravelsOnce()
             bad.append(
@@ -120,9 +124,10 @@ def test_a_payload_the_pool_cannot_take_is_dead_lettered_and_the_worker_goes_on(
         good = tasks.observe.delay()
         # When the worker meets them, Then the next message still runs: the worker did not stop
         assert good.get(timeout=60)["task"] == observe
+        settled = [*bad, *undecodable]
         wait_for(
             "every bad message settled",
-            lambda: waiting_messages("redis", queue_name) == 0 and not any(map(unacked, bad)),
+            lambda: waiting_messages("redis", queue_name) == 0 and not any(map(unacked, settled)),
         )
         # And none of them ran: each is a dead letter malformed_message that says why
         assert sink.items() == []
@@ -132,5 +137,12 @@ def test_a_payload_the_pool_cannot_take_is_dead_lettered_and_the_worker_goes_on(
         assert "over max_payload_depth 100" in records[1]["exc_message"]
         if pool == "prefork":
             assert "the pool could not take this message: TypeError: TravelsOnce" in records[2]["exc_message"]
+        # And a body no decoder reads (nested past the JSON decoder's recursion limit, or cut short) is a dead letter
+        # too, without its arguments; Celery would have logged its raw body, and acked it with nothing recorded
+        for task_id in undecodable:
+            record = dead_letter_of(celery_app, task_id)
+            assert (record["reason"], record["args"], record["kwargs"]) == ("malformed_message", [], {})
+            assert record["exc_message"].startswith("the body could not be decoded (application/json): DecodeError")
         assert worker.process is not None and worker.process.poll() is None
         assert "Unrecoverable error" not in worker.log
+        assert "hunter2" not in worker.log and "Can't decode message body" not in worker.log
