@@ -304,6 +304,15 @@ def _token(value: Any) -> str:
     return value
 
 
+def _admin_tenants(value: Any) -> Any:
+    if value is None or value == "permissions" or callable(value) or (isinstance(value, str) and "." in value):
+        return value
+    raise ValueError(
+        "must be a callable from a user to the tenants they may see, a dotted path 'package.module.name' to one, "
+        f"or 'permissions' (a Django permission per tenant), got {value!r:.80}"
+    )
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class SchedulePolicy:
     """The guardrails of one beat entry (``schedules["<entry name>"]``); defaults documented here."""
@@ -1005,6 +1014,16 @@ OPTIONS: Mapping[str, Option] = {
             doc="Django: a bearer token that may read the metrics view (Authorization: Bearer <token>) besides "
             "staff users; None: staff only.",
             check=lambda value: None if value is None else _token(value),
+            scopes=frozenset({APP}),
+        ),
+        Option(
+            name="admin_tenants",
+            default=None,
+            doc="Django admin: which dead letters, ledger records and figures a user sees. A callable (or dotted "
+            "path) user -> iterable of tenant ids, or ALL_TENANTS (django_celery_guardrails.scoping); or "
+            "'permissions': a permission guardrails.view_tenant_<tenant> per tenant, guardrails.view_all_tenants "
+            "for every one. A user the callable fails for sees nothing. None: every user sees every tenant.",
+            check=_admin_tenants,
             scopes=frozenset({APP}),
         ),
         Option(

@@ -56,6 +56,7 @@ from .models import (
 from .overview import dead_letter_overview
 from .paging import CappedCountPaginator, DistinctValuesFilter
 from .replay import Refused, ReplayResult, plan, replay_dead_letters, replay_with_changes
+from .scoping import AllTenantsOnlyAdmin, ScheduleScopedAdmin, TenantScopedAdmin, linked, schedules_seen
 
 #: LogEntries written per INSERT by the actions; the fields of a record its LogEntry names (``str(record)``).
 LOG_BATCH = 500
@@ -117,7 +118,7 @@ def _changed_keys(before: dict[str, Any], after: dict[str, Any]) -> list[str]:
 
 
 @admin.register(DeadLetter)
-class DeadLetterAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
+class DeadLetterAdmin(TenantScopedAdmin):
     # Long values are shortened (whole in their title) so that every column fits a 1,366 px screen.
     # The full task name and id are in the task's title (and searchable by the exact id), the status is under
     # the reason, the attempts are on the record's page.
@@ -218,7 +219,8 @@ class DeadLetterAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
         """The replay's task id, its state in the result backend, and its own dead letter if it failed again."""
         if not obj.replayed_task_id:
             return "-"
-        again = DeadLetter.objects.filter(task_id=obj.replayed_task_id).values_list("pk", flat=True).first()
+        failed_again = linked(DeadLetter.objects.filter(task_id=obj.replayed_task_id), obj)  # admin_tenants
+        again = failed_again.values_list("pk", flat=True).first()
         if again is not None:
             url = reverse("admin:guardrails_deadletter_change", args=[again])
             link = '{} (<a href="{}" class="replayed-again">failed again: dead letter {}</a>)'
@@ -352,7 +354,7 @@ class DeadLetterAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
         if not self.has_view_permission(request):
             raise PermissionDenied
         changelist = reverse("admin:guardrails_deadletter_changelist")
-        summary = dead_letter_overview()
+        summary = dead_letter_overview(user=request.user)
         context = {
             **self.admin_site.each_context(request),
             "title": "Dead letters: overview",
@@ -378,7 +380,7 @@ class DeadLetterAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
         """Fix one record (tenant, arguments) and replay it: one LogEntry names what changed, never values."""
         if not self.has_replay_permission(request):
             raise PermissionDenied
-        record = get_object_or_404(DeadLetter, pk=pk)
+        record = get_object_or_404(self.get_queryset(request), pk=pk)
         initial = {"tenant": record.tenant, "args": record.args, "kwargs": record.kwargs}
         warning = _not_idempotent(DeadLetter.objects.filter(pk=pk))
         form = EditAndReplayForm(
@@ -418,8 +420,8 @@ class DeadLetterAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
     def replay_view(self, request: HttpRequest, pk: int) -> HttpResponse:
         if not self.has_replay_permission(request):
             raise PermissionDenied
-        record = get_object_or_404(DeadLetter, pk=pk)
-        queryset = DeadLetter.objects.filter(pk=pk)
+        record = get_object_or_404(self.get_queryset(request), pk=pk)
+        queryset = self.get_queryset(request).filter(pk=pk)
         if request.method == "POST" and request.POST.get("post"):
             self._replay(request, queryset)
             return redirect(reverse("admin:guardrails_deadletter_change", args=[pk]))
@@ -440,7 +442,7 @@ class DeadLetterAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
 
 
 @admin.register(IdempotencyKey)
-class IdempotencyKeyAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
+class IdempotencyKeyAdmin(AllTenantsOnlyAdmin):
     list_display = ("key", "state", "lease_until", "finished_at")
     list_filter = ("state",)
     search_fields = ("key__exact",)  # through the unique index ("=key" is iexact: a full scan)
@@ -459,7 +461,7 @@ class IdempotencyKeyAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
 
 
 @admin.register(ConcurrencySlot)
-class ConcurrencySlotAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
+class ConcurrencySlotAdmin(TenantScopedAdmin):
     """The holders of concurrency slots, and the reaped ones (``lost``: their record, kept)."""
 
     list_display = ("key", "state", "task_name", "task_id", "tenant", "acquired_at", "heartbeat_at", "reaped_at")
@@ -477,7 +479,7 @@ class ConcurrencySlotAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
 
 
 @admin.register(OutboxMessage)
-class OutboxMessageAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
+class OutboxMessageAdmin(TenantScopedAdmin):
     """Messages waiting in the transactional outbox: a row here long after its transaction committed is the
     relay's lag, or a message it cannot publish (``last_error`` says why). Its arguments are not shown: a
     message in flight may carry what dead letters would redact."""
@@ -498,7 +500,7 @@ class OutboxMessageAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
 
 
 @admin.register(DependencyState)
-class DependencyStateAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
+class DependencyStateAdmin(AllTenantsOnlyAdmin):
     list_display = ("dependency", "circuit", "failures", "retries_current", "first_current", "updated_at")
     readonly_fields = [f.name for f in DependencyState._meta.fields]
 
@@ -510,7 +512,7 @@ class DependencyStateAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
 
 
 @admin.register(ScheduledRun)
-class ScheduledRunAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
+class ScheduledRunAdmin(ScheduleScopedAdmin):
     """The run ledger, to look at only: records are written by beat, workers and the watchdog, and a changed or
     deleted record would let a period be dispatched twice (or hide that it was missed)."""
 
@@ -558,7 +560,7 @@ class ScheduledRunAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
         try:
             # The page reads the ledger table: with a Redis store the ledger is elsewhere, and the page says so.
             other_store = store_url(app) != "django"
-            items = health.schedule_health(app)
+            items = schedules_seen(health.schedule_health(app), request.user, app)
         except ConfigurationError as exc:  # a bad schedules setting: show it, as beat would refuse to start
             error = str(exc)
         changelist = reverse("admin:guardrails_scheduledrun_changelist")
@@ -599,7 +601,7 @@ class DashboardAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
             **self.admin_site.each_context(request),
             "title": "Dashboard",
             "opts": self.model._meta,
-            **dashboard_context(health.celery_app()),
+            **dashboard_context(health.celery_app(), user=request.user),
             **(extra_context or {}),
         }
         return TemplateResponse(request, "admin/guardrails/dashboard/dashboard.html", context)

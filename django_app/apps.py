@@ -15,4 +15,9 @@ class GuardrailsConfig(AppConfig):
     default_auto_field = "django.db.models.BigAutoField"
 
     def ready(self) -> None:
+        from django.db.models.signals import post_migrate
+
         from . import checks  # noqa: F401  (registers the system checks)
+        from .scoping import create_permissions
+
+        post_migrate.connect(create_permissions, sender=self)  # guardrails.view_all_tenants (admin_tenants)

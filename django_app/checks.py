@@ -5,6 +5,8 @@ guardrails.W001  the context middleware is not installed: requests will not stam
                  tenant on the tasks they enqueue.
 guardrails.W002  no ``seal_keys``: dead letters keep no sealed copy, so a record whose arguments had a secret
                  redacted cannot be replayed.
+guardrails.E010  ``admin_tenants`` names a callable that cannot be imported or is not callable (a bad value
+                 is E001): until it is fixed, admin users who are scoped by it see nothing.
 
 The deployment audit (:mod:`celery_guardrails.audit`) of the project's Celery app, as deployment checks
 (``manage.py check --deploy``; the audit reads every registered task, so it is not run before every command):
@@ -51,7 +53,7 @@ from django.conf import settings
 from django.core.checks import Error, Tags, Warning, register
 
 from celery_guardrails.exceptions import ConfigurationError
-from celery_guardrails.options import django_settings
+from celery_guardrails.options import OPTIONS, django_settings
 
 #: The system check id of each audit finding code (see the module docstring); None: another check says it.
 AUDIT_IDS: dict[str, str | None] = {
@@ -101,6 +103,29 @@ def check_seal_keys(app_configs: Any = None, **kwargs: Any) -> list[Warning]:
             id="guardrails.W002",
         )
     ]
+
+
+@register(Tags.security)
+def check_admin_tenants(app_configs: Any = None, **kwargs: Any) -> list[Error]:
+    from .scoping import OPTION, raw_option, rule
+
+    try:
+        raw = raw_option()
+        OPTIONS[OPTION].check(raw)
+    except (TypeError, ValueError):
+        return []  # E001 says it
+    try:
+        rule()
+    except ConfigurationError as exc:
+        return [
+            Error(
+                str(exc),
+                hint="Give CELERY_GUARDRAILS['admin_tenants'] a callable from a user to the tenant ids they may see "
+                "(or a dotted path to one), or 'permissions' (README, Dead letters: Tenant scoping in the admin).",
+                id="guardrails.E010",
+            )
+        ]
+    return []
 
 
 @register(Tags.compatibility, deploy=True)

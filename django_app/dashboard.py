@@ -28,6 +28,7 @@ from django.utils.safestring import SafeString
 
 from .models import DeadLetter
 from .overview import HOURS
+from .scoping import HIDDEN, scope, sees_all, status_for
 
 TOP_REASONS = 5
 OTHER = "other"
@@ -51,11 +52,11 @@ class ReasonHours:
         return sum(sum(hour.values()) for hour in self.counts)
 
 
-def dead_letters_by_reason(*, now: datetime | None = None) -> ReasonHours:
+def dead_letters_by_reason(*, now: datetime | None = None, user: Any = None) -> ReasonHours:
     current = (now or timezone.now()).replace(minute=0, second=0, microsecond=0)
     first = current - timedelta(hours=HOURS - 1)
     rows = list(
-        DeadLetter.objects.filter(last_failed_at__gte=first)
+        scope(DeadLetter.objects.filter(last_failed_at__gte=first), user)
         .order_by()
         .annotate(hour=TruncHour("last_failed_at"))
         .values("hour", "reason")
@@ -273,17 +274,17 @@ def activity_charts(app: Any, *, now: datetime | None = None) -> ActivityCharts:
     )
 
 
-def dashboard_context(app: Any, *, now: datetime | None = None) -> dict[str, Any]:
-    """What the page shows (see the module docstring)."""
-    from celery_guardrails.status import gather
-
-    status = gather(app)
-    hours = dead_letters_by_reason(now=now)
+def dashboard_context(app: Any, *, now: datetime | None = None, user: Any = None) -> dict[str, Any]:
+    """What the page shows (see the module docstring), of the tenants ``user`` may see (:mod:`.scoping`)."""
+    status = status_for(app, user)
+    hours = dead_letters_by_reason(now=now, user=user)
     return {
         "status": status,
         "owners": status.dead_letters.by_owner(),
         "hours": hours,
         "chart": chart(hours),
         "queue_rows": [(queue, (status.rates or {}).get(queue.queue)) for queue in status.queues],
-        "activity": activity_charts(app, now=now),
+        "activity": activity_charts(app, now=now)
+        if sees_all(user)
+        else ActivityCharts(starts=[], tasks=[], more_tasks=0, queues=[], more_queues=0, error=HIDDEN),
     }

@@ -24,6 +24,7 @@ from .models import (
     QueueSample,
     ScheduledRun,
 )
+from .scoping import scope
 
 #: Rows deleted per transaction by prune: a few milliseconds of row locks each.
 PRUNE_BATCH = 1000
@@ -110,7 +111,10 @@ def delete_in_batches(queryset: QuerySet[Any], *, batch: int = PRUNE_BATCH) -> i
 
 def close_dead_letters(queryset: QuerySet[DeadLetter], status: str, *, user: Any = None, by: str = "") -> int:
     """Mark open records discarded or resolved (a conditional update: only open ones); how many changed.
-    ``by`` names who did it when there is no ``user`` (a command)."""
-    return queryset.filter(status=DeadLetter.Status.OPEN).update(
-        status=status, handled_by=getattr(user, "username", "") or by, handled_at=timezone.now()
+    ``by`` names who did it when there is no ``user`` (a command). A ``user`` closes only the records of the
+    tenants they may see (``admin_tenants``, :mod:`.scoping`)."""
+    return (
+        scope(queryset, user)
+        .filter(status=DeadLetter.Status.OPEN)
+        .update(status=status, handled_by=getattr(user, "username", "") or by, handled_at=timezone.now())
     )

@@ -48,6 +48,7 @@ from celery_guardrails.sealing import restore_redacted, sealer_for
 from celery_guardrails.stores import get_store
 
 from .models import DeadLetter, SealedMessage
+from .scoping import replayable
 
 logger = logging.getLogger(__name__)
 
@@ -129,7 +130,8 @@ def replay_dead_letters(
         if isinstance(queryset_or_ids, QuerySet)
         else sorted({int(pk) for pk in queryset_or_ids})
     )
-    result = ReplayResult()
+    ids, refused = replayable(ids, user=user, tenant=tenant)  # admin_tenants: what the user may not see
+    result = ReplayResult(skipped=refused)
     for done, batch in read_batches(ids):
         _replay_batch(batch, app, user, result, tenant=tenant, allow_not_idempotent=allow_not_idempotent)
         if progress is not None:
@@ -164,8 +166,9 @@ def replay_with_changes(
     refused unless ``allow_not_idempotent=True``: new arguments do not undo what the failed run may have done."""
     _check_permission(user)
     app = app or current_app
-    result = ReplayResult()
-    for _, batch in read_batches([pk]):
+    ids, refused = replayable([pk], user=user, tenant=tenant)  # admin_tenants: what the user may not see
+    result = ReplayResult(skipped=refused)
+    for _, batch in read_batches(ids):
         _replay_batch(
             batch, app, user, result, tenant=tenant, args=args, kwargs=kwargs, allow_not_idempotent=allow_not_idempotent
         )
