@@ -14,8 +14,10 @@ Every exception the extension raises derives from one root, :class:`GuardrailsEr
     │   ├── PayloadTooDeepError     its arguments are nested deeper than max_payload_depth
     │   ├── SensitivePayloadError   an argument name or dict key is a secret or personal data (sensitive_keys)
     │   ├── EntityInPayloadError    a Django model instance or queryset among the arguments
-    │   └── UnknownPayloadVersionError  (on the worker) a payload version the task does not accept:
-    │                               dead-lettered ``unknown_payload_version``, never run
+    │   ├── UnknownPayloadVersionError  (on the worker) a payload version the task does not accept:
+    │   │                           dead-lettered ``unknown_payload_version``, never run
+    │   └── UnpublishableError      (on the worker) a retry or wait whose own arguments the serializer
+    │                               refuses (an object pickle will not take again): ``malformed_message``
     ├── TransientError          raise from a task: this may work if tried again (retried with backoff)
     ├── PermanentError          raise from a task: trying again cannot help (never retried)
     │   └── CheckpointError     ``self.checkpoint`` misused (outside a task run, not a sequence, state not JSON)
@@ -227,3 +229,9 @@ class EntityInPayloadError(PayloadContractError):
 
 class UnknownPayloadVersionError(PayloadContractError):
     """A delivered message's payload version is not one the task accepts (``accepts_versions``)."""
+
+
+class UnpublishableError(PayloadContractError):
+    """A retry or wait of the running message cannot be published: the serializer refuses the message's own
+    arguments (kombu's ``EncodeError``). The message's fault, not the broker's: dead-lettered ``malformed_message``
+    instead of given back to the broker (it would come back and fail the same way)."""

@@ -63,6 +63,11 @@ REASONS = (
     GUARDRAIL_ERROR,
 )
 
+#: Field of the worker's request naming the serializer a message arrived in, when it is not its task's own
+#: (set by :class:`celery_guardrails.request.GuardedRequest`): its retries are published in it too, so that a
+#: message another producer pickled does not fail to re-publish as JSON.
+ARRIVED_AS = "guardrails_serializer"
+
 #: Header field of a final failure whose dead letter could not be recorded yet (the message came back).
 PENDING_DEAD_LETTER = headers.PENDING_DEAD_LETTER
 
@@ -177,6 +182,9 @@ def republish(
         header = {**header, headers.GAVE_UP: [*header.get(headers.GAVE_UP, ()), *kept][-headers.GAVE_UP_LIMIT :]}
     state.republishing = True
     extra = dict(options or {})
+    arrived_as = getattr(request, ARRIVED_AS, None)
+    if arrived_as:
+        extra.setdefault("serializer", arrived_as)
     message_headers = {**(request.headers or {}), **(extra.pop("headers", None) or {}), headers.HEADER: header}
     # max_retries: the guardrails count attempts themselves; Celery's own limit must not interfere.
     retry: BaseException = task.retry(

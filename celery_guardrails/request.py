@@ -47,10 +47,11 @@ from celery.exceptions import InvalidTaskError, TaskRevokedError, TimeLimitExcee
 from celery.worker import state
 from celery.worker.request import Request
 from kombu.exceptions import ContentDisallowed, DecodeError
+from kombu.serialization import registry
 
 from celery_guardrails import headers, signals
 from celery_guardrails.context import activate, deactivate
-from celery_guardrails.outcomes import MALFORMED_MESSAGE, TIME_LIMIT
+from celery_guardrails.outcomes import ARRIVED_AS, MALFORMED_MESSAGE, TIME_LIMIT
 
 logger = logging.getLogger(__name__)
 
@@ -65,6 +66,7 @@ class GuardedRequest(Request):  # type: ignore[misc]
         try:
             super().__init__(message, *args, **kwargs)
             _check_envelope(self)
+            _note_serializer(self)
         except Exception as exc:
             _refuse_malformed(message, kwargs.get("task"), exc)  # raises InvalidTaskError
 
@@ -122,6 +124,14 @@ def _check_envelope(request: Any) -> None:
             raise ValueError(f"eta must be an ISO 8601 date and time, got {eta!r:.80}")
         eta.timestamp()  # OverflowError / ValueError for an instant Celery cannot wait for
     _check_depth(request)
+
+
+def _note_serializer(request: Any) -> None:
+    """Note the serializer the message arrived in, when it is not its task's (see ``outcomes.ARRIVED_AS``)."""
+    name = registry.type_to_name.get(request.content_type) if request.content_type else None
+    task = request.task
+    if name and name != (task.serializer or task.app.conf.task_serializer):
+        request.request_dict[ARRIVED_AS] = name
 
 
 def _depth_limit(task: Any) -> int:

@@ -18,12 +18,13 @@ from typing import Any, ClassVar
 from celery import Task
 from celery.exceptions import Ignore, Reject, Retry
 from celery.utils import uuid
+from kombu.exceptions import EncodeError
 
 from celery_guardrails import headers
 from celery_guardrails.checkpoint import Checkpoint, Checkpoints, checkpoint_of
 from celery_guardrails.delivery import Delivery, begin, delivery
 from celery_guardrails.effects import effect, guard_request
-from celery_guardrails.exceptions import GuardrailsError, StoreError, StoreUnavailableError
+from celery_guardrails.exceptions import GuardrailsError, StoreError, StoreUnavailableError, UnpublishableError
 from celery_guardrails.faults import fault_point
 from celery_guardrails.guardrails.budget import RetryBudget
 from celery_guardrails.guardrails.concurrency import ConcurrencyLimit
@@ -41,6 +42,7 @@ from celery_guardrails.metrics import Metrics
 from celery_guardrails.options import OPTIONS, check_call_options, settings_snapshot
 from celery_guardrails.outcomes import (
     GUARDRAIL_ERROR,
+    MALFORMED_MESSAGE,
     STORE_REFUSED,
     attempt_record,
     fail_finally,
@@ -325,6 +327,10 @@ class GuardedTask(Task):  # type: ignore[misc]
         except Reject as rejected:
             if rejected.requeue:
                 raise
+            if isinstance(rejected.reason, EncodeError):
+                # Not the broker: the serializer refuses the message's own arguments (a pickled object that will not
+                # pickle again). Given back, it would come back and fail the same way, until the poison guard.
+                raise UnpublishableError(self.name, f"its retry could not be encoded: {rejected.reason}") from rejected
             logger.error(
                 "Task %s[%s]: its retry could not be published (%s); given back to the broker unacked",
                 self.name,
@@ -379,18 +385,20 @@ class GuardedTask(Task):  # type: ignore[misc]
     def _unsettled(self, exc: Exception) -> BaseException | None:
         """Record an exception that left the guardrails with nothing settled: a guardrail failed on this message
         (a bug, a value it did not expect), or nothing classifies the body's errors. The ack is sacred: it is
-        dead-lettered ``guardrail_error`` (None: recorded), or the message is published again pending, or given
-        back to the broker (the exception to raise)."""
+        dead-lettered ``guardrail_error`` (``malformed_message`` for a retry whose arguments cannot be encoded;
+        None: recorded), or the message is published again pending, or given back to the broker (the exception
+        to raise)."""
         logger.error(
             "Task %s[%s]: %s left the guardrails unsettled; recording it", self.name, self.request.id, type(exc)
         )
+        reason = MALFORMED_MESSAGE if isinstance(exc, UnpublishableError) else GUARDRAIL_ERROR
         try:
-            record = attempt_record(self, kind="permanent", rule=GUARDRAIL_ERROR, exc=exc)
+            record = attempt_record(self, kind="permanent", rule=reason, exc=exc)
             history = [*getattr(self.request, "attempt_history", ()), record]
         except Exception:  # the history is lost, not the record
             logger.exception("Task %s[%s]: attempt record not made", self.name, self.request.id)
             history = []
-        return fail_finally(self, exc, reason=GUARDRAIL_ERROR, history=history)
+        return fail_finally(self, exc, reason=reason, history=history)
 
     def _run_guarded(self, state: Delivery, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         try:

@@ -121,10 +121,25 @@ def test_a_payload_the_pool_cannot_take_is_dead_lettered_and_the_worker_goes_on(
                     celery_app, queue_name, observe, args=[once], kwargs={"sink": sink.key}, serializer="pickle"
                 )
             )
+        # and pickled messages of a task that retries (idempotent, 2 attempts): a set JSON cannot carry, and (solo
+        # runs it) an object that will not pickle again for its retry
+        loud = tasks.fail_loudly.name
+        pickled = [
+            publish_raw(
+                celery_app, queue_name, loud, args=["down", {1, 2}], kwargs={"kind": "runtime"}, serializer="pickle"
+            )
+        ]
+        if pool == "solo":
+            once = tasks.TravelsOnce()
+            pickled.append(
+                publish_raw(
+                    celery_app, queue_name, loud, args=["down", once], kwargs={"kind": "runtime"}, serializer="pickle"
+                )
+            )
         good = tasks.observe.delay()
         # When the worker meets them, Then the next message still runs: the worker did not stop
         assert good.get(timeout=60)["task"] == observe
-        settled = [*bad, *undecodable]
+        settled = [*bad, *undecodable, *pickled]
         wait_for(
             "every bad message settled",
             lambda: waiting_messages("redis", queue_name) == 0 and not any(map(unacked, settled)),
@@ -143,6 +158,17 @@ def test_a_payload_the_pool_cannot_take_is_dead_lettered_and_the_worker_goes_on(
             record = dead_letter_of(celery_app, task_id)
             assert (record["reason"], record["args"], record["kwargs"]) == ("malformed_message", [], {})
             assert record["exc_message"].startswith("the body could not be decoded (application/json): DecodeError")
+        # And a pickled message is retried as pickle (Celery would re-publish it as JSON, which refuses the set: it
+        # came back unacked until the poison guard took it), and one whose retry cannot be encoded at all is a dead
+        # letter malformed_message at once
+        wait_for("the pickled ones recorded", lambda: all(has_dead_letter(celery_app, task_id) for task_id in pickled))
+        retried = dead_letter_of(celery_app, pickled[0])
+        assert (retried["reason"], retried["attempts"]) == ("attempts_exhausted", 2)
+        if pool == "solo":
+            unpublishable = dead_letter_of(celery_app, pickled[1])
+            assert unpublishable["reason"] == "malformed_message"
+            assert "its retry could not be encoded" in unpublishable["exc_message"]
+        assert "redelivered 2 times" not in worker.log and "given back to the broker" not in worker.log
         assert worker.process is not None and worker.process.poll() is None
         assert "Unrecoverable error" not in worker.log
         assert "hunter2" not in worker.log and "Can't decode message body" not in worker.log

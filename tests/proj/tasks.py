@@ -543,3 +543,14 @@ class Unprintable(Exception):
 def raise_unprintable(self: GuardedTask, sink: str) -> None:
     seen(self, sink)
     raise Unprintable()
+
+
+@shared_task(base=GuardedTask, bind=True, owner="fuzz", idempotent=True, backoff_base=0.01, max_attempts=2)
+def fail_loudly(self: GuardedTask, text: str, *payload: Any, kind: str = "value", **extra: Any) -> None:
+    """Fails with ``text`` as its exception message, whatever else it was given: a ValueError (permanent at once),
+    a RuntimeError (retried once, as idempotent, then attempts_exhausted), or an exception whose str() raises."""
+    if kind == "runtime":
+        raise RuntimeError(text)
+    if kind == "unprintable":
+        raise Unprintable(text)
+    raise ValueError(text)
