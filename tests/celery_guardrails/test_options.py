@@ -412,3 +412,21 @@ def test_a_worker_does_not_start_with_a_key_template_naming_a_secret(celery_app:
     # When a worker is made for the app, Then its start-up step refuses it, naming task, option and field
     with pytest.raises(ConfigurationError, match=r"'idempotency_key': on task 'shop\.pay\d+': field \{api_token\}"):
         celery_app.WorkController(pool_cls="solo", concurrency=1, without_heartbeat=True, without_mingle=True)
+
+
+def test_a_worker_refusing_seal_keys_given_as_a_dict_logs_no_piece_of_a_key(tmp_path: Path, queue_name: str) -> None:
+    from cryptography.fernet import Fernet
+
+    # Given a worker whose seal_keys came as a dict of named keys (a common slip: {"primary": key})
+    require("redis")
+    key = Fernet.generate_key().decode()
+    env = proj_env(queue=queue_name, GUARDRAILS_TEST_GUARDRAILS=json.dumps({"seal_keys": {"primary": key}}))
+    worker = WorkerProcess(app=PROJ_APP, queue=queue_name, log_path=tmp_path / "worker.log", env=env)
+    # When it starts, Then it exits naming the setting, and its log holds no piece of the key
+    with pytest.raises(RuntimeError, match="exited with 1"):
+        worker.start()
+    assert (
+        "setting 'seal_keys': must be a list of Fernet keys (the first seals, every one opens), got a dict"
+        in worker.log
+    )
+    assert not any(key[i : i + 6] in worker.log for i in range(len(key) - 5))
