@@ -430,3 +430,16 @@ def test_a_worker_refusing_seal_keys_given_as_a_dict_logs_no_piece_of_a_key(tmp_
         in worker.log
     )
     assert not any(key[i : i + 6] in worker.log for i in range(len(key) - 5))
+
+
+def test_a_store_that_cannot_be_reached_is_named_without_its_password() -> None:
+    from celery_guardrails.exceptions import StoreUnavailableError
+    from celery_guardrails.stores.redis import RedisStore
+
+    # Given a Redis store whose URL holds a password, and nothing listening where it points
+    store = RedisStore(f"redis://app:{SECRET}@127.0.0.1:1/0", timeout=1.0)
+    # When an operation fails, Then its error (logged by every caller) names the store with its password masked
+    with pytest.raises(StoreUnavailableError) as caught:
+        store.inspect("some-key")
+    assert str(caught.value).startswith("Redis store at redis://***@127.0.0.1:1/0 unavailable: ")
+    assert SECRET[:6] not in str(caught.value)
