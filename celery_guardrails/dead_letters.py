@@ -129,7 +129,7 @@ def _sealed(task: Any, failure: FinalFailure) -> str:
         sealer = sealer_for(task.app)
         if sealer is None:
             return ""
-        return sealer.seal(args=failure.args, kwargs=failure.kwargs, header=failure.header) or ""
+        return sealer.seal(args=failure.args, kwargs=failure.kwargs, header=failure.header, record=failure) or ""
     except Exception:
         logger.exception("Dead letter of %s[%s] recorded without a sealed copy", failure.task_name, failure.task_id)
         return ""

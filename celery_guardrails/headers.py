@@ -18,7 +18,8 @@ is a flat mapping (an AMQP table on RabbitMQ, a JSON object on Redis)::
         "gave_up": ["..."],     # claim owners of earlier deliveries that gave up without releasing (a store
                                 # outage): a claim one of them holds is taken over at once (at most 5)
         "dl": {...},            # a final failure whose dead letter is still to be written (its sinks were
-                                # down): the message comes back only to record it (FinalFailure.to_dict())
+                                # down): the message comes back only to record it (FinalFailure.to_dict());
+                                # checked against the message when recorded (its tenant, owner, reason)
         "dl_tries": 2,          # ... and how many times writing it failed
         "hist": [{...}],        # the last HISTORY_LIMIT attempt records, oldest first (see below)
         "hist_n": 3,            # how many records were ever written (the list keeps the last 20)
@@ -67,6 +68,13 @@ Version history:
 * ``1`` (0.7): an attempt record may carry ``note`` (a release that does not know it keeps it in the history).
   Attempt records of a body's ``self.retry()`` are written by the worker as it handles the retry (class
   ``manual``), no longer by the publish.
+
+* ``1`` (0.8): attempt records are checked field by field (:func:`attempt_records`: the last
+  :data:`HISTORY_LIMIT`, text cut to its length, a field of the wrong type left out, a field of a newer release
+  kept when it is a short scalar); the same checks apply to the history of a pending dead letter. A ``dl`` is
+  no longer treated as missing when malformed: its message's body already ran to a final failure, so it is
+  recorded, checked against the message (tenant, owner, reason, key, history; see
+  :mod:`celery_guardrails.guardrails.dead_letter`), as ``malformed_message`` when it does not pass.
 
 Compatibility rules:
 
@@ -194,17 +202,78 @@ def sanitise(raw: Mapping[str, Any], *, task_id: str | None = None) -> dict[str,
         and all(isinstance(owner, str) and 0 < len(owner) <= 300 for owner in gave_up)
     ):
         _drop(clean, GAVE_UP, task_id)
-    pending = clean.get(PENDING_DEAD_LETTER)
-    if PENDING_DEAD_LETTER in clean and not (
-        isinstance(pending, Mapping) and all(isinstance(pending.get(name), str) for name in PENDING_REQUIRED)
-    ):
+    # A pending dead letter (dl) is kept whatever it holds: its message's body already ran to a final failure,
+    # so it is never treated as missing (the body would run again); the guardrail that records it checks every
+    # field (celery_guardrails.guardrails.dead_letter), a null one only is dropped.
+    if PENDING_DEAD_LETTER in clean and clean[PENDING_DEAD_LETTER] is None:
         _drop(clean, PENDING_DEAD_LETTER, task_id)
     if PUBLISHED in clean and published_at(clean) is None:
         _drop(clean, PUBLISHED, task_id)
-    history = clean.get(HISTORY)
-    if HISTORY in clean and not (isinstance(history, list) and all(isinstance(r, Mapping) for r in history)):
-        _drop(clean, HISTORY, task_id)
+    if HISTORY in clean:
+        records = attempt_records(clean[HISTORY])
+        if records is None:
+            _drop(clean, HISTORY, task_id)
+        else:
+            clean[HISTORY] = records
     return clean
+
+
+#: Attempt record fields this release reads as text, and the characters of each kept (longer text is cut).
+RECORD_TEXT = {
+    "start": 40,
+    "end": 40,
+    "host": 300,
+    "exc": 300,
+    "msg": MESSAGE_LIMIT,
+    "class": 40,
+    "rule": 200,
+    "note": 1000,
+}
+#: Characters kept of a text field this release does not know (a newer release's), and such fields per record.
+OTHER_TEXT = 1000
+OTHER_FIELDS = 20
+
+
+def attempt_records(value: Any) -> list[dict[str, Any]] | None:
+    """The attempt records of ``value`` as the contract allows them, or None when it is not a list of mappings
+    (the field is then malformed): the last :data:`HISTORY_LIMIT`; in each, ``n`` a whole number and ``delay`` a
+    finite number of seconds (or null), the text fields (:data:`RECORD_TEXT`) text or null, cut to their length,
+    a field of the wrong type left out; a field this release does not know kept when it is text (cut), a number,
+    a bool or null. What a message carries in its history, and what a pending dead letter carries, pass here."""
+    if not isinstance(value, list):
+        return None
+    kept = value[-HISTORY_LIMIT:]
+    if not all(isinstance(record, Mapping) for record in kept):
+        return None
+    return [_attempt_record(record) for record in kept]
+
+
+def _attempt_record(raw: Mapping[Any, Any]) -> dict[str, Any]:
+    record: dict[str, Any] = {}
+    others = 0
+    for key, item in raw.items():
+        if not isinstance(key, str):
+            continue
+        if key == "n":
+            if _number(item) and isinstance(item, int) and item >= 0:
+                record[key] = item
+        elif key == "delay":
+            if item is None or (_number(item) and item >= 0):
+                record[key] = item
+        elif key in RECORD_TEXT:
+            if item is None or isinstance(item, str):
+                record[key] = item if item is None else item[: RECORD_TEXT[key]]
+        elif (
+            others < OTHER_FIELDS and len(key) <= 40 and (item is None or isinstance(item, str | bool) or _number(item))
+        ):
+            others += 1
+            record[key] = item[:OTHER_TEXT] if isinstance(item, str) else item
+    return record
+
+
+def _number(value: Any) -> bool:
+    """Whether ``value`` is a number JSON carries as it is: not a bool, finite, at most 2**53 either way."""
+    return not isinstance(value, bool) and isinstance(value, int | float) and -(2**53) <= value <= 2**53
 
 
 def _drop(clean: dict[str, Any], field: str, task_id: str | None) -> None:

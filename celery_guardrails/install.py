@@ -65,6 +65,8 @@ def warn_about(app: Any, guarded: list[Any]) -> None:
     :func:`celery_guardrails.audit.retry_rules`)."""
     from celery_guardrails.outcomes import owner_of
 
+    for warning in options.warnings_about(options.app_settings(app), guarded):
+        logger.warning("celery-guardrails: %s", warning)
     unowned = sorted(task.name for task in guarded if owner_of(task) is None)
     if unowned:
         logger.warning(

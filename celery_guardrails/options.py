@@ -21,11 +21,13 @@ from __future__ import annotations
 import difflib
 import itertools
 import logging
+import math
 import re
 from collections.abc import Callable, Iterable, Mapping
 from contextvars import ContextVar
 from dataclasses import dataclass
 from importlib import import_module
+from string import Formatter
 from typing import Any
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
@@ -103,9 +105,13 @@ def _callable_or_path(value: Any) -> Any:
     raise ValueError(f"must be a callable or a dotted path 'package.module.name', got {value!r:.80}")
 
 
+#: Largest count an option takes: what a database integer column and a Lua number hold exactly.
+COUNT_MAX = 2**31 - 1
+
+
 def _positive_int(value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"must be a whole number of at least 1, got {value!r:.80}")
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= COUNT_MAX:
+        raise ValueError(f"must be a whole number from 1 to {COUNT_MAX}, got {value!r:.80}")
     return value
 
 
@@ -123,7 +129,7 @@ def _versions(value: Any) -> tuple[int, ...] | None:
 
 
 def _bytes_or_off(value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or (value != 0 and value < 256):
+    if isinstance(value, bool) or not isinstance(value, int) or (value != 0 and not 256 <= value <= COUNT_MAX):
         raise ValueError(f"must be a number of bytes of at least 256, or 0 to turn the limit off, got {value!r:.80}")
     return value
 
@@ -142,9 +148,12 @@ def _depth(value: Any) -> int:
 
 
 def _key_names(value: Any) -> tuple[str, ...]:
-    if isinstance(value, str | bytes) or not isinstance(value, Iterable):
+    if isinstance(value, str | bytes | Mapping) or not isinstance(value, Iterable):
         raise ValueError(f"must be a list of argument or key names, got {value!r:.80}")
-    names = tuple(str(name).strip().lower().replace("-", "_") for name in value)
+    value = list(value)
+    if not all(isinstance(name, str) for name in value):  # str(None) was the name "none"
+        raise ValueError(f"names are strings, got {value!r:.120}")
+    names = tuple(name.strip().lower().replace("-", "_") for name in value)
     if not all(re.fullmatch(r"[a-z0-9_]+", name) for name in names):
         raise ValueError(f"names are letters, digits and underscores, got {list(value)!r:.120}")
     return names
@@ -159,25 +168,41 @@ def _reason_or_none(value: Any) -> str | None:
 
 
 def _non_negative_int(value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ValueError(f"must be a whole number of at least 0, got {value!r:.80}")
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= COUNT_MAX:
+        raise ValueError(f"must be a whole number from 0 to {COUNT_MAX}, got {value!r:.80}")
     return value
 
 
+def _finite(value: Any) -> bool:
+    """Whether ``value`` is a real, finite number (not a bool): NaN passes every comparison check as False, so
+    ``nan <= 0`` let it through, and infinity makes every sum and sleep with it infinite."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return False
+    try:
+        return math.isfinite(float(value))
+    except OverflowError:  # a whole number past the largest float (10**400): as good as infinite
+        return False
+
+
+#: Longest duration an option takes (100 years, in seconds): a longer one overflows the date arithmetic it feeds
+#: (now - dead_letter_retention before the year 1) and Redis expiries.
+SECONDS_MAX = 100 * 365 * 24 * 3600.0
+
+
 def _seconds(value: Any) -> float:
-    if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
-        raise ValueError(f"must be a positive number of seconds, got {value!r:.80}")
+    if not _finite(value) or not 0 < value <= SECONDS_MAX:
+        raise ValueError(f"must be a positive finite number of seconds, at most 100 years, got {value!r:.80}")
     return float(value)
 
 
 def _seconds_or_off(value: Any) -> float:
-    if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
-        raise ValueError(f"must be a number of seconds, 0 to turn it off, got {value!r:.80}")
+    if not _finite(value) or not 0 <= value <= SECONDS_MAX:
+        raise ValueError(f"must be a finite number of seconds up to 100 years, 0 to turn it off, got {value!r:.80}")
     return float(value)
 
 
 def _ratio(value: Any) -> float:
-    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value <= 10:
+    if not _finite(value) or not 0 <= value <= 10:
         raise ValueError(f"must be a number from 0 to 10 (retries per first attempt), got {value!r:.80}")
     return float(value)
 
@@ -195,7 +220,10 @@ def _exception_types(value: Any) -> tuple[type[BaseException], ...]:
     items = value if isinstance(value, list | tuple) else (value,)
     types = []
     for item in items:
-        loaded = load(item) if isinstance(item, str) else item
+        try:
+            loaded = load(item) if isinstance(item, str) else item
+        except ConfigurationError as exc:  # named by the option's key, not the path's
+            raise ValueError(exc.problem) from None
         if not (isinstance(loaded, type) and issubclass(loaded, BaseException)):
             raise ValueError(f"must be exception classes or dotted paths to them, got {item!r:.80}")
         types.append(loaded)
@@ -212,42 +240,90 @@ def _patterns(value: Any) -> tuple[tuple[re.Pattern[str], str], ...]:
 
 
 def _key_spec(value: Any) -> Any:
-    if callable(value) or (isinstance(value, str) and value):
+    if callable(value) or (isinstance(value, str) and value.strip()):
         return value
-    raise ValueError(f"must be a str.format template, a key, or a callable, got {value!r:.80}")
+    # Not echoed: a key given per call is a value (it may hold anything the caller put in it).
+    raise ValueError(f"must be a str.format template, a key, or a callable, got {_kind(value)}")
+
+
+def _kind(value: Any) -> str:
+    """What a refused value is, without what it holds: for values that may be secrets."""
+    if isinstance(value, str | bytes):
+        return f"{'an empty ' if not value else 'a '}{type(value).__name__}" + (" of spaces" if value.isspace() else "")
+    return "None" if value is None else f"a {type(value).__name__}"
+
+
+#: A team, person or provider name (owner, owners' values, dependency, a schedule's owner).
+NAME = re.compile(r"[\w.:-]{1,100}")
 
 
 def _name(value: Any) -> str:
-    if not isinstance(value, str) or not re.fullmatch(r"[\w.:-]{1,100}", value):
+    if not isinstance(value, str) or not NAME.fullmatch(value):
         raise ValueError(f"must be a name of 1 to 100 letters, digits or . : - _, got {value!r:.80}")
     return value
 
 
+def masked(url: str) -> str:
+    """``url`` with its credentials replaced by ``***``: the user info of every address (a cluster URL has
+    several) and the value of every query parameter whose name says password, secret, token or key. What a
+    validator may show of a URL."""
+    url = re.sub(r"//[^/@?#]*@", "//***@", url)
+    return re.sub(r"([?&][^=&#]*(?:pass|secret|token|key|auth)[^=&#]*=)[^&#]*", r"\1***", url, flags=re.IGNORECASE)
+
+
+def _redis_url(value: str) -> str:
+    """``value`` if the store can connect with it; the errors show it masked (it may hold a password)."""
+    from celery_guardrails.stores.redis_client import check_url
+
+    try:
+        check_url(masked(value))  # the same shape with the secrets out: what is wrong is said the same way
+    except ValueError as exc:
+        raise ValueError(str(exc)) from None
+    return value
+
+
 def _store(value: Any) -> str:
-    from celery_guardrails.stores.redis_client import SCHEMES, check_url
+    from celery_guardrails.stores.redis_client import SCHEMES
 
     if value == "django" or (isinstance(value, str) and value.startswith(SCHEMES)):
-        return value if value == "django" else check_url(value)
-    raise ValueError(f"must be 'django' or a Redis URL such as 'redis://127.0.0.1:6379/1', got {value!r:.80}")
+        return value if value == "django" else _redis_url(value)
+    shown = f"{masked(value)!r:.80}" if isinstance(value, str) else _kind(value)
+    raise ValueError(f"must be 'django' or a Redis URL such as 'redis://127.0.0.1:6379/1', got {shown}")
 
 
 def _owners(value: Any) -> dict[str, str]:
-    if not isinstance(value, Mapping) or not all(isinstance(k, str) and isinstance(v, str) for k, v in value.items()):
+    if not isinstance(value, Mapping):
         raise ValueError(f"must map task-name patterns to owner names, got {value!r:.80}")
+    for pattern, owner in value.items():
+        if not isinstance(pattern, str) or not pattern.strip():
+            raise ValueError(f"task-name patterns are non-empty strings, got {pattern!r:.80}")
+        try:  # the rule of the task-level owner: one rule for every owner name
+            _name(owner)
+        except ValueError as exc:
+            raise ValueError(f"pattern {pattern!r:.80}: the owner {exc}") from None
     return dict(value)
 
 
 def _sinks(value: Any) -> list[str] | None:
     if value is None:
         return None
-    from celery_guardrails.stores.redis_client import SCHEMES, check_url
+    from celery_guardrails.stores.redis_client import SCHEMES
 
     names = [value] if isinstance(value, str) else value
-    for name in names:
-        if name not in ("django", "redis") and not str(name).startswith(SCHEMES):
-            raise ValueError(f"sinks are 'django', 'redis' or Redis URLs, got {name!r:.80}")
-        if name not in ("django", "redis"):
-            check_url(name)
+    if isinstance(names, Mapping) or not isinstance(names, list | tuple):
+        raise ValueError(f"must be a list of sinks ('django', 'redis' or Redis URLs), got {_kind(value)}")
+    if not names:  # no sink: a final failure would be acked with nothing recorded
+        raise ValueError("must name at least one sink: with none, a final failure would be recorded nowhere")
+    for number, name in enumerate(names, start=1):
+        if name in ("django", "redis"):
+            continue
+        if not isinstance(name, str) or not name.startswith(SCHEMES):
+            shown = f"{masked(name)!r:.80}" if isinstance(name, str) else _kind(name)
+            raise ValueError(f"sink {number}: sinks are 'django', 'redis' or Redis URLs, got {shown}")
+        try:
+            _redis_url(name)
+        except ValueError as exc:
+            raise ValueError(f"sink {number}: {exc}") from None
     return list(names)
 
 
@@ -255,26 +331,90 @@ def _fernet_keys(value: Any) -> tuple[str, ...]:
     import base64
     import binascii
 
-    keys = [value] if isinstance(value, str) else value
-    if not isinstance(keys, list | tuple):
-        raise ValueError(f"must be a list of Fernet keys (the first seals, every one opens), got {value!r:.20}")
+    # Never echo a key, nor any part of a value that may hold one: messages name the place only.
+    keys = [value] if isinstance(value, str | bytes) else value
+    if not isinstance(keys, list | tuple):  # a set has no first key to seal with; a dict is not a list
+        raise ValueError(
+            f"must be a list of Fernet keys (the first seals, every one opens), got {_kind(value)} (not shown)"
+        )
+    checked = []
     for number, key in enumerate(keys, start=1):
-        try:  # never echo a key: the message names its place in the list only
-            valid = isinstance(key, str) and len(base64.urlsafe_b64decode(key.encode())) == 32
+        try:  # bytes, as Fernet.generate_key() returns them, are the same key: kept as text
+            text = key.decode("ascii") if isinstance(key, bytes) else key
+            valid = isinstance(text, str) and len(base64.urlsafe_b64decode(text.encode("ascii"))) == 32
         except (binascii.Error, ValueError):
             valid = False
         if not valid:
             raise ValueError(
                 f"key {number} is not a Fernet key (32 url-safe base64-encoded bytes; make one with "
-                "cryptography.fernet.Fernet.generate_key())"
+                "cryptography.fernet.Fernet.generate_key()); the key is not shown"
             )
-    return tuple(keys)
+        checked.append(text)
+    return tuple(checked)
+
+
+#: A header name is an RFC 9110 token.
+_TOKEN = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")
 
 
 def _header_names(value: Any) -> tuple[str, ...]:
-    if isinstance(value, str) or not all(isinstance(v, str) and v for v in value):
+    items = value if isinstance(value, list | tuple) else None
+    if items is None or not all(isinstance(v, str) and _TOKEN.fullmatch(v) for v in items):
         raise ValueError(f"must be a list of HTTP header names, got {value!r:.80}")
-    return tuple(value)
+    return tuple(items)
+
+
+def _redact_keys(value: Any) -> tuple[str, ...]:
+    items = value if isinstance(value, list | tuple | set | frozenset) else None
+    if items is None:
+        raise ValueError(f"must be a list of key-name fragments (matched anywhere in a name), got {value!r:.80}")
+    for item in items:
+        if not isinstance(item, str) or not item.strip():
+            raise ValueError(f"fragments are non-empty strings, got {item!r:.80}")
+    return tuple(items)
+
+
+#: The alert channels there are (celery_guardrails.alerts.send handles each).
+ALERT_CHANNELS = ("log", "mail", "webhook")
+
+
+def _channels(value: Any) -> tuple[str, ...]:
+    items = value if isinstance(value, list | tuple) else None
+    if items is None:
+        raise ValueError(f"must be a list of channels (known: {', '.join(ALERT_CHANNELS)}), got {value!r:.80}")
+    for item in items:
+        if item not in ALERT_CHANNELS:
+            raise ValueError(f"unknown channel {item!r:.80}; known: {', '.join(ALERT_CHANNELS)}")
+    return tuple(items)
+
+
+def _webhooks(value: Any) -> tuple[str, ...]:
+    urls = [value] if isinstance(value, str) else value
+    if not isinstance(urls, list | tuple):
+        raise ValueError(f"must be a list of http:// or https:// URLs, got {_kind(value)}")
+    for number, url in enumerate(urls, start=1):
+        # Not shown: a webhook URL is often its own secret (a Slack or Teams URL is the credential).
+        if not isinstance(url, str) or not re.fullmatch(r"https?://[^\s/?#]+[^\s]*", url):
+            raise ValueError(f"webhook {number} is not an http:// or https:// URL (not shown: it may hold a secret)")
+    return tuple(urls)
+
+
+def _owner_emails(value: Any) -> dict[str, tuple[str, ...]]:
+    if not isinstance(value, Mapping):
+        raise ValueError(f"must map owner names to lists of mail addresses, got {_kind(value)}")
+    checked = {}
+    for owner, addresses in value.items():
+        try:
+            _name(owner)
+        except ValueError as exc:
+            raise ValueError(f"the owner {exc}") from None
+        items = [addresses] if isinstance(addresses, str) else addresses  # one address (a str was spelled out)
+        if not isinstance(items, list | tuple) or not all(
+            isinstance(a, str) and re.fullmatch(r"[^@\s]+@[^@\s]+", a) for a in items
+        ):
+            raise ValueError(f"owner {owner!r}: must be a mail address or a list of them")
+        checked[owner] = tuple(items)
+    return checked
 
 
 #: Default histogram buckets in seconds: 5 ms to 5 minutes (task runs and queue waits alike).
@@ -299,8 +439,8 @@ def _buckets(value: Any) -> tuple[float, ...]:
 
 
 def _token(value: Any) -> str:
-    if not isinstance(value, str) or len(value) < 16:
-        raise ValueError("must be a string of at least 16 characters")  # never echo a secret
+    if not isinstance(value, str) or len(value) < 16 or value != value.strip():
+        raise ValueError("must be a string of at least 16 characters, no spaces around it")  # never echo a secret
     return value
 
 
@@ -776,8 +916,9 @@ OPTIONS: Mapping[str, Option] = {
         Option(
             name="redact_keys",
             default=DEFAULT_REDACT_KEYS,
-            doc="Key-name fragments (case-insensitive) whose values are replaced before a dead letter is stored.",
-            check=_header_names,
+            doc="Key-name fragments (case-insensitive) whose values are replaced before a dead letter is stored. "
+            "Empty is allowed, with a warning at start-up and in manage.py check: nothing is then redacted by name.",
+            check=_redact_keys,
             scopes=frozenset({TASK, APP}),
         ),
         Option(
@@ -793,15 +934,16 @@ OPTIONS: Mapping[str, Option] = {
         Option(
             name="alert_channels",
             default=("log", "mail"),
-            doc="How owners hear of dead letters: 'log', 'mail' (Django), 'webhook' (alert_webhooks).",
-            check=_header_names,
+            doc="How owners hear of dead letters: 'log', 'mail' (Django), 'webhook' (alert_webhooks); another "
+            "name is an error.",
+            check=_channels,
             scopes=frozenset({APP}),
         ),
         Option(
             name="alert_webhooks",
             default=(),
-            doc="URLs that receive each alert as a JSON POST.",
-            check=lambda value: tuple(value) if not isinstance(value, str) else (value,),
+            doc="http:// or https:// URLs that receive each alert as a JSON POST (an error never shows them).",
+            check=_webhooks,
             scopes=frozenset({APP}),
         ),
         Option(
@@ -831,7 +973,7 @@ OPTIONS: Mapping[str, Option] = {
             name="owner_emails",
             default={},
             doc="Mail addresses per owner: {'payments': ['pay-oncall@example.com']} (else ADMINS).",
-            check=lambda value: {str(k): tuple(v) for k, v in dict(value).items()},
+            check=_owner_emails,
             scopes=frozenset({APP}),
         ),
         Option(
@@ -1166,7 +1308,8 @@ def django_settings() -> dict[str, Any]:
 
 
 def validate_task(task: Any) -> None:
-    """Check the guardrail options set as attributes of a task class; raise naming task and key."""
+    """Check the guardrail options set as attributes of a task class; raise naming task and key. A key template
+    that names a sensitive argument is refused too (:func:`check_key_templates`)."""
     for name, option in OPTIONS.items():
         value = task_attribute(task, name)
         if value is None:
@@ -1177,6 +1320,76 @@ def validate_task(task: Any) -> None:
             option.check(value)
         except (TypeError, ValueError) as exc:
             raise ConfigurationError(name, f"on task {task.name!r}: {exc}") from None
+    check_key_templates(task)
+
+
+#: Task options whose str.format template makes a key that is stored in clear (key tables, the dead letter's
+#: idempotency_key, slot holders, the admin): a field that names a secret would put the secret there.
+KEY_TEMPLATES = ("idempotency_key", "concurrency_key", "exclusive_key", "ordering_key")
+
+
+def template_fields(template: str) -> list[str]:
+    """Every field a str.format template names, with the nested ones of its format specs (``{n:{width}}``)."""
+    found = []
+    for _, field, spec, _ in Formatter().parse(template):
+        if field is not None:
+            found.append(field)
+        if spec:
+            found += template_fields(spec)
+    return found
+
+
+def field_parts(field: str) -> list[str]:
+    """The names a template field reads: ``order.api_token`` -> order, api_token; ``creds[secret]`` -> creds,
+    secret (str.format's own grammar: attributes after dots, keys between brackets)."""
+    return [part for part in re.split(r"[.\[\]]+", field) if part]
+
+
+def check_key_templates(task: Any) -> None:
+    """Refuse a key template (:data:`KEY_TEMPLATES`, set on the task) one of whose fields, or any part of one
+    (``{order.api_token}``, ``{creds[secret]}``), is matched by the task's ``redact_keys`` (a fragment
+    anywhere in the name) or ``sensitive_keys`` (its words): ConfigurationError naming task, option and field.
+
+    A callable key cannot be read: it must not return a secret (see the README). A per-call key is a value, not
+    a template: not checked here."""
+    from celery_guardrails.guardrails.contract import matches
+
+    templates = {name: task_attribute(task, name) for name in KEY_TEMPLATES}
+    templates = {name: value for name, value in templates.items() if isinstance(value, str)}
+    if not templates:
+        return
+    redact = [fragment.lower() for fragment in resolve(task, "redact_keys", {})]
+    sensitive = tuple(resolve(task, "sensitive_keys", {}))
+    for option, template in templates.items():
+        try:
+            fields = template_fields(template)
+        except ValueError:
+            continue  # a template str.format cannot parse: refused as a bad key at its first publish
+        for field in fields:
+            for part in field_parts(field):
+                fragment = next((f for f in redact if f in part.lower()), None)
+                entry = None if fragment else matches(part, sensitive)
+                if fragment or entry:
+                    why = f"redact_keys entry {fragment!r}" if fragment else f"sensitive_keys entry {entry!r}"
+                    raise ConfigurationError(
+                        option,
+                        f"on task {task.name!r}: field {{{field}}} names {part!r}, a secret ({why}); the key would "
+                        "keep it in clear in the key tables and the dead letter. Make the key from an id instead "
+                        "(or a digest the task computes, with a callable key)",
+                    )
+
+
+def warnings_about(settings: Mapping[str, Any], tasks: Iterable[Any] = ()) -> list[str]:
+    """Settings that are allowed but make a guardrail weaker than it looks, one sentence each (the worker logs
+    them at start-up, ``manage.py check`` shows them): an empty ``redact_keys`` (app or task)."""
+    found = []
+    if "redact_keys" in settings and not settings["redact_keys"]:
+        found.append("redact_keys is empty: no value is redacted by its key name in dead letters and logs")
+    for task in tasks:
+        value = task_attribute(task, "redact_keys")
+        if value is not None and not value:
+            found.append(f"redact_keys is empty on task {task.name!r}: nothing of its dead letters is redacted by name")
+    return found
 
 
 def import_paths(app: Any, tasks: list[Any]) -> None:
@@ -1286,7 +1499,8 @@ def resolve(task: Any, name: str, call: Mapping[str, Any]) -> Any:
         try:
             return option.check(call[name])
         except (TypeError, ValueError) as exc:
-            logger.warning("Ignoring per-call option %r=%r: %s", name, call[name], exc)
+            # Its value is not logged: a per-call key is a value the caller made, and may hold anything.
+            logger.warning("Ignoring per-call option %r (%s): %s", name, _kind(call[name]), exc)
     value = task_attribute(task, name)
     if value is not None:
         return _checked(name, value)

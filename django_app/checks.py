@@ -1,10 +1,16 @@
 """System checks: ``manage.py check`` grades the guardrails configuration.
 
-guardrails.E001  ``CELERY_GUARDRAILS`` has an unknown key or a bad value (the message names it).
+guardrails.E001  ``CELERY_GUARDRAILS`` has an unknown key or a bad value (the message names it, never a
+                 secret it holds: keys, tokens and URL credentials are not shown).
+guardrails.E002  a guarded task's option is refused, as the worker would refuse it at start-up (the message
+                 names task and option): a bad value, or a key template whose field names a secret
+                 (``idempotency_key="pay:{api_token}"``).
 guardrails.W001  the context middleware is not installed: requests will not stamp their correlation id and
                  tenant on the tasks they enqueue.
 guardrails.W002  no ``seal_keys``: dead letters keep no sealed copy, so a record whose arguments had a secret
                  redacted cannot be replayed.
+guardrails.W003  a setting that is allowed but weakens a guardrail: ``redact_keys`` empty (in
+                 ``CELERY_GUARDRAILS`` or on a task), so nothing is redacted by name.
 guardrails.E010  ``admin_tenants`` names a callable that cannot be imported or is not callable (a bad value
                  is E001): until it is fixed, admin users who are scoped by it see nothing.
 
@@ -47,13 +53,15 @@ The audit check never raises: an app that cannot be loaded or audited gives no a
 
 from __future__ import annotations
 
+import contextlib
+import threading
 from typing import Any
 
 from django.conf import settings
 from django.core.checks import Error, Tags, Warning, register
 
 from celery_guardrails.exceptions import ConfigurationError
-from celery_guardrails.options import OPTIONS, django_settings
+from celery_guardrails.options import OPTIONS, django_settings, validate_task, warnings_about
 
 #: The system check id of each audit finding code (see the module docstring); None: another check says it.
 AUDIT_IDS: dict[str, str | None] = {
@@ -71,6 +79,53 @@ def check_settings(app_configs: Any = None, **kwargs: Any) -> list[Error]:
     except ConfigurationError as exc:
         return [Error(str(exc), hint="See the settings table in the README.", id="guardrails.E001")]
     return []
+
+
+@register(Tags.compatibility)
+def check_tasks(app_configs: Any = None, **kwargs: Any) -> list[Error | Warning]:
+    """The project's guarded tasks, checked as a worker checks them at start-up (their modules imported as a
+    worker imports them), and the settings that weaken a guardrail."""
+    try:
+        settings_checked = django_settings()
+    except ConfigurationError:
+        return []  # E001 says it
+    tasks = _guarded_tasks()
+    messages: list[Error | Warning] = []
+    for task in tasks:
+        try:
+            validate_task(task)
+        except ConfigurationError as exc:
+            messages.append(
+                Error(str(exc), hint="See the task options in the README.", obj=task.name, id="guardrails.E002")
+            )
+    for warning in warnings_about(settings_checked, tasks):
+        messages.append(Warning(warning, hint="Leave redact_keys unset for the defaults.", id="guardrails.W003"))
+    return messages
+
+
+def _guarded_tasks() -> list[Any]:
+    """The guarded tasks of the project's Celery app; none when it cannot be loaded (a check never raises)."""
+    from celery_guardrails.task import GuardedTask
+
+    from .health import celery_app
+
+    try:
+        app = celery_app()
+        if not getattr(_importing, "on", False):
+            # Celery's Django fixup runs the system checks when the task modules are imported: this check, run
+            # from inside that import, reads what is registered so far instead of importing again (for ever).
+            _importing.on = True
+            try:
+                with contextlib.suppress(Exception):  # a task module that fails to import is the worker's to say
+                    app.loader.import_default_modules()
+            finally:
+                _importing.on = False
+        return [task for _, task in sorted(app.tasks.items()) if isinstance(task, GuardedTask)]
+    except Exception:
+        return []
+
+
+_importing = threading.local()
 
 
 @register(Tags.compatibility)

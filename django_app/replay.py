@@ -215,7 +215,7 @@ def _plan(
         raise Refused(f"status is {record.status}")
     if record.task_name not in app.tasks:
         raise Refused(f"task {record.task_name!r} is no longer registered; the record stays open")
-    original = _unsealed(token, app)
+    original = _unsealed(token, app, record)
     base_args, base_kwargs = (original["args"], original["kwargs"]) if original else (record.args, record.kwargs)
     header = dict(original["header"] if original else (record.header or {}))
     if original is None and record.arguments_are_repr and (args is None or kwargs is None):
@@ -263,7 +263,7 @@ def _check_permission(user: Any) -> None:
         raise PermissionDenied(f"{user} may not replay dead letters (needs {PERMISSION})")
 
 
-def _unsealed(token: str | None, app: Any) -> dict[str, Any] | None:
+def _unsealed(token: str | None, app: Any, record: DeadLetter) -> dict[str, Any] | None:
     """The record's sealed original, None when it has none; Refused when it has one nobody can open."""
     if not token:
         return None
@@ -271,7 +271,7 @@ def _unsealed(token: str | None, app: Any) -> dict[str, Any] | None:
         sealer = sealer_for(app)
         if sealer is None:
             raise SealError("no seal_keys are configured")
-        return sealer.open(token)
+        return sealer.open(token, record=record)  # refused when sealed for another record
     except SealError as exc:
         raise Refused(f"its sealed copy cannot be opened: {exc}") from None
 

@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from celery_guardrails.exceptions import StoreError, StoreUnavailableError
+from celery_guardrails.options import masked
 from celery_guardrails.stores.base import Admission, BudgetPolicy, Claim, DependencyState, status
 from celery_guardrails.stores.redis_activity import RedisActivity
 from celery_guardrails.stores.redis_checkpoint import CHECKPOINT_CLEAR_SCRIPT, CHECKPOINT_SAVE_SCRIPT, RedisCheckpoints
@@ -50,6 +51,7 @@ def failure(what: str, url: str, exc: BaseException) -> StoreError:
     not_yet = (errors.MasterDownError, errors.TryAgainError, errors.ClusterError, errors.SlotNotCoveredError)
     unavailable = (redis.ConnectionError, redis.TimeoutError, redis.ReadOnlyError, OSError, *not_yet)
     text = str(exc)
+    url = masked(url)  # the error is logged and alerted: never with the URL's password
     if not (
         isinstance(exc, unavailable)
         or text.startswith(_NOT_YET)
@@ -366,7 +368,9 @@ class RedisIdempotency:
             offset = seconds + micros / 1e6 - local
             self._skew = float(round(offset)) if abs(offset) >= 1.0 else 0.0
             if self._skew:
-                logger.warning("Redis store at %s: this host's clock is %+.0fs off the server's", self.url, -offset)
+                logger.warning(
+                    "Redis store at %s: this host's clock is %+.0fs off the server's", masked(self.url), -offset
+                )
         return now + self._skew
 
     def claim(
@@ -485,7 +489,7 @@ class RedisIdempotency:
             if not due:
                 raise self._failure(exc) from exc
             # the groups already taken are handed out; the rest stay pending for the next flush
-            logger.warning("Redis store at %s: alert summaries cut short: %s", self.url, exc)
+            logger.warning("Redis store at %s: alert summaries cut short: %s", masked(self.url), exc)
         return due
 
     def count_delivery(self, message_id: str, *, ttl: float) -> int:

@@ -210,8 +210,10 @@ def test_sanitise_never_raises_and_keeps_only_what_the_contract_allows(raw: dict
     assert "period" not in clean or 0 <= clean["period"] <= headers.PERIOD_MAX
     assert "sched" not in clean or isinstance(clean["sched"], str)
     assert "hist" not in clean or all(isinstance(r, dict) for r in clean["hist"])
+    assert "hist" not in clean or all(headers.attempt_records([r]) == [r] for r in clean["hist"])  # checked once
     assert "gave_up" not in clean or all(isinstance(o, str) for o in clean["gave_up"])
-    assert "dl" not in clean or all(isinstance(clean["dl"].get(k), str) for k in headers.PENDING_REQUIRED)
+    # a pending dead letter is kept whatever it holds (its guardrail checks it): its body ran already
+    assert ("dl" in clean) == (raw.get("dl") is not None)
     headers.counter(clean, "attempt")
     headers.history(clean)
     headers.call_options(clean)
@@ -261,3 +263,24 @@ def test_every_publish_stamps_its_own_publish_time(celery_app: Any) -> None:
         after_task_publish.disconnect(capture)
     stamps = [headers.published_at(header) for header in sent]
     assert len(stamps) == 2 and all(s is not None and before - 0.01 <= s <= after + 0.01 for s in stamps)
+
+
+def test_attempt_records_are_checked_field_by_field_and_cut() -> None:
+    # Given a header's history as another producer may write it: 30 records, fields of wrong types, huge text,
+    # NaN, a nested value under a field this release does not know
+    record = {"n": 1, "start": "2026-11-30T08:00:00.000+00:00", "class": "transient", "rule": "http:503"}
+    raw = [
+        *([{**record, "msg": "m" * 10_000, "note": "n" * 10_000}] * 29),
+        {**record, "n": "one", "delay": float("nan"), "exc": 5, "host": None, "later": {"deep": [1]}, "v2": "x" * 5000},
+    ]
+    # When the header is sanitised
+    clean = headers.sanitise({"hist": raw})
+    # Then the last 20 are kept, text cut to its length, a field of the wrong type left out, a newer release's
+    # scalar field kept (cut), anything else dropped
+    records = clean["hist"]
+    assert len(records) == headers.HISTORY_LIMIT
+    assert all(len(r["msg"]) == headers.MESSAGE_LIMIT and len(r["note"]) == 1000 for r in records[:-1])
+    assert records[-1] == {**{k: v for k, v in record.items() if k != "n"}, "host": None, "v2": "x" * 1000}
+    # And a history that is not a list of mappings is malformed: treated as missing
+    for bad in ("[]", [1, 2], [{"n": 1}, "x"], {"n": 1}):
+        assert "hist" not in headers.sanitise({"hist": bad})

@@ -5,11 +5,14 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
+from typing import Any
 
+import pytest
+from cryptography.fernet import Fernet
 from django.core.checks import run_checks
 from django.test import override_settings
 
-from celery_guardrails import audit
+from celery_guardrails import GuardedTask, audit
 from django_celery_guardrails import checks
 from django_celery_guardrails.checks import AUDIT_IDS
 
@@ -68,3 +71,64 @@ def test_the_deploy_check_grades_the_project_s_source(settings, tmp_path: Path) 
         (m.obj, m.msg.startswith("publishes a task inside a database transaction, line 6 (checkout)")) for m in messages
     ] == [("shop/views.py", True)]
     assert "delay_on_commit" in (messages[0].hint or "")
+
+
+def settings_with(settings: Any, **changes: Any) -> None:
+    settings.CELERY_GUARDRAILS = {**settings.CELERY_GUARDRAILS, **changes}
+
+
+def test_seal_keys_given_as_a_set_or_a_dict_are_an_error_that_shows_no_piece_of_them(settings: Any) -> None:
+    first, second = Fernet.generate_key().decode(), Fernet.generate_key().decode()
+    pieces = {key[i : i + 6] for key in (first, second) for i in range(len(key) - 5)}
+    for bad in ({first, second}, {"primary": first, "old": second}, {first: second}):
+        # Given seal_keys as a set or a dict
+        settings_with(settings, seal_keys=bad)
+        # When manage.py check runs
+        (error,) = [m for m in run_checks() if m.id == "guardrails.E001"]
+        # Then it names the setting, and shows no piece of a key
+        assert error.msg.startswith("celery-guardrails setting 'seal_keys': must be a list of Fernet keys")
+        assert not any(piece in error.msg for piece in pieces), error.msg
+    # And bytes, as Fernet.generate_key() returns them, are taken
+    settings_with(settings, seal_keys=[first.encode()])
+    assert ids() == []
+
+
+@pytest.mark.parametrize(
+    ("changes", "text"),
+    [
+        ({"alert_channels": ["log", "pager"]}, "'alert_channels': unknown channel 'pager'; known: log, mail, webhook"),
+        ({"dead_letter_retention": float("nan")}, "'dead_letter_retention': must be a positive finite number"),
+        ({"alert_throttle": float("inf")}, "'alert_throttle': must be a positive finite number"),
+        ({"run_alert_throttle": float("nan")}, "'run_alert_throttle': must be a finite number"),
+        ({"owners": {"shop.*": "the shop team"}}, "'owners': pattern 'shop.*': the owner must be a name of 1 to 100"),
+        ({"redact_keys": "token"}, "'redact_keys': must be a list of key-name fragments"),
+        ({"dead_letter_sinks": []}, "'dead_letter_sinks': must name at least one sink"),
+    ],
+)
+def test_settings_accepted_silently_before_are_errors(settings: Any, changes: dict[str, Any], text: str) -> None:
+    settings_with(settings, **changes)
+    (error,) = [m for m in run_checks() if m.id == "guardrails.E001"]
+    assert text in error.msg
+
+
+def test_an_empty_redact_keys_is_a_warning(settings: Any) -> None:
+    settings_with(settings, redact_keys=[])
+    assert ids() == ["guardrails.W003"]
+    (warning,) = [m for m in run_checks() if m.id == "guardrails.W003"]
+    assert warning.msg == "redact_keys is empty: no value is redacted by its key name in dead letters and logs"
+
+
+def test_a_guarded_task_keyed_by_a_secret_is_an_error_naming_task_option_and_field(celery_app: Any) -> None:
+    # Given the project's app with a task whose idempotency key template reads its API token
+    @celery_app.task(
+        base=GuardedTask, bind=True, shared=False, name="shop.pay_by_token", idempotency_key="p:{api_token}"
+    )
+    def pay(self: GuardedTask, order_id: int, api_token: str) -> None: ...
+
+    # When manage.py check runs, Then the task is an error, as the worker would refuse it
+    (error,) = [m for m in run_checks() if m.id == "guardrails.E002"]
+    assert error.obj == "shop.pay_by_token"
+    assert error.msg.startswith(
+        "celery-guardrails setting 'idempotency_key': on task 'shop.pay_by_token': field {api_token} names "
+        "'api_token', a secret (redact_keys entry 'token')"
+    )

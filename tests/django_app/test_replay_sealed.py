@@ -1,8 +1,10 @@
 """Replay of the dead letters people most need to replay: secrets redacted (sealed copies), a missing tenant,
-a fix made in the admin's "edit and replay" form; what a dry run says; key rotation."""
+a fix made in the admin's "edit and replay" form; what a dry run says; key rotation; a sealed copy moved onto
+another record."""
 
 from __future__ import annotations
 
+import json
 import uuid
 from io import StringIO
 from typing import Any
@@ -47,11 +49,13 @@ def user_with(*codenames: str) -> User:
     return User.objects.get(pk=user.pk)
 
 
-def failed_sync(sink: Sink, secret: str, **options: Any) -> DeadLetter:
+def failed_sync(
+    sink: Sink, secret: str, *, tenant: str = "acme", account: str | None = None, **options: Any
+) -> DeadLetter:
     """A real dead letter: sync_account refused by its provider (permanent), its api_token a secret. The
-    account (and so the idempotency key) is the sink's: each test has its own."""
-    with tenant_context("acme"):
-        result = tasks.sync_account.apply_async((sink.key, sink.key), {"api_token": secret, **options})
+    account (and so the idempotency key) is the sink's unless given: each test has its own."""
+    with tenant_context(tenant):
+        result = tasks.sync_account.apply_async((account or sink.key, sink.key), {"api_token": secret, **options})
     with pytest.raises(Exception, match="provider refused"):
         result.get(timeout=TIMEOUT)
     return DeadLetter.objects.get(task_id=result.id)
@@ -237,3 +241,81 @@ def test_a_replay_that_fails_again_links_its_new_dead_letter(
     url = reverse("admin:guardrails_deadletter_change", args=[again.pk])
     assert f'href="{url}" class="replayed-again">failed again: dead letter {again.pk}</a>'.encode() in detail.content
     assert plan(again).kwargs["api_token"] == secret
+
+
+def move_sealed_copy(source: DeadLetter, target: DeadLetter) -> None:
+    """What someone who can write one row does: ``source``'s sealed copy written onto ``target``'s record."""
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "UPDATE guardrails_sealedmessage SET token = (SELECT token FROM guardrails_sealedmessage "
+            "WHERE dead_letter_id = %s) WHERE dead_letter_id = %s",
+            [source.pk, target.pk],
+        )
+
+
+def acme_and_globex(sink: Sink, secret: str) -> tuple[DeadLetter, DeadLetter, str]:
+    """Record 'acme' (tenant acme, ``secret``) and record 'globex' (tenant globex, its own token and account),
+    each with its sealed copy; and globex's token."""
+    acme = failed_sync(sink, secret)
+    theirs = f"tok-globex-{uuid.uuid4().hex}"
+    globex = failed_sync(sink, theirs, tenant="globex", account=f"{sink.key}-globex")
+    assert SealedMessage.objects.filter(dead_letter__in=[acme, globex]).count() == 2
+    return acme, globex, theirs
+
+
+def refused_and_untouched(record: DeadLetter) -> None:
+    """``record`` is refused because its copy is another record's, stays open, and nothing is published."""
+    with pytest.raises(Refused, match="its sealed copy cannot be opened: the sealed copy belongs to another record"):
+        plan(record)
+    result = replay_dead_letters([record.pk])
+    assert result.replayed == []
+    assert result.skipped == [
+        (record.pk, "its sealed copy cannot be opened: the sealed copy belongs to another record")
+    ]
+    assert DeadLetter.objects.filter(pk=record.pk, status="open", replayed_task_id="").exists()
+
+
+def test_a_sealed_copy_moved_onto_another_record_does_not_replay_there(
+    celery_worker: Any, celery_app: Any, sink: Sink, secret: str
+) -> None:
+    # Given acme's record and globex's record, each with its sealed copy
+    acme, globex, theirs = acme_and_globex(sink, secret)
+    fix_the_cause(sink)
+    # When acme's sealed copy is written onto globex's record (one UPDATE)
+    move_sealed_copy(acme, globex)
+    # Then globex's record does not replay acme's arguments as globex: refused, open, nothing published
+    refused_and_untouched(globex)
+    # And acme's untouched record still replays, as acme, with its own token
+    ((_, task_id),) = replay_dead_letters([acme.pk]).replayed
+    assert celery_app.AsyncResult(task_id).get(timeout=TIMEOUT) == f"synced {sink.key}"
+    # And the only runs were the two failures and acme's replay (one worker, in publish order)
+    runs = [(run["tenant"], run["account"], run["token"]) for run in sink.items()]
+    assert runs == [("acme", sink.key, secret), ("globex", f"{sink.key}-globex", theirs), ("acme", sink.key, secret)]
+
+
+def as_the_release_before(record: DeadLetter) -> None:
+    """``record``'s sealed copy made again as the release before sealed it: document version 1, no identity."""
+    sealed = SealedMessage.objects.get(dead_letter=record)
+    document = json.loads(Fernet(KEY.encode()).decrypt(sealed.token.encode()))
+    old = {"v": 1, "args": document["args"], "kwargs": document["kwargs"], "header": document["header"]}
+    sealed.token = Fernet(KEY.encode()).encrypt(json.dumps(old).encode()).decode()
+    sealed.save()
+
+
+def test_a_copy_sealed_by_the_release_before_replays_for_its_own_record_only(
+    celery_worker: Any, celery_app: Any, sink: Sink, secret: str
+) -> None:
+    # Given two records whose copies were sealed before the upgrade (version 1: no identity inside)
+    acme, globex, _ = acme_and_globex(sink, secret)
+    for record in (acme, globex):
+        as_the_release_before(record)
+    fix_the_cause(sink)
+    # Then each still opens for its own record, with the real token
+    assert plan(acme).kwargs["api_token"] == secret
+    # But moved onto the other record (another tenant), it is refused there, nothing published
+    move_sealed_copy(acme, globex)
+    refused_and_untouched(globex)
+    # And the record it belongs to replays
+    ((_, task_id),) = replay_dead_letters([acme.pk]).replayed
+    assert celery_app.AsyncResult(task_id).get(timeout=TIMEOUT) == f"synced {sink.key}"
+    assert [run["tenant"] for run in sink.items()] == ["acme", "globex", "acme"]
