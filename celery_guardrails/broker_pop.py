@@ -24,6 +24,11 @@ A message waiting in any other list (a second queue, a priority list) is found b
 ``guardrails_pop_wait`` later when the worker is idle, at once when it is busy. A list item that is not a
 kombu message (no JSON object with ``properties.delivery_tag`` and ``properties.delivery_info``), on which
 kombu's ``BRPOP`` would raise after losing it, is moved to the list :data:`MALFORMED_KEY` and logged, not lost.
+Redis's own JSON decoder refuses some messages Python reads (a lone surrogate escaped in a header, as Celery's
+``argsrepr`` holds when an argument has one; nesting past 1,000 levels): the script moves those aside too, and
+the worker, reading it with Python, takes back a real kombu message from that list and records it as handed out
+in one more step (:data:`RESCUE`), then delivers it as any other (a worker that dies between the two steps
+leaves it in :data:`MALFORMED_KEY`, not lost).
 
 The worker uses it when ``broker_atomic_pop`` is on (the default) and the broker URL is ``redis://`` with no
 ``broker_transport`` set (:func:`configure`). Not covered: ``rediss://`` and ``sentinel://`` brokers (set
@@ -50,6 +55,7 @@ kombu_redis: Any = _kombu_redis
 VirtualQoS: Any = _virtual.QoS
 bytes_to_str: Any = _encoding.bytes_to_str
 loads: Any = _json.loads
+dumps: Any = _json.dumps
 
 logger = logging.getLogger(__name__)
 
@@ -62,7 +68,7 @@ DEFAULT_WAIT = 0.25
 
 #: KEYS: the unacked hash, the unacked index, the malformed list, then the lists to pop from, in order.
 #: ARGV: the time to score the delivery with (the worker's clock, as kombu scores its index).
-#: Returns {list, item}, {"", list} for an item moved aside as malformed, or false when every list is empty.
+#: Returns {list, item}, {"", list, item} for an item moved aside as malformed, or false when every list is empty.
 POP = """
 for i = 4, #KEYS do
   local item = redis.call('RPOP', KEYS[i])
@@ -73,7 +79,7 @@ for i = 4, #KEYS do
     local tag = type(properties) == 'table' and properties['delivery_tag']
     if type(info) ~= 'table' or type(tag) ~= 'string' or tag == '' then
       redis.call('LPUSH', KEYS[3], item)
-      return {'', KEYS[i]}
+      return {'', KEYS[i], item}
     end
     local exchange, routing_key = info['exchange'] or '', info['routing_key'] or ''
     redis.call('ZADD', KEYS[2], ARGV[1], tag)
@@ -83,6 +89,16 @@ for i = 4, #KEYS do
   end
 end
 return false
+"""
+
+#: A message Redis's decoder refused and Python reads, taken back from the malformed list and recorded as handed
+#: out. KEYS: the unacked hash, the unacked index, the malformed list. ARGV: the item, its delivery tag, its
+#: unacked record, the time. Returns 1, or 0 when the item is no longer in the malformed list (nothing done).
+RESCUE = """
+if redis.call('LREM', KEYS[3], 1, ARGV[1]) == 0 then return 0 end
+redis.call('ZADD', KEYS[2], ARGV[4], ARGV[2])
+redis.call('HSET', KEYS[1], ARGV[2], ARGV[3])
+return 1
 """
 
 
@@ -182,16 +198,20 @@ class Channel(kombu_redis.Channel):  # type: ignore[misc]
             raise
         if not found:
             raise Empty()
-        source, item = (bytes_to_str(part) for part in found)
+        source, item, *moved = (bytes_to_str(part) for part in found)
         if not source:
-            logger.error(
-                "Queue list %s held an item that is not a kombu message; moved to the Redis list %s (LRANGE it "
-                "to see it)",
-                item[len(prefix) :],
-                prefix + MALFORMED_KEY,
-            )
-            raise Empty()
-        payload = loads(item)
+            payload = self._rescue(moved[0] if moved else None, keys=[prefix + key for key in keys[:3]])
+            if payload is None:
+                logger.error(
+                    "Queue list %s held an item that is not a kombu message; moved to the Redis list %s (LRANGE it "
+                    "to see it)",
+                    item[len(prefix) :],
+                    prefix + MALFORMED_KEY,
+                )
+                raise Empty()
+            source = item
+        else:
+            payload = loads(item)
         tag = payload["properties"]["delivery_tag"]
         queue = source[len(prefix) :].rsplit(self.sep, 1)[0]
         self._queue_cycle.rotate(queue)
@@ -203,6 +223,25 @@ class Channel(kombu_redis.Channel):  # type: ignore[misc]
             # message back to its queue after the visibility timeout.
             self.qos.recorded.discard(tag)
         return True
+
+    def _rescue(self, item: str | None, *, keys: list[str]) -> Any:
+        """The kombu message ``item``, taken back from the malformed list and recorded as handed out (see
+        :data:`RESCUE`); None when it is not one (Python cannot read it either), or is no longer there."""
+        if item is None:
+            return None
+        try:
+            payload = loads(item)
+            properties = payload["properties"]
+            tag, info = properties["delivery_tag"], properties["delivery_info"]
+            if not (isinstance(tag, str) and tag and isinstance(info, dict)):
+                return None
+            record = dumps([item, info.get("exchange") or "", info.get("routing_key") or ""])
+        except Exception:  # not a kombu message (not JSON, not a mapping, no properties)
+            return None
+        import redis
+
+        taken = redis.Redis.execute_command(self.client, "EVAL", RESCUE, len(keys), *keys, item, tag, record, time())
+        return payload if taken else None
 
     def _run_pop(self, keys: list[str], now: float) -> Any:
         # The channel's own client, on its own connection (idle now that the wait's reply is read); keys are

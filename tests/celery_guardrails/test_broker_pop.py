@@ -211,6 +211,23 @@ def test_a_queue_item_that_is_not_a_kombu_message_is_moved_aside_and_the_next_on
         assert worker.process is not None and worker.process.poll() is None
 
 
+def test_a_message_redis_cannot_decode_but_python_can_is_taken_back_and_delivered(
+    broker_client: redis.Redis, channel_on: Any, queue_name: str
+) -> None:
+    # Given a message whose header holds a lone surrogate (Celery's argsrepr does when an argument has one): the
+    # pop script's decoder (Redis's cjson) refuses it, Python's reads it
+    connection, channel = channel_on(BROKER_URLS["redis"], guardrails_pop_wait=0.1)
+    publish(channel, queue_name, {"job": 1}, headers={"argsrepr": "['\ud800']"})
+    publish(channel, queue_name, {"job": 2})
+    # When a channel consumes the queue
+    got = consume(connection, channel, [queue_name], 2)
+    # Then both are delivered in order, none is left in the malformed list, and each was recorded as handed out
+    # (acked now: nothing is left in unacked)
+    assert got == [{"job": 1}, {"job": 2}]
+    assert not any(queue_name.encode() in item for item in broker_client.lrange(broker_pop.MALFORMED_KEY, 0, -1))
+    assert not any(queue_name.encode() in raw for raw in broker_client.hvals("unacked"))
+
+
 def test_a_cut_broker_connection_while_waiting_reconnects_and_loses_nothing(
     celery_app: Any, broker_client: redis.Redis, sink: Sink, queue_name: str, tmp_path: Path
 ) -> None:
