@@ -175,15 +175,32 @@ def _refuse_malformed(message: Any, task: Any, error: Exception) -> None:
             args, kwargs = body[0], body[1]
     except Exception:
         logger.debug("Malformed message %s: body not decoded", task_id, exc_info=True)
-    logger.error("Message %s of %s is malformed (%s): dead-lettering it", task_id, raw.get("task"), error)
+    logger.error("Message %s of %s is malformed (%s): dead-lettering it", task_id, raw.get("task"), _said(task, error))
     if task is None or not task_id:
         raise InvalidTaskError(f"malformed message {task_id or '(no id)'}: {error}") from error
     if _recorded(task, _malformed(raw, task, error, args=args, kwargs=kwargs)):
-        raise InvalidTaskError(f"malformed message {task_id}: {error} (dead-lettered)") from error
-    # Not recorded: the consumer refuses it as invalid; make that refusal give the message back.
+        raise Refused(f"malformed message {task_id}: {error} (dead-lettered)", requeue=False) from error
+    # Not recorded: the consumer refuses it as invalid; make that refusal give the message back (Celery's own
+    # consumer rejects an invalid task without requeue, should the task's strategy not be this module's).
     reject = message.reject
     message.reject = lambda requeue=False: reject(requeue=True)
-    raise InvalidTaskError(f"malformed message {task_id}: {error} (not recorded: given back)") from error
+    raise Refused(f"malformed message {task_id}: {error} (not recorded: given back)", requeue=True) from error
+
+
+def _said(task: Any, error: BaseException) -> str:
+    """``error``'s text as a log line may show it: redacted (it may quote what the message held)."""
+    from celery_guardrails.outcomes import describe, kept_text
+
+    return kept_text(task, describe(error), 500)
+
+
+class Refused(InvalidTaskError):  # type: ignore[misc]
+    """A message refused as its request was built, its dead letter written (or not: ``requeue``). The task's
+    strategy settles it quietly; Celery's consumer would log the start of its raw body, secrets and all."""
+
+    def __init__(self, text: str, *, requeue: bool) -> None:
+        super().__init__(text)
+        self.requeue = requeue
 
 
 def _malformed(raw: dict[str, Any], task: Any, error: BaseException, *, args: Any, kwargs: Any) -> Any:
@@ -241,11 +258,18 @@ def strategy(task: Any, app: Any, consumer: Any, **kwargs: Any) -> Any:
     handle = default(task, app, consumer, **kwargs)
 
     def task_message_handler(message: Any, body: Any, ack: Any, reject: Any, callbacks: Any, **more: Any) -> Any:
+        errors = tuple(consumer.connection_errors or ())
         try:
             return handle(message, body, ack, reject, callbacks, **more)
+        except Refused as refused:  # recorded (or not) by GuardedRequest: settled here, the body never logged
+            if refused.requeue:
+                message.reject_log_error(logger, errors, requeue=True)
+            else:
+                message.ack_log_error(logger, errors)
+            return None
         except (DecodeError, ContentDisallowed) as exc:
             # Raised as the strategy first reads the payload, before any request exists (celery/worker/strategy.py).
-            _refuse_undecodable(message, task, exc, errors=tuple(consumer.connection_errors or ()))
+            _refuse_undecodable(message, task, exc, errors=errors)
             return None
 
     return task_message_handler
@@ -256,7 +280,8 @@ def _refuse_undecodable(message: Any, task: Any, exc: BaseException, *, errors: 
     error = ValueError(
         f"the body could not be decoded ({getattr(message, 'content_type', None)}): {type(exc).__name__}: {exc}"
     )
-    logger.error("Message %s of %s cannot be decoded (%r): dead-lettering it", raw.get("id"), task.name, exc)
+    said = _said(task, exc)
+    logger.error("Message %s of %s cannot be decoded (%s): dead-lettering it", raw.get("id"), task.name, said)
     try:
         recorded = bool(raw.get("id")) and _recorded(task, _malformed(raw, task, error, args=(), kwargs={}))
     except Exception:
@@ -322,7 +347,12 @@ def _refuse_unhandable(request: Any, problem: BaseException) -> NoReturn:
     cannot be written; then raise TaskRevokedError, the one exception Celery's hand-over expects: it frees the
     pool slot taken for the request (``WorkController._process_task``, celery#877) and goes on."""
     error = ValueError(f"the pool could not take this message: {type(problem).__name__}: {problem!s:.300}")
-    logger.error("Task %s[%s] cannot be handed to the pool (%r): dead-lettering it", request.name, request.id, problem)
+    logger.error(
+        "Task %s[%s] cannot be handed to the pool (%s): dead-lettering it",
+        request.name,
+        request.id,
+        _said(request.task, problem),
+    )
     try:
         failure = _malformed(dict(request.request_dict), request.task, error, args=request.args, kwargs=request.kwargs)
         recorded = _recorded(request.task, failure)
