@@ -331,7 +331,8 @@ class RedactedArguments:
 
     ``as_repr``: they were not JSON and are kept as their (redacted) repr, not replayable from the record;
     ``cut``: part of them was left out (:data:`MAX_DEPTH`, :data:`MAX_VALUES`, :data:`MAX_CHARACTERS`), so the
-    record does not hold them whole. Unpacks as ``args, kwargs, as_repr``."""
+    record does not hold them whole. Unpacks as ``args, kwargs, not_whole`` (``as_repr`` or ``cut``: what a
+    record's ``arguments_are_repr`` says, replay then reads them from the sealed copy only)."""
 
     args: list[Any]
     kwargs: dict[str, Any]
@@ -339,7 +340,7 @@ class RedactedArguments:
     cut: bool = False
 
     def __iter__(self) -> Iterator[Any]:
-        return iter((self.args, self.kwargs, self.as_repr))
+        return iter((self.args, self.kwargs, self.as_repr or self.cut))
 
 
 class _Shown(str):
@@ -693,5 +694,5 @@ def redact_arguments(
     keys: Iterable[str] = DEFAULT_REDACT_KEYS,
     patterns: Iterable[re.Pattern[str]] = (),
 ) -> RedactedArguments:
-    """Redacted, JSON-ready arguments of a task call (unpacks as ``args, kwargs, stored_as_repr``)."""
+    """Redacted, JSON-ready arguments of a task call (unpacks as ``args, kwargs, not_whole``)."""
     return redactor(tuple(keys), tuple(patterns)).arguments(run, args, kwargs)

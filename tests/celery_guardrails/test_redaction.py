@@ -269,6 +269,7 @@ def test_a_value_past_the_depth_limit_is_cut_and_the_result_says_so() -> None:
     deep = _deep(MAX_DEPTH + 10, "leaf")
     clean = redact_arguments(lambda payload: None, [deep], {})
     assert clean.cut is True and clean.as_repr is False
+    assert tuple(clean)[2] is True  # unpacked, as a record's arguments_are_repr: not kept whole
     innermost = clean.args[0]
     for _ in range(MAX_DEPTH):
         (innermost,) = innermost
