@@ -304,11 +304,12 @@ def _matcher(keys: Iterable[str]) -> re.Pattern[str]:
 
 # A key=value pair: the key is tried only where a word starts (the lookbehind) and is matched against the keys
 # afterwards, in Python. A pattern with the keys inside it, tried at every character of a long run of word
-# characters, took quadratic time (20k characters of an exception: 25 s). A value redacted already is left as
-# it is: redacting a text twice (a message, then the log line that quotes it) changes nothing.
-_PAIR = re.compile(
-    r"""(?<![\w.-])["']?(?P<key>[\w.-]+)["']?\s*[:=]\s*(?!\[redacted\])(?P<secret>"[^"]*"|'[^']*'|[^\s,;&)}\]]+)"""
-)
+# characters, took quadratic time (20k characters of an exception: 25 s). The value is read only after a key
+# that matches (see Redactor._pairs): "refused: password=x" must not read "password=x" as the value of
+# "refused". A value redacted already is left as it is: redacting a text twice (a message, then the log line
+# that quotes it) changes nothing.
+_KEY = re.compile(r"""(?<![\w.-])["']?(?P<key>[\w.-]+)["']?\s*[:=]\s*""")
+_VALUE = re.compile(r"""(?!\[redacted\])(?:"[^"]*"|'[^']*'|[^\s,;&)}\]]+)""")
 # A pair in a list or a tuple, as its repr shows it: ('X-Api-Key', 'abc'), ["authorization", "Bearer x"].
 _LISTED = re.compile(
     r"""[(\[]\s*(?P<q>["'])(?P<key>[^"'\n]{1,200})(?P=q)\s*,\s*(?P<secret>"[^"\n]{0,4096}"|'[^'\n]{0,4096}')"""
@@ -429,15 +430,23 @@ class Redactor:
                     continue
             yield from pattern.spans(text)
         if "=" in text or ":" in text:
-            yield from self._pairs(_PAIR, text)
+            yield from self._pairs(text)
         if "(" in text or "[" in text:
-            yield from self._pairs(_LISTED, text)
+            matches = self.matcher.search
+            for match in _LISTED.finditer(text):
+                if matches(match.group("key")):
+                    yield match.span("secret")
 
-    def _pairs(self, regex: re.Pattern[str], text: str) -> Iterator[Span]:
+    def _pairs(self, text: str) -> Iterator[Span]:
+        """The values of ``key=value`` pairs whose key matches. Linear: the search goes on right after the
+        separator of a key that does not match, and after the value of one that does (read once)."""
         matches = self.matcher.search
-        for match in regex.finditer(text):
-            if matches(match.group("key")):
-                yield match.span("secret")
+        position = 0
+        while (pair := _KEY.search(text, position)) is not None:
+            position = pair.end()
+            if matches(pair.group("key")) and (value := _VALUE.match(text, position)) is not None:
+                yield value.span()
+                position = value.end()
 
     # Values
 

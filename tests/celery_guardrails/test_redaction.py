@@ -28,6 +28,8 @@ from tests.support.planted import leaked
     ("text", "redacted"),
     [
         ("password=hunter2&user=ada", "password=[redacted]&user=ada"),
+        ("login refused: password=hunter2 again", "login refused: password=[redacted] again"),
+        ("a=b=password=hunter2", "a=b=password=[redacted]"),
         ("db_password: 's3cr3t' on host x", "db_password: [redacted] on host x"),
         ('{"api_key": "k-9", "id": 7}', '{"api_key": [redacted], "id": 7}'),
         ("Authorization: Bearer eyJhbGciOi.xyz", "Authorization: [redacted] [redacted]"),
@@ -192,6 +194,8 @@ NEAR_MISSES = {
     "private_key": "-----BEGIN RSA PRIVATE KEY----- x -----END DSA PUBLIC KEY----- " * 15_000,
     "card_number": "4111 " * 200_000,
     "key_pairs": "password" * 125_000,
+    "key_pairs_chained": "a=" * 500_000,
+    "key_pairs_unquoted": 'password="' + "password=x" * 100_000,
     "list_pairs": "[('password', '" * 66_000,
 }
 
