@@ -78,3 +78,4 @@ def test_the_option_off_stores_the_failure_as_raised(celery_app: Any) -> None:
     # And everything else a backend does passes through to the app's own
     assert task.backend.get_key_for_task(raw) == celery_app.backend.get_key_for_task(raw)
     assert celery_app.AsyncResult(raw, backend=task.backend).state == "FAILURE"
+    redis.Redis.from_url(REDIS_URL).delete(*(f"celery-task-meta-{task_id}" for task_id in (raw, redacted)))
