@@ -16,6 +16,11 @@ incident), for at most :data:`RUN_ALERT_WINDOWS` windows; the summary says how m
 A beat outage of ten periods sends one alert and one summary per schedule. The ``run_missed`` and
 ``run_overdue`` signals are still sent once per period.
 
+Redacted: the subject and every text of the payload lose their secrets as a dead letter's do (the task's
+``redact_keys`` and ``redact_patterns``, else the app's: :mod:`celery_guardrails.redaction`), whatever the
+alert is about and wherever its text came from (a header-carried record, a schedule's run), before any
+channel sees them.
+
 Off the ack path: the ``log`` channel writes at once; mail and webhooks are handed to one sender thread per
 process (:class:`Sender`), so a slow SMTP server or webhook never holds a message's ack. Each delivery is
 tried three times (1 s, then 2 s apart); at most :data:`MAX_PENDING` wait (more are logged and dropped);
@@ -40,6 +45,7 @@ from celery.signals import worker_process_shutdown, worker_shutdown
 from celery_guardrails import clock, signals
 from celery_guardrails.options import app_value
 from celery_guardrails.outcomes import FinalFailure
+from celery_guardrails.redaction import Redactor, for_app, for_task
 from celery_guardrails.stores import get_store
 
 logger = logging.getLogger(__name__)
@@ -125,6 +131,10 @@ def send(
         }
     if summary is not None:
         payload["summary"] = summary
+    redactor = _redactor(app, failure)
+    subject = redactor.text(subject)
+    # As the channels write it (times as text), then redacted value by value.
+    payload = redactor.shown(json.loads(json.dumps(payload, default=str))).value
     for channel in app_value(app, "alert_channels"):
         try:  # one channel that fails (mail settings, say) must not silence the others
             if channel == "log":
@@ -137,6 +147,15 @@ def send(
                     SENDER.submit(f"webhook {url} of {subject!r}", _post, url, payload, timeout)
         except Exception:
             logger.exception("Alert channel %s failed for %s", channel, subject)
+
+
+def _redactor(app: Any, failure: FinalFailure | None) -> Redactor:
+    """The redaction of the failed task (its own ``redact_keys`` and ``redact_patterns``), else the app's."""
+    try:
+        task = app.tasks.get(failure.task_name) if failure is not None else None
+    except Exception:  # an app that cannot list its tasks: its own settings still apply
+        task = None
+    return for_task(task) if task is not None else for_app(app)
 
 
 #: Deliveries waiting at most, per process; more are logged and dropped.

@@ -10,6 +10,10 @@ to the consumer blueprint, the guard that keeps a worker alive through a restart
 redelivered (:mod:`celery_guardrails.broker_lease`); on a Redis broker it selects the
 transport whose pop cannot lose a message (:mod:`celery_guardrails.broker_pop`).
 
+It also puts the redacting log filters on Celery's trace logger (for guarded tasks' records) and on the
+extension's own loggers (:func:`celery_guardrails.log.install_filters`), again whenever Celery sets up the
+worker's logging.
+
 The publish/run signal handlers of the context guardrail are connected when :mod:`celery_guardrails` is
 imported; they do not depend on the app.
 """
@@ -23,7 +27,7 @@ from celery import bootsteps
 from celery.signals import after_setup_logger, after_setup_task_logger
 
 from celery_guardrails import options
-from celery_guardrails.log import ContextFilter
+from celery_guardrails.log import ContextFilter, install_filters
 
 logger = logging.getLogger(__name__)
 
@@ -113,6 +117,7 @@ def install(app: Any) -> None:
     if getattr(app, "_guardrails_installed", False):
         return
     app._guardrails_installed = True
+    install_filters()
     app.steps["worker"].add(GuardrailsBootstep)
     from celery_guardrails.watchdog import WatchdogStep
 
@@ -144,3 +149,5 @@ def _add_context_filter(logger: logging.Logger | None = None, **_: Any) -> None:
 
 after_setup_logger.connect(_add_context_filter, weak=False, dispatch_uid="celery_guardrails.log.worker")
 after_setup_task_logger.connect(_add_context_filter, weak=False, dispatch_uid="celery_guardrails.log.task")
+# Celery's logging set-up may replace what a project configured: the redacting filters are put back (idempotent).
+after_setup_logger.connect(install_filters, weak=False, dispatch_uid="celery_guardrails.log.redacting")

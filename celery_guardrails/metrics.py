@@ -40,6 +40,11 @@ never by task id or tenant (a label per id would make a time series per message)
 ``celery_guardrails_messages_completed_total`` (counter; task, queue)
     Guarded deliveries that ended on a worker: success, final failure, or a retry published (throughput).
 
+Label values are redacted (:func:`label_values`): a queue is the publisher's routing key and a dead letter's
+reason may come from a message header, free text either way, so they lose what
+:mod:`celery_guardrails.redaction` would take out of a log line (the app's ``redact_keys`` and
+``redact_patterns``). So do the task and queue names the activity counts keep.
+
 Recording never raises into a task: a failure is logged once per kind (then at DEBUG) and the task goes on.
 
 Exposition. A prefork worker's children record in prometheus_client's multiprocess mode: set
@@ -52,6 +57,7 @@ the whole worker, as prometheus_client asks); a child that exits is marked dead.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import threading
@@ -70,6 +76,7 @@ from celery_guardrails.exceptions import ConfigurationError
 from celery_guardrails.options import app_value
 from celery_guardrails.outcomes import TIME_LIMIT
 from celery_guardrails.pipeline import Guardrail
+from celery_guardrails.redaction import Redactor, for_app
 
 try:
     import prometheus_client
@@ -218,6 +225,18 @@ def _failed(error: BaseException, kind: str, task_id: str | None) -> None:
     )
 
 
+def label_values(app: Any, *values: Any) -> tuple[str, ...]:
+    """``values`` as label values: text, redacted by the app's settings (module docstring)."""
+    redactor = for_app(app)
+    return tuple(_label(redactor, str(value)) for value in values)
+
+
+@functools.lru_cache(maxsize=4096)
+def _label(redactor: Redactor, value: str) -> str:
+    # Cached: a label value is one of few (task names, queues, reasons) and is redacted on every delivery.
+    return redactor.text(value)
+
+
 def queue_of(request: Any) -> str:
     """The queue label of a delivery: its routing key (the queue's name on the default exchange)."""
     info = getattr(request, "delivery_info", None) or {}
@@ -245,7 +264,7 @@ class Metrics(Guardrail):
             return  # a call in the caller's process (task(), apply()) waited in no queue
         try:
             made = instruments(task.app)
-            labels = (task.name, queue_of(request))
+            labels = label_values(task.app, task.name, queue_of(request))
             published = headers.published_at(headers.from_request(request))
             if published is None:
                 made.queue_wait_unknown.labels(*labels).inc()
@@ -283,13 +302,14 @@ class Metrics(Guardrail):
                 _tell(task, request.id, task.name, queue, outcome, detail)
             if metrics_on:
                 made = instruments(task.app)
-                labels = (task.name, queue)
+                labels = label_values(task.app, task.name, queue)
                 made.duration.labels(*labels).observe(max(0.0, time.perf_counter() - state.monotonic_started))
                 made.completed.labels(*labels).inc()
                 if first:
-                    made.outcomes.labels(task.name, outcome, detail).inc()
+                    made.outcomes.labels(*label_values(task.app, task.name, outcome, detail)).inc()
             if activity_on and first:
-                activity.count(task.app, task.name, queue, outcome)
+                name_label, queue_label = label_values(task.app, task.name, queue)
+                activity.count(task.app, name_label, queue_label, outcome)
         except Exception as error:
             _failed(error, "the end of a delivery", request.id)
 
@@ -318,9 +338,11 @@ def _count(
         if told:
             _tell(task, task_id, name or task.name, queue_of(task.request) if current else queue, outcome, detail)
         if metrics_on:
-            instruments(app).outcomes.labels(name or task.name, outcome, detail).inc()
+            instruments(app).outcomes.labels(*label_values(app, name or task.name, outcome, detail)).inc()
         if activity_on and (not current or _activity_on(task)):
-            activity.count(app, name or task.name, queue_of(task.request) if current else queue, outcome)
+            where = queue_of(task.request) if current else queue
+            name_label, queue_label = label_values(app, name or task.name, where)
+            activity.count(app, name_label, queue_label, outcome)
     except Exception as error:
         _failed(error, f"outcome {outcome}", task_id)
 
@@ -388,7 +410,7 @@ def _killed(task: Any, failure: Any) -> None:
     if app is None or not enabled(app):
         return
     try:
-        instruments(app).completed.labels(failure.task_name, failure.queue or "").inc()
+        instruments(app).completed.labels(*label_values(app, failure.task_name, failure.queue or "")).inc()
     except Exception as error:
         _failed(error, "a killed delivery", failure.task_id)
 
@@ -412,7 +434,7 @@ def _on_published(sender: Any = None, routing_key: str | None = None, headers: A
         return
     try:
         name = sender if isinstance(sender, str) else getattr(sender, "name", str(sender))
-        instruments(app).published.labels(name, routing_key or "").inc()
+        instruments(app).published.labels(*label_values(app, name, routing_key or "")).inc()
     except Exception as error:
         _failed(error, "a publish", (headers or {}).get("id") if isinstance(headers, dict) else None)
 

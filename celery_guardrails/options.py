@@ -417,6 +417,25 @@ def _owner_emails(value: Any) -> dict[str, tuple[str, ...]]:
     return checked
 
 
+def _regexes(value: Any) -> tuple[re.Pattern[str], ...]:
+    items = [value] if isinstance(value, str | re.Pattern) else value
+    if not isinstance(items, list | tuple):
+        raise ValueError(f"must be a list of regular expressions, got {type(value).__name__}")
+    compiled = []
+    for number, item in enumerate(items, start=1):
+        # Never echo a pattern: it may spell out the secret it is there to hide; its place in the list names it.
+        try:
+            pattern = item if isinstance(item, re.Pattern) else re.compile(item)
+        except (TypeError, re.error) as exc:
+            raise ValueError(f"pattern {number} is not a regular expression: {exc}") from None
+        if not isinstance(pattern.pattern, str):
+            raise ValueError(f"pattern {number} is a bytes pattern; text is searched")
+        if pattern.search("") is not None:
+            raise ValueError(f"pattern {number} matches the empty string (every argument would be redacted)")
+        compiled.append(pattern)
+    return tuple(compiled)
+
+
 #: Default histogram buckets in seconds: 5 ms to 5 minutes (task runs and queue waits alike).
 DEFAULT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 
@@ -919,6 +938,26 @@ OPTIONS: Mapping[str, Option] = {
             doc="Key-name fragments (case-insensitive) whose values are replaced before a dead letter is stored. "
             "Empty is allowed, with a warning at start-up and in manage.py check: nothing is then redacted by name.",
             check=_redact_keys,
+            scopes=frozenset({TASK, APP}),
+        ),
+        Option(
+            name="redact_patterns",
+            default=(),
+            doc="Regular expressions of secrets recognised by their value, added to the built-in ones (URL "
+            "credentials, bearer tokens, provider keys, JWTs, private key blocks, card numbers: see "
+            "celery_guardrails.redaction). In free text the match is redacted (only its group named 'secret', "
+            "when it has one); an argument holding a match is replaced whole. Keep them linear: no nested "
+            "repetition.",
+            check=_regexes,
+            scopes=frozenset({TASK, APP}),
+        ),
+        Option(
+            name="redact_results",
+            default=True,
+            doc="The result backend stores a guarded task's failure redacted: the exception (its type, with its "
+            "arguments and plain attributes redacted; other attributes dropped) and the traceback text. False: "
+            "Celery stores them as raised.",
+            check=_boolean,
             scopes=frozenset({TASK, APP}),
         ),
         Option(

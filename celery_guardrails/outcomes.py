@@ -21,6 +21,7 @@ from typing import Any
 from celery_guardrails import headers, signals
 from celery_guardrails.context import current_correlation_id, current_tenant
 from celery_guardrails.delivery import delivery
+from celery_guardrails.redaction import for_task
 
 logger = logging.getLogger(__name__)
 
@@ -144,17 +145,9 @@ def kept_text(task: Any, text: str, limit: int, *, tail: bool = False) -> str:
 
 
 def _redacted(task: Any, text: str) -> str:
-    """Text about a failure (a message, a traceback) as it may be kept: with the task's ``redact_keys``."""
-    from celery_guardrails.options import resolve
-    from celery_guardrails.redaction import redact_text
-
-    try:
-        keys = resolve(task, "redact_keys", task.call_options() if hasattr(task, "call_options") else {})
-    except Exception:  # never lose a failure over its redaction settings: the defaults then
-        from celery_guardrails.redaction import DEFAULT_REDACT_KEYS
-
-        keys = DEFAULT_REDACT_KEYS
-    return redact_text(text, keys)
+    """Text about a failure (a message, a traceback) as it may be kept: redacted by the task's ``redact_keys``
+    and ``redact_patterns`` (settings that cannot be read give the defaults: :mod:`celery_guardrails.redaction`)."""
+    return for_task(task).text(text)
 
 
 def republish(

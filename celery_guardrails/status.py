@@ -41,6 +41,7 @@ from celery_guardrails import activity
 from celery_guardrails.activity import QueueRate
 from celery_guardrails.ledger import MISSED, OK, OVERDUE
 from celery_guardrails.queues import QueueDepth, read_queues
+from celery_guardrails.redaction import DEFAULT, exception_text
 from celery_guardrails.stores import django_apps_installed
 
 logger = logging.getLogger(__name__)
@@ -262,7 +263,8 @@ def attempt(source: str, read: Callable[[], T], errors: dict[str, str]) -> T | N
         # The reason in the warning, the traceback at debug: a status command prints no traceback for a down store.
         logger.warning("Guardrails status: reading %s failed: %r", source, exc)
         logger.debug("Guardrails status: reading %s failed", source, exc_info=True)
-        errors[source] = f"{type(exc).__name__}: {exc}"[:300]
+        # Printed by the commands: a store's error names its URL, password included.
+        errors[source] = DEFAULT.text(f"{type(exc).__name__}: {exception_text(exc)}", keep=300)
         return None
 
 

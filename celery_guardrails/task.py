@@ -49,6 +49,7 @@ from celery_guardrails.outcomes import (
     store_unavailable,
 )
 from celery_guardrails.pipeline import Guardrail, Publication, SkipBody, SkipPublish, overriding
+from celery_guardrails.results import redacting_backend
 
 logger = logging.getLogger(__name__)
 
@@ -118,6 +119,8 @@ class GuardedTask(Task):  # type: ignore[misc]
     tenant_activator: Any = None
     owner: str | None = None
     redact_keys: Any = None
+    redact_patterns: Any = None
+    redact_results: bool | None = None
     max_deliveries: int | None = None
     idempotent: bool | None = None
     retry_unsafe: bool | None = None
@@ -177,6 +180,16 @@ class GuardedTask(Task):  # type: ignore[misc]
     @classmethod
     def on_bound(cls, app: Any) -> None:
         install(app)
+
+    # The result backend, its stored failures redacted (redact_results; see celery_guardrails.results): Celery's
+    # tracer and the worker's request store an exception through ``task.backend``.
+    @property
+    def backend(self) -> Any:
+        return redacting_backend(self, Task.backend.fget(self))
+
+    @backend.setter
+    def backend(self, value: Any) -> None:
+        Task.backend.fset(self, value)
 
     def apply_async(self, *args: Any, **kwargs: Any) -> Any:
         with settings_snapshot(self.app):

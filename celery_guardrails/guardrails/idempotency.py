@@ -58,6 +58,7 @@ from celery_guardrails.ledger import period_key
 from celery_guardrails.options import resolve
 from celery_guardrails.outcomes import BAD_IDEMPOTENCY_KEY, attempt_record, fail_finally
 from celery_guardrails.pipeline import Guardrail, Publication, SkipBody, SkipPublish
+from celery_guardrails.redaction import redacted_error
 from celery_guardrails.stores import get_store
 from celery_guardrails.stores.base import ACQUIRED, BUSY, COMPLETED, FAILED, Claim, Store
 
@@ -597,6 +598,6 @@ class Idempotency(Guardrail):
                 key,
                 owner=owner,
                 now=time.time(),
-                reason=f"{type(exc).__name__}: {exc}"[:200],
+                reason=redacted_error(task, exc, keep=200),  # kept in the key's row: redacted
                 retention=resolve(task, "idempotency_retention", task.call_options()),
             )

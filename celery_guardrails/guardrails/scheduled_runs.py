@@ -33,6 +33,7 @@ from celery_guardrails.guardrails.retries import retry_later
 from celery_guardrails.ledger import FAILED, OK, SKIPPED_OVERLAP, period_key
 from celery_guardrails.options import SchedulePolicy, app_value, resolve
 from celery_guardrails.pipeline import Guardrail, Publication, SkipBody
+from celery_guardrails.redaction import redacted_error
 from celery_guardrails.stores import get_store
 from celery_guardrails.stores.base import ACQUIRED
 
@@ -125,4 +126,4 @@ class ScheduledRuns(Guardrail):
         self._finish(task, OK)
 
     def on_failure(self, task: GuardedTask, exc: BaseException, einfo: Any) -> None:
-        self._finish(task, FAILED, f"{type(exc).__name__}: {exc}")
+        self._finish(task, FAILED, redacted_error(task, exc))  # kept in the run ledger: redacted

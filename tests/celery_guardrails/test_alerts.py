@@ -1,11 +1,21 @@
-"""Alert channels without Django (the Django mail and webhook cases: tests/django_app/test_alerts.py)."""
+"""Alert channels without Django, and what any alert says (the Django mail and webhook cases of real dead letters:
+tests/django_app/test_alerts.py)."""
 
 from __future__ import annotations
 
+import io
+import logging
 import os
 import subprocess
 import sys
+import uuid
+from typing import Any
 
+from celery_guardrails.alerts import send
+from celery_guardrails.outcomes import FinalFailure
+from tests.support import planted
+from tests.support.planted import leaked
+from tests.support.waiting import wait_for
 from tests.support.workers import ROOT
 
 SCRIPT = """
@@ -32,3 +42,53 @@ def test_the_default_mail_channel_without_django_warns_instead_of_failing() -> N
     assert "ALERT for ops: Run missed: nightly" in done.stderr
     assert "No Django settings: alert 'Run missed: nightly' not mailed" in done.stderr
     assert "Traceback" not in done.stderr
+
+
+def test_an_alert_says_no_secret_whatever_its_text_came_from(
+    celery_app: Any, webhook: tuple[str, list[dict[str, Any]]]
+) -> None:
+    from django.core import mail
+
+    url, posted = webhook
+    celery_app.conf.guardrails = {
+        **celery_app.conf.guardrails,
+        "alert_channels": ["log", "mail", "webhook"],
+        "alert_webhooks": [url],
+        "owner_emails": {"security": ["security@example.com"]},
+    }
+    # Given a failure whose text was never redacted (a record carried in a header by another producer) and a
+    # schedule's run whose reason quotes an error
+    task_id = str(uuid.uuid4())
+    failure = FinalFailure(
+        task_name="tests.proj.leaky.leak",
+        task_id=task_id,
+        reason="permanent",
+        exc_type="tests.proj.leaky.LeakyError",
+        exc_message=planted.MESSAGE,
+        tenant=None,
+        correlation_id=None,
+        attempts=1,
+        owner="security",
+    )
+    output = io.StringIO()
+    handler = logging.StreamHandler(output)
+    logging.getLogger("celery_guardrails.alerts").addHandler(handler)
+    try:
+        # When both are alerted through every channel
+        send(celery_app, subject=f"Dead letter: {planted.STRIPE_KEY}", failure=failure)
+        run = {"schedule": "nightly", "reason": planted.MESSAGE}
+        send(celery_app, subject="Run missed: nightly", run=run, owner="security")
+    finally:
+        logging.getLogger("celery_guardrails.alerts").removeHandler(handler)
+    # Then the log line, the mails and the webhook's JSON say what happened, and none says a secret
+    hooks = wait_for("both webhooks", lambda: posted if len(posted) >= 2 else None)
+
+    def ours() -> list[Any] | None:
+        sent = [m for m in mail.outbox if m.to == ["security@example.com"]]
+        return sent if len(sent) >= 2 else None
+
+    mails = wait_for("both mails", ours)
+    assert [hook["dead_letter"]["task_id"] for hook in hooks if "dead_letter" in hook] == [task_id]
+    assert "could not connect to postgresql://app:[redacted]@db/shop" in output.getvalue()
+    for said in (output.getvalue(), hooks, [(m.subject, m.body) for m in mails]):
+        assert leaked(said) == []

@@ -1,4 +1,5 @@
-"""The logging filter puts tenant, correlation id and task on each record, inside a task and outside."""
+"""The logging filters: tenant, correlation id and task on each record (inside a task and outside), and the
+extension's own lines redacted."""
 
 from __future__ import annotations
 
@@ -10,8 +11,10 @@ from typing import Any
 import pytest
 
 from celery_guardrails import correlation_context, tenant_context
-from celery_guardrails.log import ContextFilter
+from celery_guardrails.log import ContextFilter, install_filters
 from tests.proj import tasks
+from tests.support import planted
+from tests.support.planted import leaked
 
 FORMAT = "tenant=%(tenant)s cid=%(correlation_id)s task=%(task_name)s[%(task_id)s] %(message)s"
 
@@ -50,3 +53,42 @@ def test_outside_a_task_fields_are_dashes(log_stream: io.StringIO) -> None:
         "tenant=- cid=- task=-[-] no context",
         "tenant=- cid=req-log-2 task=-[-] a request",
     ]
+
+
+@pytest.fixture
+def guardrails_output() -> Iterator[io.StringIO]:
+    """What the extension's loggers write, formatted by a plain handler (tracebacks included)."""
+    stream = io.StringIO()
+    handler = logging.StreamHandler(stream)
+    handler.setFormatter(logging.Formatter("%(name)s %(message)s"))
+    logger = logging.getLogger("celery_guardrails")
+    logger.addHandler(handler)
+    try:
+        yield stream
+    finally:
+        logger.removeHandler(handler)
+
+
+def test_the_extensions_log_lines_and_tracebacks_are_redacted(celery_app: Any, guardrails_output: io.StringIO) -> None:
+    # Given the filters a guarded task's app installs, and a line of one of the extension's modules about a store
+    # error (it names the store's URL, password included) with its traceback
+    install_filters()
+    outcomes = logging.getLogger("celery_guardrails.outcomes")
+    try:
+        raise ConnectionError(f"Redis store at {planted.REDIS_URL} unavailable; token {planted.GITHUB_TOKEN}")
+    except ConnectionError as error:
+        outcomes.error("Task t[1]: the guardrails store is unavailable (%s)", error, exc_info=True)
+    # Then the line and its traceback say everything but the secrets
+    output = guardrails_output.getvalue()
+    assert output.startswith(
+        "celery_guardrails.outcomes Task t[1]: the guardrails store is unavailable (Redis store at "
+        "redis://:[redacted]@cache:6379/0 unavailable; token [redacted])\nTraceback (most recent call last):"
+    )
+    assert leaked(output) == [] and "ConnectionError: Redis store at redis://:[redacted]@" in output
+
+
+def test_a_line_with_nothing_to_redact_keeps_its_template(celery_app: Any) -> None:
+    install_filters()
+    record = logging.LogRecord("celery_guardrails.alerts", logging.INFO, __file__, 1, "sent %s to %s", ("a", "b"), None)
+    assert logging.getLogger("celery_guardrails.alerts").filter(record)
+    assert (record.msg, record.args, record.getMessage()) == ("sent %s to %s", ("a", "b"), "sent a to b")

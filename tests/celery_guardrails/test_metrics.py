@@ -300,3 +300,33 @@ def test_bad_metrics_settings_name_the_key(raw: dict[str, Any], text: str) -> No
     with pytest.raises(ConfigurationError, match=text) as caught:
         validate(raw)
     assert caught.value.key == next(iter(raw))
+
+
+def test_label_values_lose_the_secrets_a_message_put_in_them(celery_app: Any) -> None:
+    from celery_guardrails import signals
+    from celery_guardrails.outcomes import FinalFailure
+    from tests.proj import leaky
+    from tests.support import planted
+    from tests.support.planted import leaked
+
+    # Given metrics on, and a dead letter whose queue (the publisher's routing key) and reason (carried in a
+    # header by another producer) are free text with secrets in them
+    celery_app.conf.guardrails = {**celery_app.conf.guardrails, "metrics": True}
+    task = celery_app.tasks[leaky.leak_provider.name]
+    failure = FinalFailure(
+        task_name=task.name,
+        task_id=f"labels-{random.random()}",
+        reason=f"permanent {planted.STRIPE_KEY}",
+        exc_type="tests.proj.leaky.ProviderError",
+        exc_message="",
+        tenant=None,
+        correlation_id=None,
+        attempts=1,
+        queue=f"orders {planted.PG_URL}",
+    )
+    # When it is counted
+    signals.dead_lettered.send(sender=task, failure=failure)
+    # Then the labels say it, redacted
+    labels = [dict(labels) for (_, labels) in ours(task.name)]
+    assert {"task": task.name, "outcome": "dead_lettered", "detail": "permanent [redacted]"} in labels
+    assert leaked(labels) == []

@@ -178,3 +178,20 @@ def test_rates_in_and_out_from_the_activity_the_workers_keep(celery_app: Any, qu
     assert "IN/MIN" in table.stdout and "OUT/MIN" in table.stdout
     line = next(line for line in table.stdout.splitlines() if line.strip().startswith(queue_name))
     assert line.split()[3:5] == ["14.0", "10.0"]
+
+
+def test_a_source_that_cannot_be_read_is_reported_without_its_secrets() -> None:
+    from celery_guardrails.exceptions import StoreUnavailableError
+    from celery_guardrails.status import attempt
+    from tests.support import planted
+
+    # Given a store whose error names its URL, password included
+    def read() -> None:
+        raise StoreUnavailableError(f"Redis store at {planted.REDIS_URL} unavailable: refused")
+
+    errors: dict[str, str] = {}
+    # When the status reads it, then what the commands print says which store, not its password
+    assert attempt("store", read, errors) is None
+    assert errors == {
+        "store": "StoreUnavailableError: Redis store at redis://:[redacted]@cache:6379/0 unavailable: refused"
+    }
