@@ -191,7 +191,8 @@ def test_hostile_messages_all_end_as_dead_letters_and_no_planted_secret_is_found
         call_command("guardrails_deadletters", "show", str(record.pk), stdout=out)
         surfaces[f"show {record.pk}"] = out.getvalue()
     found = {(where, secret) for where, text in surfaces.items() for secret in SECRETS if secret in text}
-    assert sorted(found) == []
+    # (said by kind of surface, and the secret's start: a failure lists every place at once)
+    assert sorted({(where.rstrip("0123456789 "), secret[:12]) for where, secret in found}) == []
     # And no page shows a bidi control as it is (it would reverse what follows it)
     assert [where for where, text in surfaces.items() if where.startswith("admin") and BIDI in text] == []
 
