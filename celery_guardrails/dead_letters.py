@@ -24,8 +24,8 @@ from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any, Protocol
 
 from celery_guardrails.exceptions import StoreError, StoreUnavailableError
-from celery_guardrails.options import app_value, resolve
-from celery_guardrails.redaction import redact, redact_arguments
+from celery_guardrails.options import app_value
+from celery_guardrails.redaction import for_task
 from celery_guardrails.sealing import sealer_for
 from celery_guardrails.stores import django_apps_installed, store_url
 
@@ -89,9 +89,12 @@ def storable(value: Any, depth: int = 0) -> Any:
 
 
 def record_fields(task: Any, failure: FinalFailure) -> dict[str, Any]:
-    """The record of ``failure`` as stored: redacted, JSON-ready, NUL escaped, arguments capped in size."""
-    keys = resolve(task, "redact_keys", {})
-    args, kwargs, as_repr = redact_arguments(task.run, failure.args, failure.kwargs, keys)
+    """The record of ``failure`` as stored: redacted, JSON-ready, NUL escaped, arguments capped in size.
+
+    Every text and value goes through the task's redaction here, whichever path made the failure (a header-carried
+    one, a malformed message's): redacting what was redacted already changes nothing."""
+    redaction = for_task(task)
+    args, kwargs, as_repr = redaction.arguments(task.run, failure.args, failure.kwargs)
     size = len(json.dumps([args, kwargs], default=str))
     if size > ARGUMENTS_LIMIT:  # a huge argument is not kept whole in a retained record
         args, kwargs, as_repr = [repr(args)[:2000]], {"repr": repr(kwargs)[:2000], "bytes": size}, True
@@ -107,12 +110,12 @@ def record_fields(task: Any, failure: FinalFailure) -> dict[str, Any]:
             "tenant": failure.tenant or "",
             "correlation_id": failure.correlation_id or "",
             "idempotency_key": failure.idempotency_key or "",
-            "header": redact(failure.header, keys),
+            "header": redaction.value(failure.header).value,
             "reason": failure.reason,
             "exc_type": failure.exc_type,
-            "exc_message": failure.exc_message,
-            "traceback": failure.traceback[-TRACEBACK_LIMIT:],
-            "history": failure.history,
+            "exc_message": redaction.text(failure.exc_message),
+            "traceback": redaction.text(failure.traceback, keep=TRACEBACK_LIMIT, tail=True),
+            "history": redaction.shown(failure.history).value,
             "attempts": failure.attempts,
             "first_failed_at": failure.first_failed_at,
             "last_failed_at": failure.last_failed_at,
