@@ -159,7 +159,7 @@ def _check_depth(request: Any) -> None:
     if depth is not None:
         raise ValueError(
             f"arguments or headers nested more than {depth - 1} levels deep, over max_payload_depth {limit}: not "
-            "handed to the pool (a prefork child could not receive it)"
+            "handed to the pool"
         )
 
 

@@ -300,6 +300,7 @@ def main() -> None:
         contract_and_outbox()
         audit()
         retry_gate(app, provider)
+        hostile_input(app, log_path)
 
         print("\n-- the worker's log lines for request demo-req-42 (tenant and correlation id on each line)")
         for line in log_path.read_text(errors="replace").splitlines():
@@ -402,6 +403,7 @@ def contract_and_outbox() -> None:
             ("a model instance", lambda: send_receipt.delay(User(username="ada"))),
             ("a card number", lambda: charge_order.apply_async((45, 500), {"card_number": "4242424242424242"})),
             ("70 KB of arguments", lambda: charge_order.delay(46, 500, card_token="x" * 70_000)),
+            ("arguments nested 150 levels", lambda: send_receipt.delay(nested(150))),
         ):
             try:
                 publish()
@@ -474,6 +476,45 @@ def retry_gate(app: Any, provider: Any) -> None:
         "   (allow_not_idempotent=True, guardrails_replay --allow-not-idempotent or the admin's tick replay it, once "
         "someone checked the parcel was not booked)"
     )
+
+
+def nested(levels: int) -> Any:
+    """A value ``levels`` lists deep."""
+    value: Any = "x"
+    for _ in range(levels):
+        value = [value]
+    return value
+
+
+def hostile_input(app: Any, worker_log: Path) -> None:
+    """Messages another producer wrote (no payload contract there): each ends as a dead letter that gives nothing
+    away, and the worker goes on."""
+    from celery_guardrails import tenant_context
+    from django_celery_guardrails.models import DeadLetter
+    from example_project.shop.tasks import send_receipt
+
+    print("\n-- 17. hostile input: messages another producer wrote, past the payload contract")
+    dsn = "postgresql://shop:Sup3rS3cret@db.internal/shop"
+    sent = {}
+    with app.producer_or_acquire() as producer:
+        for what, args, kwargs in (
+            ("arguments nested 700 levels (a prefork worker's pickle stops the worker there)", [nested(700)], {}),
+            ("a database URL under an innocent name, an argument the task does not take", [49], {"dsn": dsn}),
+        ):
+            message = app.amqp.as_task_v2(f"demo-hostile-{len(sent)}-{os.getpid()}", send_receipt.name, args, kwargs)
+            headers = {**message.headers, "guardrails": {"v": 1, "tenant": "acme"}}
+            producer.publish(message.body, routing_key=os.environ["EXAMPLE_QUEUE"], headers=headers, serializer="json")
+            sent[what] = message.headers["id"]
+    for what, task_id in sent.items():
+        record = wait_for("its dead letter", lambda task_id=task_id: DeadLetter.objects.filter(task_id=task_id).first())
+        print(f"   {what}:")
+        print(f"      dead letter #{record.pk} {record.reason}: {record.exc_message[:110]}")
+        if record.kwargs:
+            print(f"      arguments as stored: {record.args} {record.kwargs}")
+    with tenant_context("acme"):
+        after = send_receipt.delay(50).get(timeout=30)
+    logged = dsn in worker_log.read_text(errors="replace")
+    print(f"   the worker went on (receipt {after['order_id']} sent next); the password in its log: {logged}")
 
 
 def print_command(argv: list[str]) -> None:

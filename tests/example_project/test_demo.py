@@ -91,6 +91,14 @@ def check_output(out: str) -> None:
     assert "a model instance: EntityInPayloadError: example_project.shop.tasks.send_receipt: order_id is a User" in out
     assert "a card number: SensitivePayloadError:" in out
     assert re.search(r"70 KB of arguments: PayloadTooLargeError: .*: its arguments are 70,\d{3} bytes serialised", out)
+    assert "arguments nested 150 levels: PayloadTooDeepError: " in out
+    # hostile input from another producer: dead letters that give nothing away, and the worker goes on
+    assert "17. hostile input: messages another producer wrote, past the payload contract" in out
+    assert re.search(r"dead letter #\d+ malformed_message: arguments or headers nested more than 100 levels deep", out)
+    assert re.search(r"dead letter #\d+ permanent: send_receipt\(\) got an unexpected keyword argument 'dsn'", out)
+    assert "arguments as stored: [49] {'dsn': '[redacted]'}" in out
+    assert "the worker went on (receipt 50 sent next); the password in its log: False" in out
+    assert "Sup3rS3cret" not in out
     # the outbox: a rollback leaves nothing, a commit is published by the worker's relay
     assert "order 47: the transaction rolled back; outbox messages: 0" in out
     assert re.search(r"order 48 charged ch_\d+ by the worker; outbox messages left: 0", out)
