@@ -647,8 +647,10 @@ class _Walk:
 
 
 @functools.lru_cache(maxsize=64)
+@functools.lru_cache(maxsize=64)
 def redactor(keys: tuple[str, ...] = DEFAULT_REDACT_KEYS, extra: tuple[re.Pattern[str], ...] = ()) -> Redactor:
-    """The redactor of ``keys`` with the built-in value patterns and ``extra`` (``redact_patterns``)."""
+    """The redactor of ``keys`` with the built-in value patterns and ``extra`` (``redact_patterns``), made once per
+    set (every log line of a guarded task asks for its task's)."""
     return Redactor(keys=tuple(str(k) for k in keys), patterns=(*VALUE_PATTERNS, *user_patterns(extra)))
 
 
