@@ -34,6 +34,7 @@ from django.urls import path, reverse
 from django.utils import timezone
 from django.utils.html import format_html, format_html_join
 from django.utils.http import urlencode
+from django.utils.safestring import SafeString
 
 from celery_guardrails.exceptions import ConfigurationError
 from celery_guardrails.outcomes import NOT_IDEMPOTENT
@@ -41,6 +42,7 @@ from celery_guardrails.stores import store_url
 
 from . import health
 from .dashboard import dashboard_context
+from .display import escape, shown_field
 from .forms import EditAndReplayForm
 from .maintenance import close_dead_letters
 from .models import (
@@ -54,8 +56,8 @@ from .models import (
     SealedMessage,
 )
 from .overview import dead_letter_overview
-from .paging import CappedCountPaginator, DistinctValuesFilter
-from .replay import Refused, ReplayResult, plan, replay_dead_letters, replay_with_changes
+from .paging import CappedCountPaginator, CheckedChangeList, DistinctValuesFilter
+from .replay import Outlook, Refused, ReplayResult, outlooks, plan, replay_dead_letters, replay_with_changes
 from .scoping import AllTenantsOnlyAdmin, ScheduleScopedAdmin, TenantScopedAdmin, linked, schedules_seen
 
 #: LogEntries written per INSERT by the actions; the fields of a record its LogEntry names (``str(record)``).
@@ -108,21 +110,49 @@ def _allowed(request: HttpRequest) -> bool:
 
 
 def _short(text: str, limit: int) -> str:
-    """``text`` cut to ``limit`` characters, whole in its title (hover, copy from the detail page)."""
+    """``text`` cut to ``limit`` characters, whole in its title (hover, copy from the detail page); control and
+    invisible characters escaped in both (:mod:`.display`)."""
     shown = text if len(text) <= limit else text[: limit - 1] + "…"
-    return format_html('<span title="{}">{}</span>', text, shown)
+    return format_html('<span title="{}">{}</span>', escape(text), escape(shown, html=True))
+
+
+class _Named:
+    """A record as the action checkbox names it: its pk, and its name escaped (:mod:`.display`)."""
+
+    def __init__(self, record: DeadLetter) -> None:
+        self.pk = record.pk
+        self._name = escape(str(record))
+
+    def __str__(self) -> str:
+        return self._name
 
 
 def _changed_keys(before: dict[str, Any], after: dict[str, Any]) -> list[str]:
     return sorted(k for k in before.keys() | after.keys() if before.get(k, object()) != after.get(k, object()))
 
 
+#: The dead letter's fields on its page, each through :func:`.display.escape` (a bidi override in a key or a
+#: value shows as ``\u202e``, never reverses the text). The history, traceback and replay's task id are shown
+#: formatted instead; "arguments stored as text" is said without the model's note that such a record cannot be
+#: replayed: the "replay" field says what a replay would do.
+_DEAD_LETTER_FIELDS = [
+    (
+        shown_field(DeadLetter, f.name, multiline=f.name == "exc_message")
+        if f.name != "arguments_are_repr"
+        else "arguments_cut"
+    )
+    for f in DeadLetter._meta.fields
+    if f.name not in ("history", "traceback", "replayed_task_id")
+]
+
+
 @admin.register(DeadLetter)
-class DeadLetterAdmin(TenantScopedAdmin):
+class DeadLetterAdmin(CheckedChangeList, TenantScopedAdmin):
     # Long values are shortened (whole in their title) so that every column fits a 1,366 px screen.
     # The full task name and id are in the task's title (and searchable by the exact id), the status is under
-    # the reason, the attempts are on the record's page.
-    list_display = ("task", "reason_and_status", "owner", "tenant_id", "last_failure")
+    # the reason (and under it, for an open record, whether a replay would go through), the attempts are on the
+    # record's page. Lookups by URL: the filters below only (CheckedChangeList).
+    list_display = ("task", "reason_and_status", "owner_name", "tenant_id", "last_failure")
     # Built for millions of records (bench/scale.py): filter choices one index probe per value, a count capped
     # at 10,000 (the whole table estimated), no facet counts, search by exact ids through their indexes. An
     # "=field" search would be iexact, UPPER(field) = UPPER(%s): no index serves it, every search a full scan.
@@ -142,16 +172,17 @@ class DeadLetterAdmin(TenantScopedAdmin):
         show_facets = admin.ShowFacets.NEVER
     list_per_page = 50
     actions = ["replay_selected", "discard_selected", "resolve_selected"]
-    # The raw history and traceback are shown formatted (a table, a <pre>) instead.
-    readonly_fields = [
-        f.name for f in DeadLetter._meta.fields if f.name not in ("history", "traceback", "replayed_task_id")
-    ] + [
+    # The raw history and traceback are shown formatted (a table, a <pre>) instead. (Django takes callables here;
+    # its stubs say names only.)
+    readonly_fields = fields = [  # type: ignore[assignment]
+        *_DEAD_LETTER_FIELDS,  # type: ignore[list-item]
+        "replay_outlook",
         "attempt_history",
         "traceback_text",
         "replayed_as",
     ]
-    exclude = ("history", "traceback", "replayed_task_id")
     change_form_template = "admin/guardrails/deadletter/change_form.html"
+    object_history_template = "admin/guardrails/deadletter/object_history.html"
     change_list_template = "admin/guardrails/deadletter/change_list.html"  # adds the "Overview" link
 
     def has_add_permission(self, request: HttpRequest) -> bool:
@@ -159,6 +190,10 @@ class DeadLetterAdmin(TenantScopedAdmin):
 
     def has_change_permission(self, request: HttpRequest, obj: DeadLetter | None = None) -> bool:
         return False  # every field is read only: no Save button; the actions check their own permissions
+
+    def action_checkbox(self, obj: DeadLetter) -> SafeString:
+        # Django's names the row by str(obj) in its aria-label, raw: a bidi override in a task id read aloud.
+        return super().action_checkbox(_Named(obj))
 
     def has_replay_permission(self, request: HttpRequest) -> bool:
         return request.user.has_perm("guardrails.replay_deadletter")
@@ -171,23 +206,24 @@ class DeadLetterAdmin(TenantScopedAdmin):
 
     @admin.display(description="attempt history")
     def attempt_history(self, obj: DeadLetter) -> str:
+        def cell(value: Any) -> str:
+            return escape("" if value is None else value, html=True)
+
         rows = format_html_join(
             "",
             "<tr><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td>"
             '<td class="note">{}</td></tr>',
             (
                 (
-                    r.get("n"),
-                    r.get("start"),
-                    r.get("end"),
-                    r.get("host"),
-                    r.get("class"),
-                    r.get("rule"),
-                    r.get("exc") or "",
-                    r.get("delay") if r.get("delay") is not None else "",
-                    r.get("note") or "",  # the core's advice on a not_idempotent failure; older records have none
+                    *map(
+                        cell, (r.get("n"), r.get("start"), r.get("end"), r.get("host"), r.get("class"), r.get("rule"))
+                    ),
+                    cell(r.get("exc") or ""),
+                    cell(r.get("delay")),
+                    cell(r.get("note") or ""),  # the core's advice on a not_idempotent failure; older records have none
                 )
-                for r in obj.history
+                for r in (obj.history if isinstance(obj.history, list) else [])
+                if isinstance(r, dict)
             ),
         )
         return format_html(
@@ -200,19 +236,64 @@ class DeadLetterAdmin(TenantScopedAdmin):
     @admin.display(description="task", ordering="task_name")
     def task(self, obj: DeadLetter) -> str:
         short = obj.task_name.rpartition(".")[2]
-        return format_html('<span title="{} [{}]">{}</span>', obj.task_name, obj.task_id, short)
+        return format_html(
+            '<span title="{} [{}]">{}</span>', escape(obj.task_name), escape(obj.task_id), escape(short, html=True)
+        )
 
     @admin.display(description="last failure", ordering="last_failed_at")
     def last_failure(self, obj: DeadLetter) -> str:
-        return f"{timezone.localtime(obj.last_failed_at):%Y-%m-%d %H:%M}"  # in the user's current time zone
+        # In the user's current time zone; the time under the date: a narrow column leaves the reason whole
+        moment = timezone.localtime(obj.last_failed_at)
+        return format_html("{}<br>{}", f"{moment:%Y-%m-%d}", f"{moment:%H:%M}")
 
     @admin.display(description="reason, status", ordering="reason")
     def reason_and_status(self, obj: DeadLetter) -> str:
-        return format_html('{}<br><span class="dl-status">{}</span>', obj.reason, obj.status)
+        status = format_html('{}<br><span class="dl-status">{}</span>', _short(obj.reason, 24), escape(obj.status))
+        if obj.status != DeadLetter.Status.OPEN:
+            return status
+        # What a replay would do (yes, after a check, no), the reason on hover: the replay's own answer
+        outlook = self._outlook(obj)
+        return format_html(
+            '{}<br><span class="dl-replay replay-{}" title="{}">replay: {}</span>',
+            status,
+            outlook.summary.replace(" ", "-"),
+            escape(str(outlook)),
+            outlook.summary,
+        )
+
+    @admin.display(description="owner", ordering="owner")
+    def owner_name(self, obj: DeadLetter) -> str:
+        return _short(obj.owner, 16) if obj.owner else "-"  # owners may be 100 characters long
 
     @admin.display(description="tenant", ordering="tenant")
     def tenant_id(self, obj: DeadLetter) -> str:
         return _short(obj.tenant, 12) if obj.tenant else "-"
+
+    @admin.display(description="replay")
+    def replay_outlook(self, obj: DeadLetter) -> str:
+        """The record page's sentence: would replay (from the sealed copy or as shown), or why not."""
+        return format_html('<span class="replay-outlook">{}</span>', escape(str(self._outlook(obj)), html=True))
+
+    @admin.display(description="arguments stored as text", boolean=True)
+    def arguments_cut(self, obj: DeadLetter) -> bool:
+        """The arguments were too large or not JSON, and ``arguments`` holds their repr (the sealed copy, when the
+        record has one, holds them whole: the "replay" field says whether a replay is possible)."""
+        return obj.arguments_are_repr
+
+    def _outlook(self, obj: DeadLetter) -> Outlook:
+        # The change list reads every row's at once (changelist_view); the record page asks for its own.
+        found = getattr(obj, "replay_outlook_", None)
+        return found if found is not None else outlooks([obj.pk]).get(obj.pk, Outlook(refusal="no such dead letter"))
+
+    def changelist_view(self, request: HttpRequest, extra_context: dict[str, Any] | None = None) -> HttpResponse:
+        response = super().changelist_view(request, extra_context)
+        changelist = getattr(response, "context_data", None) and response.context_data.get("cl")  # type: ignore[attr-defined]
+        if changelist is not None:  # the page's rows, before they are drawn: two queries for all of them
+            rows = list(changelist.result_list)
+            found = outlooks([row.pk for row in rows if row.status == DeadLetter.Status.OPEN])
+            for row in rows:
+                row.replay_outlook_ = found.get(row.pk)
+        return response
 
     @admin.display(description="replayed as")
     def replayed_as(self, obj: DeadLetter) -> str:
@@ -224,16 +305,18 @@ class DeadLetterAdmin(TenantScopedAdmin):
         if again is not None:
             url = reverse("admin:guardrails_deadletter_change", args=[again])
             link = '{} (<a href="{}" class="replayed-again">failed again: dead letter {}</a>)'
-            return format_html(link, obj.replayed_task_id, url, again)
+            return format_html(link, escape(obj.replayed_task_id, html=True), url, again)
         try:
             state = health.celery_app().AsyncResult(obj.replayed_task_id).state
         except Exception:  # no result backend, or it is out of reach: the id is still worth showing
             state = "unknown"
-        return format_html('{} <span class="replay-state">({})</span>', obj.replayed_task_id, state)
+        return format_html(
+            '{} <span class="replay-state">({})</span>', escape(obj.replayed_task_id, html=True), escape(state)
+        )
 
     @admin.display(description="traceback")
     def traceback_text(self, obj: DeadLetter) -> str:
-        return format_html("<pre>{}</pre>", obj.traceback)
+        return format_html("<pre>{}</pre>", escape(obj.traceback, multiline=True, html=True))
 
     # The three actions: confirmation page first, then the work, a LogEntry each, a summary message.
 
@@ -311,7 +394,7 @@ class DeadLetterAdmin(TenantScopedAdmin):
                     user_id=cast(int, request.user.pk),  # an admin view's user is logged in
                     content_type_id=content_type.pk,
                     object_id=str(record.pk),
-                    object_repr=str(record)[:200],
+                    object_repr=escape(str(record))[:200],  # shown on the admin's index and history pages
                     action_flag=CHANGE,
                     change_message=message(record),
                 )
@@ -512,20 +595,26 @@ class DependencyStateAdmin(AllTenantsOnlyAdmin):
 
 
 @admin.register(ScheduledRun)
-class ScheduledRunAdmin(ScheduleScopedAdmin):
+class ScheduledRunAdmin(CheckedChangeList, ScheduleScopedAdmin):
     """The run ledger, to look at only: records are written by beat, workers and the watchdog, and a changed or
     deleted record would let a period be dispatched twice (or hide that it was missed)."""
 
     # Fits a 1,366 px screen: the dispatch and end times are on the record's page, the task id is shortened.
-    list_display = ("schedule", "period", "status", "started_at", "run_duration", "run_task_id")
+    # Lookups by URL: the filters and the date hierarchy below only (CheckedChangeList).
+    list_display = ("schedule_name", "period", "status", "started_at", "run_duration", "run_task_id")
     list_filter = ("status", ("schedule", DistinctValuesFilter), ("period", admin.DateFieldListFilter))
     search_fields = ("=task_id", "schedule")
     date_hierarchy = "period"
-    readonly_fields = [f.name for f in ScheduledRun._meta.fields]
+    # Each through .display.escape, as on a dead letter's page (callables: see DeadLetterAdmin).
+    readonly_fields = fields = [  # type: ignore[assignment]
+        shown_field(ScheduledRun, f.name, multiline=f.name == "reason")  # type: ignore[misc]
+        for f in ScheduledRun._meta.fields
+    ]
     paginator = CappedCountPaginator
     show_full_result_count = False
     list_per_page = 50
     change_list_template = "admin/guardrails/scheduledrun/change_list.html"  # adds the "Schedule health" link
+    change_form_template = "admin/guardrails/change_form.html"  # the record's name escaped (.display)
 
     def has_add_permission(self, request: HttpRequest) -> bool:
         return False
@@ -535,6 +624,10 @@ class ScheduledRunAdmin(ScheduleScopedAdmin):
 
     def has_delete_permission(self, request: HttpRequest, obj: ScheduledRun | None = None) -> bool:
         return False
+
+    @admin.display(description="schedule", ordering="schedule")
+    def schedule_name(self, obj: ScheduledRun) -> str:
+        return _short(obj.schedule, 60)
 
     @admin.display(description="task id", ordering="task_id")
     def run_task_id(self, obj: ScheduledRun) -> str:

@@ -26,6 +26,7 @@ from django.utils import timezone
 from django.utils.html import format_html, format_html_join
 from django.utils.safestring import SafeString
 
+from .display import escape
 from .models import DeadLetter
 from .overview import HOURS
 from .scoping import HIDDEN, scope, sees_all, status_for
@@ -34,8 +35,9 @@ TOP_REASONS = 5
 OTHER = "other"
 #: Bar colours, one per reason in order (then "other"): distinct, readable on the admin's light and dark themes.
 PALETTE = ("#417690", "#e07b39", "#79aec8", "#c0392b", "#8e6bbf", "#999999")
-#: The chart's size in SVG user units (it scales to the page's width).
-WIDTH, HEIGHT, LEGEND = 720, 160, 20
+#: The chart's size in SVG user units (it scales to the page's width). Its legend is HTML below it: the page
+#: lays the names out and wraps them (names in SVG at fixed places overlapped: ``retry_budget_exhausted``).
+WIDTH, HEIGHT = 720, 160
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -114,14 +116,16 @@ def stacked_chart(
     unknown: str = "none",
 ) -> SafeString:
     """A bar per hour of ``starts``, its series stacked in the order of ``colours`` (series -> colour), with a
-    legend; each bar's title gives its hour and values (``unknown`` for an empty hour). Server-side SVG: no
-    script, every text escaped."""
+    legend; each bar's title gives its hour and values (``unknown`` for an empty hour). Server-side SVG and an
+    HTML legend: no script, every text escaped, control and invisible characters written out (:mod:`.display`)."""
     peak = max((sum(hour.values()) for hour in bars), default=0.0) or 1.0
     step = WIDTH / max(1, len(starts))
     rects = []
     for index, (start, hour) in enumerate(zip(starts, bars, strict=True)):
         base = float(height)
-        title = ", ".join(f"{name} {_amount(hour[name], unit)}" for name in colours if hour.get(name)) or unknown
+        title = escape(
+            ", ".join(f"{name} {_amount(hour[name], unit)}" for name in colours if hour.get(name)) or unknown
+        )
         if not any(hour.get(name) for name in colours):  # an empty hour still says what it holds, on hover
             rects.append(
                 format_html(
@@ -149,7 +153,7 @@ def stacked_chart(
                     f"{step - 2:.1f}",
                     f"{size:.1f}",
                     colour,
-                    name,
+                    escape(name),
                     f"{value:g}",
                     timezone.localtime(start).strftime("%Y-%m-%d %H:00"),
                     title,
@@ -157,27 +161,19 @@ def stacked_chart(
             )
     legend = format_html_join(
         "",
-        '<rect x="{}" y="{}" width="10" height="10" fill="{}"></rect><text x="{}" y="{}" font-size="11">{}</text>',
-        (
-            (position * 120, height + 6, colour, position * 120 + 14, height + 15, name)
-            for position, (name, colour) in enumerate(colours.items())
-        ),
-    )
-    peak_label = format_html(
-        '<text x="{}" y="{}" font-size="11" text-anchor="end">tallest bar: {}</text>',
-        WIDTH - 2,
-        height + 15,
-        _amount(peak, unit),
+        '<li data-legend="{}"><span class="gr-swatch" style="background: {}"></span>{}</li>',
+        ((escape(name), colour, escape(name, html=True)) for name, colour in colours.items()),
     )
     return format_html(
-        '<svg id="{}" class="gr-chart" viewBox="0 0 {} {}" width="100%" role="img" aria-label="{}">{}{}{}</svg>',
+        '<div class="gr-figure"><svg id="{}" class="gr-chart" viewBox="0 0 {} {}" width="100%" role="img" '
+        'aria-label="{}">{}</svg><ul class="gr-legend">{}<li class="gr-peak">tallest bar: {}</li></ul></div>',
         chart_id,
         WIDTH,
-        height + LEGEND,
-        label,
+        height,
+        escape(label),
         SafeString("".join(rects)),
         legend,
-        peak_label,
+        _amount(peak, unit),
     )
 
 

@@ -16,16 +16,44 @@ DISTINCT`` over the whole table on every page view: it reads one index entry per
 scan written as a recursive query, on PostgreSQL and SQLite alike) and lists at most
 :attr:`~DistinctValuesFilter.limit` values, in order; a value past them is reached by its URL
 (``?tenant=acme``).
+
+:class:`CheckedChangeList` (a ModelAdmin mixin) takes from a change list's URL only what the list declares: its
+filters' own parameters and equality on each filtered field (``?status=open``: the filter's index), the date
+hierarchy's, and Django's search, paging and ordering ones. Any other lookup (``?exc_message__icontains=``,
+``?kwargs__has_key=``: a scan of the whole table, through no index) is a 400 naming the parameter (its
+``lookup_allowed``, Django's own hook, says no as well, for any other path), and so is a value no query can
+take: a NUL character (PostgreSQL refuses it in text: a 500 otherwise), a date hierarchy or date filter
+outside the years 2 to 9998 (Django computes the next day or year, past the calendar), a selected row that is
+not a whole number. 400 rather than Django's redirect with ``?e=1``: the URL was made by hand, not by a link
+of the page, and a redirect would hide which parameter was wrong.
 """
 
 from __future__ import annotations
 
+import re
+from datetime import date, datetime
 from typing import Any
 
 from django.contrib import admin
+from django.contrib.admin.helpers import ACTION_CHECKBOX_NAME
+from django.contrib.admin.utils import get_fields_from_path
+from django.contrib.admin.views.main import ERROR_FLAG, IGNORED_PARAMS, PAGE_VAR
+from django.core.exceptions import BadRequest
 from django.core.paginator import Paginator
 from django.db import connection, models
+from django.http import HttpRequest, HttpResponse, HttpResponseBadRequest
+from django.utils.dateparse import parse_date, parse_datetime
 from django.utils.functional import cached_property
+
+from .display import escape
+
+#: The years a date in a change list's URL may name: Django adds a day or a year to it (the date hierarchy's
+#: upper bound) and converts it between time zones, which must stay inside datetime's years 1 to 9999.
+YEARS = range(2, 9999)
+#: The parameters of every change list that are no lookup: search, ordering, paging, "show all", facets...
+TAKEN = frozenset({*IGNORED_PARAMS, PAGE_VAR, ERROR_FLAG})
+#: A row id an action may name: a whole number a bigint holds.
+_ROW_ID = re.compile(r"[0-9]{1,18}")
 
 
 class AtLeast(int):
@@ -88,8 +116,15 @@ class DistinctValuesFilter(admin.AllValuesFieldListFilter):
         field_path: str,
     ) -> None:
         super().__init__(field, request, params, model, model_admin, field_path)
-        # A list of values where Django has a queryset of them: the filter only iterates it.
-        self.lookup_choices = distinct_values(model, field.column, limit=self.limit)  # type: ignore[assignment]
+        self._model, self._column = model, field.column
+
+    def choices(self, changelist: Any) -> Any:
+        # Read when the filter is shown, not when it is made (CheckedChangeList makes one to learn its
+        # parameters): a list of values where Django has a queryset of them, which the filter only iterates.
+        self.lookup_choices = distinct_values(self._model, self._column, limit=self.limit)  # type: ignore[assignment]
+        for choice in super().choices(changelist):
+            # A stored value, shown with its control and invisible characters written out (.display)
+            yield {**choice, "display": escape(choice["display"], html=True)}
 
 
 def distinct_values(model: type[models.Model], column: str, *, limit: int) -> list[Any]:
@@ -107,3 +142,75 @@ def distinct_values(model: type[models.Model], column: str, *, limit: int) -> li
     with connection.cursor() as cursor:
         cursor.execute(sql, [limit])
         return [row[0] for row in cursor.fetchall()]
+
+
+class CheckedChangeList:
+    """A ModelAdmin mixin: the change list takes only the parameters it declares, with values a query can take
+    (see the module docstring); anything else is a 400."""
+
+    def lookup_allowed(self, lookup: str, value: Any, request: HttpRequest | None = None) -> bool:
+        allowed = lookup in declared_parameters(self, request)
+        return allowed and super().lookup_allowed(lookup, value, request)  # type: ignore[misc]
+
+    def changelist_view(self, request: HttpRequest, extra_context: dict[str, Any] | None = None) -> HttpResponse:
+        try:
+            check_parameters(self, request)
+        except BadRequest as why:  # answered here: Django would log a traceback for a URL typed by hand
+            return HttpResponseBadRequest(f"Bad request: {why}\n", content_type="text/plain; charset=utf-8")
+        return super().changelist_view(request, extra_context)  # type: ignore[misc,no-any-return]
+
+
+def declared_parameters(model_admin: Any, request: HttpRequest | None) -> frozenset[str]:
+    """The lookups a change list's URL may use: each list filter's expected parameters (each filter made with no
+    parameters: no query), equality on each filtered field (``?status=open`` as well as the filter's own
+    ``?status__exact=open``: the same index), and the date hierarchy's year, month and day."""
+    model = model_admin.model
+    names: set[str] = set()
+    for item in model_admin.get_list_filter(request):
+        if isinstance(item, str | tuple | list):
+            field_path, kind = (item, admin.FieldListFilter.create) if isinstance(item, str) else item
+            field = get_fields_from_path(model, field_path)[-1]
+            names.update(kind(field, request, {}, model, model_admin, field_path=field_path).expected_parameters())
+            names.update((field_path, f"{field_path}__exact"))
+        else:  # a SimpleListFilter
+            names.update(item(request, {}, model, model_admin).expected_parameters())
+    if model_admin.date_hierarchy:
+        names.update(f"{model_admin.date_hierarchy}__{part}" for part in ("year", "month", "day"))
+    return frozenset(names)
+
+
+def check_parameters(model_admin: Any, request: HttpRequest) -> None:
+    """:class:`~django.core.exceptions.BadRequest` (400) naming the first parameter of ``request`` that no query
+    of the change list could take (see the module docstring)."""
+    for key, values in [*request.GET.lists(), *request.POST.lists()]:
+        if "\x00" in key or any("\x00" in value for value in values):
+            raise BadRequest(f"the parameter {key!r} holds a NUL character, which no stored value holds")
+    declared = declared_parameters(model_admin, request)
+    for key in request.GET:
+        if key not in declared and key not in TAKEN:  # (lookup_allowed would refuse it too, unexplained)
+            raise BadRequest(f"the list has no filter {key!r} (its filters are the ones in its side bar)")
+    if request.method == "POST":
+        for value in request.POST.getlist(ACTION_CHECKBOX_NAME):
+            if not _ROW_ID.fullmatch(value):
+                raise BadRequest(f"a selected row {value[:40]!r} is not a record id")
+    hierarchy = model_admin.date_hierarchy
+    # (Django reads month and day only with a year; without one they would be lookups of their own.)
+    if hierarchy and any(f"{hierarchy}__{part}" in request.GET for part in ("year", "month", "day")):
+        parts = [
+            request.GET.get(f"{hierarchy}__{part}", "" if part == "year" else "1") for part in ("year", "month", "day")
+        ]
+        try:
+            day = date(*(int(part) for part in parts)) if all(p.isascii() and p.isdigit() for p in parts) else None
+        except (ValueError, OverflowError):
+            day = None
+        if day is None or day.year not in YEARS:
+            raise BadRequest(f"the date {'-'.join(parts)!r} is not a day of the years {YEARS[0]} to {YEARS[-1]}")
+    for key in declared:
+        if key.endswith(("__gte", "__lt")) and key in request.GET:
+            value = request.GET[key].strip()
+            try:
+                moment: date | datetime | None = parse_datetime(value) or parse_date(value)
+            except ValueError:  # a date-like text that is no date: Django's filter refuses it (?e=1)
+                moment = None
+            if moment is not None and moment.year not in YEARS:
+                raise BadRequest(f"the parameter {key!r} names a year outside {YEARS[0]} to {YEARS[-1]}")

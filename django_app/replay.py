@@ -7,7 +7,7 @@ key (a failed key is reopened deliberately), a fresh attempt count, and links th
 allow_not_idempotent=False)`` replays one record with a fix (the admin's "edit and replay"). Arguments come
 from the record's sealed copy when it has one (:mod:`celery_guardrails.sealing`): a record whose secrets were
 redacted for display replays with the real values. :func:`plan` says, without publishing, what a replay would
-do (the command's ``--dry-run``).
+do (the command's ``--dry-run``); :func:`outlooks` says it for the pages and ``guardrails_deadletters show``.
 
 Safe to run twice: each record moves from ``open`` to ``replayed`` by a conditional UPDATE before anything
 is published, so two concurrent replays of one record publish once. Records go :data:`BATCH` (500) at a time:
@@ -256,6 +256,56 @@ def refusals(
                 yield record, str(why)
             else:
                 yield record, ""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Outlook:
+    """What a replay of one record would do, as the replay decides it (:func:`_plan`, the question the real run
+    asks): the admin's list and record page and ``guardrails_deadletters show`` say this, never a rule of
+    their own (a record cut to a repr replays from its sealed copy; one with redacted values and no sealed copy
+    does not)."""
+
+    #: Why it would be refused, "" when it would be replayed. :data:`NOT_IDEMPOTENT_REFUSAL` alone means it goes
+    #: through once the caller says the effect did not happen.
+    refusal: str
+    #: It would replay the original arguments of its sealed copy (not the redacted or cut ones shown).
+    from_sealed_copy: bool = False
+
+    @property
+    def replayable(self) -> bool:
+        return not self.refusal
+
+    @property
+    def needs_confirmation(self) -> bool:
+        return self.refusal == NOT_IDEMPOTENT_REFUSAL
+
+    @property
+    def summary(self) -> str:
+        """A word or two, for a list column: ``yes``, ``after a check`` or ``no``."""
+        return "yes" if self.replayable else "after a check" if self.needs_confirmation else "no"
+
+    def __str__(self) -> str:
+        if self.replayable:
+            source = "the original arguments of its sealed copy" if self.from_sealed_copy else "its arguments as shown"
+            return f"would replay, with {source}"
+        if self.needs_confirmation:
+            return f"would replay only once the caller confirms: {self.refusal}"
+        return f"would refuse: {self.refusal}"
+
+
+def outlooks(ids: list[int], *, app: Any = None) -> dict[int, Outlook]:
+    """:class:`Outlook` of each record of ``ids`` (those that exist), read in batches as a replay reads them."""
+    app = app or current_app
+    found: dict[int, Outlook] = {}
+    for _, batch in read_batches(sorted(set(ids))):
+        for record, token in batch:
+            try:
+                _plan(record, token, app)
+            except Refused as why:
+                found[record.pk] = Outlook(refusal=str(why))
+            else:
+                found[record.pk] = Outlook(refusal="", from_sealed_copy=bool(token))
+    return found
 
 
 def _check_permission(user: Any) -> None:

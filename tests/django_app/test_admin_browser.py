@@ -10,6 +10,7 @@ import os
 import time
 import uuid
 from collections.abc import Iterator
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +20,7 @@ from django.contrib.auth.models import User
 from django.db import connection
 
 from celery_guardrails import activity, tenant_context
+from celery_guardrails.outcomes import REASONS
 from django_celery_guardrails.models import DeadLetter
 from tests.conftest import Sink
 from tests.django_app.test_health import fill_ledger, use_app
@@ -349,3 +351,98 @@ def test_the_admin_pages_fit_a_1366_pixel_screen(wide_records: DeadLetter, live_
             too_wide[name] = width
     connection.close()
     assert too_wide == {}
+
+
+#: The longest reasons a record can have (the dashboard charts the five most frequent, then "other").
+LONGEST_REASONS = sorted(REASONS, key=len, reverse=True)[:6]
+#: A valid owner (the owner option takes 1 to 100 of letters, digits, . : - _) of the longest length, with no
+#: place a browser may break a line at.
+LONG_OWNER = ("payments_platform_" + "settlement_reconciliation_and_chargebacks_" * 3)[:100]
+
+
+@pytest.fixture
+def longest_values() -> DeadLetter:
+    """Open records of the six longest reasons in the last hour, one with a 100-character owner, a long task
+    name and a UUID task id (a long title on its page), and an admin user; written before the browser starts
+    (see ``schedules``)."""
+    from django.utils import timezone
+
+    now = timezone.now()
+    record = None
+    for position, reason in enumerate(LONGEST_REASONS):
+        for n in range(len(LONGEST_REASONS) - position):  # a different count each: a stable order
+            record = DeadLetter.objects.create(
+                task_name="billing.integrations.payment_providers.settlements.tasks.reconcile_settlement_batches",
+                task_id=str(uuid.uuid4()),
+                reason=reason,
+                owner=LONG_OWNER,
+                tenant=f"tenant-{uuid.uuid4().hex}",
+                kwargs={"batch": n},
+                first_failed_at=now - timedelta(minutes=5),
+                last_failed_at=now - timedelta(minutes=5),
+            )
+    User.objects.create_superuser("admin", "admin@example.com", "pw-for-tests")
+    assert record is not None
+    return record
+
+
+def boxes(page: Any, selector: str) -> list[dict[str, float]]:
+    """The bounding boxes (x, y, width, height in CSS pixels, page coordinates) of what ``selector`` finds."""
+    found: list[dict[str, float]] = page.locator(selector).evaluate_all(
+        "elements => elements.map(e => { const r = e.getBoundingClientRect();"
+        " return {x: r.x + scrollX, y: r.y + scrollY, width: r.width, height: r.height, text: e.textContent}; })"
+    )
+    assert found, f"nothing matches {selector}"
+    return found
+
+
+def overlap(a: dict[str, float], b: dict[str, float]) -> bool:
+    return (
+        a["x"] < b["x"] + b["width"]
+        and b["x"] < a["x"] + a["width"]
+        and a["y"] < b["y"] + b["height"]
+        and b["y"] < a["y"] + a["height"]
+    )
+
+
+def test_long_real_values_keep_the_layout_at_1366_pixels(
+    longest_values: DeadLetter, live_server: Any, browser: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    app = use_app(monkeypatch)
+    app.conf.guardrails = {**app.conf.guardrails, "activity": False}
+    width = 1366
+    page = browser.new_page(viewport={"width": width, "height": 768})
+    log_in(page, live_server, "/admin/guardrails/deadletter/", "**/admin/guardrails/deadletter/")
+    # When the change list shows records with a 100-character owner and the longest reasons
+    page.wait_for_selector("#result_list")
+    page.screenshot(path=str(ARTIFACTS / "1366-long-values-list.png"), full_page=True)
+    # Then every column, the last one too, is inside the screen and inside the list's box (which would scroll)
+    (results,) = boxes(page, "#changelist .results")
+    edge = min(width, results["x"] + results["width"])
+    columns = boxes(page, "#result_list thead th")
+    outside = [c["text"].strip() for c in columns if c["x"] + c["width"] > edge + 0.5]
+    assert outside == [], f"columns past {edge} px: {outside}"
+    # When the dashboard charts the six longest reasons
+    page.goto(f"{live_server.url}/admin/guardrails/dashboard/")
+    page.wait_for_selector("#dl-reasons-chart")
+    page.screenshot(path=str(ARTIFACTS / "1366-long-values-dashboard.png"), full_page=True)
+    # Then no two names of its legend overlap, and each is inside the screen
+    legend = boxes(page, ".gr-figure:has(#dl-reasons-chart) .gr-legend li")
+    names = [item["text"].strip() for item in legend]
+    assert [name for name in LONGEST_REASONS[:5] if name not in names] == []
+    crossed = [(a["text"], b["text"]) for i, a in enumerate(legend) for b in legend[i + 1 :] if overlap(a, b)]
+    assert crossed == [], f"legend names overlap: {crossed}"
+    assert [item["text"] for item in legend if item["x"] + item["width"] > width + 0.5] == []
+    # and the owner's table stays on the screen
+    owners = boxes(page, "table#open-dead-letters td")
+    assert [cell["text"] for cell in owners if cell["x"] + cell["width"] > width + 0.5] == []
+    # When a record with a long task name and id is opened
+    page.goto(f"{live_server.url}/admin/guardrails/deadletter/{longest_values.pk}/change/")
+    page.wait_for_selector("a.replay-link")
+    page.screenshot(path=str(ARTIFACTS / "1366-long-values-record.png"), full_page=True)
+    # Then its title does not run under the Replay buttons, and neither leaves the screen
+    (title,) = boxes(page, "#content h2")
+    buttons = boxes(page, ".object-tools li")
+    assert [b["text"].strip() for b in buttons if overlap(title, b)] == []
+    assert [b["text"].strip() for b in [title, *buttons] if b["x"] + b["width"] > width + 0.5] == []
+    connection.close()  # the ORM's connection in Playwright's thread (see above)

@@ -19,6 +19,8 @@ from celery_guardrails.audit import as_json, audit, render
 from celery_guardrails.exceptions import ConfigurationError
 
 from ... import health
+from ...display import escape
+from ..arguments import whole_number
 
 
 class Command(BaseCommand):
@@ -39,8 +41,7 @@ class Command(BaseCommand):
     def handle(
         self, *args: Any, json: bool, min_score: str, min_average: str, source: str | None, **options: Any
     ) -> None:
-        if not min_score.isdigit() or not 0 <= int(min_score) <= 5:
-            raise CommandError(f"--min-score {min_score!r}: give a whole number from 0 to 5")
+        score = whole_number(min_score, option="--min-score", minimum=0, maximum=5)
         try:
             average = float(min_average)
         except ValueError:
@@ -49,7 +50,6 @@ class Command(BaseCommand):
             raise CommandError(f"--min-average {min_average!r}: give a number from 0 to 5")
         if source is not None and not os.path.isdir(source):
             raise CommandError(f"--source {source!r}: not a folder")
-        score = int(min_score)
         try:
             report = audit(health.celery_app(), source=source)
         except ConfigurationError as exc:
@@ -57,7 +57,8 @@ class Command(BaseCommand):
         self.stdout.write(
             as_json(report, min_score=score, min_average=average)
             if json
-            else render(report, min_score=score, min_average=average)
+            # (the findings name tasks, settings and files: their control and invisible characters written out)
+            else escape(render(report, min_score=score, min_average=average), multiline=True)
         )
         failures = report.failures(min_score=score, min_average=average)
         if failures:

@@ -1,7 +1,11 @@
 """``manage.py guardrails_deadletters``: dead letters from a shell (list, show, discard, resolve, reseal).
 
 ``list`` and ``show`` print a table or, with ``--json``, JSON for scripts (arguments as recorded: redacted;
-a sealed copy is never printed). ``discard`` and ``resolve`` close open records, as the admin's actions do.
+a sealed copy is never printed). Text output writes control and invisible characters of stored values as
+escapes (:mod:`django_celery_guardrails.display`: a carriage return or a bidi override cannot forge or reverse
+a line); JSON escapes them itself. ``show`` says what a replay would do, as the replay decides it
+(:func:`~django_celery_guardrails.replay.outlooks`). ``discard`` and ``resolve`` close open records, as the
+admin's actions do.
 ``reseal`` seals every sealed copy again with the first of ``seal_keys`` (key rotation: put the new key
 first, run this, then drop the old key). Bad input is a one-line error and exit status 1.
 """
@@ -10,6 +14,7 @@ from __future__ import annotations
 
 import getpass
 import json
+import re
 from typing import Any
 
 from celery import current_app
@@ -20,13 +25,23 @@ from celery_guardrails.exceptions import SealError
 from celery_guardrails.outcomes import REASONS
 from celery_guardrails.sealing import sealer_for
 
+from ...display import escape
 from ...maintenance import close_dead_letters
 from ...models import DeadLetter, SealedMessage
-from ..arguments import AGE_HELP, choice, since
+from ...replay import outlooks
+from ..arguments import AGE_HELP, choice, since, text, whole_number
 
 #: Fields of a record in ``list`` (``show`` prints every field).
 LISTED = ("id", "task_name", "reason", "status", "owner", "tenant", "attempts", "last_failed_at", "task_id")
 STATUSES = [value for value, _ in DeadLetter.Status.choices]
+#: A record id: digits a bigint holds.
+ID = re.compile(r"[0-9]{1,18}")
+#: Characters of ``--by`` the record keeps (its handled_by column).
+BY_LENGTH = DeadLetter._meta.get_field("handled_by").max_length or 150
+#: The most records ``list`` prints.
+MAX_LIMIT = 1_000_000
+#: Fields ``show`` prints on several lines.
+MULTILINE = ("exc_message", "traceback")
 
 
 class Command(BaseCommand):
@@ -61,7 +76,8 @@ class Command(BaseCommand):
             self._show(_id(options["id"]), as_json=options["json"])
         elif command in ("discard", "resolve"):
             ids = [_id(value) for value in options["ids"]]
-            self._close(command, ids, options["by"] or _shell_user(), as_json=options["json"])
+            by = text(options["by"], option="--by", max_length=BY_LENGTH, controls=False) or _shell_user()
+            self._close(command, ids, by[:BY_LENGTH], as_json=options["json"])
         else:
             self._reseal()
 
@@ -74,19 +90,24 @@ class Command(BaseCommand):
             records = records.filter(reason=choice(options["reason"], REASONS, option="--reason"))
         for field in ("task", "owner", "tenant"):
             if options[field]:
-                records = records.filter(**{"task_name" if field == "task" else field: options[field]})
+                value = text(options[field], option=f"--{field}")
+                records = records.filter(**{"task_name" if field == "task" else field: value})
         if options["since"]:
             records = records.filter(last_failed_at__gte=since(options["since"], option="--since"))
-        rows = list(records.order_by("-last_failed_at", "-pk").values(*LISTED)[: _count(options["limit"])])
+        limit = whole_number(options["limit"], option="--limit", minimum=1, maximum=MAX_LIMIT)
+        rows = list(records.order_by("-last_failed_at", "-pk").values(*LISTED)[:limit])
         if options["json"]:
             for row in rows:
                 self.stdout.write(json.dumps(row, cls=DjangoJSONEncoder))
             return
         for row in rows:
+            shown = {
+                name: escape(row[name]) for name in ("status", "reason", "task_name", "task_id", "owner", "tenant")
+            }
             self.stdout.write(
-                f"{row['id']:>8}  {row['last_failed_at']:%Y-%m-%d %H:%M:%S}  {row['status']:<9} "
-                f"{row['reason']:<22} {row['task_name']}[{row['task_id']}] owner={row['owner'] or '-'} "
-                f"tenant={row['tenant'] or '-'} attempts={row['attempts']}"
+                f"{row['id']:>8}  {row['last_failed_at']:%Y-%m-%d %H:%M:%S}  {shown['status']:<9} "
+                f"{shown['reason']:<22} {shown['task_name']}[{shown['task_id']}] owner={shown['owner'] or '-'} "
+                f"tenant={shown['tenant'] or '-'} attempts={row['attempts']}"
             )
         self.stdout.write(f"{len(rows)} record(s).")
 
@@ -95,12 +116,14 @@ class Command(BaseCommand):
         if record is None:
             raise CommandError(f"no dead letter {pk}")
         record["sealed"] = SealedMessage.objects.filter(dead_letter_id=pk).exists()
+        outlook = outlooks([pk])[pk]  # what replay would do, as replay decides it
         if as_json:
-            self.stdout.write(json.dumps(record, cls=DjangoJSONEncoder, indent=2))
+            replay = {"replayable": outlook.replayable, "refusal": outlook.refusal, "says": str(outlook)}
+            self.stdout.write(json.dumps({**record, "replay": replay}, cls=DjangoJSONEncoder, indent=2))
             return
-        for name, value in record.items():
+        for name, value in [*record.items(), ("replay", str(outlook))]:
             shown = json.dumps(value, cls=DjangoJSONEncoder) if isinstance(value, dict | list) else value
-            self.stdout.write(f"{name}: {shown}")
+            self.stdout.write(f"{name}: {escape(shown, multiline=name in MULTILINE)}")
 
     def _close(self, command: str, ids: list[int], by: str, *, as_json: bool) -> None:
         missing = sorted(set(ids) - set(DeadLetter.objects.filter(pk__in=ids).values_list("pk", flat=True)))
@@ -135,14 +158,8 @@ class Command(BaseCommand):
 
 
 def _id(value: str) -> int:
-    if not value.isdigit():
-        raise CommandError(f"{value!r} is not a dead letter id (a whole number)")
-    return int(value)
-
-
-def _count(value: str) -> int:
-    if not value.isdigit() or int(value) < 1:
-        raise CommandError(f"--limit {value!r}: give a whole number of at least 1")
+    if not ID.fullmatch(value):
+        raise CommandError(f"{value[:40]!r} is not a dead letter id (a whole number of at most 18 digits)")
     return int(value)
 
 

@@ -14,9 +14,10 @@ from celery_guardrails.context import validate_tenant
 from celery_guardrails.exceptions import ContextError
 from celery_guardrails.outcomes import REASONS
 
+from ...display import escape
 from ...models import DeadLetter
 from ...replay import BATCH, refusals, replay_dead_letters
-from ..arguments import AGE_HELP, choice, since
+from ..arguments import AGE_HELP, choice, since, text
 
 
 class Command(BaseCommand):
@@ -47,7 +48,7 @@ class Command(BaseCommand):
     def handle(self, *args: Any, dry_run: bool, allow_not_idempotent: bool, **options: Any) -> None:
         records = DeadLetter.objects.open()
         if options["task"]:
-            records = records.filter(task_name=options["task"])
+            records = records.filter(task_name=text(options["task"], option="--task"))
         if options["reason"]:
             records = records.filter(reason=choice(options["reason"], REASONS, option="--reason"))
         if options["since"]:
@@ -69,9 +70,9 @@ class Command(BaseCommand):
         for record, why in refusals(ids, tenant=tenant, allow_not_idempotent=allow_not_idempotent):
             if why:
                 refused += 1
-                self.stderr.write(f"would refuse {record.pk}: {record.task_name}[{record.task_id}]: {why}")
+                self.stderr.write(f"would refuse {record.pk}: {_named(record)}: {escape(why)}")
                 continue
-            self.stdout.write(f"would replay {record.pk}: {record.task_name}[{record.task_id}] {record.reason}")
+            self.stdout.write(f"would replay {record.pk}: {_named(record)} {escape(record.reason)}")
         self.stdout.write(f"{len(ids) - refused} dead letter(s) would be replayed, {refused} refused.")
         return refused
 
@@ -86,7 +87,12 @@ class Command(BaseCommand):
 
         result = replay_dead_letters(ids, tenant=tenant, allow_not_idempotent=allow_not_idempotent, progress=progress)
         for record_id, why in result.skipped:
-            self.stderr.write(f"refused {record_id}: {why}")
+            self.stderr.write(f"refused {record_id}: {escape(why)}")
         end_of_bar = "\n" if redraw else ""
         self.stdout.write(f"{end_of_bar}Replayed {len(result.replayed)} dead letter(s); refused {len(result.skipped)}.")
         return len(result.skipped)
+
+
+def _named(record: DeadLetter) -> str:
+    """``task[id]``, control and invisible characters escaped (a stored value must not forge a line)."""
+    return f"{escape(record.task_name)}[{escape(record.task_id)}]"

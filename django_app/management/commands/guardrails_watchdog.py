@@ -16,6 +16,7 @@ from django.core.management.base import BaseCommand, CommandError, CommandParser
 from celery_guardrails.beat import moment
 from celery_guardrails.watchdog import check
 
+from ...display import escape
 from ..arguments import AGE_HELP, age
 
 
@@ -42,7 +43,7 @@ class Command(BaseCommand):
             findings = check(app)
             for kind, found in (("missed", findings.missed), ("overdue", findings.overdue)):
                 for schedule, period in found:
-                    self.stdout.write(f"{kind}: {schedule} {moment(period):%Y-%m-%d %H:%M:%S}Z")
+                    self.stdout.write(f"{kind}: {escape(schedule)} {moment(period):%Y-%m-%d %H:%M:%S}Z")
             self.stdout.write(f"Recorded {len(findings.missed)} missed and {len(findings.overdue)} overdue run(s).")
             if every is None:
                 return
