@@ -116,12 +116,16 @@ class DistinctValuesFilter(admin.AllValuesFieldListFilter):
         field_path: str,
     ) -> None:
         super().__init__(field, request, params, model, model_admin, field_path)
-        self._model, self._column = model, field.column
+        self._model, self._field, self._request, self._model_admin = model, field, request, model_admin
+
+    def values(self) -> list[Any]:
+        """The values offered (the hook a scoped admin's filter overrides: see ``scoping.ScopedValuesFilter``)."""
+        return distinct_values(self._model, self._field.column, limit=self.limit)
 
     def choices(self, changelist: Any) -> Any:
         # Read when the filter is shown, not when it is made (CheckedChangeList makes one to learn its
         # parameters): a list of values where Django has a queryset of them, which the filter only iterates.
-        self.lookup_choices = distinct_values(self._model, self._column, limit=self.limit)  # type: ignore[assignment]
+        self.lookup_choices = self.values()  # type: ignore[assignment]
         for choice in super().choices(changelist):
             # A stored value, shown with its control and invisible characters written out (.display)
             yield {**choice, "display": escape(choice["display"], html=True)}

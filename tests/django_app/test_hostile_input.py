@@ -13,6 +13,7 @@ import datetime as dt
 import decimal
 import json
 import random
+import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 from io import StringIO
@@ -35,25 +36,33 @@ from tests.support.workers import PROJ_APP, WorkerProcess, proj_env
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
-#: Secrets of every shape the redaction knows, each with the part that must never be seen again.
-PLANTED = {
-    "postgresql://app:Pg5ecretPassw0rd@db.internal:5432/shop": "Pg5ecretPassw0rd",
-    "redis://:R3disS3cretPw@cache.internal:6379/0": "R3disS3cretPw",
-    "amqp://guest:AmqpS3cretPw99@rabbit.internal:5672//": "AmqpS3cretPw99",
-    "https://deploy:HttpsS3cretPw7@git.example.com/repo.git": "HttpsS3cretPw7",
-    "invalid key sk_live_4eC39HqLyjWDarjtT1zdp7dc": "4eC39HqLyjWDarjtT1zdp7dc",
-    "AKIAIOSFODNN7EXAMPLE wJalrXUtnFEMI/K7MDENG/bPxRfiCYEXAMPLEKEY": "wJalrXUtnFEMI/K7MDENG/bPxRfiCYEXAMPLEKEY",
-    "token ghp_16C7e42F292c6912E7710c838347Ae178B4a": "16C7e42F292c6912E7710c838347Ae178B4a",
-    "xoxb-123456789012-1234567890123-AbCdEfGhIjKlMnOpQrStUvWx": "AbCdEfGhIjKlMnOpQrStUvWx",
-    "AIzaSyA1b2C3d4E5f6G7h8I9j0KlMnOpQrStUvW": "SyA1b2C3d4E5f6G7h8I9j0KlMnOpQrStUvW",
-    "eyJhbGciOiJIUzI1NiIsInR5cCI6IkpXVCJ9.eyJzdWIiOiIxMjM0NTY3ODkwIn0.dozjgNryP4J3jVmNHl0w5N_XgL0n3I9PlFUP0THsR8U": (
-        "dozjgNryP4J3jVmNHl0w5N_XgL0n3I9PlFUP0THsR8U"
-    ),
-    "-----BEGIN RSA PRIVATE KEY-----\nMIIEowIBAAKCAQEA0Z3VS5JJcds3xfnygWyF8PbnGy0AHB7MhgHcTz6sE2I2yPB\n"
-    "-----END RSA PRIVATE KEY-----": "MIIEowIBAAKCAQEA0Z3VS5JJcds3xfnygWyF8PbnGy0AHB7MhgHcTz6sE2I2yPB",
-    "Authorization: Bearer Zm9vYmFyYmF6cXV1eDEyMzQ1Njc4": "Zm9vYmFyYmF6cXV1eDEyMzQ1Njc4",
-    "password=Hunter2Hunter2Hunter2": "Hunter2Hunter2Hunter2",
-}
+
+def planted(nonce: str) -> dict[str, str]:
+    """Secrets of every shape the redaction knows, each with the part that must never be seen again; made unique
+    by ``nonce`` (another test's planted secrets, left in Redis on purpose by a plain Celery task, are not ours),
+    each of its kind's length (an AWS key id is AKIA and 16 characters, a Google key AIza and 35)."""
+    n, upper = nonce, nonce.upper()
+    jwt_signature = f"dozjgNryP4J3jVmNHl0w5N_{n}XgL0n3I9PlFUP0THsR8U"
+    pem_body = f"MIIEowIBAAKCAQEA0Z3VS5JJcds3xfnygWyF8Pbn{n}Gy0AHB7MhgHcTz6sE2I2yPB"
+    return {
+        f"postgresql://app:Pg{n}Passw0rd@db.internal:5432/shop": f"Pg{n}Passw0rd",
+        f"redis://:R3dis{n}S3cret@cache.internal:6379/0": f"R3dis{n}S3cret",
+        f"amqp://guest:Amqp{n}S3cret@rabbit.internal:5672//": f"Amqp{n}S3cret",
+        f"https://deploy:Https{n}S3cret@git.example.com/repo.git": f"Https{n}S3cret",
+        f"invalid key sk_live_4eC39Hq{n}Dar": f"4eC39Hq{n}Dar",
+        f"AKIA{upper}ODNN7EXA wJalrXUtnFEMI/K7MDENG/bPxRfi{n}CYEX": f"wJalrXUtnFEMI/K7MDENG/bPxRfi{n}CYEX",
+        f"token ghp_16C7e42F292c6912E7710c83{n}Ae17": f"16C7e42F292c6912E7710c83{n}Ae17",
+        f"xoxb-123456789012-1234567890123-AbCdEfGh{n}QrStUvWx": f"AbCdEfGh{n}QrStUvWx",
+        f"AIzaSyA1b2C3d4E5f6G7h8I9j0K{n}pQrS": f"SyA1b2C3d4E5f6G7h8I9j0K{n}pQrS",
+        f"eyJhbGciOiJIUzI1NiIsInR5cCI6IkpXVCJ9.eyJzdWIiOiIxMjM0NTY3ODkwIn0.{jwt_signature}": jwt_signature,
+        f"-----BEGIN RSA PRIVATE KEY-----\n{pem_body}\n-----END RSA PRIVATE KEY-----": pem_body,
+        f"Authorization: Bearer Zm9vYmFy{n}cXV1eDEy": f"Zm9vYmFy{n}cXV1eDEy",
+        f"password=Hunter2{n}Hunter2": f"Hunter2{n}Hunter2",
+    }
+
+
+#: This run's secrets (the nonce: 8 hex digits, so that every pattern's shape is kept).
+PLANTED = planted(uuid.uuid4().hex[:8])
 SECRETS = tuple(PLANTED.values())
 #: Characters a page or a terminal must never show as they are (they reorder or hide text).
 BIDI = "\u202e"
@@ -83,9 +92,9 @@ def hostile_values(rng: random.Random) -> list[tuple[str, Any]]:
         ("NUL", f"a\x00b{secret}\x00"),
         ("a lone surrogate", f"\ud800{secret}\udfff"),
         ("bidi controls", f"RTL{BIDI}gnp.exe {secret} \u2066x\u2069 \u200b"),
-        ("a list-pair header", [["authorization", "Bearer Zm9vYmFyYmF6cXV1eDEyMzQ1Njc4"], ["x-trace", "1"]]),
-        ("a DSN under an innocent name", {"dsn": "postgresql://app:Pg5ecretPassw0rd@db.internal:5432/shop"}),
-        ("a secret under a secret's name", {"password": "Hunter2Hunter2Hunter2", "api_key": secret}),
+        ("a list-pair header", [["authorization", f"Bearer {SECRETS[-2]}"], ["x-trace", "1"]]),
+        ("a DSN under an innocent name", {"dsn": next(iter(PLANTED))}),
+        ("a secret under a secret's name", {"password": SECRETS[-1], "api_key": secret}),
         ("many keys", {f"k{n}\x00": secret for n in range(rng.randint(1, 2000))}),
     ]
 
@@ -117,7 +126,8 @@ def send_hostile(app: Any, queue: str, rng: random.Random) -> list[Sent]:
         sent.append(Sent(task_id, what))
     deep = b'["' + rng.choice(list(PLANTED)).replace("\n", "\\n").encode() + b'", ' + b"[" * 3000 + b"]" * 3000
     sent.append(Sent(publish_body(app, queue, name, deep + b"], {}, {}]"), "a body nested 3,000 deep"))
-    sent.append(Sent(publish_body(app, queue, name, b'[["sk_live_4eC39HqLyjWDarjtT1zdp7dc"'), "a body cut short"))
+    cut_short = b'[["' + rng.choice(list(PLANTED)).replace("\n", "\\n").encode()
+    sent.append(Sent(publish_body(app, queue, name, cut_short), "a body cut short"))
     return sent
 
 
