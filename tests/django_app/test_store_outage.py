@@ -144,4 +144,4 @@ def test_database_cut_while_a_sealed_dead_letter_is_recorded_it_is_recorded_once
     # And the sealed copy holds the real token for a replay
     from celery_guardrails.sealing import Sealer
 
-    assert Sealer(keys=[SEAL_KEY]).open(sealed.token)["kwargs"]["api_token"] == secret
+    assert Sealer(keys=[SEAL_KEY]).open(sealed.token, record=record)["kwargs"]["api_token"] == secret
