@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from celery_guardrails.exceptions import StoreError, StoreUnavailableError
 from celery_guardrails.options import app_value
-from celery_guardrails.redaction import for_task
+from celery_guardrails.redaction import DEFAULT, exception_name, exception_text, for_task
 from celery_guardrails.sealing import sealer_for
 from celery_guardrails.stores import django_apps_installed, store_url
 
@@ -88,6 +88,36 @@ def storable(value: Any, depth: int = 0) -> Any:
     return value
 
 
+def _identity(failure: FinalFailure) -> dict[str, Any]:
+    """Who, what and why of a record (everything but the message's contents and its texts)."""
+    return {
+        "task_name": failure.task_name,
+        "task_id": failure.task_id,
+        "queue": failure.queue or "",
+        "routing_key": failure.queue or "",
+        "tenant": failure.tenant or "",
+        "correlation_id": failure.correlation_id or "",
+        "idempotency_key": failure.idempotency_key or "",
+        "reason": failure.reason,
+        "exc_type": failure.exc_type,
+        "attempts": failure.attempts,
+        "first_failed_at": failure.first_failed_at,
+        "last_failed_at": failure.last_failed_at,
+        "owner": failure.owner or "",
+    }
+
+
+#: A record's contents, left out of a record cut to what can be stored (:func:`cut_record`, :func:`minimal`).
+NO_CONTENTS: dict[str, Any] = {
+    "args": [],
+    "kwargs": {},
+    "arguments_are_repr": True,
+    "header": {},
+    "history": [],
+    "traceback": "",
+}
+
+
 def record_fields(task: Any, failure: FinalFailure) -> dict[str, Any]:
     """The record of ``failure`` as stored: redacted, JSON-ready, NUL escaped, arguments capped in size.
 
@@ -100,26 +130,14 @@ def record_fields(task: Any, failure: FinalFailure) -> dict[str, Any]:
         args, kwargs, as_repr = [repr(args)[:2000]], {"repr": repr(kwargs)[:2000], "bytes": size}, True
     fields: dict[str, Any] = storable(
         {
-            "task_name": failure.task_name,
-            "task_id": failure.task_id,
-            "queue": failure.queue or "",
-            "routing_key": failure.queue or "",
+            **_identity(failure),
             "args": args,
             "kwargs": kwargs,
             "arguments_are_repr": as_repr,
-            "tenant": failure.tenant or "",
-            "correlation_id": failure.correlation_id or "",
-            "idempotency_key": failure.idempotency_key or "",
             "header": redaction.value(failure.header).value,
-            "reason": failure.reason,
-            "exc_type": failure.exc_type,
             "exc_message": redaction.text(failure.exc_message),
             "traceback": redaction.text(failure.traceback, keep=TRACEBACK_LIMIT, tail=True),
             "history": redaction.shown(failure.history).value,
-            "attempts": failure.attempts,
-            "first_failed_at": failure.first_failed_at,
-            "last_failed_at": failure.last_failed_at,
-            "owner": failure.owner or "",
         }
     )
     fields["sealed"] = _sealed(task, failure)
@@ -141,33 +159,10 @@ def _sealed(task: Any, failure: FinalFailure) -> str:
 def cut_record(task: Any, failure: FinalFailure, error: BaseException) -> dict[str, Any]:
     """The record of ``failure`` when its whole record could not be built (a walk that failed, a value the
     encoder refused): who, what and why, none of the message's contents, and the sealed copy (replay reads the
-    original from it). The reason it was cut is in its exception message."""
-    from celery_guardrails.outcomes import exception_name
-
+    original from it). The reason it was cut is in its exception message (already redacted: fail_finally)."""
     note = f"[record cut: {exception_name(error)} while building it] "
     fields: dict[str, Any] = storable(
-        {
-            "task_name": str(failure.task_name)[:200],
-            "task_id": str(failure.task_id)[:255],
-            "queue": str(failure.queue or "")[:200],
-            "routing_key": str(failure.queue or "")[:200],
-            "args": [],
-            "kwargs": {},
-            "arguments_are_repr": True,
-            "tenant": str(failure.tenant or "")[:200],
-            "correlation_id": str(failure.correlation_id or "")[:200],
-            "idempotency_key": str(failure.idempotency_key or "")[:500],
-            "header": {},
-            "reason": str(failure.reason)[:64],
-            "exc_type": str(failure.exc_type)[:255],
-            "exc_message": note + str(failure.exc_message)[:500],
-            "traceback": "",
-            "history": [],
-            "attempts": failure.attempts if isinstance(failure.attempts, int) else 1,
-            "first_failed_at": str(failure.first_failed_at),
-            "last_failed_at": str(failure.last_failed_at),
-            "owner": str(failure.owner or "")[:200],
-        }
+        {**_identity(failure), **NO_CONTENTS, "exc_message": note + str(failure.exc_message)[:500]}
     )
     fields["sealed"] = _sealed(task, failure)
     return fields
@@ -175,16 +170,11 @@ def cut_record(task: Any, failure: FinalFailure, error: BaseException) -> dict[s
 
 def minimal(fields: dict[str, Any], error: BaseException) -> dict[str, Any]:
     """What is left of a record a sink refused as data: who, what and why, without the message's contents
-    (arguments, header, history, traceback), and the refusal in the exception message."""
-    note = f"[record cut: the store refused it: {str(error)[:200]}] "
+    (arguments, header, history, traceback) or its sealed copy, and the refusal in the exception message."""
+    note = f"[record cut: the store refused it: {DEFAULT.text(exception_text(error), keep=200)}] "  # it may quote data
     return {
         **fields,
-        "args": [],
-        "kwargs": {},
-        "arguments_are_repr": True,
-        "header": {},
-        "history": [],
-        "traceback": "",
+        **NO_CONTENTS,
         "sealed": "",
         "exc_message": storable(note + str(fields.get("exc_message", ""))[:300]),
     }

@@ -21,7 +21,7 @@ from typing import Any
 from celery_guardrails import headers, signals
 from celery_guardrails.context import current_correlation_id, current_tenant
 from celery_guardrails.delivery import delivery
-from celery_guardrails.redaction import for_task
+from celery_guardrails.redaction import exception_name, exception_text, for_task
 
 logger = logging.getLogger(__name__)
 
@@ -96,27 +96,11 @@ def attempt_record(
         "end": timestamp(),
         "host": request.hostname,
         "exc": exception_name(exc) if exc is not None else None,
-        "msg": kept_text(task, describe(exc), headers.MESSAGE_LIMIT) if exc is not None else None,
+        "msg": kept_text(task, exception_text(exc), headers.MESSAGE_LIMIT) if exc is not None else None,
         "class": kind,
         "rule": rule,
         "delay": None if delay is None else round(delay, 3),
     }
-
-
-def exception_name(exc: BaseException) -> str:
-    """``module.QualName`` of ``exc``'s class."""
-    kind = type(exc)
-    return f"{getattr(kind, '__module__', None) or '?'}.{getattr(kind, '__qualname__', None) or kind.__name__}"
-
-
-def describe(exc: BaseException) -> str:
-    """``str(exc)``, or what can be said of it when its ``__str__`` raises (any exception at all, a recursion):
-    a failure is recorded whatever its exception does."""
-    try:
-        text = str(exc)
-    except Exception as error:
-        return f"<{exception_name(exc)}: its str() raised {type(error).__name__}>"
-    return text if isinstance(text, str) else f"<{exception_name(exc)}>"
 
 
 def formatted_traceback(exc: BaseException) -> str:
@@ -127,27 +111,12 @@ def formatted_traceback(exc: BaseException) -> str:
         return f"(traceback not kept: formatting it raised {type(error).__name__})"
 
 
-#: Characters of text read past the part kept, so that a secret cut at the edge is still seen whole by the
-#: redaction (a URL's password cut in two would otherwise leave its first half in clear).
-_MARGIN = 4096
-
-
 def kept_text(task: Any, text: str, limit: int, *, tail: bool = False) -> str:
-    """Text about a failure (a message, a traceback) as it may be kept: redacted with the task's settings, then
-    cut to ``limit`` characters (the last ones when ``tail``). Redaction that fails keeps nothing of the text."""
-    window = text[-(limit + _MARGIN) :] if tail else text[: limit + _MARGIN]
-    try:
-        clean = _redacted(task, window)
-    except Exception:  # never keep in clear what could not be redacted
-        logger.exception("Task %s: failure text not redacted; not kept", getattr(task, "name", "?"))
-        return "[not kept: the text could not be redacted]"
-    return clean[-limit:] if tail else clean[:limit]
-
-
-def _redacted(task: Any, text: str) -> str:
-    """Text about a failure (a message, a traceback) as it may be kept: redacted by the task's ``redact_keys``
-    and ``redact_patterns`` (settings that cannot be read give the defaults: :mod:`celery_guardrails.redaction`)."""
-    return for_task(task).text(text)
+    """Text about a failure (a message, a traceback) as it may be kept: redacted with the task's settings
+    (``redact_keys``, ``redact_patterns``), cut to ``limit`` characters (the last ones when ``tail``; the redaction
+    reads past the cut, so a secret the cut falls into is still found). Never raises: text that cannot be
+    redacted is not kept (:meth:`celery_guardrails.redaction.Redactor.text`)."""
+    return for_task(task).text(text, keep=limit, tail=tail)
 
 
 def republish(
@@ -357,7 +326,7 @@ def _final_failure(task: Any, exc: BaseException, *, reason: str, history: list[
         task_id=request.id,
         reason=reason,
         exc_type=exception_name(exc),
-        exc_message=kept_text(task, describe(exc), headers.MESSAGE_LIMIT),
+        exc_message=kept_text(task, exception_text(exc), headers.MESSAGE_LIMIT),
         tenant=current_tenant(),
         correlation_id=current_correlation_id(),
         attempts=getattr(request, "attempt", 1),

@@ -370,12 +370,20 @@ def safe_repr(value: Any) -> str:
         return f"<{name} object: repr() failed>"
 
 
+def exception_name(exc: BaseException) -> str:
+    """``module.QualName`` of ``exc``'s class."""
+    kind = type(exc)
+    return f"{getattr(kind, '__module__', None) or '?'}.{getattr(kind, '__qualname__', None) or kind.__name__}"
+
+
 def exception_text(exc: BaseException) -> str:
-    """``str(exc)``; never raises (an exception whose ``__str__`` raises is named by its type)."""
+    """``str(exc)``, or what can be said of it when its ``__str__`` raises (any exception at all, a recursion):
+    never raises, so a failure is recorded whatever its exception does."""
     try:
-        return str(exc)
-    except Exception:
-        return f"<{safe_repr(type(exc))}: str() failed>"
+        text = str(exc)
+    except Exception as error:
+        return f"<{exception_name(exc)}: its str() raised {type(error).__name__}>"
+    return text if isinstance(text, str) else f"<{exception_name(exc)}>"
 
 
 @dataclass(frozen=True, slots=True, kw_only=True, eq=False)

@@ -189,9 +189,10 @@ def _refuse_malformed(message: Any, task: Any, error: Exception) -> None:
 
 def _said(task: Any, error: BaseException) -> str:
     """``error``'s text as a log line may show it: redacted (it may quote what the message held)."""
-    from celery_guardrails.outcomes import describe, kept_text
+    from celery_guardrails.outcomes import kept_text
+    from celery_guardrails.redaction import exception_text
 
-    return kept_text(task, describe(error), 500)
+    return kept_text(task, exception_text(error), 500)
 
 
 class Refused(InvalidTaskError):  # type: ignore[misc]
@@ -205,7 +206,8 @@ class Refused(InvalidTaskError):  # type: ignore[misc]
 
 def _malformed(raw: dict[str, Any], task: Any, error: BaseException, *, args: Any, kwargs: Any) -> Any:
     """The final failure ``malformed_message`` of a message refused in the worker's main process."""
-    from celery_guardrails.outcomes import FinalFailure, describe, exception_name, kept_text, owner_of, timestamp
+    from celery_guardrails.outcomes import FinalFailure, kept_text, owner_of, timestamp
+    from celery_guardrails.redaction import exception_name, exception_text
 
     task_id = str(raw.get("id") or "")[:255]
     header = headers.sanitise(headers.from_message_headers(raw), task_id=task_id)
@@ -215,7 +217,7 @@ def _malformed(raw: dict[str, Any], task: Any, error: BaseException, *, args: An
         task_id=task_id,
         reason=MALFORMED_MESSAGE,
         exc_type=exception_name(error),
-        exc_message=kept_text(task, describe(error), headers.MESSAGE_LIMIT),
+        exc_message=kept_text(task, exception_text(error), headers.MESSAGE_LIMIT),
         tenant=tenant if isinstance(tenant, str) else None,
         correlation_id=correlation_id if isinstance(correlation_id, str) else None,
         attempts=headers.counter(header, headers.ATTEMPT) + 1,

@@ -27,7 +27,7 @@ from typing import Any
 
 from celery import states
 
-from celery_guardrails.redaction import Redactor, exception_text, for_task
+from celery_guardrails.redaction import Redactor, exception_name, exception_text, for_task
 
 logger = logging.getLogger(__name__)
 
@@ -53,7 +53,7 @@ def redacted_exception(exc: BaseException, redactor: Redactor) -> BaseException:
         return copy
     except Exception:
         text = redactor.text(exception_text(exc), keep=FALLBACK_LIMIT)
-        return Exception(f"{cls.__module__}.{cls.__qualname__}: {text}")
+        return Exception(f"{exception_name(exc)}: {text}")
 
 
 class RedactingBackend:

@@ -30,28 +30,27 @@ from typing import TYPE_CHECKING, Any, TypeGuard
 
 from celery_guardrails import headers
 from celery_guardrails.context import current_correlation_id, validate_correlation_id, validate_tenant
-from celery_guardrails.dead_letters import storable
+from celery_guardrails.dead_letters import TRACEBACK_LIMIT, storable
 from celery_guardrails.exceptions import DeadLetteredError
 from celery_guardrails.outcomes import (
     MALFORMED_MESSAGE,
     PENDING_DEAD_LETTER,
     REASONS,
     FinalFailure,
-    _redacted,
     hand_over,
     owner_of,
     timestamp,
 )
 from celery_guardrails.pipeline import Guardrail
+from celery_guardrails.redaction import for_task
 
 if TYPE_CHECKING:
     from celery_guardrails.task import GuardedTask
 
 logger = logging.getLogger(__name__)
 
-#: Characters kept of a pending record's exception type (the dead letter's column) and traceback.
+#: Characters kept of a pending record's exception type (the dead letter's column).
 EXC_TYPE_LIMIT = 255
-TRACEBACK_LIMIT = 20_000
 #: Characters of a claimed value shown, escaped, in the message of a malformed record.
 SHOWN_LIMIT = 80
 
@@ -146,17 +145,18 @@ def _shown(value: Any) -> str:
 
 
 def _text(task: Any, value: Any, limit: int) -> str:
-    """Claimed text as a record keeps it: cut (before the redaction: a megabyte is not walked), redacted, NUL
-    and lone surrogates written out (they reach the log line and the task's error too, where a UTF-8 handler
-    would refuse them), cut."""
+    """Claimed text as a record keeps it: redacted and cut (the redaction reads only a margin past the cut: a
+    megabyte is not walked), NUL and lone surrogates written out (they reach the log line and the task's error
+    too, where a UTF-8 handler would refuse them), cut."""
     if not isinstance(value, str):
         return ""
-    return str(storable(_redacted(task, value[: limit * 2])))[:limit]
+    return str(storable(for_task(task).text(value, keep=limit)))[:limit]
 
 
 def _redacted_record(task: Any, record: dict[str, Any]) -> dict[str, Any]:
     """An attempt record with its text redacted and escaped (the texts only: numbers say nothing secret)."""
-    return {key: storable(_redacted(task, value)) if isinstance(value, str) else value for key, value in record.items()}
+    redaction = for_task(task)
+    return {key: storable(redaction.text(value)) if isinstance(value, str) else value for key, value in record.items()}
 
 
 def _attempts(value: Any) -> TypeGuard[int]:
