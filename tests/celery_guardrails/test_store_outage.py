@@ -15,11 +15,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import redis
 
 from celery_guardrails.stores.redis import RedisStore
-from tests.conftest import Sink
+from tests.conftest import Sink, unacked
 from tests.proj import tasks
 from tests.support.dead_letters import dead_letter_of, has_dead_letter
+from tests.support.messages import publish_body, publish_raw
 from tests.support.proxy import TcpProxy
 from tests.support.services import REDIS_URL
 from tests.support.waiting import wait_for
@@ -146,3 +148,40 @@ def test_the_redis_dead_letter_sink_cut_the_failure_is_recorded_once_when_it_is_
         wait_for("the dead letter", lambda: has_dead_letter(celery_app, result.id))
         assert len(sink.items()) == 1
     assert dead_letter_of(celery_app, result.id)["reason"] == "permanent"
+
+
+def test_the_sink_cut_a_message_refused_before_the_pool_is_given_back_and_recorded_once_when_it_is_back(
+    celery_app: Any, proxy: TcpProxy, queue_name: str, sink: Sink, tmp_path: Path
+) -> None:
+    # Given a prefork worker whose dead-letter sink (a Redis stream) is reached through the proxy, cut, and two
+    # messages another producer wrote that it refuses in its main process: arguments nested past
+    # max_payload_depth, and a body no decoder reads
+    url = REDIS_URL.replace("127.0.0.1:6379", f"127.0.0.1:{proxy.port}")
+    env = proj_env(queue=queue_name, GUARDRAILS_TEST_GUARDRAILS=json.dumps({"dead_letter_sinks": [url]}))
+    proxy.cut()
+    deep: Any = "x"
+    for _ in range(150):
+        deep = [deep]
+    refused = [
+        publish_raw(celery_app, queue_name, tasks.observe.name, args=[deep], kwargs={"sink": sink.key}),
+        publish_body(celery_app, queue_name, tasks.observe.name, b'[["cut short'),
+    ]
+    with WorkerProcess(app=PROJ_APP, queue=queue_name, log_path=tmp_path / "worker.log", env=env) as worker:
+        # When the worker cannot write their dead letters, Then it says so and keeps each message (given back to
+        # the broker, not acked away): none is recorded, each is still on the broker
+        wait_for(
+            "both writes failed", lambda: all(f"malformed message {t} not recorded" in worker.log for t in refused)
+        )
+        assert not any(has_dead_letter(celery_app, task_id) for task_id in refused)
+        assert all(unacked(task_id) or _queued(queue_name, task_id) for task_id in refused)
+        # And once the sink is back, each is recorded, once, and the queue is empty; none of them ran
+        proxy.restore()
+        wait_for("both recorded", lambda: all(has_dead_letter(celery_app, task_id) for task_id in refused))
+        wait_for("both acked", lambda: not any(unacked(t) or _queued(queue_name, t) for t in refused))
+        assert worker.process is not None and worker.process.poll() is None
+    assert [dead_letter_of(celery_app, task_id)["reason"] for task_id in refused] == ["malformed_message"] * 2
+    assert sink.items() == []
+
+
+def _queued(queue: str, task_id: str) -> bool:
+    return any(task_id.encode() in raw for raw in redis.Redis.from_url(REDIS_URL).lrange(queue, 0, -1))
