@@ -45,7 +45,7 @@ from celery.signals import worker_process_shutdown, worker_shutdown
 from celery_guardrails import clock, signals
 from celery_guardrails.options import app_value
 from celery_guardrails.outcomes import FinalFailure
-from celery_guardrails.redaction import Redactor, for_app, for_task
+from celery_guardrails.redaction import Redactor, for_app, for_task, safe_repr
 from celery_guardrails.stores import get_store
 
 logger = logging.getLogger(__name__)
@@ -134,7 +134,7 @@ def send(
     redactor = _redactor(app, failure)
     subject = redactor.text(subject)
     # As the channels write it (times as text), then redacted value by value.
-    payload = redactor.shown(json.loads(json.dumps(payload, default=str))).value
+    payload = redactor.shown(json.loads(json.dumps(payload, default=safe_repr))).value  # safe_repr never raises
     for channel in app_value(app, "alert_channels"):
         try:  # one channel that fails (mail settings, say) must not silence the others
             if channel == "log":

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from celery_guardrails.exceptions import StoreError, StoreUnavailableError
 from celery_guardrails.options import app_value
-from celery_guardrails.redaction import DEFAULT, exception_name, exception_text, for_task
+from celery_guardrails.redaction import DEFAULT, exception_name, exception_text, for_task, safe_repr
 from celery_guardrails.sealing import sealer_for
 from celery_guardrails.stores import django_apps_installed, store_url
 
@@ -127,7 +127,7 @@ def record_fields(task: Any, failure: FinalFailure) -> dict[str, Any]:
     args, kwargs, as_repr = redaction.arguments(task.run, failure.args, failure.kwargs)
     size = len(json.dumps([args, kwargs], default=str))
     if size > ARGUMENTS_LIMIT:  # a huge argument is not kept whole in a retained record
-        args, kwargs, as_repr = [repr(args)[:2000]], {"repr": repr(kwargs)[:2000], "bytes": size}, True
+        args, kwargs, as_repr = [safe_repr(args)[:2000]], {"repr": safe_repr(kwargs)[:2000], "bytes": size}, True
     fields: dict[str, Any] = storable(
         {
             **_identity(failure),

@@ -10,9 +10,9 @@ to the consumer blueprint, the guard that keeps a worker alive through a restart
 redelivered (:mod:`celery_guardrails.broker_lease`); on a Redis broker it selects the
 transport whose pop cannot lose a message (:mod:`celery_guardrails.broker_pop`).
 
-It also puts the redacting log filters on Celery's trace logger (for guarded tasks' records) and on the
-extension's own loggers (:func:`celery_guardrails.log.install_filters`), again whenever Celery sets up the
-worker's logging.
+The redacting log filters go on Celery's trace logger (for guarded tasks' records) and on the extension's own
+loggers (:func:`celery_guardrails.log.install_filters`) when this module is imported (so before a Django web
+process or a command logs anything of the extension's), and again whenever Celery sets up the worker's logging.
 
 The publish/run signal handlers of the context guardrail are connected when :mod:`celery_guardrails` is
 imported; they do not depend on the app.
@@ -117,7 +117,6 @@ def install(app: Any) -> None:
     if getattr(app, "_guardrails_installed", False):
         return
     app._guardrails_installed = True
-    install_filters()
     app.steps["worker"].add(GuardrailsBootstep)
     from celery_guardrails.watchdog import WatchdogStep
 
@@ -151,3 +150,4 @@ after_setup_logger.connect(_add_context_filter, weak=False, dispatch_uid="celery
 after_setup_task_logger.connect(_add_context_filter, weak=False, dispatch_uid="celery_guardrails.log.task")
 # Celery's logging set-up may replace what a project configured: the redacting filters are put back (idempotent).
 after_setup_logger.connect(install_filters, weak=False, dispatch_uid="celery_guardrails.log.redacting")
+install_filters()

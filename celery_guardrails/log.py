@@ -16,7 +16,7 @@ Fields: ``tenant``, ``correlation_id``, ``task_id``, ``task_name``; ``"-"`` wher
 task, a request without tenant). When Celery configures the worker's logging itself, the filter is added to
 its handlers automatically.
 
-**Redaction.** :func:`install_filters` (run when a ``GuardedTask`` is bound to an app, and again when Celery
+**Redaction.** :func:`install_filters` (run when :mod:`celery_guardrails` is imported, and again when Celery
 sets up the worker's logging) puts a :class:`RedactingFilter` on
 
 * Celery's trace logger (``celery.app.trace``: "Task ...[id] raised unexpected: <exception>" with its
@@ -157,7 +157,11 @@ def own_loggers() -> Iterator[str]:
     """The names of the extension's loggers: a module's logger is ``logging.getLogger(__name__)``. Read from the
     packages' folders without importing them (a module imported later finds its logger made already)."""
     for package in PACKAGES:
-        spec = importlib.util.find_spec(package)
+        try:
+            spec = importlib.util.find_spec(package)
+        except (ImportError, ValueError):  # a module in sys.modules without a spec: its loggers by name only
+            yield package
+            continue
         if spec is None or not spec.submodule_search_locations:
             continue
         yield package

@@ -300,15 +300,19 @@ class Metrics(Guardrail):
             queue = queue_of(request)
             if told and first:
                 _tell(task, request.id, task.name, queue, outcome, detail)
+            if not (metrics_on or (activity_on and first)):
+                return
+            # Redacted once per delivery (a routing key and a detail are free text; the outcome is ours)
+            name_label, queue_label, detail_label = label_values(task.app, task.name, queue, detail)
             if metrics_on:
                 made = instruments(task.app)
-                labels = label_values(task.app, task.name, queue)
-                made.duration.labels(*labels).observe(max(0.0, time.perf_counter() - state.monotonic_started))
-                made.completed.labels(*labels).inc()
+                made.duration.labels(name_label, queue_label).observe(
+                    max(0.0, time.perf_counter() - state.monotonic_started)
+                )
+                made.completed.labels(name_label, queue_label).inc()
                 if first:
-                    made.outcomes.labels(*label_values(task.app, task.name, outcome, detail)).inc()
+                    made.outcomes.labels(name_label, outcome, detail_label).inc()
             if activity_on and first:
-                name_label, queue_label = label_values(task.app, task.name, queue)
                 activity.count(task.app, name_label, queue_label, outcome)
         except Exception as error:
             _failed(error, "the end of a delivery", request.id)
@@ -337,11 +341,11 @@ def _count(
         current = _mark(task, task_id)
         if told:
             _tell(task, task_id, name or task.name, queue_of(task.request) if current else queue, outcome, detail)
+        where = queue_of(task.request) if current else queue
+        name_label, queue_label, detail_label = label_values(app, name or task.name, where, detail)
         if metrics_on:
-            instruments(app).outcomes.labels(*label_values(app, name or task.name, outcome, detail)).inc()
+            instruments(app).outcomes.labels(name_label, outcome, detail_label).inc()
         if activity_on and (not current or _activity_on(task)):
-            where = queue_of(task.request) if current else queue
-            name_label, queue_label = label_values(app, name or task.name, where)
             activity.count(app, name_label, queue_label, outcome)
     except Exception as error:
         _failed(error, f"outcome {outcome}", task_id)

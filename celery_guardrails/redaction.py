@@ -504,8 +504,8 @@ class Redactor:
         if walk.not_json or malformed:
             # Not JSON: keep a (redacted) repr so the record still says what it was; replay is not possible.
             return RedactedArguments(
-                args=[repr(clean_args)[:2000]],
-                kwargs={"repr": repr(clean_kwargs)[:2000]},
+                args=[safe_repr(clean_args)[:2000]],
+                kwargs={"repr": safe_repr(clean_kwargs)[:2000]},
                 as_repr=True,
                 cut=walk.cut,
             )
@@ -654,7 +654,6 @@ class _Walk:
         return out
 
 
-@functools.lru_cache(maxsize=64)
 @functools.lru_cache(maxsize=64)
 def redactor(keys: tuple[str, ...] = DEFAULT_REDACT_KEYS, extra: tuple[re.Pattern[str], ...] = ()) -> Redactor:
     """The redactor of ``keys`` with the built-in value patterns and ``extra`` (``redact_patterns``), made once per

@@ -52,9 +52,12 @@ from kombu.serialization import registry
 from celery_guardrails import headers, signals
 from celery_guardrails.context import activate, deactivate
 from celery_guardrails.outcomes import ARRIVED_AS, MALFORMED_MESSAGE, TIME_LIMIT
+from celery_guardrails.redaction import for_task
 
 logger = logging.getLogger(__name__)
 
+#: Task events whose exception and traceback are redacted (:meth:`GuardedRequest.send_event`).
+REDACTED_EVENTS = frozenset({"task-failed", "task-retried"})
 #: Tries (a second apart) at writing a malformed message's dead letter before giving the message back.
 RECORD_TRIES = 3
 
@@ -99,6 +102,17 @@ class GuardedRequest(Request):  # type: ignore[misc]
         # result is never overwritten): Celery must not store FAILURE over it.
         self._guardrails_retried = retried
         super().on_timeout(soft, timeout)  # stores FAILURE (unless retried), calls on_failure, acks
+
+    def send_event(self, type: str, **fields: Any) -> None:
+        # The events of a failure and a retry carry the exception's repr and the traceback as raised (Celery's
+        # on_failure / on_retry), to the broker's event exchange (Flower, `celery events`): redacted as the result
+        # backend and the log keep them.
+        if type in REDACTED_EVENTS:
+            redaction = for_task(self.task)
+            for name in ("exception", "traceback"):
+                if fields.get(name) is not None:
+                    fields[name] = redaction.text(fields[name])
+        super().send_event(type, **fields)
 
     @property
     def store_errors(self) -> bool:

@@ -25,8 +25,6 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from celery import states
-
 from celery_guardrails.redaction import Redactor, exception_name, exception_text, for_task
 
 logger = logging.getLogger(__name__)
@@ -74,40 +72,17 @@ class RedactingBackend:
     def __repr__(self) -> str:
         return f"<RedactingBackend of {self._backend!r}>"
 
+    # Only the exception and the traceback change; every other argument goes on as Celery gave it (its own
+    # defaults stay Celery's).
     def mark_as_failure(
-        self,
-        task_id: str,
-        exc: BaseException,
-        traceback: str | None = None,
-        request: Any = None,
-        store_result: bool = True,
-        call_errbacks: bool = True,
-        state: str = states.FAILURE,
+        self, task_id: str, exc: BaseException, traceback: str | None = None, *a: Any, **kw: Any
     ) -> Any:
         exc, traceback = self._redacted(exc, traceback)
-        return self._backend.mark_as_failure(
-            task_id,
-            exc,
-            traceback=traceback,
-            request=request,
-            store_result=store_result,
-            call_errbacks=call_errbacks,
-            state=state,
-        )
+        return self._backend.mark_as_failure(task_id, exc, traceback, *a, **kw)
 
-    def mark_as_retry(
-        self,
-        task_id: str,
-        exc: BaseException,
-        traceback: str | None = None,
-        request: Any = None,
-        store_result: bool = True,
-        state: str = states.RETRY,
-    ) -> Any:
+    def mark_as_retry(self, task_id: str, exc: BaseException, traceback: Any = None, *a: Any, **kw: Any) -> Any:
         exc, traceback = self._redacted(exc, traceback)
-        return self._backend.mark_as_retry(
-            task_id, exc, traceback=traceback, request=request, store_result=store_result, state=state
-        )
+        return self._backend.mark_as_retry(task_id, exc, traceback, *a, **kw)
 
     def _redacted(self, exc: Any, traceback: str | None) -> tuple[Any, str | None]:
         from celery_guardrails.options import resolve

@@ -41,7 +41,7 @@ from celery_guardrails import activity
 from celery_guardrails.activity import QueueRate
 from celery_guardrails.ledger import MISSED, OK, OVERDUE
 from celery_guardrails.queues import QueueDepth, read_queues
-from celery_guardrails.redaction import DEFAULT, exception_text
+from celery_guardrails.redaction import DEFAULT, exception_text, for_app
 from celery_guardrails.stores import django_apps_installed
 
 logger = logging.getLogger(__name__)
@@ -254,9 +254,9 @@ def read_schedules(app: Any) -> list[ScheduleStatus]:
     return found
 
 
-def attempt(source: str, read: Callable[[], T], errors: dict[str, str]) -> T | None:
-    """``read()``, or None with the failure logged and kept in ``errors[source]``: a status read or a scrape
-    goes on without a source it cannot read."""
+def attempt(source: str, read: Callable[[], T], errors: dict[str, str], *, app: Any = None) -> T | None:
+    """``read()``, or None with the failure logged and kept in ``errors[source]`` (redacted with ``app``'s
+    settings, else the defaults): a status read or a scrape goes on without a source it cannot read."""
     try:
         return read()
     except Exception as exc:
@@ -264,7 +264,8 @@ def attempt(source: str, read: Callable[[], T], errors: dict[str, str]) -> T | N
         logger.warning("Guardrails status: reading %s failed: %r", source, exc)
         logger.debug("Guardrails status: reading %s failed", source, exc_info=True)
         # Printed by the commands: a store's error names its URL, password included.
-        errors[source] = DEFAULT.text(f"{type(exc).__name__}: {exception_text(exc)}", keep=300)
+        redaction = for_app(app) if app is not None else DEFAULT
+        errors[source] = redaction.text(f"{type(exc).__name__}: {exception_text(exc)}", keep=300)
         return None
 
 
@@ -273,14 +274,16 @@ def gather(app: Any, *, queues: Iterable[str] = (), now: float | None = None) ->
     names = list(queues)
     status = Status(at=time.time() if now is None else now)
     errors = status.errors
-    status.queues = attempt(QUEUES, lambda: read_queues(app, names, now=status.at), errors) or []
+    status.queues = attempt(QUEUES, lambda: read_queues(app, names, now=status.at), errors, app=app) or []
     if activity.enabled(app):
-        status.rates = attempt(RATES, lambda: activity.rates(app, minutes=RATE_MINUTES), errors)
-    status.dead_letters = attempt(DEAD_LETTERS, lambda: read_dead_letters(app), errors) or DeadLetters(counts=[])
-    status.dependencies = attempt(DEPENDENCIES, lambda: read_dependencies(app), errors) or []
-    status.schedules = attempt(SCHEDULES, lambda: read_schedules(app), errors) or []
+        status.rates = attempt(RATES, lambda: activity.rates(app, minutes=RATE_MINUTES), errors, app=app)
+    status.dead_letters = attempt(DEAD_LETTERS, lambda: read_dead_letters(app), errors, app=app) or DeadLetters(
+        counts=[]
+    )
+    status.dependencies = attempt(DEPENDENCIES, lambda: read_dependencies(app), errors, app=app) or []
+    status.schedules = attempt(SCHEDULES, lambda: read_schedules(app), errors, app=app) or []
     if django_apps_installed():
-        status.outbox = attempt(OUTBOX, read_outbox, errors)
+        status.outbox = attempt(OUTBOX, read_outbox, errors, app=app)
     return status
 
 

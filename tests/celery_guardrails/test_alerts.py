@@ -12,6 +12,7 @@ import uuid
 from typing import Any
 
 from celery_guardrails.alerts import send
+from celery_guardrails.log import RedactingFilter
 from celery_guardrails.outcomes import FinalFailure
 from tests.support import planted
 from tests.support.planted import leaked
@@ -72,14 +73,22 @@ def test_an_alert_says_no_secret_whatever_its_text_came_from(
     )
     output = io.StringIO()
     handler = logging.StreamHandler(output)
-    logging.getLogger("celery_guardrails.alerts").addHandler(handler)
+    # The alert itself is checked: the logger's own redacting filter (celery_guardrails.log) is taken off meanwhile,
+    # so that a log line the alert did not redact would show here.
+    alerts_logger = logging.getLogger("celery_guardrails.alerts")
+    filters = [f for f in alerts_logger.filters if isinstance(f, RedactingFilter)]
+    for kept in filters:
+        alerts_logger.removeFilter(kept)
+    alerts_logger.addHandler(handler)
     try:
         # When both are alerted through every channel
         send(celery_app, subject=f"Dead letter: {planted.STRIPE_KEY}", failure=failure)
         run = {"schedule": "nightly", "reason": planted.MESSAGE}
         send(celery_app, subject="Run missed: nightly", run=run, owner="security")
     finally:
-        logging.getLogger("celery_guardrails.alerts").removeHandler(handler)
+        alerts_logger.removeHandler(handler)
+        for kept in filters:
+            alerts_logger.addFilter(kept)
     # Then the log line, the mails and the webhook's JSON say what happened, and none says a secret
     hooks = wait_for("both webhooks", lambda: posted if len(posted) >= 2 else None)
 

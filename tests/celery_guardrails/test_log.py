@@ -12,6 +12,7 @@ import pytest
 
 from celery_guardrails import correlation_context, tenant_context
 from celery_guardrails.log import ContextFilter, install_filters
+from celery_guardrails.redaction import WITHHELD
 from tests.proj import tasks
 from tests.support import planted
 from tests.support.planted import leaked
@@ -92,3 +93,34 @@ def test_a_line_with_nothing_to_redact_keeps_its_template(celery_app: Any) -> No
     record = logging.LogRecord("celery_guardrails.alerts", logging.INFO, __file__, 1, "sent %s to %s", ("a", "b"), None)
     assert logging.getLogger("celery_guardrails.alerts").filter(record)
     assert (record.msg, record.args, record.getMessage()) == ("sent %s to %s", ("a", "b"), "sent a to b")
+
+
+def test_the_filter_redacts_a_record_before_any_handler_reads_it() -> None:
+    # Given records of the extension's loggers (a Django app's module too), with a traceback and Celery's data
+    # extra, as a handler such as Sentry's would read them after the logger's filters
+    try:
+        raise ValueError(planted.MESSAGE)
+    except ValueError:
+        import sys
+
+        exc_info = sys.exc_info()
+    for name in ("celery_guardrails.outcomes", "django_celery_guardrails.replay"):
+        record = logging.LogRecord(name, logging.ERROR, __file__, 1, "failed: %s", (planted.PG_URL,), exc_info)
+        record.data = dict(planted.ARGUMENTS)
+        # When the logger's filters have run
+        assert logging.getLogger(name).filter(record)
+        # Then the message, the data and the traceback are redacted, and the raw exception is gone
+        assert record.exc_info is None and "[redacted]" in str(record.exc_text)
+        assert leaked([record.getMessage(), record.exc_text, record.data]) == []
+
+
+def test_a_record_the_filter_cannot_read_is_withheld_not_written_raw() -> None:
+    # Given a record whose message cannot be made into text (its __str__ raises)
+    class Unreadable:
+        def __str__(self) -> str:
+            raise RuntimeError("no")
+
+    record = logging.LogRecord("celery_guardrails.outcomes", logging.ERROR, __file__, 1, Unreadable(), None, None)
+    # When the filter runs, Then the line says it was withheld (and the record is still written)
+    assert logging.getLogger("celery_guardrails.outcomes").filter(record)
+    assert record.getMessage() == f"{WITHHELD}: a log line of celery_guardrails.outcomes"

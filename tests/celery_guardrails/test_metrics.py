@@ -324,9 +324,11 @@ def test_label_values_lose_the_secrets_a_message_put_in_them(celery_app: Any) ->
         attempts=1,
         queue=f"orders {planted.PG_URL}",
     )
-    # When it is counted
+    # When it is counted, and a message of the task is published with such a routing key
     signals.dead_lettered.send(sender=task, failure=failure)
-    # Then the labels say it, redacted
+    metrics._on_published(sender=task.name, routing_key=f"orders {planted.PG_URL}")
+    # Then the labels say it, redacted: the dead letter's detail, and the published message's queue
     labels = [dict(labels) for (_, labels) in ours(task.name)]
     assert {"task": task.name, "outcome": "dead_lettered", "detail": "permanent [redacted]"} in labels
+    assert any(label.get("queue", "").startswith("orders postgresql://app:[redacted]@") for label in labels), labels
     assert leaked(labels) == []

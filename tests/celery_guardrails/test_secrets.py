@@ -8,6 +8,7 @@ import io
 import json
 import logging
 import re
+import threading
 import uuid
 from collections.abc import Iterator
 from typing import Any
@@ -167,3 +168,40 @@ def test_a_failed_keys_reason_holds_no_secret(celery_app: Any, celery_worker: An
     # Then that reason says what failed, redacted
     assert state["reason"].startswith("LeakyError: could not connect to postgresql://app:[redacted]@db/shop")
     assert leaked(state["reason"]) == []
+
+
+@pytest.mark.parametrize("celery_worker_parameters", [{"task_events": True}], indirect=True)
+def test_the_task_events_of_a_guarded_failure_carry_no_secret(celery_app: Any, celery_worker: Any) -> None:
+    # Given a worker that sends task events, and a receiver of them (as Flower or `celery events` is: on a Redis
+    # broker they are published to whoever listens at the time)
+    seen: list[dict[str, Any]] = []
+    with celery_app.connection_for_read() as connection:
+        receiver = celery_app.events.Receiver(connection, handlers={"*": seen.append})
+        listening = threading.Thread(target=lambda: receiver.capture(limit=None, timeout=None), daemon=True)
+        listening.start()
+        try:
+            # (it listens once an event sent now reaches it: before, the task's first events could pass it by)
+            with celery_app.events.default_dispatcher() as dispatcher:
+                wait_for("the receiver listening", lambda: dispatcher.send("worker-probe") or _probed(seen), every=0.2)
+            # When a guarded task whose exception holds every planted secret is retried, then fails for good
+            arguments = dict(planted.ARGUMENTS)
+            result = leaky.leak.apply_async((arguments.pop("dsn"), arguments.pop("headers")), arguments)
+            with pytest.raises(leaky.LeakyError):
+                result.get(timeout=30)
+            wait_for("the task-failed event", lambda: _event(seen, "task-failed", result.id))
+        finally:
+            receiver.should_stop = True
+            listening.join(timeout=10)
+    # Then its task-retried and task-failed events carry the exception and the traceback redacted
+    ours = [*_event(seen, "task-retried", result.id), *_event(seen, "task-failed", result.id)]
+    assert {event["type"] for event in ours} == {"task-retried", "task-failed"}
+    assert all(REDACTED in event["exception"] and REDACTED in event["traceback"] for event in ours)
+    assert leaked(ours) == []
+
+
+def _probed(seen: list[dict[str, Any]]) -> bool:
+    return any(event.get("type") == "worker-probe" for event in list(seen))
+
+
+def _event(seen: list[dict[str, Any]], kind: str, task_id: str) -> list[dict[str, Any]]:
+    return [event for event in list(seen) if event.get("type") == kind and event.get("uuid") == task_id]
