@@ -30,7 +30,6 @@ of the page, and a redirect would hide which parameter was wrong.
 
 from __future__ import annotations
 
-import re
 from datetime import date, datetime
 from typing import Any
 
@@ -46,14 +45,13 @@ from django.utils.dateparse import parse_date, parse_datetime
 from django.utils.functional import cached_property
 
 from .display import escape
+from .management.arguments import DIGITS, YEARS
 
-#: The years a date in a change list's URL may name: Django adds a day or a year to it (the date hierarchy's
-#: upper bound) and converts it between time zones, which must stay inside datetime's years 1 to 9999.
-YEARS = range(2, 9999)
+# YEARS, the years a date in a change list's URL may name: Django adds a day or a year to it (the date hierarchy's
+# upper bound) and converts it between time zones, which must stay inside datetime's years 1 to 9999; DIGITS, a
+# row id an action may name (a whole number a bigint holds): the commands' own rules (management.arguments).
 #: The parameters of every change list that are no lookup: search, ordering, paging, "show all", facets...
 TAKEN = frozenset({*IGNORED_PARAMS, PAGE_VAR, ERROR_FLAG})
-#: A row id an action may name: a whole number a bigint holds.
-_ROW_ID = re.compile(r"[0-9]{1,18}")
 
 
 class AtLeast(int):
@@ -195,7 +193,7 @@ def check_parameters(model_admin: Any, request: HttpRequest) -> None:
             raise BadRequest(f"the list has no filter {key!r} (its filters are the ones in its side bar)")
     if request.method == "POST":
         for value in request.POST.getlist(ACTION_CHECKBOX_NAME):
-            if not _ROW_ID.fullmatch(value):
+            if not DIGITS.fullmatch(value):
                 raise BadRequest(f"a selected row {value[:40]!r} is not a record id")
     hierarchy = model_admin.date_hierarchy
     # (Django reads month and day only with a year; without one they would be lookups of their own.)

@@ -28,7 +28,9 @@ from ..display import escape
 
 _UNITS = {"s": "seconds", "m": "minutes", "h": "hours", "d": "days", "w": "weeks"}
 _AGE = re.compile(r"(\d+(?:\.\d+)?)\s*([smhdw]?)")
-_DIGITS = re.compile(r"[0-9]+")
+#: A whole number as an id or a count is written: ASCII digits, at most 18 (within a bigint; ``int()`` refuses more
+#: than 4,300 digits with a ValueError).
+DIGITS = re.compile(r"[0-9]{1,18}")
 AGE_HELP = "an age such as 90s, 30m, 2h, 7d or 2w (a bare number is seconds)"
 #: The longest age an option takes.
 MAX_AGE = timedelta(days=36_525)
@@ -63,7 +65,7 @@ def since(value: str, *, option: str, now: datetime | None = None) -> datetime:
 
 def whole_number(value: str, *, option: str, minimum: int, maximum: int) -> int:
     """``value`` as a whole number from ``minimum`` to ``maximum`` (ASCII digits only)."""
-    if not _DIGITS.fullmatch(value.strip()) or not minimum <= int(value) <= maximum:
+    if not DIGITS.fullmatch(value.strip()) or not minimum <= int(value) <= maximum:
         raise CommandError(f"{option} {value[:40]!r}: give a whole number from {minimum:,} to {maximum:,}")
     return int(value)
 

@@ -249,6 +249,11 @@ COMMANDS = [
         )
         for value in ("99999999999999999999", "²", "0", "-1", "1e3")
     ),
+    Command(
+        name="list: a --limit of 5,000 digits (int() refuses past 4,300)",
+        arguments=["guardrails_deadletters", "list", "--limit", "9" * 5000],
+        says=f"--limit {'9' * 40!r}: give a whole number from 1 to 1,000,000",
+    ),
     *(
         Command(
             name=f"show {value}",
@@ -328,7 +333,8 @@ COMMANDS = [
     *(
         Command(
             name=f"outbox relay: --interval {value}",
-            arguments=["guardrails_outbox_relay", "--interval", value],
+            # (--once: should the check ever let a value through, the relay exits instead of looping)
+            arguments=["guardrails_outbox_relay", "--once", "--interval", value],
             says=f"--interval {value!r}: give",
         )
         for value in ("nan", "0", "2d", "1000000000d")

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import getpass
 import json
-import re
 from typing import Any
 
 from celery import current_app
@@ -29,13 +28,12 @@ from ...display import escape
 from ...maintenance import close_dead_letters
 from ...models import DeadLetter, SealedMessage
 from ...replay import outlooks
-from ..arguments import AGE_HELP, choice, since, text, whole_number
+from ..arguments import AGE_HELP, DIGITS, choice, since, text, whole_number
 
 #: Fields of a record in ``list`` (``show`` prints every field).
 LISTED = ("id", "task_name", "reason", "status", "owner", "tenant", "attempts", "last_failed_at", "task_id")
 STATUSES = [value for value, _ in DeadLetter.Status.choices]
 #: A record id: digits a bigint holds.
-ID = re.compile(r"[0-9]{1,18}")
 #: Characters of ``--by`` the record keeps (its handled_by column).
 BY_LENGTH = DeadLetter._meta.get_field("handled_by").max_length or 150
 #: The most records ``list`` prints.
@@ -158,7 +156,7 @@ class Command(BaseCommand):
 
 
 def _id(value: str) -> int:
-    if not ID.fullmatch(value):
+    if not DIGITS.fullmatch(value):
         raise CommandError(f"{value[:40]!r} is not a dead letter id (a whole number of at most 18 digits)")
     return int(value)
 
