@@ -34,7 +34,6 @@ from django.urls import path, reverse
 from django.utils import timezone
 from django.utils.html import format_html, format_html_join
 from django.utils.http import urlencode
-from django.utils.safestring import SafeString
 
 from celery_guardrails.exceptions import ConfigurationError
 from celery_guardrails.outcomes import NOT_IDEMPOTENT
@@ -116,17 +115,6 @@ def _short(text: str, limit: int) -> str:
     return format_html('<span title="{}">{}</span>', escape(text), escape(shown, html=True))
 
 
-class _Named:
-    """A record as the action checkbox names it: its pk, and its name escaped (:mod:`.display`)."""
-
-    def __init__(self, record: DeadLetter) -> None:
-        self.pk = record.pk
-        self._name = escape(str(record))
-
-    def __str__(self) -> str:
-        return self._name
-
-
 def _changed_keys(before: dict[str, Any], after: dict[str, Any]) -> list[str]:
     return sorted(k for k in before.keys() | after.keys() if before.get(k, object()) != after.get(k, object()))
 
@@ -190,10 +178,6 @@ class DeadLetterAdmin(CheckedChangeList, TenantScopedAdmin):
 
     def has_change_permission(self, request: HttpRequest, obj: DeadLetter | None = None) -> bool:
         return False  # every field is read only: no Save button; the actions check their own permissions
-
-    def action_checkbox(self, obj: DeadLetter) -> SafeString:
-        # Django's names the row by str(obj) in its aria-label, raw: a bidi override in a task id read aloud.
-        return super().action_checkbox(_Named(obj))
 
     def has_replay_permission(self, request: HttpRequest) -> bool:
         return request.user.has_perm("guardrails.replay_deadletter")
@@ -394,7 +378,7 @@ class DeadLetterAdmin(CheckedChangeList, TenantScopedAdmin):
                     user_id=cast(int, request.user.pk),  # an admin view's user is logged in
                     content_type_id=content_type.pk,
                     object_id=str(record.pk),
-                    object_repr=escape(str(record))[:200],  # shown on the admin's index and history pages
+                    object_repr=str(record)[:200],  # shown on the admin's index and history pages (escaped)
                     action_flag=CHANGE,
                     change_message=message(record),
                 )

@@ -280,7 +280,11 @@ class DeadLetter(models.Model):
         ]
 
     def __str__(self) -> str:
-        return f"{self.task_name}[{self.task_id}] {self.reason} ({self.status})"
+        # Every page and log entry Django names a record by (its delete pages and messages, "Recent actions", the
+        # action checkbox's label) shows this: control and invisible characters written out (.display).
+        from .display import escape
+
+        return escape(f"{self.task_name}[{self.task_id}] {self.reason} ({self.status})")
 
 
 class SealedMessage(models.Model):
@@ -442,7 +446,9 @@ class ScheduledRun(models.Model):
         ]
 
     def __str__(self) -> str:
-        return f"{self.schedule} @ {self.period.isoformat()} ({self.status})"
+        from .display import escape  # as DeadLetter.__str__
+
+        return escape(f"{self.schedule} @ {self.period.isoformat()} ({self.status})")
 
     @property
     def duration(self) -> timedelta | None:

@@ -140,12 +140,19 @@ def test_every_admin_page_writes_the_planted_characters_out(
         "run ledger": reverse("admin:guardrails_scheduledrun_changelist"),
         "run": reverse("admin:guardrails_scheduledrun_change", args=[run.pk]),
         "schedule health": reverse("admin:guardrails_scheduledrun_health"),
+        "delete": reverse("admin:guardrails_deadletter_delete", args=[pk]),
     }
     for name, url in pages.items():
         page = admin_client.get(url)
         assert page.status_code == 200, (name, page.status_code)
         # Then none is shown raw, and each is written out (marked, on hover the code point)
         shows_escaped(name, page.content.decode())
+    # And so does Django's own confirmation of deleting it from the list (it names the record by str())
+    confirm = admin_client.post(
+        reverse("admin:guardrails_deadletter_changelist"), {"action": "delete_selected", "_selected_action": [pk]}
+    )
+    assert confirm.status_code == 200
+    shows_escaped("delete selected", confirm.content.decode())
     # And the record's page shows the file name as stored, its escape marked
     html = admin_client.get(pages["dead letter"]).content.decode()
     assert 'RTL<span class="gr-escaped" title="U+202E">\\u202e</span>gnp.exe' in html
