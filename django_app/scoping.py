@@ -83,6 +83,9 @@ BATCH = 500
 HIDDEN = "shown only to users who see every tenant (admin_tenants)"
 #: Where a user's answer is kept for the rest of the request (Django keeps its permissions on the user likewise).
 _CACHE = "_guardrails_visible_tenants"
+_SCHEDULES_CACHE = "_guardrails_visible_schedules"
+#: The setting as read when CELERY_GUARDRAILS itself cannot be (a value the cache keys the answer under).
+_UNREADABLE = object()
 
 M = TypeVar("M", bound=Model)
 
@@ -157,17 +160,26 @@ def visible_tenants(user: Any) -> Visible:
         return ALL_TENANTS
     user_id = getattr(user, "pk", None)
     try:
+        raw = raw_option()
+    except ConfigurationError:
+        raw = _UNREADABLE
+    if raw is None:
+        return ALL_TENANTS
+    # The answer is kept on the request's user, for the setting it was given under (asked once per request, even
+    # when the setting is wrong: one error logged, not one per query of the page).
+    kept: tuple[Any, Visible] | None = getattr(user, _CACHE, None)
+    if kept is not None and kept[0] is raw:
+        return kept[1]
+    found: Visible
+    try:
         current = rule()
     except ConfigurationError:
         logger.exception("admin_tenants is set wrong: user %s sees no tenant (manage.py check says why)", user_id)
-        return frozenset()
-    if current is None:
-        return ALL_TENANTS
-    kept: tuple[Any, Visible] | None = getattr(user, _CACHE, None)
-    if kept is not None and kept[0] is current.raw:
-        return kept[1]
-    found = _by_permissions(user) if current.by_permissions else _by_callable(current, user, user_id)
-    setattr(user, _CACHE, (current.raw, found))
+        found = frozenset()
+    else:
+        assert current is not None  # (raw is set)
+        found = _by_permissions(user) if current.by_permissions else _by_callable(current, user, user_id)
+    setattr(user, _CACHE, (raw, found))
     return found
 
 
@@ -263,6 +275,11 @@ def visible_schedules(user: Any, app: Any) -> frozenset[str] | AllTenants:
         return ALL_TENANTS
     if not visible:
         return frozenset()
+    # Kept on the request's user as the tenants are: a ledger page asks four times (its queryset, its filter, its
+    # parameters' check, the filter's choices), and each read of the entries may query django-celery-beat's rows.
+    kept: tuple[Any, frozenset[str], frozenset[str]] | None = getattr(user, _SCHEDULES_CACHE, None)
+    if kept is not None and kept[0] is app and kept[1] == visible:
+        return kept[2]
     from celery_guardrails.beat import all_configured_entries
 
     try:
@@ -270,7 +287,9 @@ def visible_schedules(user: Any, app: Any) -> frozenset[str] | AllTenants:
     except ConfigurationError:
         logger.warning("admin_tenants: the schedules setting cannot be read; user %s sees no schedule", user.pk)
         return frozenset()
-    return frozenset(name for name, entry in {**disabled, **entries}.items() if (entry.tenant or "") in visible)
+    found = frozenset(name for name, entry in {**disabled, **entries}.items() if (entry.tenant or "") in visible)
+    setattr(user, _SCHEDULES_CACHE, (app, visible, found))
+    return found
 
 
 def schedules_seen(items: list[Any], user: Any, app: Any) -> list[Any]:

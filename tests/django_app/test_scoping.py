@@ -484,3 +484,28 @@ def test_the_option_is_checked_at_start_up_and_by_manage_py_check(settings: Lazy
     for good in ("permissions", f"{__name__}.tenants_of", None):
         scoped_by(settings, good)
         assert check_admin_tenants() == []
+
+
+def test_the_metrics_view_is_for_staff_who_see_every_tenant(staff: dict[str, User]) -> None:
+    # Given the staff of acme (scoped) and a superuser (every tenant)
+    root = User.objects.create_superuser("metrics-root", "root@example.com", None)
+    # When each asks for the Prometheus exposition, which mixes every tenant's figures
+    # Then the scoped user is refused, as the dashboard hides those figures from them; the superuser reads it
+    assert client_of(staff["acme"]).get(reverse("guardrails:metrics")).status_code == 403
+    assert client_of(root).get(reverse("guardrails:metrics")).status_code == 200
+
+
+def test_a_setting_that_does_not_import_shows_nothing_and_is_logged_once_a_request(
+    settings: LazySettings, world: dict[str, list[DeadLetter]], caplog: pytest.LogCaptureFixture
+) -> None:
+    # Given admin_tenants naming a callable that does not exist
+    scoped_by(settings, "tests.django_app.no_such_module.tenants_of")
+    user = staff_user("acme-staff")
+    # When the user opens the dead letters
+    with caplog.at_level(logging.ERROR, logger="django_celery_guardrails.scoping"):
+        page = client_of(user).get(reverse("admin:guardrails_deadletter_changelist"))
+    # Then they see none, and the error is logged once for the request, not once per query of the page
+    assert page.status_code == 200 and list(page.context["cl"].result_list) == []
+    assert [r.getMessage() for r in caplog.records].count(
+        f"admin_tenants is set wrong: user {user.pk} sees no tenant (manage.py check says why)"
+    ) == 1
