@@ -247,15 +247,21 @@ def refusals(
 ) -> Iterator[tuple[DeadLetter, str]]:
     """Each record of ``ids`` (in id order) with why a replay would refuse it, "" when it would go through:
     :func:`plan` for many records, read in batches (the command's ``--dry-run``)."""
-    app = app or current_app
+    for record, _, why in _verdicts(ids, app or current_app, tenant=tenant, allow_not_idempotent=allow_not_idempotent):
+        yield record, why
+
+
+def _verdicts(ids: list[int], app: Any, **plan: Any) -> Iterator[tuple[DeadLetter, str | None, str]]:
+    """(record, its sealed copy's token, why a replay would refuse it or "") of each record of ``ids``, in id
+    order, read in batches as a replay reads them: the one loop behind :func:`refusals` and :func:`outlooks`."""
     for _, batch in read_batches(ids):
         for record, token in batch:
             try:
-                _plan(record, token, app, tenant=tenant, allow_not_idempotent=allow_not_idempotent)
+                _plan(record, token, app, **plan)
             except Refused as why:
-                yield record, str(why)
+                yield record, token, str(why)
             else:
-                yield record, ""
+                yield record, token, ""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -295,17 +301,10 @@ class Outlook:
 
 def outlooks(ids: list[int], *, app: Any = None) -> dict[int, Outlook]:
     """:class:`Outlook` of each record of ``ids`` (those that exist), read in batches as a replay reads them."""
-    app = app or current_app
-    found: dict[int, Outlook] = {}
-    for _, batch in read_batches(sorted(set(ids))):
-        for record, token in batch:
-            try:
-                _plan(record, token, app)
-            except Refused as why:
-                found[record.pk] = Outlook(refusal=str(why))
-            else:
-                found[record.pk] = Outlook(refusal="", from_sealed_copy=bool(token))
-    return found
+    return {
+        record.pk: Outlook(refusal=why, from_sealed_copy=not why and bool(token))
+        for record, token, why in _verdicts(sorted(set(ids)), app or current_app)
+    }
 
 
 def _check_permission(user: Any) -> None:
