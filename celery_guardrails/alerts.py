@@ -134,7 +134,7 @@ def send(
     redactor = _redactor(app, failure)
     subject = redactor.text(subject)
     # As the channels write it (times as text), then redacted value by value.
-    payload = redactor.shown(json.loads(json.dumps(payload, default=safe_repr))).value  # safe_repr never raises
+    payload = redactor.shown(json.loads(json.dumps(payload, default=_as_text))).value
     for channel in app_value(app, "alert_channels"):
         try:  # one channel that fails (mail settings, say) must not silence the others
             if channel == "log":
@@ -269,3 +269,12 @@ signals.dead_lettered.connect(_on_dead_lettered, weak=False, dispatch_uid="celer
 worker_process_shutdown.connect(_drain, weak=False, dispatch_uid="celery_guardrails.alerts.child")
 worker_shutdown.connect(_drain, weak=False, dispatch_uid="celery_guardrails.alerts.worker")
 atexit.register(SENDER.drain)
+
+
+def _as_text(value: Any) -> str:
+    """A value JSON has no type for, as an alert shows it: its ``str`` (a time as 2027-01-15 08:00:00+00:00); its
+    bounded repr when ``str`` raises (one value must not lose the alert on every channel)."""
+    try:
+        return str(value)
+    except Exception:
+        return safe_repr(value)
