@@ -1,7 +1,9 @@
 """Transactional enqueue on real brokers and the test database: ``delay_on_commit`` publishes after a commit
 and never after a rollback, with the caller's tenant; the outbox writes in the caller's transaction, its relay
-publishes each committed message with the captured context and keeps what it cannot publish; and under load,
-with the relay SIGKILLed twice, exactly the committed effects happen, once each."""
+publishes each committed message with the captured context and keeps what it cannot publish; on RabbitMQ
+without confirm_publish a refusal (a missing exchange, a message no queue takes) stays with its own row; a row
+that cannot be published becomes a dead letter after outbox_max_attempts, replayable; and under load, with the
+relay SIGKILLed twice, exactly the committed effects happen, once each."""
 
 from __future__ import annotations
 
@@ -39,6 +41,14 @@ pytestmark = pytest.mark.django_db(transaction=True)
 
 class Rollback(Exception):
     pass
+
+
+RABBITMQ = pytest.mark.parametrize("broker", ["amqp"], indirect=True)
+
+
+def backoffs(attempts: int) -> list[float]:
+    """The relay's waits after each of ``attempts`` failed publishes: 1 s doubling, at most BACKOFF_MAX."""
+    return [min(BACKOFF_MAX, 2.0 ** (n - 1)) for n in range(1, attempts + 1)]
 
 
 def test_delay_on_commit_publishes_after_the_commit_with_the_callers_tenant(
@@ -146,19 +156,52 @@ def test_a_row_that_cannot_be_published_is_kept_with_its_error(celery_app: Any) 
     OutboxMessage.objects.create(
         task_name=tasks.versioned.name, task_id=uuid.uuid4().hex, body="{not json", available_at=timezone.now()
     )
+    # (two tries each at most)
+    celery_app.conf.guardrails = {
+        **celery_app.conf.guardrails,
+        "dead_letter_sinks": ["django"],
+        "outbox_max_attempts": 2,
+    }
     # When the relay passes, Then each row stays, saying why, and is tried again later (nothing deleted unsent)
-    assert relay(celery_app).failed == 2
+    at = timezone.now()
+    assert relay(celery_app, now=at).failed == 2
     removed, damaged = OutboxMessage.objects.order_by("id")
     assert "no task 'tests.outbox.removed' is registered" in removed.last_error and removed.attempts == 1
     assert damaged.last_error.startswith(("DecodeError", "ValueError", "JSONDecodeError")) and damaged.attempts == 1
+    # When it passes again once they are due, Then both are dead letters, unpublishable, and the outbox is empty
+    assert relay(celery_app, now=at + timedelta(seconds=1)).dead_lettered == 2
+    assert not OutboxMessage.objects.exists()
+    records = {r.task_id: r for r in DeadLetter.objects.filter(task_id__in=[removed.task_id, damaged.task_id])}
+    assert {r.reason for r in records.values()} == {"unpublishable"}
+    # And the damaged one keeps what its body held, flagged not replayable, never as a call without arguments
+    kept = records[damaged.task_id]
+    assert kept.arguments_are_repr and "{not json" in json.dumps(kept.args)
+    assert replay_dead_letters([kept.pk], app=celery_app).replayed == []
+    assert DeadLetter.objects.get(pk=kept.pk).status == DeadLetter.Status.OPEN
 
 
-RABBITMQ = pytest.mark.parametrize("broker", ["amqp"], indirect=True)
-
-
-def backoffs(attempts: int) -> list[float]:
-    """The relay's waits after each of ``attempts`` failed publishes: 1 s doubling, at most BACKOFF_MAX."""
-    return [min(BACKOFF_MAX, 2.0 ** (n - 1)) for n in range(1, attempts + 1)]
+@RABBITMQ
+def test_on_rabbitmq_a_row_no_queue_takes_is_kept_not_confirmed_and_dropped(
+    broker: str, celery_app: Any, queue_name: str
+) -> None:
+    # Given an exchange that exists but that no queue is bound to, and a row sent to it
+    exchange = f"gr-unbound-{uuid.uuid4().hex[:12]}"
+    with Connection(BROKER_URLS["amqp"]) as conn:
+        conn.default_channel.exchange_declare(exchange, "direct", durable=False, auto_delete=False)
+    try:
+        with transaction.atomic():
+            sent = tasks.versioned.apply_async(("s", 1), outbox=True, exchange=exchange, routing_key="nowhere")
+        # When the relay passes
+        at = timezone.now()
+        done = relay(celery_app, now=at)
+        # Then RabbitMQ returned it (mandatory) instead of confirming and dropping it: the row stays, saying why
+        assert (done.published, done.failed) == (0, 1)
+        row = OutboxMessage.objects.get()
+        assert (row.task_id, row.attempts, row.available_at) == (sent.id, 1, at + timedelta(seconds=1))
+        assert row.last_error.startswith("Unroutable") and "NO_ROUTE" in row.last_error and exchange in row.last_error
+    finally:
+        with Connection(BROKER_URLS["amqp"]) as conn:
+            conn.default_channel.exchange_delete(exchange)
 
 
 @RABBITMQ
