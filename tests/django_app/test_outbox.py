@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import uuid
 from datetime import timedelta
+from io import StringIO
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +19,7 @@ import redis
 from celery import Celery
 from cryptography.fernet import Fernet
 from django.core.checks import run_checks
+from django.core.management import call_command
 from django.db import connection, transaction
 from django.utils import timezone
 from kombu import Connection
@@ -325,6 +327,29 @@ def test_a_row_whose_task_is_unknown_becomes_a_dead_letter_after_max_attempts_an
     guardrails = sent[headers.HEADER]
     assert (guardrails[headers.TENANT], guardrails[headers.CORRELATION_ID]) == ("acme", "req-1")
     assert guardrails[headers.OPTIONS] == {"tenant_required": True}
+
+
+@RABBITMQ
+def test_the_relay_command_publishes_with_confirms_and_says_what_it_did(
+    broker: str, celery_app: Any, queue_name: str
+) -> None:
+    # Given a committed row and a row sent to an exchange that does not exist, on RabbitMQ without confirm_publish
+    with transaction.atomic():
+        kept = tasks.versioned.apply_async(
+            ("s", 1), outbox=True, exchange=f"gr-missing-{uuid.uuid4().hex[:12]}", routing_key="x"
+        )
+        sent = tasks.versioned.enqueue_in_transaction("s", 2)
+    # When the command relays once
+    out = StringIO()
+    call_command("guardrails_outbox_relay", "--once", stdout=out)
+    # Then it says what it did, the refused row stays, and the other is on the queue
+    assert out.getvalue().strip() == (
+        "Published 1 outbox message(s); 1 failed (kept, backed off); 0 dead-lettered (unpublishable)."
+    )
+    assert [row.task_id for row in OutboxMessage.objects.all()] == [kept.id]
+    with Connection(BROKER_URLS["amqp"]) as conn:
+        message = conn.default_channel.basic_get(queue_name, no_ack=True)
+    assert message is not None and message.properties["application_headers"]["id"] == sent.id
 
 
 def test_rabbitmq_without_publisher_confirms_is_an_audit_finding_and_a_deploy_check(celery_app: Any) -> None:
