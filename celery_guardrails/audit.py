@@ -28,6 +28,10 @@ placement (what runs in the background, and how a request hands it over)
     GA003 warning  a module waits on a task's result (``.get(``/``.wait(`` on what a publish or
                    ``AsyncResult`` returned): the request is held until a worker is done
     GA004 info     ... in a script or a management command (no request is held: listed)
+    GA005 warning  RabbitMQ broker without publisher confirms (``broker_transport_options`` without
+                   ``confirm_publish``, Celery's default): a publish the broker refuses (an exchange that does not
+                   exist) returns as if sent, the message is lost, and the refusal fails the next publish on its
+                   channel instead (the outbox relay confirms its own publishes whatever this says)
     GA009 info     the source was not read whole (the scan's bound, or no such folder): the rest is not graded
 message design
     GA101 warning  a task that is a plain ``celery.Task``, not a ``GuardedTask`` (no context, no retry gate, no
@@ -121,6 +125,7 @@ from celery.schedules import crontab
 
 from celery_guardrails import audit_source
 from celery_guardrails.options import app_value, celery_option, celery_option_set, resolve, task_attribute
+from celery_guardrails.outbox import confirms_off
 
 ERROR = "error"
 WARNING = "warning"
@@ -365,6 +370,20 @@ def _placement(app: Any, walked: audit_source.Walk) -> list[Finding]:
                 f"the source under {walked.root} was not read whole ({walked.why_incomplete}): what was not read "
                 "is not graded",
                 "point --source (or BASE_DIR) at the project's own code, without virtualenvs or data folders",
+            )
+        )
+    if confirms_off(app):
+        found.append(
+            _finding(
+                "GA005",
+                WARNING,
+                "broker_transport_options",
+                "RabbitMQ without publisher confirms: a publish the broker refuses (an exchange that does not "
+                "exist, a message over max_message_size) returns as if it were sent; the message is lost and the "
+                "refusal fails the next publish on the channel instead. The outbox relay confirms its own "
+                "publishes; .delay() and .apply_async() do not",
+                "set broker_transport_options = {'confirm_publish': True} (CELERY_BROKER_TRANSPORT_OPTIONS): each "
+                "publish then waits for the broker's confirm (a round trip) and a refusal raises in it",
             )
         )
     placement = audit_source.read_placement(walked)

@@ -1265,6 +1265,17 @@ OPTIONS: Mapping[str, Option] = {
             scopes=frozenset({APP}),
         ),
         Option(
+            name="outbox_max_attempts",
+            default=12,
+            doc="Publishes of one outbox message that may fail (an unknown task, a refused publish, arguments "
+            "that do not encode) before it becomes a dead letter unpublishable, removed with the record's "
+            "transaction. The waits between them double from 1 s to 5 minutes: 12 spans about 18 minutes, longer "
+            "than a rolling deployment in which an older worker's relay may not know a new task yet. A broker "
+            "that cannot be reached spends none.",
+            check=_positive_int,
+            scopes=frozenset({APP}),
+        ),
+        Option(
             name="request_id_headers",
             default=("X-Request-ID", "X-Correlation-ID"),
             doc="Django: request headers read, in order, for the correlation id of a request.",

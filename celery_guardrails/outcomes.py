@@ -45,6 +45,10 @@ UNKNOWN_PAYLOAD_VERSION = "unknown_payload_version"
 #: An exception that no guardrail settled (a guardrail's own failure on this message, or a body's error where no
 #: guardrail classifies errors): recorded so that nothing is acked away unseen; replay it once the cause is fixed.
 GUARDRAIL_ERROR = "guardrail_error"
+#: A transactional outbox message its relay could not publish in ``outbox_max_attempts`` tries (its task unknown
+#: where the relay runs, the broker refusing it, its arguments not encodable): removed from the outbox in the
+#: record's transaction; replay it once the cause is fixed (see django_celery_guardrails.outbox).
+UNPUBLISHABLE = "unpublishable"
 #: Every reason a dead letter can give (the commands check ``--reason`` against it).
 REASONS = (
     PERMANENT,
@@ -62,6 +66,7 @@ REASONS = (
     ORDERING_GAP,
     UNKNOWN_PAYLOAD_VERSION,
     GUARDRAIL_ERROR,
+    UNPUBLISHABLE,
 )
 
 #: Field of the worker's request naming the serializer a message arrived in, when it is not its task's own

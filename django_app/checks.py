@@ -25,6 +25,8 @@ placement, is W10x; GA8xx, tests, W18x):
                 transaction, not on commit  GA403 W143  "webhook" without alert_webhooks
     GA003 W103  waits on a result (request) GA404 W144  "mail" with nobody to mail
     GA004 W104  waits on a result (script)  GA405 -     no seal_keys: W002 says it (not twice)
+    GA005 W105  RabbitMQ without publisher
+                confirms
     GA009 W109  source not read whole       GA501 W151  Redis visibility_timeout not longer than a limit
     GA101 W111  plain Celery task           GA502 W152  prefetch above 1 with long tasks
     GA102 W112  no max_payload_bytes        GA503 W153  ordering_key without idempotency_key

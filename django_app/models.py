@@ -733,7 +733,12 @@ class OutboxMessage(models.Model):
         help_text=_("The relay publishes it from then on (later after a failed publish: a backoff)."),
     )
     attempts = models.PositiveIntegerField(
-        _("attempts"), default=0, help_text=_("Publishes that failed so far (the broker down, an unknown task).")
+        _("attempts"),
+        default=0,
+        help_text=_(
+            "Publishes that failed so far for the message's own sake (an unknown task, a refusal); the broker out "
+            "of reach spends none. At outbox_max_attempts it becomes a dead letter (unpublishable)."
+        ),
     )
     last_error = models.TextField(_("last error"), blank=True, help_text=_("Why the last publish failed."))
 

@@ -19,10 +19,27 @@ each other, then the rows are hidden from other relays for a lease of :data:`LEA
 published through the task's own ``apply_async`` (every guardrail's publish hooks run, with the captured tenant
 and correlation id); the published rows are deleted. A relay killed mid-batch leaves the rows it had not
 deleted to come back when the lease ends, and they are published again: delivery is at least once, and the
-task's idempotency key keeps its effect single (give tasks you enqueue through the outbox a key). A row that
-cannot be published (the broker down, a task this process does not know) stays, with ``attempts`` and
-``last_error``, and is tried again after a backoff (1 s doubling, at most 5 minutes); a broker failure ends the
-batch and gives the rest back at once.
+task's idempotency key keeps its effect single (give tasks you enqueue through the outbox a key).
+
+A row is deleted only once the broker took its message: on RabbitMQ the relay publishes with publisher confirms
+and ``mandatory`` on a connection of its own, whatever the app's ``broker_transport_options`` say (see
+:class:`celery_guardrails.outbox.RelayPublisher`), so that a refusal (an exchange that does not exist, a message
+no queue takes) raises in the publish of the row it is about, never in the next one's. On Redis a publish is a
+synchronous write: it raised, or the message is stored, when it returns.
+
+A publish that fails is one of two kinds. The broker out of reach (a connection error, a confirm that did not
+come in time, a nack: the broker could not take it now) or the guardrails store out of reach is no fault of the
+row: the pass ends, and its rows wait for the next one with no attempt spent. Anything else (a task this process
+does not know, a refusal, arguments the serializer refuses) spends one of the row's ``outbox_max_attempts``: it
+stays, with ``attempts`` and ``last_error``, and is tried again after a backoff (1 s doubling, at most 5
+minutes). At the last attempt it becomes a dead letter, reason ``unpublishable``: the record (arguments redacted,
+their sealed copy kept when ``seal_keys`` are set, the row's tenant, correlation id and per-call guardrail
+options in its header) is written and the row deleted in one transaction, so that it is never both gone and
+unrecorded; where the record cannot be written the row stays and is tried again. A replay publishes it through
+its task (its tenant, correlation id and guardrail options kept; to the task's own route, at once: the row's
+queue, exchange and countdown are not kept). A task unknown to the relay's process is looked for once more after
+importing the project's task modules as a worker does (``app.loader.import_default_modules()``, which runs
+``autodiscover_tasks``), so that a relay outside a worker does not count a task it never imported.
 
 Where the relay runs: in every worker, a bootstep thread (``outbox_relay``, every ``outbox_relay_interval``
 seconds; see :mod:`celery_guardrails.outbox`), and as ``manage.py guardrails_outbox_relay``. On SQLite, FOR
@@ -31,20 +48,26 @@ UPDATE is not supported: run one relay, or set ``"transaction_mode": "IMMEDIATE"
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from celery.utils import uuid
 from django.db import connection, transaction
 from django.utils import timezone
 from kombu.serialization import dumps, loads
 
-from celery_guardrails.options import OPTIONS
+from celery_guardrails import headers, signals
+from celery_guardrails.options import OPTIONS, app_value
+from celery_guardrails.outbox import RelayPublisher
 
 from .models import OutboxMessage
+
+if TYPE_CHECKING:
+    from celery_guardrails.outcomes import FinalFailure
 
 logger = logging.getLogger(__name__)
 
@@ -75,10 +98,17 @@ ALLOWED_OPTIONS = frozenset(
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Relayed:
-    """What one :func:`relay` pass did: rows published (and deleted), rows that failed (kept, backed off)."""
+    """What one :func:`relay` pass did: rows published (and deleted), rows that failed (kept, backed off, or
+    given back for want of the broker), rows that became dead letters (recorded, and deleted)."""
 
     published: int
     failed: int
+    dead_lettered: int = 0
+
+    @property
+    def handled(self) -> int:
+        """Rows this pass took out of the due ones: a full batch means more may be waiting."""
+        return self.published + self.failed + self.dead_lettered
 
 
 def _encode(options: dict[str, Any]) -> dict[str, Any]:
@@ -123,26 +153,71 @@ def enqueue(task: Any, args: Any = None, kwargs: Any = None, **options: Any) -> 
     return task.AsyncResult(task_id)
 
 
-def _publish(app: Any, row: OutboxMessage) -> None:
-    task = app.tasks.get(row.task_name)
+def _task(app: Any, name: str) -> Any:
+    """The task ``name`` registered in this process, or None. A name not found is looked for again once, after
+    the project's task modules are imported the way a worker imports them (``autodiscover_tasks`` imports only
+    in a worker or when asked: a web process may never have imported the module that defines it)."""
+    task = app.tasks.get(name)
+    if task is None and not getattr(app, "_guardrails_outbox_imported", False):
+        app._guardrails_outbox_imported = True
+        try:
+            app.loader.import_default_modules()
+        except Exception:  # a task module that fails to import is the project's bug, not this row's
+            logger.exception("Outbox: importing the project's task modules failed")
+        task = app.tasks.get(name)
+    return task
+
+
+def _arguments(row: OutboxMessage) -> tuple[list[Any], dict[str, Any]]:
+    """The row's arguments and keyword arguments, read back from its JSON; ValueError when they cannot be."""
+    decoded = loads(row.body, "application/json", "utf-8")  # type: ignore[no-untyped-call]
+    if not (isinstance(decoded, list | tuple) and len(decoded) == 2):
+        raise ValueError("outbox: the stored body is not [args, kwargs]")
+    args, kwargs = decoded
+    if not isinstance(args, list | tuple) or not isinstance(kwargs, dict):
+        raise ValueError("outbox: the stored body is not [args, kwargs]")
+    return list(args), kwargs
+
+
+def _publish(app: Any, row: OutboxMessage, publisher: RelayPublisher) -> None:
+    task = _task(app, row.task_name)
     if task is None:
         raise LookupError(f"no task {row.task_name!r} is registered in this process")
-    args, kwargs = loads(row.body, "application/json", "utf-8")  # type: ignore[no-untyped-call]
+    args, kwargs = _arguments(row)
     options = _decode(dict(row.options or {}))
     if isinstance(getattr(task, "guardrails", None), tuple):  # a GuardedTask: the captured context goes with it
         options.update(tenant=row.tenant or None, correlation_id=row.correlation_id or None)
-    task.apply_async(args, kwargs, task_id=row.task_id, **options)
+    publisher.send(functools.partial(task.apply_async, args, kwargs, task_id=row.task_id, **options))
 
 
 def _broker_down(exc: BaseException) -> bool:
+    """Whether ``exc`` says the broker (or the guardrails store a publish hook writes to) could not take the
+    message now, rather than that it refused it: no attempt is spent for it."""
+    from amqp.exceptions import ConnectionError as AMQPConnectionError  # type: ignore[import-untyped]
+    from amqp.exceptions import MessageNacked
     from kombu.exceptions import OperationalError
 
-    return isinstance(exc, OperationalError | ConnectionError | OSError)
+    from celery_guardrails.exceptions import StoreUnavailableError
+
+    # MessageNacked: RabbitMQ could not take it (a queue process failed, or a full queue with
+    # x-overflow=reject-publish); nothing about the message itself.
+    return isinstance(
+        exc,
+        OperationalError | ConnectionError | OSError | AMQPConnectionError | MessageNacked | StoreUnavailableError,
+    )
 
 
-def relay(app: Any, *, batch: int = 100, lease: float = LEASE, now: datetime | None = None) -> Relayed:
-    """Publish up to ``batch`` due rows, oldest first (see the module docstring). Raises only what the
-    database raises (a row claimed before that is published again once its lease is over)."""
+def relay(
+    app: Any,
+    *,
+    batch: int = 100,
+    lease: float = LEASE,
+    now: datetime | None = None,
+    publisher: RelayPublisher | None = None,
+) -> Relayed:
+    """Publish up to ``batch`` due rows, oldest first (see the module docstring), through ``publisher`` (a
+    relay loop's, kept from pass to pass; else one for this pass). Raises only what the database raises (a row
+    claimed before that is published again once its lease is over)."""
     moment = now or timezone.now()
     due = OutboxMessage.objects.filter(available_at__lte=moment)
     if not due.exists():  # most passes: one indexed read, no transaction, no lock
@@ -158,39 +233,171 @@ def relay(app: Any, *, batch: int = 100, lease: float = LEASE, now: datetime | N
         OutboxMessage.objects.filter(pk__in=[row.pk for row in rows]).update(
             available_at=moment + timedelta(seconds=lease)
         )
-    # 2. Publish each; 3. delete what was published. A relay killed between 2 and 3 leaves its rows to come back
-    # after the lease and be published again: at least once.
-    published: list[int] = []
-    failed: list[OutboxMessage] = []
-    for index, row in enumerate(rows):
-        try:
-            _publish(app, row)
-        except Exception as exc:
-            row.attempts += 1
-            row.last_error = f"{type(exc).__name__}: {exc}"[:2000]
-            delay = min(BACKOFF_MAX, 2.0 ** (row.attempts - 1))
-            row.available_at = moment + timedelta(seconds=delay)
-            failed.append(row)
-            logger.warning(
-                "Outbox: publishing %s[%s] failed (attempt %d, next in %.0fs): %s",
-                row.task_name,
-                row.task_id,
-                row.attempts,
-                delay,
-                row.last_error,
-            )
-            if _broker_down(exc):  # the rest would fail the same way: back to the queue at once
-                OutboxMessage.objects.filter(pk__in=[r.pk for r in rows[index + 1 :]]).update(available_at=moment)
-                break
-            continue
-        published.append(row.pk)
+    own = publisher is None
+    sender = RelayPublisher(app) if publisher is None else publisher
+    try:
+        published, failed, dead = _publish_rows(app, rows, sender, moment)
+    finally:
+        if own:
+            sender.close()
+    # 3. Delete what was published. A relay killed between 2 and 3 leaves its rows to come back after the lease
+    # and be published again: at least once.
     with transaction.atomic():
         OutboxMessage.objects.filter(pk__in=published).delete()
         for row in failed:
             OutboxMessage.objects.filter(pk=row.pk).update(
                 attempts=row.attempts, last_error=row.last_error, available_at=row.available_at
             )
-    return Relayed(published=len(published), failed=len(failed))
+    recorded = sum(_dead_letter(app, row, exc, moment=moment) for row, exc in dead)
+    return Relayed(published=len(published), failed=len(failed) + len(dead) - recorded, dead_lettered=recorded)
+
+
+def _publish_rows(
+    app: Any, rows: list[OutboxMessage], publisher: RelayPublisher, moment: datetime
+) -> tuple[list[int], list[OutboxMessage], list[tuple[OutboxMessage, Exception]]]:
+    """2. Publish each claimed row: the ids published, the rows kept (their new attempts, error and time set), and
+    the rows at their last attempt with the error that ended it (to become dead letters)."""
+    limit = int(app_value(app, "outbox_max_attempts"))
+    published: list[int] = []
+    failed: list[OutboxMessage] = []
+    dead: list[tuple[OutboxMessage, Exception]] = []
+    for index, row in enumerate(rows):
+        try:
+            _publish(app, row, publisher)
+        except Exception as exc:
+            row.last_error = f"{type(exc).__name__}: {exc}"[:2000]
+            if _broker_down(exc):  # not the row's fault: it and the rest wait for the next pass, none spent
+                logger.warning(
+                    "Outbox: publishing %s[%s] failed for want of the broker (no attempt spent; the pass ends): %s",
+                    row.task_name,
+                    row.task_id,
+                    row.last_error,
+                )
+                row.available_at = moment
+                failed.append(row)
+                OutboxMessage.objects.filter(pk__in=[r.pk for r in rows[index + 1 :]]).update(available_at=moment)
+                break
+            row.attempts += 1
+            if row.attempts >= limit:
+                dead.append((row, exc))
+                continue
+            delay = min(BACKOFF_MAX, 2.0 ** (row.attempts - 1))
+            row.available_at = moment + timedelta(seconds=delay)
+            failed.append(row)
+            logger.warning(
+                "Outbox: publishing %s[%s] failed (attempt %d of %d, next in %.0fs): %s",
+                row.task_name,
+                row.task_id,
+                row.attempts,
+                limit,
+                delay,
+                row.last_error,
+            )
+            continue
+        published.append(row.pk)
+    return published, failed, dead
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Unregistered:
+    """What a dead letter is recorded for when the row's task is not registered here: its name and the app
+    (redaction, owner patterns, sinks and seal keys are the app's)."""
+
+    app: Any
+    name: str
+
+    def run(self, *args: Any, **kwargs: Any) -> None:
+        """No parameter names: arguments are redacted by value only."""
+
+
+def _failure(task: Any, row: OutboxMessage, exc: Exception, *, moment: datetime) -> FinalFailure:
+    from celery_guardrails.dead_letters import TRACEBACK_LIMIT
+    from celery_guardrails.outcomes import (
+        UNPUBLISHABLE,
+        FinalFailure,
+        formatted_traceback,
+        kept_text,
+        owner_of,
+    )
+    from celery_guardrails.redaction import exception_name, exception_text
+
+    try:
+        args, kwargs = _arguments(row)
+    except Exception:
+        # Not JSON any more (damaged in the table): kept as bytes, which the record shows as a repr and flags not
+        # replayable (and no sealed copy is made of them), never as an empty call a replay would run.
+        args, kwargs = [row.body.encode("utf-8", "backslashreplace")], {}
+    options = dict(row.options or {})
+    header: dict[str, Any] = {headers.VERSION_FIELD: headers.VERSION}
+    if row.tenant:
+        header[headers.TENANT] = row.tenant
+    if row.correlation_id:
+        header[headers.CORRELATION_ID] = row.correlation_id
+    call = {name: value for name, value in options.items() if name in OPTIONS}
+    if call:
+        header[headers.OPTIONS] = call
+    queue = options.get("queue") or options.get("routing_key")
+    return FinalFailure(
+        task_name=row.task_name,
+        task_id=row.task_id,
+        reason=UNPUBLISHABLE,
+        exc_type=exception_name(exc),
+        exc_message=kept_text(task, exception_text(exc), headers.MESSAGE_LIMIT),
+        tenant=row.tenant or None,
+        correlation_id=row.correlation_id or None,
+        attempts=row.attempts,
+        args=tuple(args),
+        kwargs=kwargs,
+        queue=queue if isinstance(queue, str) else None,
+        owner=owner_of(task),
+        header=header,
+        traceback=kept_text(task, formatted_traceback(exc), TRACEBACK_LIMIT, tail=True),
+        # The row keeps no time of its first failed publish: its enqueue, a relay interval before it.
+        first_failed_at=row.created_at.isoformat(timespec="milliseconds"),
+        last_failed_at=moment.isoformat(timespec="milliseconds"),
+    )
+
+
+def _dead_letter(app: Any, row: OutboxMessage, exc: Exception, *, moment: datetime) -> bool:
+    """Record ``row`` as a dead letter ``unpublishable`` and delete it, in one transaction; whether that was
+    done. When it was not (a sink out of reach), the row stays, backed off, and is tried again."""
+    from celery_guardrails import dead_letters
+
+    task = app.tasks.get(row.task_name) or Unregistered(app=app, name=row.task_name)
+    try:
+        failure = _failure(task, row, exc, moment=moment)
+        with transaction.atomic():
+            # The Django sink writes in this transaction; the row goes with it or not at all. A Redis sink's entry
+            # written before a rollback is found again by task id when the row comes back (one record).
+            new = dead_letters.record(task, failure)
+            OutboxMessage.objects.filter(pk=row.pk).delete()
+    except Exception:
+        logger.exception(
+            "Outbox: %s[%s] could not be recorded as a dead letter after %d attempts; kept, tried again later",
+            row.task_name,
+            row.task_id,
+            row.attempts,
+        )
+        OutboxMessage.objects.filter(pk=row.pk).update(
+            attempts=row.attempts, last_error=row.last_error, available_at=moment + timedelta(seconds=BACKOFF_MAX)
+        )
+        return False
+    logger.error(
+        "Outbox: %s[%s] could not be published in %d attempts; dead-lettered unpublishable (tenant %s, "
+        "correlation id %s): %s",
+        row.task_name,
+        row.task_id,
+        row.attempts,
+        row.tenant or None,
+        row.correlation_id or None,
+        failure.exc_message,
+    )
+    for signal in (signals.final_failure, *((signals.dead_lettered,) if new else ())):
+        try:
+            signal.send(sender=task, failure=failure)
+        except Exception:  # a receiver's bug: the record stands
+            logger.exception("Outbox: a receiver of %s failed for %s", signal.name, row.task_id)
+    return True
 
 
 def backlog(*, now: datetime | None = None) -> tuple[int, float | None]:

@@ -15,7 +15,7 @@ from celery import current_app
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
 from celery_guardrails.options import app_value
-from celery_guardrails.outbox import relay_loop
+from celery_guardrails.outbox import RelayPublisher, relay_loop
 
 from ...outbox import relay
 from ..arguments import AGE_HELP, age, whole_number
@@ -52,13 +52,26 @@ class Command(BaseCommand):
         app = current_app._get_current_object()
         app.loader.import_default_modules()  # the project's tasks, as a worker imports them
         if once:
-            published = failed = 0
-            while True:
-                done = relay(app, batch=batch or 100, lease=app_value(app, "outbox_relay_lease"))
-                published, failed = published + done.published, failed + done.failed
-                if done.published + done.failed < (batch or 100) or done.failed:
-                    break
-            self.stdout.write(f"Published {published} outbox message(s); {failed} failed (kept, backed off).")
+            published = failed = dead = 0
+            publisher = RelayPublisher(app)
+            try:
+                while True:
+                    done = relay(
+                        app,
+                        batch=batch or 100,
+                        lease=app_value(app, "outbox_relay_lease"),
+                        publisher=publisher,
+                    )
+                    published, failed = published + done.published, failed + done.failed
+                    dead += done.dead_lettered
+                    if done.handled < (batch or 100) or done.failed:
+                        break
+            finally:
+                publisher.close()
+            self.stdout.write(
+                f"Published {published} outbox message(s); {failed} failed (kept, backed off); {dead} "
+                "dead-lettered (unpublishable)."
+            )
             return
         stopping = threading.Event()
         for signum in (signal.SIGTERM, signal.SIGINT):
