@@ -40,6 +40,7 @@ from celery_guardrails.stores.base import (
     QueueSample,
     SlotAcquisition,
     SlotHolder,
+    StoredCheckpoint,
     decide_admission,
     decide_outcome,
     status,
@@ -597,9 +598,11 @@ class DjangoStore:
     # that a concurrent first insert refuses): of two deliveries running one job at once, one moves it.
 
     @translated("read a checkpoint")
-    def load_checkpoint(self, key: str) -> tuple[int, str]:
-        row = Checkpoint.objects.filter(key=key).values_list("position", "state").first()
-        return (int(row[0]), row[1]) if row else (0, "")
+    def load_checkpoint(self, key: str) -> StoredCheckpoint:
+        row = Checkpoint.objects.filter(key=key).values_list("position", "state", "completed_at").first()
+        if row is None:
+            return StoredCheckpoint()
+        return StoredCheckpoint(position=int(row[0]), state=row[1], done=row[2] is not None)
 
     @translated("save a checkpoint")
     def save_checkpoint(self, key: str, *, expected: int, position: int, state: str, ttl: float) -> bool:
@@ -614,6 +617,13 @@ class DjangoStore:
         except IntegrityError:  # another delivery saved first
             return False
         return True
+
+    @translated("complete a checkpoint")
+    def complete_checkpoint(self, key: str, *, ttl: float) -> None:
+        # Kept until guardrails_prune removes it (updated_at older than idempotency_retention), as a completed key.
+        now = timezone.now()
+        if not Checkpoint.objects.filter(key=key).update(completed_at=now, updated_at=now):
+            Checkpoint.objects.get_or_create(key=key, defaults={"completed_at": now})
 
     @translated("clear a checkpoint")
     def clear_checkpoint(self, key: str) -> None:
