@@ -16,6 +16,7 @@ import pytest
 from django.db import connection
 
 from celery_guardrails.exceptions import CheckpointError, ConfigurationError
+from celery_guardrails.stores.base import StoredCheckpoint
 from django_celery_guardrails.store import DjangoStore
 from tests.conftest import Sink
 from tests.proj import django_tasks
@@ -183,32 +184,50 @@ def test_redis_store_sigkill_half_way_resumes_repeating_at_most_one_chunk(
     assert outcome["sum"] == sum(range(SHORT))
 
 
-KIT_APP = "tests.kit_proj.app:app"
+#: The kit's project on the Django store, and on the Redis store (tests/kit_proj).
+DJANGO_KIT, REDIS_KIT = "tests.kit_proj.app:app", "tests.kit_proj.redis_store:app"
 #: The finding's job: 600 items in chunks of 100.
 ITEMS = 600
 
 
+def stored_checkpoint(store: str, key: str) -> StoredCheckpoint | None:
+    """The checkpoint of ``key`` in the kit's store as it stands, None when there is none."""
+    if store == "django":
+        found = DjangoStore().load_checkpoint(key)
+        return found if found != StoredCheckpoint() else None
+    from celery_guardrails.stores.redis import RedisStore
+    from celery_guardrails.stores.redis_checkpoint import checkpoint_key
+
+    redis_store = RedisStore(REDIS_URL)
+    return redis_store.load_checkpoint(key) if redis_store.client.exists(checkpoint_key(key)) else None
+
+
 @pytest.mark.parametrize(
-    "pool",
+    ("pool", "store"),
     [
-        pytest.param("solo", marks=pytest.mark.guardrails(pool="solo")),
-        pytest.param("prefork", marks=pytest.mark.guardrails(pool="prefork", concurrency=2)),
+        pytest.param("solo", "django", marks=pytest.mark.guardrails(app=DJANGO_KIT, pool="solo")),
+        pytest.param("prefork", "django", marks=pytest.mark.guardrails(app=DJANGO_KIT, pool="prefork", concurrency=2)),
+        pytest.param("solo", "redis", marks=pytest.mark.guardrails(app=REDIS_KIT, pool="solo")),
     ],
 )
-@pytest.mark.guardrails(app=KIT_APP)  # (on the function too: it turns the kit on as the test is collected)
-def test_a_worker_killed_after_the_success_before_the_ack_runs_no_item_again(pool: str, guarded_worker: Any) -> None:
+@pytest.mark.guardrails  # (on the function too: it turns the kit on as the test is collected)
+def test_a_worker_killed_after_the_success_before_the_ack_runs_no_item_again(
+    pool: str, store: str, guarded_worker: Any
+) -> None:
     from celery_guardrails.testing import assert_single_effect, crash_mid_task
-    from django_celery_guardrails.models import Checkpoint
-    from tests.kit_proj import tasks
+    from tests.kit_proj import redis_store, tasks
 
-    # Given chunked jobs of 600 items on the Django store (kit_proj), one without an idempotency key (its
-    # checkpoint keyed by its task id) and one with a key, on a real worker of the given pool
+    chunks, chunks_keyed = (
+        (tasks.chunks, tasks.chunks_keyed) if store == "django" else (redis_store.chunks, redis_store.chunks_keyed)
+    )
+    # Given chunked jobs of 600 items (chunks of 100), one without an idempotency key (its checkpoint keyed by
+    # its task id) and one with a key, on a real worker of the given pool and store
     plain, keyed = f"plain-{uuid.uuid4().hex[:10]}", f"keyed-{uuid.uuid4().hex[:10]}"
     # When each one's worker is SIGKILLed after the body returned and the success hooks ran, before the ack
     # (in prefork the hooks run in the child, the ack in the main process: the whole worker dies), and the
     # message comes back to a restarted worker
-    first = crash_mid_task(tasks.chunks, plain, ITEMS, at="after_body")
-    second = crash_mid_task(tasks.chunks_keyed, keyed, ITEMS, at="after_body")
+    first = crash_mid_task(chunks, plain, ITEMS, at="after_body")
+    second = crash_mid_task(chunks_keyed, keyed, ITEMS, at="after_body")
     # Then each job ran to its end once, was killed once, and its redelivery ended
     assert (first.crashes, second.crashes) == (1, 1)
     # And the job without a key found its checkpoint done: the redelivery ran none of the items (on main's code
@@ -217,13 +236,13 @@ def test_a_worker_killed_after_the_success_before_the_ack_runs_no_item_again(poo
     per_item = Counter(ChunkItem.objects.filter(job=plain).values_list("item", flat=True))
     assert sorted(per_item) == list(range(ITEMS)) and set(per_item.values()) == {1}
     assert first.outcomes == [("succeeded", "")]
-    assert f"kit.chunks:-:task-id:{first.task_id} already completed" in guarded_worker.log
-    done = Checkpoint.objects.get(key=f"kit.chunks:-:task-id:{first.task_id}")
-    assert (done.position, done.completed_at is not None) == (ITEMS, True)
+    key = f"{chunks.name}:-:task-id:{first.task_id}"
+    assert f"{key} already completed" in guarded_worker.log
+    assert stored_checkpoint(store, key) == StoredCheckpoint(position=ITEMS, done=True)
     # And the keyed job's redelivery was skipped as a duplicate of its completed key (its checkpoint cleared)
     assert second.outcomes == [("duplicate_skipped", "completed")]
     assert_single_effect(ChunkItem.objects.filter(job=keyed), expected=ITEMS)
-    assert not Checkpoint.objects.filter(key=f"kit.chunks_keyed:-:chunks:{keyed}").exists()
+    assert stored_checkpoint(store, f"{chunks_keyed.name}:-:chunks:{keyed}") is None
 
 
 @pytest.fixture
