@@ -22,9 +22,16 @@ redelivery, a retry and a ``RetryLater`` keep (a replay of a dead letter, a new 
   later position.
 * The body's failure: on Django the open chunk rolls back; on Redis the items finished before the failing one
   are saved. A retry (``TransientError``, ``RetryLater``, ``self.retry``) keeps the checkpoint and resumes
-  from it; so does a final failure (a replay of the dead letter of a keyed task resumes). It is cleared when
-  the task succeeds. A store that cannot be reached while saving is an outage like any other: the chunk rolls
-  back (Django) and the message comes back later without spending an attempt.
+  from it; so does a final failure (a replay of the dead letter of a keyed task resumes).
+* The task's success: the acks-late ack comes after the success hooks (in prefork, in the worker's main
+  process, once the child has reported), so a worker killed between the two gets its message delivered
+  again. A keyed job's checkpoint is cleared: its key was completed first (committed on Django, sent ahead on
+  the same connection on Redis), so the redelivery is skipped as a duplicate. A job without a key has no
+  such record: its checkpoint is marked done instead, and a redelivery's ``iterate`` yields nothing (no item
+  runs twice, not all of them again); the mark goes after ``idempotency_retention`` (Redis expiry,
+  ``guardrails_prune``).
+* A store that cannot be reached while saving is an outage like any other: the chunk rolls back (Django) and
+  the message comes back later without spending an attempt.
 * ``state``: a small JSON value saved with each position (a running total, a cursor of your own), read back
   by a resumed run: ``self.checkpoint.state = {"sum": total}``.
 
@@ -61,9 +68,11 @@ STATE_MAX_LENGTH = 65_536
 class Checkpoint:
     """The checkpoint of the job a delivery runs (``self.checkpoint``; see the module docstring)."""
 
-    def __init__(self, task: GuardedTask, key: str) -> None:
+    def __init__(self, task: GuardedTask, key: str, *, keyed: bool = False) -> None:
         self.task = task
         self.key = key
+        #: The job's key is its idempotency key (completed on success), not its task id.
+        self.keyed = keyed
         self.store = get_store(task.app)
         #: Django store: chunks commit in the database with their position.
         self.transactional = store_url(task.app) == "django"
@@ -72,6 +81,7 @@ class Checkpoint:
         self._saved = 0  # the position stored (the compare-and-set's expected value)
         self._position = 0
         self._state_text = ""
+        self._done = False  # the task succeeded already: this is a redelivery that came before the ack
         self._iterating = False
         self._chunk: AbstractContextManager[Any] | None = None  # the open chunk's transaction (Django)
 
@@ -136,6 +146,15 @@ class Checkpoint:
         return self._run(items, every)
 
     def _run(self, items: Any, every: int) -> Iterator[Any]:
+        if self._done:
+            logger.warning(
+                "Task %s[%s]: %s already completed (delivered again after its success, before the ack): no item "
+                "runs again",
+                self.task.name,
+                self.task.request.id,
+                self.key,
+            )
+            return
         start = self._position
         if start:
             logger.info(
@@ -162,10 +181,11 @@ class Checkpoint:
         if self._loaded:
             return
         try:
-            self._saved, self._state_text = self.store.load_checkpoint(self.key)
+            found = self.store.load_checkpoint(self.key)
         except StoreError as exc:
             self.error = exc
             raise
+        self._saved, self._state_text, self._done = found.position, found.state, found.done
         self._position = self._saved
         self._loaded = True
 
@@ -258,6 +278,7 @@ def checkpoint_of(task: GuardedTask) -> Checkpoint:
     # The scoped key from the delivery's state (the request's own idempotency_key is the opaque one a body
     # hands downstream, and reading it counts as handing it on).
     key = state.key if state is not None else None
+    keyed = bool(key)
     if state is None or not (request.id or key):
         raise CheckpointError(
             f"{task.name}: self.checkpoint is only available inside the body of a running task (bind=True)"
@@ -266,7 +287,7 @@ def checkpoint_of(task: GuardedTask) -> Checkpoint:
         from celery_guardrails.guardrails.idempotency import scoped_key
 
         key = scoped_key(task.name, current_tenant(), f"task-id:{request.id}")
-    found = Checkpoint(task, key)
+    found = Checkpoint(task, key, keyed=keyed)
     setattr(request, REQUEST_ATTRIBUTE, found)
     return found
 
@@ -294,12 +315,22 @@ class _Settle:
 
 
 class Checkpoints(Guardrail):
-    """Settles a delivery's checkpoint: its open chunk when the body ends, clearing it when the task succeeds."""
+    """Settles a delivery's checkpoint: its open chunk when the body ends; when the task succeeds, clears it
+    (keyed) or marks it done (see the module docstring)."""
 
     def body_context(self, task: GuardedTask) -> AbstractContextManager[Any] | None:
         return _Settle(task)
 
     def on_success(self, task: GuardedTask, retval: Any) -> None:
         checkpoint: Checkpoint | None = getattr(task.request, REQUEST_ATTRIBUTE, None)
-        if checkpoint is not None and checkpoint._iterating:
+        if checkpoint is None or not checkpoint._iterating:
+            return
+        if checkpoint.keyed:
+            # The key's completion went to the store before this hook (the body's end), and it outlives the
+            # ack: a redelivery after a kill here is a duplicate skipped, never a run from item 0.
             checkpoint.store.clear_checkpoint(checkpoint.key)
+            return
+        # No key: nothing else records that the job is done until the ack removes its message. Deleting the
+        # checkpoint here would let a kill before that ack start the job again at item 0 (issue #29).
+        ttl = resolve(task, "idempotency_retention", task.call_options())
+        checkpoint.store.complete_checkpoint(checkpoint.key, ttl=ttl)

@@ -171,8 +171,8 @@ class GuardedTask(Task):  # type: ignore[misc]
     # Resumable chunks (issue #14): ``for item in self.checkpoint.iterate(items, every=100)`` in a bound body
     # records the position reached, keyed by the job, and resumes from it on the next delivery. Checkpoints
     # (the last guardrail with a body context) is innermost around the body: a chunk commits or rolls back
-    # before the key is completed or a retry is published, and the checkpoint is cleared on success (see
-    # celery_guardrails.checkpoint).
+    # before the key is completed or a retry is published; on success the checkpoint is cleared (keyed) or
+    # marked done until its retention (no key), since the ack comes later (see celery_guardrails.checkpoint).
     @property
     def checkpoint(self) -> Checkpoint:
         return checkpoint_of(self)

@@ -477,6 +477,16 @@ class Checkpoint(models.Model):
         _("state"), blank=True, help_text=_("The job's small JSON state saved with the position (empty: none).")
     )
     updated_at = models.DateTimeField(_("updated at"), auto_now=True, help_text=_("The last chunk's commit."))
+    completed_at = models.DateTimeField(
+        _("completed at"),
+        null=True,
+        blank=True,
+        help_text=_(
+            "When the job's task succeeded (empty: not yet). A redelivery of its message (the worker killed after "
+            "the success, before the ack) runs none of its items again; the row is pruned with the idempotency "
+            "keys."
+        ),
+    )
 
     objects: models.Manager[Checkpoint] = models.Manager()
 
@@ -485,7 +495,7 @@ class Checkpoint(models.Model):
         verbose_name_plural = _("checkpoints")
 
     def __str__(self) -> str:
-        return f"{self.key} @ {self.position}"
+        return f"{self.key} @ {self.position}{' (done)' if self.completed_at else ''}"
 
 
 class OrderingSequence(models.Model):

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import fields, replace
 from datetime import UTC, datetime, timedelta
@@ -40,6 +41,7 @@ from celery_guardrails.stores.base import (
     QueueSample,
     SlotAcquisition,
     SlotHolder,
+    StoredCheckpoint,
     decide_admission,
     decide_outcome,
     status,
@@ -597,9 +599,11 @@ class DjangoStore:
     # that a concurrent first insert refuses): of two deliveries running one job at once, one moves it.
 
     @translated("read a checkpoint")
-    def load_checkpoint(self, key: str) -> tuple[int, str]:
-        row = Checkpoint.objects.filter(key=key).values_list("position", "state").first()
-        return (int(row[0]), row[1]) if row else (0, "")
+    def load_checkpoint(self, key: str) -> StoredCheckpoint:
+        row = Checkpoint.objects.filter(key=key).values_list("position", "state", "completed_at").first()
+        if row is None:
+            return StoredCheckpoint()
+        return StoredCheckpoint(position=int(row[0]), state=row[1], done=row[2] is not None)
 
     @translated("save a checkpoint")
     def save_checkpoint(self, key: str, *, expected: int, position: int, state: str, ttl: float) -> bool:
@@ -614,6 +618,13 @@ class DjangoStore:
         except IntegrityError:  # another delivery saved first
             return False
         return True
+
+    @translated("complete a checkpoint")
+    def complete_checkpoint(self, key: str, *, ttl: float) -> None:
+        # Kept until guardrails_prune removes it (updated_at older than idempotency_retention), as a completed key.
+        now = timezone.now()
+        if not Checkpoint.objects.filter(key=key).update(completed_at=now, updated_at=now):
+            Checkpoint.objects.get_or_create(key=key, defaults={"completed_at": now})
 
     @translated("clear a checkpoint")
     def clear_checkpoint(self, key: str) -> None:
@@ -712,10 +723,18 @@ class DjangoStore:
     # Activity per minute: a batch of counts is one transaction that first records its id (a batch sent again,
     # its answer lost, meets the unique id and adds nothing), then adds each count to its row (an UPDATE, or
     # an INSERT in a savepoint when the row is new; a concurrent first INSERT makes it an UPDATE again).
+    # The rows are written in one order, their unique key's, whatever order the process counted them in: each
+    # write locks its row until the commit, and two processes flushing the same rows in different orders (a
+    # prefork worker's children, each flushing its own counts) would each wait for the other's lock, which
+    # PostgreSQL ends with "deadlock detected" and the batch refused (issue #29). In one order, the later
+    # flush only waits for the earlier one's commit.
 
     @translated("add activity counts")
     def activity_add(self, counts: Iterable[OutcomeCount], *, batch: str, retention: float) -> None:
-        rows = [count for count in counts if count.count]
+        rows: Counter[tuple[datetime, str, str, str]] = Counter()
+        for count in counts:
+            if count.count:
+                rows[(_moment(count.minute), count.task[:255], count.queue[:255], count.outcome[:40])] += count.count
         if not rows:
             return
         with transaction.atomic():
@@ -724,25 +743,21 @@ class DjangoStore:
                     ActivityBatch.objects.create(batch=batch)
             except IntegrityError:
                 return  # added before
-            for count in rows:
-                match = {
-                    "minute": _moment(count.minute),
-                    "task_name": count.task[:255],
-                    "queue": count.queue[:255],
-                    "outcome": count.outcome[:40],
-                }
-                if ActivityCount.objects.filter(**match).update(count=F("count") + count.count):
+            for (minute, task_name, queue, outcome), added in sorted(rows.items()):
+                match = {"minute": minute, "task_name": task_name, "queue": queue, "outcome": outcome}
+                if ActivityCount.objects.filter(**match).update(count=F("count") + added):
                     continue
                 try:
                     with transaction.atomic():
-                        ActivityCount.objects.create(**match, count=count.count)
+                        ActivityCount.objects.create(**match, count=added)
                 except IntegrityError:
-                    ActivityCount.objects.filter(**match).update(count=F("count") + count.count)
+                    ActivityCount.objects.filter(**match).update(count=F("count") + added)
 
     @translated("keep queue samples")
     def activity_sample(self, samples: Iterable[QueueSample], *, retention: float) -> None:
+        # In one order too (minute, queue), as the counts are.
         with transaction.atomic():
-            for sample in samples:
+            for sample in sorted(samples, key=lambda sample: (sample.minute, sample.queue[:255])):
                 values = {"depth": sample.depth, "oldest_age": sample.oldest_age}
                 match = {"minute": _moment(sample.minute), "queue": sample.queue[:255]}
                 if QueueSampleRow.objects.filter(**match).update(**values):

@@ -189,6 +189,18 @@ class Claim:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class StoredCheckpoint:
+    """A long job's checkpoint as the store holds it (see :mod:`celery_guardrails.checkpoint`)."""
+
+    #: Items done: a resumed run skips this many.
+    position: int = 0
+    #: The JSON text saved with the position ("" for none).
+    state: str = ""
+    #: The job's task succeeded: a redelivery of its message (the worker killed before the ack) runs no item.
+    done: bool = False
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class OrderState:
     """An ordering key's counters, as a delivery found them (see :mod:`celery_guardrails.guardrails.ordering`).
 
@@ -287,13 +299,19 @@ class Store(RunLedger, Protocol):
     # writes only while the stored position is ``expected`` (0 when there is none), so two deliveries of one job
     # running at once cannot both move it (the second is told False). The Django store writes on the caller's
     # connection, inside its transaction, so a chunk's effects and its position commit together. ``ttl``:
-    # seconds the checkpoint is kept after its last save (the Redis store; the database keeps it until cleared).
+    # seconds the checkpoint is kept after its last save (the Redis store; the database keeps it until pruned).
+    # ``complete_checkpoint`` marks the job done (its task succeeded) instead of deleting it: the ack comes
+    # later, and a redelivery in between (the worker killed) must find the job done, not start it at item 0.
 
-    def load_checkpoint(self, key: str) -> tuple[int, str]:
-        """(position, state as JSON text, "" for none); (0, "") when ``key`` has no checkpoint."""
+    def load_checkpoint(self, key: str) -> StoredCheckpoint:
+        """The checkpoint of ``key``; position 0, no state, not done when it has none."""
         ...
 
     def save_checkpoint(self, key: str, *, expected: int, position: int, state: str, ttl: float) -> bool: ...
+
+    def complete_checkpoint(self, key: str, *, ttl: float) -> None:
+        """Mark the job of ``key`` done (made if missing), kept ``ttl`` seconds more (Redis) or until pruned."""
+        ...
 
     def clear_checkpoint(self, key: str) -> None: ...
 

@@ -19,7 +19,12 @@ from celery_guardrails.exceptions import StoreError, StoreUnavailableError
 from celery_guardrails.options import masked
 from celery_guardrails.stores.base import Admission, BudgetPolicy, Claim, DependencyState, status
 from celery_guardrails.stores.redis_activity import RedisActivity
-from celery_guardrails.stores.redis_checkpoint import CHECKPOINT_CLEAR_SCRIPT, CHECKPOINT_SAVE_SCRIPT, RedisCheckpoints
+from celery_guardrails.stores.redis_checkpoint import (
+    CHECKPOINT_CLEAR_SCRIPT,
+    CHECKPOINT_COMPLETE_SCRIPT,
+    CHECKPOINT_SAVE_SCRIPT,
+    RedisCheckpoints,
+)
 from celery_guardrails.stores.redis_client import connect, is_cluster
 from celery_guardrails.stores.redis_lane import Lane
 from celery_guardrails.stores.redis_ledger import LEDGER_SCRIPT, RedisRunLedger
@@ -551,6 +556,7 @@ class RedisStore(RedisIdempotency, RedisRunLedger, RedisCheckpoints, RedisOrderi
         self._due = self.client.register_script(_DUE)
         self._ledger = self.client.register_script(LEDGER_SCRIPT)
         self._checkpoint_save = self.client.register_script(CHECKPOINT_SAVE_SCRIPT)
+        self._checkpoint_complete = self.client.register_script(CHECKPOINT_COMPLETE_SCRIPT)
         self._checkpoint_clear = self.client.register_script(CHECKPOINT_CLEAR_SCRIPT)
         self._ordering = self.client.register_script(ORDERING_SCRIPT)
         # A cluster client routes each command to its slot's node: there is no one pool to make a lane from.

@@ -16,6 +16,7 @@ import pytest
 from django.db import connection
 
 from celery_guardrails.exceptions import CheckpointError, ConfigurationError
+from celery_guardrails.stores.base import StoredCheckpoint
 from django_celery_guardrails.store import DjangoStore
 from tests.conftest import Sink
 from tests.proj import django_tasks
@@ -183,6 +184,67 @@ def test_redis_store_sigkill_half_way_resumes_repeating_at_most_one_chunk(
     assert outcome["sum"] == sum(range(SHORT))
 
 
+#: The kit's project on the Django store, and on the Redis store (tests/kit_proj).
+DJANGO_KIT, REDIS_KIT = "tests.kit_proj.app:app", "tests.kit_proj.redis_store:app"
+#: The finding's job: 600 items in chunks of 100.
+ITEMS = 600
+
+
+def stored_checkpoint(store: str, key: str) -> StoredCheckpoint | None:
+    """The checkpoint of ``key`` in the kit's store as it stands, None when there is none."""
+    if store == "django":
+        found = DjangoStore().load_checkpoint(key)
+        return found if found != StoredCheckpoint() else None
+    from celery_guardrails.stores.redis import RedisStore
+    from celery_guardrails.stores.redis_checkpoint import checkpoint_key
+
+    redis_store = RedisStore(REDIS_URL)
+    return redis_store.load_checkpoint(key) if redis_store.client.exists(checkpoint_key(key)) else None
+
+
+@pytest.mark.parametrize(
+    ("pool", "store"),
+    [
+        pytest.param("solo", "django", marks=pytest.mark.guardrails(app=DJANGO_KIT, pool="solo")),
+        pytest.param("prefork", "django", marks=pytest.mark.guardrails(app=DJANGO_KIT, pool="prefork", concurrency=2)),
+        pytest.param("solo", "redis", marks=pytest.mark.guardrails(app=REDIS_KIT, pool="solo")),
+    ],
+)
+@pytest.mark.guardrails  # (on the function too: it turns the kit on as the test is collected)
+def test_a_worker_killed_after_the_success_before_the_ack_runs_no_item_again(
+    pool: str, store: str, guarded_worker: Any
+) -> None:
+    from celery_guardrails.testing import assert_single_effect, crash_mid_task
+    from tests.kit_proj import redis_store, tasks
+
+    chunks, chunks_keyed = (
+        (tasks.chunks, tasks.chunks_keyed) if store == "django" else (redis_store.chunks, redis_store.chunks_keyed)
+    )
+    # Given chunked jobs of 600 items (chunks of 100), one without an idempotency key (its checkpoint keyed by
+    # its task id) and one with a key, on a real worker of the given pool and store
+    plain, keyed = f"plain-{uuid.uuid4().hex[:10]}", f"keyed-{uuid.uuid4().hex[:10]}"
+    # When each one's worker is SIGKILLed after the body returned and the success hooks ran, before the ack
+    # (in prefork the hooks run in the child, the ack in the main process: the whole worker dies), and the
+    # message comes back to a restarted worker
+    first = crash_mid_task(chunks, plain, ITEMS, at="after_body")
+    second = crash_mid_task(chunks_keyed, keyed, ITEMS, at="after_body")
+    # Then each job ran to its end once, was killed once, and its redelivery ended
+    assert (first.crashes, second.crashes) == (1, 1)
+    # And the job without a key found its checkpoint done: the redelivery ran none of the items (on main's code
+    # the success hook had deleted it, and the redelivery started again at item 0: 1,200 rows for 600 items)
+    assert_single_effect(ChunkItem.objects.filter(job=plain), expected=ITEMS)
+    per_item = Counter(ChunkItem.objects.filter(job=plain).values_list("item", flat=True))
+    assert sorted(per_item) == list(range(ITEMS)) and set(per_item.values()) == {1}
+    assert first.outcomes == [("succeeded", "")]
+    key = f"{chunks.name}:-:task-id:{first.task_id}"
+    assert f"{key} already completed" in guarded_worker.log
+    assert stored_checkpoint(store, key) == StoredCheckpoint(position=ITEMS, done=True)
+    # And the keyed job's redelivery was skipped as a duplicate of its completed key (its checkpoint cleared)
+    assert second.outcomes == [("duplicate_skipped", "completed")]
+    assert_single_effect(ChunkItem.objects.filter(job=keyed), expected=ITEMS)
+    assert stored_checkpoint(store, f"{chunks_keyed.name}:-:chunks:{keyed}") is None
+
+
 @pytest.fixture
 def celery_app(celery_app: Any) -> Any:
     celery_app.conf.guardrails = {**celery_app.conf.guardrails, "store": "django"}
@@ -203,8 +265,12 @@ def test_a_transient_error_mid_job_retries_and_resumes_from_the_last_checkpoint(
     assert [(r["run"], r["attempt"], r["start"]) for r in reports] == [(1, 1, 0), (2, 2, 200)]
     assert reports[0]["key"] == reports[1]["key"] == f"tests.proj.django_tasks.insert_items:-:task-id:{result.id}"
     assert items_by_run(job) == {1: list(range(200)), 2: list(range(200, 1000))}
-    # and the checkpoint is cleared (by the success hook, which Celery runs after it stores the result)
-    wait_for("the checkpoint cleared", lambda: not Checkpoint.objects.filter(key=reports[0]["key"]).exists())
+    # and the checkpoint is marked done, not deleted (by the success hook, which Celery runs after it stores the
+    # result): a job without a key has nothing else to tell a redelivery before the ack that it is done
+    wait_for(
+        "the checkpoint marked done",
+        lambda: Checkpoint.objects.filter(key=reports[0]["key"], completed_at__isnull=False, position=1000).exists(),
+    )
 
 
 @pytest.mark.parametrize(

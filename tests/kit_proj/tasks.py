@@ -14,6 +14,7 @@ from django.db import DatabaseError, transaction
 
 from celery_guardrails import GuardedTask, fault_point
 from tests.kit_proj.app import app
+from tests.kit_proj.effects import chunked
 from tests.kit_proj.effects import effect as _effect
 
 logger = logging.getLogger(__name__)
@@ -72,6 +73,22 @@ def items_slow(self: GuardedTask, job: str, count: int) -> None:
 def items_early_ack(job: str, count: int) -> None:
     """Wrong another way: acked before it runs (Celery's default), so a crash half-way loses the rest."""
     _items(job, count)
+
+
+# -- crash_mid_task after the body: a chunked job that succeeded, its worker killed before the ack ---------
+
+
+@app.task(base=GuardedTask, bind=True, name="kit.chunks")
+def chunks(self: GuardedTask, job: str, count: int, every: int = 100) -> dict[str, int]:
+    """Resumable chunks without a key (the checkpoint is the task id's): one row per item, committed with its
+    chunk's position; returns where the run started and how many items it ran."""
+    return chunked(self, job, count, every)
+
+
+@app.task(base=GuardedTask, bind=True, name="kit.chunks_keyed", idempotency_key="chunks:{job}")
+def chunks_keyed(self: GuardedTask, job: str, count: int, every: int = 100) -> dict[str, int]:
+    """The same job, keyed: its checkpoint is its idempotency key's."""
+    return chunked(self, job, count, every)
 
 
 # -- poison: a message that kills its worker every time ---------------------------------------------------
