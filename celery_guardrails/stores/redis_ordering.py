@@ -23,6 +23,7 @@ fields of one hash, so they can only lapse together: a ``done`` never survives i
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 from celery_guardrails.exceptions import StoreError
@@ -173,13 +174,16 @@ class RedisOrdering:
             members = self._redis(lambda: self.client.zrange(WAITING_INDEX, 0, limit - 1, withscores=True))
             for member, score in members:
                 key = member.decode()
-                found = self._redis(lambda k=key: self.client.hmget(order_key(k), "done", "gap_since", "waiting"))
-                done, gap_since, waiting = (_since(value or b"0") for value in found)
+                done, gap_since, waiting = (_since(value or b"0") for value in self._fields(key))
                 if not gap_since:
-                    count -= int(self._redis(lambda k=key, s=score: self._unindex(keys=[WAITING_INDEX], args=[k, s])))
+                    count -= int(self._redis(partial(self._unindex, keys=[WAITING_INDEX], args=[key, score])))
                     continue
                 oldest.append(OrderWait(key=key, waiting_for=int(done) + 1, lowest=int(waiting), since=gap_since))
         return OrderWaits(count=max(count, len(oldest)), oldest=tuple(sorted(oldest, key=lambda wait: wait.since)))
+
+    def _fields(self, key: str) -> list[Any]:
+        """``done``, ``gap_since`` and ``waiting`` of ``key`` (None each when it has none)."""
+        return list(self._redis(partial(self.client.hmget, order_key(key), "done", "gap_since", "waiting")))
 
     def _ended(self, key: str, answer: Any) -> bool:
         """The answer of an advance or a skip: whether it moved the key; a wait it ended leaves the index."""
