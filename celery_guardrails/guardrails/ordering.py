@@ -13,9 +13,14 @@
   - ``seq <= done``: stale (a redelivery or duplicate of a message whose turn is over): the body does not run,
     the task returns None, ``stale_skipped`` fires, the key's ``stale`` count grows, logged with the ids;
   - ``seq > done + 1``: an earlier message has not finished: it comes back later through ``RetryLater``, no
-    attempt spent, not counted against ``retry_later_max`` (header ``ord_wait``): after ``retry_later_delay``
-    when it is next in line, after k times that when k places further back (at most 50). A backlog drains at
-    about one message per ``retry_later_delay``: give ordered tasks a short one (a fraction of a second);
+    attempt spent, not counted against ``retry_later_max`` (header ``ord_wait`` counts its waits): after
+    ``retry_later_delay`` when it is next in line, after k times that when k places further back (at most 50),
+    or, when longer, after as long as the key has not moved (its wait's age): the looks of a key that stays
+    stuck double (0.1, 0.1, 0.2, 0.4 ... s), up to ``ordering_wait_max`` (30 s), 75 to 100% of it (random), and
+    never past the next moment the wait has something to do (alert, give up). Two stuck keys cost a few
+    re-publishes a minute, not ten a second; a key that moves again resumes within about
+    min(its wait so far, ``ordering_wait_max``). A backlog whose key keeps moving drains at about one message
+    per ``retry_later_delay``: give ordered tasks a short one (a fraction of a second);
   - a malformed ``ord`` / ``ord_seq`` is dead-lettered ``malformed_message`` (running it unordered would break
     the order it was published to keep); a message without them runs unordered (published by plain Celery or
     a release without ordering; logged).
@@ -28,12 +33,22 @@ the message was lost, or failed finally before its turn, where it could not move
 the messages that wait behind it would not help: each of them would wait and be dead-lettered in turn, and
 the key would stop for ever. Instead, once the key has not moved for ``ordering_gap_timeout`` while messages
 wait, the lowest waiting message gives up the numbers below it (``ordering_gap_skipped`` fires, logged) and
-runs; the others follow in order. Only numbers no message has been seen waiting with are given up, so a live
-waiter is never skipped (should the lowest waiter itself vanish, any waiter gives up the numbers below it
-after twice the timeout). A skipped message that turns up later is dead-lettered with reason
-``ordering_gap`` (recorded, replayable), not dropped as stale. Keep ``ordering_gap_timeout`` above the
-longest run plus retries of one message: a message slower than that is taken for lost, and the next one runs
-beside it.
+runs; the others follow in order. The numbers given up are recorded first: one dead letter
+``ordering_gap_skipped`` per range (:func:`gap_record`: the task, the key, the numbers, when the gap opened and
+when it was given up; no arguments: nothing to replay, a replay is refused saying so), counted and alerted as
+every dead letter. The store marks the range owed until the record is written, so a sink that is down when
+the range is given up holds the key's messages back (each comes back later) until one of them writes it.
+Only numbers no message has been seen waiting with are given up, so a live waiter is never skipped (should
+the lowest waiter itself vanish, any waiter gives up the numbers below it after twice the timeout). A skipped
+message that turns up later is dead-lettered with reason ``ordering_gap`` (recorded, replayable), not dropped
+as stale. Keep ``ordering_gap_timeout`` above the longest run plus retries of one message: a message slower
+than that is taken for lost, and the next one runs beside it.
+
+A wait is visible while it lasts: the store indexes the keys that wait (one write as a wait starts, one as it
+ends; a message that only looks again writes nothing), read by ``celery -A proj guardrails status`` (the
+"Ordering waits" table) and the metrics (``celery_guardrails_ordering_keys_waiting``,
+``celery_guardrails_ordering_oldest_wait_seconds``); after ``ordering_gap_alert_after`` (5 minutes) the
+task's owner is alerted once per wait (:func:`celery_guardrails.alerts.ordering_wait`).
 
 What ordering is not:
 
