@@ -16,6 +16,10 @@ incident), for at most :data:`RUN_ALERT_WINDOWS` windows; the summary says how m
 A beat outage of ten periods sends one alert and one summary per schedule. The ``run_missed`` and
 ``run_overdue`` signals are still sent once per period.
 
+An ordering key whose messages wait for a missing earlier one for ``ordering_gap_alert_after`` alerts its
+task's owner once per wait (:func:`ordering_wait`; the store lets one waiter through), throttled per (owner,
+task) with ``alert_throttle`` like dead letters: many keys stuck at once send one alert, then one summary.
+
 Redacted: the subject and every text of the payload lose their secrets as a dead letter's do (the task's
 ``redact_keys`` and ``redact_patterns``, else the app's: :mod:`celery_guardrails.redaction`), whatever the
 alert is about and wherever its text came from (a header-carried record, a schedule's run), before any
@@ -38,13 +42,14 @@ import threading
 import time
 import urllib.request
 from collections.abc import Callable
+from datetime import UTC, datetime
 from typing import Any
 
 from celery.signals import worker_process_shutdown, worker_shutdown
 
 from celery_guardrails import clock, signals
-from celery_guardrails.options import app_value
-from celery_guardrails.outcomes import FinalFailure
+from celery_guardrails.options import app_value, resolve
+from celery_guardrails.outcomes import FinalFailure, owner_of
 from celery_guardrails.redaction import Redactor, for_app, for_task, safe_repr
 from celery_guardrails.stores import get_store
 
@@ -83,13 +88,48 @@ def run_alert_due(app: Any, *, owner: str | None, schedule: str, kind: str) -> b
     return get_store(app).throttle(group, window=window, now=clock.now(app), extend_for=window * RUN_ALERT_WINDOWS)
 
 
+#: Reason part of the throttle group of ordering waits: ``owner|task|ordering_wait``.
+ORDERING_WAIT = "ordering_wait"
+
+
+def ordering_wait(task: Any, *, key: str, waiting_for: int, lowest: int, since: float) -> None:
+    """Alert the task's owner that ordering ``key`` has waited for sequence number ``waiting_for`` since ``since``
+    (epoch seconds) for ``ordering_gap_alert_after``. Sent once per wait (the store decides); throttled per
+    (owner, task) like dead letters, so a thousand keys stuck at once send one alert and one summary. Never
+    raises: an alert must not hold the message."""
+    try:
+        app = task.app
+        owner = owner_of(task)
+        flush_alert_summaries(app)
+        group = f"{owner or '-'}|{task.name}|{ORDERING_WAIT}"
+        if not get_store(app).throttle(group, window=app_value(app, "alert_throttle"), now=clock.now(app)):
+            return
+        opened = datetime.fromtimestamp(since, UTC).isoformat(timespec="seconds")
+        about = {
+            "task_name": task.name,
+            "key": key,
+            "waiting_for": waiting_for,
+            "lowest_waiting": lowest,
+            "since": opened,
+            "waited_seconds": round(max(0.0, time.time() - since), 1),
+            "gives_up_after_seconds": resolve(task, "ordering_gap_timeout", task.call_options()),
+        }
+        subject = f"Ordering key waits: {key} waits for #{waiting_for} since {opened}"
+        send(app, subject=subject, owner=owner, ordering=about)
+    except Exception:
+        logger.exception("Alert for the wait of ordering key %s could not be sent", key)
+
+
 def flush_alert_summaries(app: Any) -> int:
     """Send the summaries of throttle windows that are over; how many were sent."""
     due = get_store(app).due_summaries(now=clock.now(app))
     for group, count in due:
         owner, rest = group.split("|", 1)
         name, reason = rest.rsplit("|", 1)  # a schedule's name may hold "|"; an owner's and a reason's do not
-        if reason.startswith(RUN_ALERT):  # missed or overdue runs of a schedule
+        if reason == ORDERING_WAIT:  # ordering keys of a task that waited past ordering_gap_alert_after
+            subject = f"{count} more ordering key(s) waiting: {name}"
+            about = {"task_name": name, "kind": ORDERING_WAIT, "window_seconds": app_value(app, "alert_throttle")}
+        elif reason.startswith(RUN_ALERT):  # missed or overdue runs of a schedule
             kind = reason.removeprefix(RUN_ALERT)
             subject = f"{count} more {kind} run(s): {name}"
             about = {"schedule": name, "kind": kind, "window_seconds": app_value(app, "run_alert_throttle")}
@@ -108,12 +148,16 @@ def send(
     summary: dict[str, Any] | None = None,
     run: dict[str, Any] | None = None,
     owner: str | None = None,
+    ordering: dict[str, Any] | None = None,
 ) -> None:
-    """Alert through every ``alert_channels``: about a dead letter, a throttle summary or a scheduled run."""
+    """Alert through every ``alert_channels``: about a dead letter, a throttle summary, a scheduled run or an
+    ordering key's wait."""
     owner = failure.owner if failure else (summary or {}).get("owner", owner)
     payload: dict[str, Any] = {"subject": subject, "owner": owner}
     if run is not None:
         payload["run"] = run
+    if ordering is not None:
+        payload["ordering"] = ordering
     if failure is not None:
         payload["dead_letter"] = {
             k: getattr(failure, k)

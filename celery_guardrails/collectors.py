@@ -19,6 +19,9 @@
                                                                 sample when none is kept)
     celery_guardrails_outbox_messages                           outbox messages waiting for the relay (Django)
     celery_guardrails_outbox_oldest_age_seconds                 the oldest one's age: the relay's lag (0: none)
+    celery_guardrails_ordering_keys_waiting                     ordering keys waiting for a missing earlier
+                                                                message (a guarded task has ordering_key)
+    celery_guardrails_ordering_oldest_wait_seconds              the longest wait's age (0: none waits)
     celery_guardrails_collector_source_up{source}               1: the source was read in this scrape, 0: not
     celery_guardrails_collector_errors_total{source}            sources that could not be read, since start
 
@@ -98,6 +101,8 @@ class StateCollector(Collector):
             families += _schedule_families(status)
         if status.outbox is not None:
             families += _outbox_families(status.outbox)
+        if status.ordering is not None:
+            families += _ordering_families(status.ordering)
         up = GaugeMetricFamily(
             PREFIX + "collector_source_up",
             "1: the source was read in this scrape; 0: it could not be",
@@ -178,6 +183,18 @@ def _outbox_families(outbox: Any) -> list[Metric]:
         PREFIX + "outbox_oldest_age_seconds", "Age of the oldest outbox message: the relay's lag (0: none waits)"
     )
     age.add_metric([], outbox.oldest_age or 0.0)
+    return [waiting, age]
+
+
+def _ordering_families(ordering: Any) -> list[Metric]:
+    waiting = GaugeMetricFamily(
+        PREFIX + "ordering_keys_waiting", "Ordering keys whose messages wait for a missing earlier message"
+    )
+    waiting.add_metric([], ordering.waiting)
+    age = GaugeMetricFamily(
+        PREFIX + "ordering_oldest_wait_seconds", "Seconds the longest-waiting ordering key has waited (0: none)"
+    )
+    age.add_metric([], ordering.oldest_age or 0.0)
     return [waiting, age]
 
 

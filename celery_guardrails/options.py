@@ -670,6 +670,24 @@ OPTIONS: Mapping[str, Option] = {
             scopes=frozenset({TASK, APP}),
         ),
         Option(
+            name="ordering_gap_alert_after",
+            default=300.0,
+            doc="Seconds an ordering key may wait for a missing earlier message before its owner is alerted (once "
+            "per wait, then throttled like dead letters): time to find the message before ordering_gap_timeout "
+            "gives it up. 0: no alert.",
+            check=_seconds_or_off,
+            scopes=frozenset({TASK, APP}),
+        ),
+        Option(
+            name="ordering_wait_max",
+            default=30.0,
+            doc="Seconds a message waiting for an earlier one of its key stays away at most: its looks back start "
+            "at retry_later_delay and double while the key does not move. Also how late the key may resume once "
+            "a long wait ends.",
+            check=_seconds,
+            scopes=frozenset({TASK, APP}),
+        ),
+        Option(
             name="ordering_retention",
             default=30 * 24 * 3600.0,
             doc="Seconds an ordering key's counters are kept after its last message was published or done (30 "

@@ -40,6 +40,9 @@ MALFORMED_MESSAGE = "malformed_message"
 TIME_LIMIT = "time_limit"
 #: An ordered message that arrived after its key had moved past it (its turn was given up as lost).
 ORDERING_GAP = "ordering_gap"
+#: Sequence numbers of an ordering key that never came and were given up after ``ordering_gap_timeout``: the
+#: record of the gap (no message, nothing to replay), not of a message.
+ORDERING_GAP_SKIPPED = "ordering_gap_skipped"
 #: A message of a payload version its task does not accept (accepts_versions): a replay on newer workers runs it.
 UNKNOWN_PAYLOAD_VERSION = "unknown_payload_version"
 #: An exception that no guardrail settled (a guardrail's own failure on this message, or a body's error where no
@@ -64,6 +67,7 @@ REASONS = (
     MALFORMED_MESSAGE,
     TIME_LIMIT,
     ORDERING_GAP,
+    ORDERING_GAP_SKIPPED,
     UNKNOWN_PAYLOAD_VERSION,
     GUARDRAIL_ERROR,
     UNPUBLISHABLE,

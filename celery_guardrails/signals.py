@@ -69,7 +69,9 @@ ordering_gap_skipped
     Messages of an ordering key waited longer than ``ordering_gap_timeout`` for an earlier sequence number
     that never ran (lost before it was published, or failed where it could not say so): the key moved past
     the gap. Arguments: ``task_id`` (the waiting message that moved it), ``key`` (scoped), ``first`` and
-    ``last`` (the sequence numbers given up), ``waited`` (seconds).
+    ``last`` (the sequence numbers given up), ``waited`` (seconds). The range is then recorded as a dead letter
+    ``ordering_gap_skipped`` (``dead_lettered`` is sent for it, with a failure whose ``task_id`` is the
+    record's own, ``ordering-gap-<uuid>``, not the running message's).
 
 delivery_ended
     A guarded delivery ended, told once per delivery with the outcome and detail of the metric

@@ -20,6 +20,9 @@ Where each comes from:
   when the stream holds more).
 * retry budget and circuit per dependency: the ``dependency`` of each guarded task of the app (a dependency
   given only per call is not known here), read with the store's ``budget_status`` under that task's policy.
+* ordering keys that wait for a missing earlier message (when a guarded task declares ``ordering_key``): how
+  many, the oldest wait's age, and the :data:`ORDERING_SHOWN` oldest (key, the number waited for, since when),
+  from the store's index of waits (written as a wait starts and ends, not by each look of a waiting message).
 * per schedule (the ``schedules`` setting): records of the run ledger in the last :data:`WINDOW` seconds that
   were missed or overdue (a period that was missed or overdue and then ran still counts: its ``missed_at`` /
   ``overdue_at`` stay), the newest successful period, and the newest record's status, read with the store's
@@ -60,8 +63,11 @@ RATE_MINUTES = 5
 
 QUEUES, DEAD_LETTERS, DEPENDENCIES, SCHEDULES = "queues", "dead_letters", "dependencies", "schedules"
 RATES, OUTBOX = "rates", "outbox"
+ORDERING = "ordering"
 #: The sources, in the order they are read and shown.
-SOURCES = (QUEUES, RATES, DEAD_LETTERS, DEPENDENCIES, SCHEDULES, OUTBOX)
+SOURCES = (QUEUES, RATES, DEAD_LETTERS, DEPENDENCIES, SCHEDULES, OUTBOX, ORDERING)
+#: Waiting ordering keys listed at most (the oldest waits); the count covers them all.
+ORDERING_SHOWN = 10
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -122,6 +128,28 @@ class OutboxBacklog:
     oldest_age: float | None
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class OrderingWait:
+    """An ordering key whose messages wait for sequence number ``waiting_for`` (the lowest waiting is
+    ``lowest``), since ``since`` (epoch seconds), ``age`` seconds before the read."""
+
+    key: str
+    waiting_for: int
+    lowest: int
+    since: float
+    age: float
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class OrderingWaits:
+    """Ordering keys waiting for a missing earlier message: how many, the oldest wait's age (seconds; None when
+    none waits) and the oldest waits (at most ORDERING_SHOWN, oldest first)."""
+
+    waiting: int
+    oldest_age: float | None
+    oldest: list[OrderingWait]
+
+
 @dataclass(slots=True, kw_only=True)
 class Status:
     """Everything :func:`gather` read; a source that failed is empty and named in ``errors``."""
@@ -141,6 +169,8 @@ class Status:
     rates: dict[str, QueueRate] | None = None
     #: The outbox's backlog (None: not read, the Django app is not installed).
     outbox: OutboxBacklog | None = None
+    #: Ordering keys that wait (None: not read, no guarded task of the app has an ``ordering_key``).
+    ordering: OrderingWaits | None = None
 
 
 def read_dead_letters(app: Any) -> DeadLetters:
@@ -254,6 +284,35 @@ def read_schedules(app: Any) -> list[ScheduleStatus]:
     return found
 
 
+def ordered(app: Any) -> bool:
+    """Whether a guarded task of the app declares an ``ordering_key`` (one given only per call is not known)."""
+    from celery_guardrails.options import task_attribute
+    from celery_guardrails.task import GuardedTask
+
+    return any(
+        isinstance(task, GuardedTask) and task_attribute(task, "ordering_key") is not None
+        for task in list(app.tasks.values())
+    )
+
+
+def read_ordering(app: Any, *, now: float) -> OrderingWaits:
+    """The ordering keys that wait, from the store's index of waits (:meth:`Store.order_waits`)."""
+    from celery_guardrails.stores import get_store
+
+    found = get_store(app).order_waits(now=now, limit=ORDERING_SHOWN)
+    oldest = [
+        OrderingWait(
+            key=wait.key,
+            waiting_for=wait.waiting_for,
+            lowest=wait.lowest,
+            since=wait.since,
+            age=max(0.0, now - wait.since),
+        )
+        for wait in found.oldest
+    ]
+    return OrderingWaits(waiting=found.count, oldest_age=oldest[0].age if oldest else None, oldest=oldest)
+
+
 def attempt(source: str, read: Callable[[], T], errors: dict[str, str], *, app: Any = None) -> T | None:
     """``read()``, or None with the failure logged and kept in ``errors[source]`` (redacted with ``app``'s
     settings, else the defaults): a status read or a scrape goes on without a source it cannot read."""
@@ -284,6 +343,8 @@ def gather(app: Any, *, queues: Iterable[str] = (), now: float | None = None) ->
     status.schedules = attempt(SCHEDULES, lambda: read_schedules(app), errors, app=app) or []
     if django_apps_installed():
         status.outbox = attempt(OUTBOX, read_outbox, errors, app=app)
+    if ordered(app):
+        status.ordering = attempt(ORDERING, lambda: read_ordering(app, now=status.at), errors, app=app)
     return status
 
 
@@ -392,6 +453,17 @@ def render(status: Status) -> str:
         box = status.outbox
         rows = [] if box is None else [[str(box.waiting), _age(box.oldest_age) if box.waiting else "-"]]
         lines += _section("Outbox", OUTBOX, status, ["WAITING", "OLDEST"], rows)
+    if status.ordering is not None or ORDERING in status.errors:
+        waits = status.ordering
+        rows = [[w.key, f"#{w.waiting_for}", f"#{w.lowest}", _age(w.age)] for w in (waits.oldest if waits else [])]
+        headers = ["ORDERING KEY", "WAITS FOR", "LOWEST WAITING", "SINCE"]
+        lines += _section("Ordering waits", ORDERING, status, headers, rows)
+        if waits is not None and waits.waiting:
+            lines.insert(
+                len(lines) - 1,
+                f"  {waits.waiting} key(s) waiting for a missing earlier message; the oldest for "
+                f"{_age(waits.oldest_age)} (ordering_gap_timeout gives a missing one up)",
+            )
     return "\n".join(lines).rstrip() + "\n"
 
 

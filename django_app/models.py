@@ -534,6 +534,29 @@ class OrderingSequence(models.Model):
         default=0,
         help_text=_("Deliveries that came after their turn was over (skipped without running)."),
     )
+    skipped_since = models.FloatField(
+        _("skipped gap opened"),
+        default=0.0,
+        help_text=_("Epoch seconds the wait for the last range given up as lost began (0: none given up)."),
+    )
+    skipped_at = models.FloatField(
+        _("skipped at"),
+        default=0.0,
+        help_text=_("Epoch seconds the last range was given up as lost, after ordering_gap_timeout (0: none)."),
+    )
+    skip_owed = models.BooleanField(
+        _("skip record owed"),
+        default=False,
+        help_text=_(
+            "The last range given up is not yet recorded as a dead letter (ordering_gap_skipped); the next "
+            "message of the key records it before it goes on."
+        ),
+    )
+    alerted = models.FloatField(
+        _("alerted for the wait of"),
+        default=0.0,
+        help_text=_("The 'waiting since' of the last wait that alerted (ordering_gap_alert_after); 0: none."),
+    )
     updated_at = models.DateTimeField(
         _("updated at"), auto_now=True, help_text=_("Last change: a key idle past ordering_retention may be pruned.")
     )
@@ -543,6 +566,10 @@ class OrderingSequence(models.Model):
     class Meta:
         verbose_name = _("ordering sequence")
         verbose_name_plural = _("ordering sequences")
+        # The keys that wait, oldest wait first (the status command and the metrics), from the few rows that do.
+        indexes = [
+            models.Index(fields=["gap_since"], name="guardrails_order_waiting", condition=models.Q(gap_since__gt=0))
+        ]
 
     def __str__(self) -> str:
         return f"{self.key}: {self.done}/{self.issued}"

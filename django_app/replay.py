@@ -18,7 +18,8 @@ A record is left open, with the reason in the result, when its task is no longer
 cannot be opened with the configured keys, or its arguments were not stored as JSON or had secrets redacted
 and no sealed copy holds them; and a ``not_idempotent`` record (its task failed after it may already have
 acted: charged a card, sent a mail) unless the caller says ``allow_not_idempotent=True``, having checked that
-the effect did not happen (:data:`NOT_IDEMPOTENT_REFUSAL`). Without the ``guardrails.replay_deadletter``
+the effect did not happen (:data:`NOT_IDEMPOTENT_REFUSAL`); and an ``ordering_gap_skipped`` record, which
+records a message that never came (:data:`NEVER_CAME_REFUSAL`). Without the ``guardrails.replay_deadletter``
 permission, a given ``user`` gets :class:`~django.core.exceptions.PermissionDenied`.
 """
 
@@ -42,7 +43,7 @@ from django.utils import timezone
 from celery_guardrails import headers
 from celery_guardrails.context import validate_tenant
 from celery_guardrails.exceptions import ContextError, SealError
-from celery_guardrails.outcomes import NOT_IDEMPOTENT
+from celery_guardrails.outcomes import NOT_IDEMPOTENT, ORDERING_GAP_SKIPPED
 from celery_guardrails.redaction import REDACTED
 from celery_guardrails.sealing import restore_redacted, sealer_for
 from celery_guardrails.stores import get_store
@@ -87,6 +88,14 @@ NOT_IDEMPOTENT_REFUSAL = (
     f"{NOT_IDEMPOTENT}: it may already have acted (charged a card, sent a mail) before it failed, and a replay "
     "runs it again; replay it only if you checked the effect did not happen: allow_not_idempotent=True / "
     "--allow-not-idempotent / the admin's tick"
+)
+
+#: Why an ``ordering_gap_skipped`` record is never replayed: it records sequence numbers of an ordering key that
+#: never came (given up after ordering_gap_timeout), not a message: it holds no arguments to publish.
+NEVER_CAME_REFUSAL = (
+    f"{ORDERING_GAP_SKIPPED}: the message never came (its sequence number was given up as lost after "
+    "ordering_gap_timeout), so there is nothing to replay; publish the work again if it is still wanted, then "
+    "resolve this record"
 )
 
 
@@ -213,6 +222,8 @@ def _plan(
     """:func:`plan`, with the record's sealed copy (``token``) read already."""
     if record.status != DeadLetter.Status.OPEN:
         raise Refused(f"status is {record.status}")
+    if record.reason == ORDERING_GAP_SKIPPED:
+        raise Refused(NEVER_CAME_REFUSAL)
     if record.task_name not in app.tasks:
         raise Refused(f"task {record.task_name!r} is no longer registered; the record stays open")
     original = _unsealed(token, app, record)

@@ -18,7 +18,7 @@ from datetime import UTC, datetime, timedelta
 from typing import Any, ParamSpec, TypeVar
 
 from django.db import DatabaseError, IntegrityError, InterfaceError, OperationalError, connection, transaction
-from django.db.models import F, Q, QuerySet, Value
+from django.db.models import Case, F, FloatField, Q, QuerySet, Value, When
 from django.db.models.functions import Concat
 from django.utils import timezone
 
@@ -37,6 +37,8 @@ from celery_guardrails.stores.base import (
     Claim,
     DependencyState,
     OrderState,
+    OrderWait,
+    OrderWaits,
     OutcomeCount,
     QueueSample,
     SlotAcquisition,
@@ -421,7 +423,7 @@ class DjangoStore:
     @translated("read an ordering key")
     def order_check(self, key: str, *, sequence: int, now: float, retention: float) -> OrderState:
         rows = OrderingSequence.objects.filter(key=key)
-        names = ("issued", "done", "gap_since", "waiting", "skipped_from", "skipped_to", "stale")
+        names = [field.name for field in fields(OrderState)]
         with transaction.atomic():
             # Touch the row first: the UPDATE takes its lock (SQLite: the write lock), so the read and the
             # change below see no advance in between (one in between would leave a gap clock that is unset).
@@ -429,9 +431,12 @@ class DjangoStore:
                 return OrderState()
             state = dict(rows.values(*names).get())
             if sequence > state["done"] + 1:
-                state["gap_since"] = state["gap_since"] or now
-                state["waiting"] = min(state["waiting"] or sequence, sequence)
-                rows.update(gap_since=state["gap_since"], waiting=state["waiting"])
+                # Written when the wait starts or a lower waiter shows up, not at every look of one that waits on.
+                lowest = min(state["waiting"] or sequence, sequence)
+                waiting = {"gap_since": state["gap_since"] or now, "waiting": lowest}
+                if waiting != {name: state[name] for name in waiting}:
+                    state.update(waiting)
+                    rows.update(**waiting)
             elif sequence <= state["done"]:
                 state["stale"] += 1
                 rows.update(stale=F("stale") + 1)
@@ -448,10 +453,44 @@ class DjangoStore:
     def order_skip(self, key: str, *, done: int, to: int, now: float, retention: float) -> bool:
         if to <= done:
             return False
+        gap = Case(When(gap_since=0.0, then=Value(now)), default=F("gap_since"), output_field=FloatField())
         changed = OrderingSequence.objects.filter(key=key, done=done).update(
-            done=to, skipped_from=done + 1, skipped_to=to, gap_since=0.0, waiting=0, updated_at=timezone.now()
+            done=to,
+            skipped_from=done + 1,
+            skipped_to=to,
+            skipped_since=gap,
+            skipped_at=now,
+            skip_owed=True,
+            gap_since=0.0,
+            waiting=0,
+            updated_at=timezone.now(),
         )
         return bool(changed)
+
+    @translated("record a skipped gap of an ordering key")
+    def order_recorded(self, key: str, *, to: int, now: float, retention: float) -> bool:
+        changed = OrderingSequence.objects.filter(key=key, skipped_to=to, skip_owed=True).update(
+            skip_owed=False, updated_at=timezone.now()
+        )
+        return bool(changed)
+
+    @translated("alert for an ordering key's wait")
+    def order_alert(self, key: str, *, since: float, now: float, retention: float) -> bool:
+        changed = (
+            OrderingSequence.objects.filter(key=key, gap_since=since)
+            .exclude(alerted=since)
+            .update(alerted=since, updated_at=timezone.now())
+        )
+        return bool(changed)
+
+    @translated("read the ordering keys that wait")
+    def order_waits(self, *, now: float, limit: int) -> OrderWaits:
+        waiting = OrderingSequence.objects.filter(gap_since__gt=0)  # the partial index guardrails_order_waiting
+        oldest = tuple(
+            OrderWait(key=row["key"], waiting_for=row["done"] + 1, lowest=row["waiting"], since=row["gap_since"])
+            for row in waiting.order_by("gap_since").values("key", "done", "waiting", "gap_since")[:limit]
+        )
+        return OrderWaits(count=waiting.count() if len(oldest) >= limit else len(oldest), oldest=oldest)
 
     # The run ledger: one row per (schedule, period), unique on the pair. Every change is an INSERT the
     # constraint refuses on conflict or one conditional UPDATE, so concurrent beats and workers need no lock;

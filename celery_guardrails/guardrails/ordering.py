@@ -13,9 +13,14 @@
   - ``seq <= done``: stale (a redelivery or duplicate of a message whose turn is over): the body does not run,
     the task returns None, ``stale_skipped`` fires, the key's ``stale`` count grows, logged with the ids;
   - ``seq > done + 1``: an earlier message has not finished: it comes back later through ``RetryLater``, no
-    attempt spent, not counted against ``retry_later_max`` (header ``ord_wait``): after ``retry_later_delay``
-    when it is next in line, after k times that when k places further back (at most 50). A backlog drains at
-    about one message per ``retry_later_delay``: give ordered tasks a short one (a fraction of a second);
+    attempt spent, not counted against ``retry_later_max`` (header ``ord_wait`` counts its waits): after
+    ``retry_later_delay`` when it is next in line, after k times that when k places further back (at most 50),
+    or, when longer, after as long as the key has not moved (its wait's age): the looks of a key that stays
+    stuck double (0.1, 0.1, 0.2, 0.4 ... s), up to ``ordering_wait_max`` (30 s), 75 to 100% of it (random), and
+    never past the next moment the wait has something to do (alert, give up). Two stuck keys cost a few
+    re-publishes a minute, not ten a second; a key that moves again resumes within about
+    min(its wait so far, ``ordering_wait_max``). A backlog whose key keeps moving drains at about one message
+    per ``retry_later_delay``: give ordered tasks a short one (a fraction of a second);
   - a malformed ``ord`` / ``ord_seq`` is dead-lettered ``malformed_message`` (running it unordered would break
     the order it was published to keep); a message without them runs unordered (published by plain Celery or
     a release without ordering; logged).
@@ -28,12 +33,22 @@ the message was lost, or failed finally before its turn, where it could not move
 the messages that wait behind it would not help: each of them would wait and be dead-lettered in turn, and
 the key would stop for ever. Instead, once the key has not moved for ``ordering_gap_timeout`` while messages
 wait, the lowest waiting message gives up the numbers below it (``ordering_gap_skipped`` fires, logged) and
-runs; the others follow in order. Only numbers no message has been seen waiting with are given up, so a live
-waiter is never skipped (should the lowest waiter itself vanish, any waiter gives up the numbers below it
-after twice the timeout). A skipped message that turns up later is dead-lettered with reason
-``ordering_gap`` (recorded, replayable), not dropped as stale. Keep ``ordering_gap_timeout`` above the
-longest run plus retries of one message: a message slower than that is taken for lost, and the next one runs
-beside it.
+runs; the others follow in order. The numbers given up are recorded first: one dead letter
+``ordering_gap_skipped`` per range (:func:`gap_record`: the task, the key, the numbers, when the gap opened and
+when it was given up; no arguments: nothing to replay, a replay is refused saying so), counted and alerted as
+every dead letter. The store marks the range owed until the record is written, so a sink that is down when
+the range is given up holds the key's messages back (each comes back later) until one of them writes it.
+Only numbers no message has been seen waiting with are given up, so a live waiter is never skipped (should
+the lowest waiter itself vanish, any waiter gives up the numbers below it after twice the timeout). A skipped
+message that turns up later is dead-lettered with reason ``ordering_gap`` (recorded, replayable), not dropped
+as stale. Keep ``ordering_gap_timeout`` above the longest run plus retries of one message: a message slower
+than that is taken for lost, and the next one runs beside it.
+
+A wait is visible while it lasts: the store indexes the keys that wait (one write as a wait starts, one as it
+ends; a message that only looks again writes nothing), read by ``celery -A proj guardrails status`` (the
+"Ordering waits" table) and the metrics (``celery_guardrails_ordering_keys_waiting``,
+``celery_guardrails_ordering_oldest_wait_seconds``); after ``ordering_gap_alert_after`` (5 minutes) the
+task's owner is alerted once per wait (:func:`celery_guardrails.alerts.ordering_wait`).
 
 What ordering is not:
 
@@ -57,19 +72,32 @@ What ordering is not:
 from __future__ import annotations
 
 import logging
+import random
 import time
+import uuid
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, NoReturn
 
-from celery_guardrails import headers, signals
+from celery_guardrails import alerts, dead_letters, headers, signals
 from celery_guardrails.context import current_tenant
 from celery_guardrails.delivery import delivery
 from celery_guardrails.exceptions import OrderingError, OrderingKeyError, RetryLater, StoreError
 from celery_guardrails.guardrails.idempotency import render_key, scoped_key, validate_key
 from celery_guardrails.guardrails.retries import retry_later
 from celery_guardrails.options import resolve
-from celery_guardrails.outcomes import MALFORMED_MESSAGE, ORDERING_GAP, attempt_record, fail_finally
+from celery_guardrails.outcomes import (
+    MALFORMED_MESSAGE,
+    ORDERING_GAP,
+    ORDERING_GAP_SKIPPED,
+    FinalFailure,
+    attempt_record,
+    fail_finally,
+    owner_of,
+    timestamp,
+)
 from celery_guardrails.pipeline import Guardrail, Publication, SkipBody
 from celery_guardrails.stores import get_store
+from celery_guardrails.stores.base import OrderState
 
 if TYPE_CHECKING:
     from celery_guardrails.task import GuardedTask
@@ -79,6 +107,10 @@ logger = logging.getLogger(__name__)
 #: A waiting message looks again after ``retry_later_delay`` times its distance from its turn (the turns it has
 #: to wait, each taking about that long), at most this many times.
 WAIT_SCALE = 50
+#: The part of a wait that is random: a waiting message stays away 75 to 100% of its delay.
+WAIT_JITTER = 0.25
+#: Header field of a gap's record (never of a message): the last sequence number given up with ``ord_seq``.
+GAP_LAST = "ord_seq_last"
 #: Pauses (seconds) between tries at moving a key on when the store does not answer after a run; then the
 #: key's successors wait until ``ordering_gap_timeout`` gives the turn up.
 ADVANCE_PAUSES = (0.1, 0.5, 1.0)
@@ -144,6 +176,10 @@ class Ordering(Guardrail):
                 f"ordering_retention, or the store was emptied), so it cannot be put in order"
             )
             self._refuse(task, error, ORDERING_GAP)
+        if found_state.skip_owed:
+            # The last range given up has no record yet (the sinks were down as it was given up): written
+            # before anything else of the key goes on (a sink still down brings this message back later).
+            self._record_skip(task, key, scoped, found_state, call)
         if sequence <= done:
             if found_state.skipped_from <= sequence <= found_state.skipped_to:
                 error = OrderingError(
@@ -167,8 +203,10 @@ class Ordering(Guardrail):
         state.ordering = (scoped, sequence)
         if sequence == done + 1:
             return
-        waited = now - found_state.gap_since if found_state.gap_since else 0.0  # (set by the check: never 0 here)
+        since = found_state.gap_since or now  # (set by the check: never 0 here)
+        waited = now - since
         timeout = resolve(task, "ordering_gap_timeout", call)
+        alert_after = resolve(task, "ordering_gap_alert_after", call)
         # The key has not moved for the whole timeout, and no message below this one was seen waiting: the
         # numbers between are lost. Give them up and run (a lost race means the key moved: wait again). The
         # lowest waiter itself may vanish (dead-lettered as poison, say): past twice the timeout, any waiter
@@ -190,14 +228,67 @@ class Ordering(Guardrail):
             signals.ordering_gap_skipped.send(
                 sender=task, task_id=request.id, key=scoped, first=done + 1, last=sequence - 1, waited=waited
             )
+            skipped = OrderState(skipped_from=done + 1, skipped_to=sequence - 1, skipped_since=since, skipped_at=now)
+            self._record_skip(task, key, scoped, skipped, call)
             return
+        # Once per wait (the store lets one delivery of the key through), whichever waiter looks first.
+        alert = alert_after and waited >= alert_after and found_state.alerted != since
+        if alert and store.order_alert(scoped, since=since, now=now, retention=retention):
+            alerts.ordering_wait(task, key=scoped, waiting_for=done + 1, lowest=found_state.waiting, since=since)
         wait = RetryLater(f"ordering key {scoped}: sequence {sequence} waits for {done + 1}")
-        # The next in line looks again after retry_later_delay; one k places further back after k of them (it has
-        # k turns to wait, each about one delay): a backlog costs a few checks per message, not one per message
-        # and delay, which would crowd out the next in line's. Never past the timeout (nor backoff_max).
-        distance = min(sequence - done - 1, WAIT_SCALE)
-        delay = max(0.01, min(resolve(task, "retry_later_delay", call) * distance, timeout - waited + 0.01))
-        raise retry_later(task, wait, delay=delay, rule="ordering:wait", counter=headers.ORDERING_WAITS) or wait
+        raise (
+            retry_later(
+                task,
+                wait,
+                delay=self._wait(task, call, sequence - done - 1, waited),
+                rule="ordering:wait",
+                counter=headers.ORDERING_WAITS,
+            )
+            or wait
+        )
+
+    @staticmethod
+    def _wait(task: GuardedTask, call: Mapping[str, Any], distance: int, waited: float) -> float:
+        """How long a waiting message stays away: ``retry_later_delay`` times its distance from its turn (it has
+        that many turns to wait, each about one delay), or, when longer, as long as the key has not moved (so
+        the looks of a key that stays stuck double: 0.2, 0.2, 0.4, 0.8 ... seconds), at most
+        ``ordering_wait_max``; a quarter of it random (the waiters of many keys stuck at once do not come back
+        together); never past the next moment the wait has something to do (alert, give up)."""
+        distance = min(distance, WAIT_SCALE)
+        ceiling = min(
+            resolve(task, "ordering_wait_max", call), max(resolve(task, "retry_later_delay", call) * distance, waited)
+        )
+        delay = ceiling * (1.0 - WAIT_JITTER * random.random())
+        timeout = resolve(task, "ordering_gap_timeout", call)
+        due = [at for at in (resolve(task, "ordering_gap_alert_after", call), timeout, 2 * timeout) if at > waited]
+        if due:
+            delay = min(delay, min(due) - waited + 0.01)
+        return max(0.01, float(delay))
+
+    def _record_skip(
+        self, task: GuardedTask, key: str, scoped: str, skipped: OrderState, call: Mapping[str, Any]
+    ) -> None:
+        """Write the record of the range ``skipped`` gave up (a dead letter ``ordering_gap_skipped``, once per
+        range: its id is made from the key, the range and the wait's start), then tell the store it is written.
+        A sink that cannot be reached raises (this message comes back later; the record stays owed)."""
+        failure = gap_record(task, key=key, scoped=scoped, skipped=skipped)
+        new = dead_letters.record(task, failure)
+        if new:
+            logger.error(
+                "Task %s: ordering key %s: sequence number(s) %d..%d never came; recorded as dead letter %s (%s)",
+                task.name,
+                scoped,
+                skipped.skipped_from,
+                skipped.skipped_to,
+                failure.task_id,
+                ORDERING_GAP_SKIPPED,
+            )
+            try:  # alerts and metrics count it as they count every dead letter
+                signals.dead_lettered.send(sender=task, failure=failure)
+            except Exception:
+                logger.exception("Task %s[%s]: a receiver of dead_lettered failed", task.name, task.request.id)
+        retention = resolve(task, "ordering_retention", call)
+        get_store(task.app).order_recorded(scoped, to=skipped.skipped_to, now=time.time(), retention=retention)
 
     def _refuse(self, task: GuardedTask, error: OrderingError, reason: str) -> NoReturn:
         """Dead-letter the message (its turn does not move the key); raise what fails the task."""
@@ -248,3 +339,32 @@ class Ordering(Guardrail):
 
     def on_failure(self, task: GuardedTask, exc: BaseException, einfo: Any) -> None:
         self._advance(task)
+
+
+def gap_record(task: GuardedTask, *, key: str, scoped: str, skipped: OrderState) -> FinalFailure:
+    """The dead letter of sequence numbers given up as lost: the task, the key (``ord`` in its header, scoped in
+    its message), the numbers (``ord_seq`` the first, ``ord_seq_last`` the last), when their gap opened (its
+    first failure) and when it was given up (its last). No arguments, no attempts: no message ever came, so
+    there is nothing to replay (a replay is refused, saying so)."""
+    first, last = skipped.skipped_from, skipped.skipped_to
+    name = f"celery-guardrails:ordering-gap:{scoped}:{first}:{last}:{skipped.skipped_since:.6f}"
+    numbers = str(first) if first == last else f"{first} to {last}"
+    message = (
+        f"sequence number {numbers} of ordering key {scoped} never came: the key's messages waited for it from "
+        f"{timestamp(skipped.skipped_since)} and gave it up as lost at {timestamp(skipped.skipped_at)} "
+        f"(ordering_gap_timeout); the next message ran"
+    )
+    return FinalFailure(
+        task_name=task.name,
+        task_id=f"ordering-gap-{uuid.uuid5(uuid.NAMESPACE_URL, name)}",
+        reason=ORDERING_GAP_SKIPPED,
+        exc_type="",
+        exc_message=message,
+        tenant=current_tenant(),
+        correlation_id=None,
+        attempts=0,
+        owner=owner_of(task),
+        header={headers.ORDERING_KEY: key, headers.ORDERING_SEQUENCE: first, GAP_LAST: last},
+        first_failed_at=timestamp(skipped.skipped_since),
+        last_failed_at=timestamp(skipped.skipped_at),
+    )

@@ -210,7 +210,10 @@ class OrderState:
     waiting on the current gap (epoch seconds; 0: none has since the key last moved); ``waiting``: the lowest
     sequence number seen waiting since then (0: none); ``skipped_from`` /
     ``skipped_to``: the last range of sequence numbers given up as lost (0, 0: none); ``stale``: deliveries
-    found stale so far.
+    found stale so far; ``skipped_since`` / ``skipped_at``: when the gap of that range opened and when it was
+    given up (epoch seconds; 0: none); ``skip_owed``: that range's record (a dead letter
+    ``ordering_gap_skipped``) is not written yet; ``alerted``: the ``gap_since`` of the last wait an alert
+    was sent for (0: none).
     """
 
     issued: int = 0
@@ -220,6 +223,29 @@ class OrderState:
     skipped_from: int = 0
     skipped_to: int = 0
     stale: int = 0
+    skipped_since: float = 0.0
+    skipped_at: float = 0.0
+    skip_owed: bool = False
+    alerted: float = 0.0
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class OrderWait:
+    """An ordering key whose messages wait for an earlier sequence number: ``waiting_for`` (its ``done`` + 1),
+    the lowest number seen waiting (``lowest``) and since when (``since``, epoch seconds: the wait's start)."""
+
+    key: str
+    waiting_for: int
+    lowest: int
+    since: float
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class OrderWaits:
+    """The ordering keys that wait (:meth:`Store.order_waits`): how many, and the oldest waits, oldest first."""
+
+    count: int
+    oldest: tuple[OrderWait, ...] = ()
 
 
 class Store(RunLedger, Protocol):
@@ -335,7 +361,23 @@ class Store(RunLedger, Protocol):
 
     def order_skip(self, key: str, *, done: int, to: int, now: float, retention: float) -> bool:
         """Give up ``done + 1 .. to`` as lost: ``done`` becomes ``to`` if it still is ``done`` (compare and set),
-        the range is kept as the last skipped, ``gap_since`` and ``waiting`` cleared; whether it did."""
+        the range is kept as the last skipped with the wait's start (``skipped_since``), ``now``
+        (``skipped_at``) and ``skip_owed`` set, ``gap_since`` and ``waiting`` cleared; whether it did."""
+        ...
+
+    def order_recorded(self, key: str, *, to: int, now: float, retention: float) -> bool:
+        """The record of the skipped range ending at ``to`` is written: ``skip_owed`` cleared if the last range
+        skipped still ends at ``to`` and was owed; whether it was."""
+        ...
+
+    def order_alert(self, key: str, *, since: float, now: float, retention: float) -> bool:
+        """Whether the wait that started at ``since`` alerts now: True once per wait (``alerted`` becomes
+        ``since`` if the key still waits since then and was not alerted for it), False after."""
+        ...
+
+    def order_waits(self, *, now: float, limit: int) -> OrderWaits:
+        """The keys waiting for an earlier number (``gap_since`` set): how many, and the ``limit`` oldest. Read
+        from an index the wait's start writes once (a Redis sorted set; an indexed column), not from a scan."""
         ...
 
     # Concurrency slots (see the block below the protocol): per-key limits, holders' heartbeats, the reaper.

@@ -28,7 +28,7 @@ from celery_guardrails.stores.redis_checkpoint import (
 from celery_guardrails.stores.redis_client import connect, is_cluster
 from celery_guardrails.stores.redis_lane import Lane
 from celery_guardrails.stores.redis_ledger import LEDGER_SCRIPT, RedisRunLedger
-from celery_guardrails.stores.redis_ordering import ORDERING_SCRIPT, RedisOrdering
+from celery_guardrails.stores.redis_ordering import ORDERING_SCRIPT, UNINDEX_SCRIPT, RedisOrdering
 from celery_guardrails.stores.redis_slots import RedisSlots
 
 logger = logging.getLogger(__name__)
@@ -559,6 +559,7 @@ class RedisStore(RedisIdempotency, RedisRunLedger, RedisCheckpoints, RedisOrderi
         self._checkpoint_complete = self.client.register_script(CHECKPOINT_COMPLETE_SCRIPT)
         self._checkpoint_clear = self.client.register_script(CHECKPOINT_CLEAR_SCRIPT)
         self._ordering = self.client.register_script(ORDERING_SCRIPT)
+        self._unindex = self.client.register_script(UNINDEX_SCRIPT)
         # A cluster client routes each command to its slot's node: there is no one pool to make a lane from.
         self._lane = Lane(None if self._cluster else self.client.connection_pool)
         self._errors: tuple[type[BaseException], ...] = (redis.RedisError, redis.exceptions.RedisClusterException)

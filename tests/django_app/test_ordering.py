@@ -38,6 +38,18 @@ def worker(celery_app: Any, queue_name: str, tmp_path: Path) -> Iterator[WorkerP
         yield process  # type: ignore[misc]
 
 
+@pytest.fixture
+def gap_worker(celery_app: Any, queue_name: str, tmp_path: Path) -> Iterator[WorkerProcess]:
+    """A prefork worker (2 processes) on the Django store that gives a missing number up after 2 s."""
+    settings = {"store": "django", "dead_letter_sinks": ["django"], "ordering_gap_timeout": 2.0}
+    celery_app.conf.guardrails = {**celery_app.conf.guardrails, **settings}
+    env = proj_env(queue=queue_name, django=True, GUARDRAILS_TEST_GUARDRAILS=json.dumps(settings))
+    with WorkerProcess(
+        app=PROJ_APP, queue=queue_name, log_path=tmp_path / "worker.log", env=env, concurrency=2
+    ) as process:
+        yield process  # type: ignore[misc]
+
+
 def test_shuffled_messages_of_a_key_run_in_order_on_the_django_store(worker: WorkerProcess, sink: Sink) -> None:
     from django_celery_guardrails.models import OrderingSequence
 
@@ -79,3 +91,53 @@ def test_a_replayed_ordered_message_takes_a_new_number_after_its_successors(
     # the replay, one at a time with its key's others
     assert celery_app.AsyncResult(task_id).get(timeout=TIMEOUT) == 3
     assert [(item["n"], item["seq"]) for item in sink.items()] == [(2, 2), (1, 3)]
+
+
+def test_a_gap_given_up_on_the_django_store_leaves_a_dead_letter_that_refuses_replay(
+    gap_worker: WorkerProcess, celery_app: Any, sink: Sink
+) -> None:
+    from django.contrib.auth.models import User
+    from django.test import Client
+    from django.urls import reverse
+
+    from celery_guardrails import status as status_module
+    from celery_guardrails.stores import get_store
+    from django_celery_guardrails.models import DeadLetter, OrderingSequence
+    from django_celery_guardrails.replay import NEVER_CAME_REFUSAL, replay_dead_letters
+
+    stream = f"s-{uuid.uuid4().hex[:10]}"
+    key = f"tests.proj.tasks.ordered_append:-:stream:{stream}"
+    # Given number 1 of a key handed out and never published, and 2 published, waiting for it on the worker
+    get_store(celery_app).order_next(key, now=0.0, retention=3600.0)
+    second = tasks.ordered_append.delay(stream, 2, sink.key)
+    row = OrderingSequence.objects.filter(key=key)
+    wait_for("2 waiting", lambda: row.get().gap_since > 0)
+    # Then the wait shows in the status, read from the database
+    read = status_module.gather(celery_app)
+    assert read.ordering is not None
+    assert [(w.key, w.waiting_for, w.lowest) for w in read.ordering.oldest if w.key == key] == [(key, 1, 2)]
+    # When ordering_gap_timeout (2 s on this worker) passes: 2 gives 1 up and runs
+    assert second.get(timeout=TIMEOUT) == 2
+    # Then the number that never came is a dead letter in the database: the task, the key, the number, when
+    # the gap opened and when it was given up; nothing to replay, and a replay says why
+    record = DeadLetter.objects.get(reason="ordering_gap_skipped", header__ord=f"stream:{stream}")
+    assert (record.task_name, record.header, record.attempts, record.args, record.kwargs) == (
+        "tests.proj.tasks.ordered_append",
+        {"ord": f"stream:{stream}", "ord_seq": 1, "ord_seq_last": 1},
+        0,
+        [],
+        {},
+    )
+    assert (record.last_failed_at - record.first_failed_at).total_seconds() >= 2.0
+    wait_for("2's turn over", lambda: row.get().done == 2)
+    assert row.values_list("skipped_from", "skipped_to", "skip_owed", "gap_since").get() == (1, 1, False, 0.0)
+    admin = User.objects.create_superuser(f"u{uuid.uuid4().hex[:8]}", password=None)
+    result = replay_dead_letters([record.pk], user=admin)
+    assert (result.replayed, result.skipped) == ([], [(record.pk, NEVER_CAME_REFUSAL)])
+    assert DeadLetter.objects.get(pk=record.pk).status == DeadLetter.Status.OPEN
+    # And the admin shows it, saying it would refuse a replay
+    client = Client()
+    client.force_login(admin)
+    page = client.get(reverse("admin:guardrails_deadletter_change", args=[record.pk]))
+    assert page.status_code == 200
+    assert "never came" in page.content.decode()

@@ -9,15 +9,19 @@ from __future__ import annotations
 
 import json
 import random
+import re
 import time
 import uuid
 from collections.abc import Iterator
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from celery_guardrails import StoreUnavailableError, signals
+from celery_guardrails import status as status_module
+from celery_guardrails.collectors import StateCollector
 from celery_guardrails.stores import get_store
 from celery_guardrails.stores.redis_ordering import order_key
 from tests.conftest import Sink, waiting_messages
@@ -29,6 +33,8 @@ from tests.support.waiting import wait_for
 from tests.support.workers import PROJ_APP, WorkerProcess, proj_env
 
 TIMEOUT = 60
+#: Seconds a worker's clock reading may precede the signal it sends after it (the store's round trips, a busy host).
+SLACK = 0.2
 TASK = "tests.proj.tasks.ordered_append"
 
 
@@ -171,14 +177,25 @@ def test_a_malformed_ordering_header_is_dead_lettered(
     assert ran(sink) == []
 
 
+def gap_records(app: Any, stream: str) -> list[dict[str, Any]]:
+    """The records of sequence numbers of ``stream``'s key given up as lost, in the dead-letter stream."""
+    from celery_guardrails.dead_letters import STREAM
+
+    client = get_store(app).client  # type: ignore[attr-defined]
+    records = [json.loads(entry[b"record"]) for _, entry in client.xrange(STREAM)]
+    return [r for r in records if r["reason"] == "ordering_gap_skipped" and r["header"]["ord"] == f"stream:{stream}"]
+
+
 def test_a_gap_that_never_fills_is_given_up_and_the_late_one_dead_lettered(
     celery_worker: Any, celery_app: Any, sink: Sink, stream: str, received: Any
 ) -> None:
     skipped = received(signals.ordering_gap_skipped)
+    dead = received(signals.dead_lettered)
     celery_app.conf.guardrails = {**celery_app.conf.guardrails, "ordering_gap_timeout": 1.0}
     # Given number 1 of a key was handed out but its message never published (the broker failed after it)
     get_store(celery_app).order_next(scoped(stream), now=0.0, retention=3600.0)
     # When 2 and 3 are published
+    started = time.time()
     second = tasks.ordered_append.delay(stream, 2, sink.key)
     third = tasks.ordered_append.delay(stream, 3, sink.key)
     # Then they wait for 1 for ordering_gap_timeout, then 2 gives 1 up and runs, then 3
@@ -186,12 +203,101 @@ def test_a_gap_that_never_fills_is_given_up_and_the_late_one_dead_lettered(
     assert ran(sink) == [2, 3]
     assert [(s["task_id"], s["key"], s["first"], s["last"]) for s in skipped] == [(second.id, scoped(stream), 1, 1)]
     assert skipped[0]["waited"] >= 1.0
+    # And the number that never came is recorded durably, once: a dead letter ordering_gap_skipped naming the
+    # task, the key and the number, when its gap opened and when it was given up; no arguments, no attempt
+    (record,) = gap_records(celery_app, stream)
+    assert (record["task_name"], record["reason"], record["header"], record["attempts"]) == (
+        TASK,
+        "ordering_gap_skipped",
+        {"ord": f"stream:{stream}", "ord_seq": 1, "ord_seq_last": 1},
+        0,
+    )
+    assert (record["args"], record["kwargs"], record["history"]) == ([], {}, [])
+    assert f"sequence number 1 of ordering key {scoped(stream)} never came" in record["exc_message"]
+    opened, given_up = (datetime.fromisoformat(record[f]).timestamp() for f in ("first_failed_at", "last_failed_at"))
+    assert started - 1 < opened < given_up and given_up - opened >= 1.0
+    # ... told to alerts and metrics as every new dead letter is; the key owes nothing more
+    assert [d["failure"].task_id for d in dead] == [record["task_id"]]
+    assert get_store(celery_app).client.hget(order_key(scoped(stream)), "skip_owed") == b"0"  # type: ignore[attr-defined]
     # When message 1 turns up after all: it is dead-lettered (its turn was given up), not dropped as stale
     late = tasks.ordered_append.apply_async((stream, 1, sink.key), headers=ordered_header(stream, 1))
     late.get(timeout=TIMEOUT, propagate=False)
     record = dead_letter_of(celery_app, late.id)
     assert record["reason"] == "ordering_gap" and "given up as lost" in record["exc_message"]
     assert ran(sink) == [2, 3]
+
+
+def test_a_held_gap_backs_off_and_shows_in_status_metrics_and_one_alert(
+    celery_worker: Any, celery_app: Any, sink: Sink, stream: str, webhook: tuple[str, list[dict[str, Any]]]
+) -> None:
+    url, alerts = webhook
+    base, cap, alert_after, hold = 0.1, 2.0, 1.5, 6.0  # retry_later_delay is ordered_append's own 0.1 s
+    celery_app.conf.guardrails = {
+        **celery_app.conf.guardrails,
+        "ordering_wait_max": cap,
+        "ordering_gap_alert_after": alert_after,
+        "alert_channels": ["webhook"],
+        "alert_webhooks": [url],
+        "alert_throttle": 0.01,  # not throttled by an earlier run of this test (the store outlives it)
+    }
+    looks: list[tuple[float, float]] = []  # (when, delay) of each wait of message 2
+
+    def waited(sender: Any = None, task_id: str = "", delay: float = 0.0, rule: str = "", **_: Any) -> None:
+        if task_id == second.id and rule == "ordering:wait":
+            looks.append((time.time(), delay))
+
+    signals.retry_scheduled.connect(waited, weak=False)
+    try:
+        # Given number 1 of a key handed out and not published yet (its publisher is slow), and 2 published
+        get_store(celery_app).order_next(scoped(stream), now=time.time(), retention=3600.0)
+        second = tasks.ordered_append.delay(stream, 2, sink.key)
+        wait_for("2 waiting", lambda: len(looks) >= 1)
+        client = get_store(celery_app).client  # type: ignore[attr-defined]
+        since = float(client.hget(order_key(scoped(stream)), "gap_since"))
+        # When the gap is held past ordering_gap_alert_after
+        wait_for("the alert", lambda: alerts, timeout=10)
+        # Then the wait is a status line, a metric, and one alert to the task's owner
+        read = status_module.gather(celery_app)
+        assert read.ordering is not None and read.ordering.waiting >= 1
+        assert [(w.waiting_for, w.lowest, w.since) for w in read.ordering.oldest if w.key == scoped(stream)] == [
+            (1, 2, since)
+        ]
+        assert re.search(rf"\n  {re.escape(scoped(stream))} +#1 +#2 +\d", status_module.render(read))
+        scraped = {s.name: s.value for family in StateCollector(celery_app).collect() for s in family.samples}
+        assert scraped["celery_guardrails_ordering_keys_waiting"] >= 1
+        assert scraped["celery_guardrails_ordering_oldest_wait_seconds"] >= alert_after
+        ((alert,),) = [[a for a in alerts if a["subject"].startswith("Ordering key waits")]]
+        assert alert["ordering"]["key"] == scoped(stream) and alert["ordering"]["waiting_for"] == 1
+        assert alert["ordering"]["waited_seconds"] >= alert_after
+        # When 1 arrives after ``hold`` seconds (its header carries the number it was handed)
+        time.sleep(max(0.0, since + hold - time.time()))
+        first = tasks.ordered_append.apply_async((stream, 1, sink.key), headers=ordered_header(stream, 1))
+        # Then 1 runs, then 2 at its next look (at most ordering_wait_max later), each once
+        assert (first.get(timeout=TIMEOUT), second.get(timeout=TIMEOUT)) == (1, 2)
+        assert ran(sink) == [1, 2]
+    finally:
+        signals.retry_scheduled.disconnect(waited)
+
+    # And message 2 looked back with delays that doubled from retry_later_delay as the key stayed stuck (75 to
+    # 100% of the time waited so far, random), cut once to look at ordering_gap_alert_after, then at most
+    # ordering_wait_max: a handful of looks for the whole hold, where a fixed 0.1 s made one every 0.1 s
+    def longest(waited: float) -> float:
+        """The longest delay of a look ``waited`` seconds into the wait: cut to look at ordering_gap_alert_after."""
+        cut = alert_after - waited + 0.01 if waited < alert_after else cap
+        return max(0.01, min(cap, max(base, waited), cut))
+
+    bounds = []
+    for when, delay in looks:
+        # The worker read its clock up to SLACK before the signal reached this receiver: any moment in between
+        moments = [when - since - SLACK * i / 40 for i in range(41)]
+        low, high = 0.75 * min(map(longest, moments)), max(map(longest, moments))
+        bounds.append((round(low, 3), round(delay, 3), round(high, 3)))
+    assert all(low - 0.001 <= delay <= high + 0.001 for low, delay, high in bounds), bounds
+    assert 5 <= len(looks) <= 12, bounds
+    # ... and the alert was sent once for the whole wait; the key waits no more
+    assert len([a for a in alerts if a["subject"].startswith("Ordering key waits")]) == 1
+    found = get_store(celery_app).order_waits(now=time.time(), limit=10_000)
+    assert scoped(stream) not in [w.key for w in found.oldest]
 
 
 # Faults: the store cut away through a TCP proxy.

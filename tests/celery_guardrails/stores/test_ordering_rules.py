@@ -106,11 +106,86 @@ def test_skip_gives_up_a_range_once_and_remembers_it(store: Any, key: str) -> No
     assert store.order_skip(key, done=0, to=5, now=T0 + 10, retention=DAY) is False
     assert store.order_skip(key, done=3, to=3, now=T0 + 10, retention=DAY) is False  # nothing to give up
     state = check(store, key, 4, now=T0 + 11)
-    assert state == OrderState(issued=6, done=3, skipped_from=1, skipped_to=3)
+    assert state == OrderState(
+        issued=6, done=3, skipped_from=1, skipped_to=3, skipped_since=T0, skipped_at=T0 + 10, skip_owed=True
+    )
     # Then 4 is in turn, and 2 arriving late is below done, inside the range given up
     assert store.order_advance(key, sequence=4, now=T0 + 12, retention=DAY)
     late = check(store, key, 2, now=T0 + 13)
     assert (late.done, late.skipped_from, late.skipped_to, late.stale) == (4, 1, 3, 1)
+
+
+def test_a_skipped_range_is_owed_its_record_until_recorded_once(store: Any, key: str) -> None:
+    for _ in range(4):
+        store.order_next(key, now=T0, retention=DAY)
+    # Given 3 waited from T0 and gave up 1..2 at T0 + 100
+    check(store, key, 3, now=T0)
+    check(store, key, 3, now=T0 + 50)
+    assert store.order_skip(key, done=0, to=2, now=T0 + 100, retention=DAY)
+    # Then the key owes the range's record, with when the gap opened and when it was given up
+    state = check(store, key, 3, now=T0 + 101)
+    assert (state.skipped_from, state.skipped_to, state.skipped_since, state.skipped_at, state.skip_owed) == (
+        1,
+        2,
+        T0,
+        T0 + 100,
+        True,
+    )
+    # When its record is written: owed no more; a second "recorded", or one for another range, changes nothing
+    assert [store.order_recorded(key, to=t, now=T0 + 102, retention=DAY) for t in (1, 2, 2)] == [False, True, False]
+    assert check(store, key, 3, now=T0 + 103).skip_owed is False
+    # And an unknown key is not made
+    assert store.order_recorded(key + "-none", to=2, now=T0, retention=DAY) is False
+
+
+def test_a_wait_alerts_once_and_a_new_wait_alerts_again(store: Any, key: str) -> None:
+    for _ in range(4):
+        store.order_next(key, now=T0, retention=DAY)
+    # Given 3 waits for 1 since T0
+    assert check(store, key, 3, now=T0).gap_since == T0
+    # Then the wait of T0 alerts once; a wait that is not the key's (another start) never
+    alerts = [store.order_alert(key, since=s, now=T0 + 60, retention=DAY) for s in (T0 + 1, T0, T0, T0)]
+    assert alerts == [False, True, False, False]
+    assert check(store, key, 3, now=T0 + 61).alerted == T0
+    # When the key moves on and a new wait starts (4 waits for 3 since T0 + 70), that wait alerts once again
+    assert store.order_advance(key, sequence=1, now=T0 + 62, retention=DAY)
+    assert store.order_advance(key, sequence=2, now=T0 + 63, retention=DAY)
+    assert check(store, key, 4, now=T0 + 70).gap_since == T0 + 70
+    assert [store.order_alert(key, since=T0 + 70, now=T0 + 99, retention=DAY) for _ in range(2)] == [True, False]
+    assert store.order_alert(key + "-none", since=T0, now=T0, retention=DAY) is False
+
+
+def waits_of(store: Any, keys: list[str]) -> list[tuple[str, int, int, float]]:
+    """The waits ``order_waits`` lists for ``keys`` (the index is shared with whatever else runs on the store)."""
+    found = store.order_waits(now=T0 + 1000, limit=10_000)
+    assert found.count >= len(found.oldest)
+    return [(w.key, w.waiting_for, w.lowest, w.since) for w in found.oldest if w.key in keys]
+
+
+def test_the_keys_that_wait_are_listed_oldest_wait_first_until_they_move(store: Any, key: str) -> None:
+    first, second, quiet = key, key + "-2", key + "-3"
+    for name in (first, second, quiet):
+        for _ in range(4):
+            store.order_next(name, now=T0, retention=DAY)
+    keys = [first, second, quiet]
+    # Given 3 of ``second`` waits from T0 + 5, 4 of ``first`` from T0 + 10 then 2 of it too; ``quiet`` runs 1
+    check(store, second, 3, now=T0 + 5)
+    check(store, first, 4, now=T0 + 10)
+    check(store, first, 2, now=T0 + 20)
+    check(store, quiet, 1, now=T0 + 20)
+    # Then both waiting keys are listed, the oldest wait first, with the number each waits for and since when
+    assert waits_of(store, keys) == [(second, 1, 3, T0 + 5), (first, 1, 2, T0 + 10)]
+    # When a waiter looks again, its wait keeps its start
+    check(store, second, 3, now=T0 + 30)
+    assert waits_of(store, keys)[0] == (second, 1, 3, T0 + 5)
+    # When ``second`` moves (1 ran) and ``first`` gives up 1: neither waits any more
+    assert store.order_advance(second, sequence=1, now=T0 + 40, retention=DAY)
+    assert store.order_skip(first, done=0, to=1, now=T0 + 41, retention=DAY)
+    assert waits_of(store, keys) == []
+    # When ``second`` waits again (4 for 2, a new wait): listed again with the new start
+    check(store, second, 4, now=T0 + 50)
+    assert waits_of(store, keys) == [(second, 2, 4, T0 + 50)]
+    store.order_advance(second, sequence=2, now=T0 + 60, retention=DAY)
 
 
 def test_an_unknown_key_is_never_made_by_check_advance_or_skip(store: Any, key: str) -> None:
