@@ -783,11 +783,16 @@ def _lock_slot_key(key: str, *, reap_after: float | None) -> None:
 
 
 def _reap(key: str, *, now: float, reap_after: float) -> list[SlotHolder]:
-    """Mark lost the holders of ``key`` whose heartbeat is older than ``reap_after`` (under the key's lock)."""
+    """Mark lost the holders of ``key`` whose heartbeat is older than ``reap_after`` (under the key's lock).
+
+    Their rows are locked first: a holder inside a fenced effect's transaction holds its row's lock (its check
+    renewed the heartbeat there, see :func:`celery_guardrails.guardrails.concurrency.fence`), so the reaper waits
+    for that effect to commit or roll back, and PostgreSQL reads the row again after the wait (a holder whose
+    check renewed it is no longer stale): a reap never lands in the middle of a holder's effect."""
     stale = list(
-        ConcurrencySlot.objects.filter(key=key, state=HELD, heartbeat_at__lt=_moment(now - reap_after)).order_by(
-            "heartbeat_at"
-        )
+        ConcurrencySlot.objects.select_for_update()
+        .filter(key=key, state=HELD, heartbeat_at__lt=_moment(now - reap_after))
+        .order_by("heartbeat_at")
     )
     if not stale:
         return []

@@ -46,8 +46,8 @@ from typing import TYPE_CHECKING, Any
 
 from celery_guardrails import headers, signals
 from celery_guardrails.context import current_tenant
-from celery_guardrails.delivery import Delivery, Hold, delivery
-from celery_guardrails.exceptions import ConcurrencyKeyError, ConfigurationError, RetryLater
+from celery_guardrails.delivery import ATTRIBUTE, Delivery, Grant, Hold, delivery
+from celery_guardrails.exceptions import ConcurrencyKeyError, ConfigurationError, RetryLater, SlotLostError
 from celery_guardrails.guardrails.idempotency import HEARTBEATS, delivery_owner, render_key
 from celery_guardrails.guardrails.retries import retry_later
 from celery_guardrails.options import resolve
@@ -63,6 +63,10 @@ logger = logging.getLogger(__name__)
 
 #: Longest interval between two heartbeats of a slot, in seconds (a quarter of the ceiling when shorter).
 BEAT_MAX = 10.0
+#: Share of the ceiling within which a slot confirmed held (acquired, beaten, checked) is taken as still held at
+#: a boundary without asking the store: no reaper can take it sooner than the ceiling after that step began,
+#: and half of it leaves room for clocks that differ between workers.
+TRUSTED = 0.5
 #: Doublings of the wait for a slot at most (the delay stays under 16 times ``retry_later_delay``).
 WAIT_DOUBLINGS = 4
 #: The store key's namespace of each option (a concurrency key and an exclusive key never share slots).
@@ -123,17 +127,93 @@ def report_reaped(sender: Any, reaped: tuple[SlotHolder, ...] | list[SlotHolder]
         )
 
 
-def _beat(store: Store, key: str, holder: str, now: float) -> bool:
-    return store.heartbeat_slot(key, holder=holder, now=now)
+def report_fenced(task: Any, grant: Grant, where: str) -> None:
+    """Log and signal a holder that went on after its slot was reaped, stopped at ``where`` (its overlap)."""
+    request = task.request
+    logger.warning(
+        "Task %s[%s]: concurrency slot %s of holder %s was reaped while it ran (silent past %.3fs: stalled); "
+        "fenced at %s",
+        task.name,
+        request.id,
+        grant.key,
+        grant.holder,
+        grant.reap_after,
+        where,
+    )
+    signals.holder_fenced.send(
+        sender=task,
+        key=grant.key,
+        holder=grant.holder,
+        task_name=task.name,
+        task_id=str(request.id or ""),
+        tenant=current_tenant() or "",
+        where=where,
+    )
 
 
-def _let_go(store: Store, state: Delivery, key: str, holder: str) -> None:
+def _lost(task: Any, state: Delivery, where: str) -> Grant | None:
+    """The first slot of ``state`` found reaped (reported), or None: every slot is still this delivery's."""
+    store = get_store(task.app)
+    in_transaction = getattr(store, "in_transaction", None)
+    # Inside a database transaction (Django store) the check is always the store's: its UPDATE of the slot's
+    # row joins the transaction and locks the row until the commit, so the reaper (which must lock it too)
+    # waits for the effect to commit or roll back: the effect and the reap never interleave.
+    locking = in_transaction is not None and bool(in_transaction())
+    for grant in state.concurrency:
+        if not grant.lost:
+            started = time.monotonic()
+            if not locking and started - grant.confirmed < grant.reap_after * TRUSTED:
+                continue  # confirmed too recently for any reaper to have taken it: no round trip
+            if store.heartbeat_slot(grant.key, holder=grant.holder, now=time.time()):
+                if not locking:  # (a beat inside a transaction may still be rolled back)
+                    grant.confirmed = started
+                continue
+            grant.lost = True
+        report_fenced(task, grant, where)
+        return grant
+    return None
+
+
+def fence(task: Any, where: str) -> None:
+    """Raise :class:`~celery_guardrails.exceptions.SlotLostError` when a concurrency slot the running delivery
+    of ``task`` holds was reaped (the holder stalled past ``concurrency_reap_after``); nothing when it holds
+    none. Called at the body's boundaries (:class:`ConcurrencyLimit`) and by the effect helpers (``effect()``,
+    the checkpoint's save, the Django effect helpers). Raises StoreError like any store operation."""
+    state: Delivery | None = getattr(task.request, ATTRIBUTE, None)
+    if state is None or not state.concurrency:
+        return
+    grant = _lost(task, state, where)
+    if grant is not None:
+        raise SlotLostError(grant.key, grant.holder, where)
+
+
+def fence_running(where: str) -> None:
+    """:func:`fence` for the guarded body running in this thread, if any (the helpers' entry point)."""
+    from celery import current_task
+
+    task = current_task._get_current_object()
+    state: Delivery | None = getattr(task.request, ATTRIBUTE, None) if task is not None else None
+    if state is not None and state.in_body and state.concurrency:
+        fence(task, where)
+
+
+def _beat(store: Store, grant: Grant, now: float) -> bool:
+    started = time.monotonic()
+    held = store.heartbeat_slot(grant.key, holder=grant.holder, now=now)
+    if held:
+        grant.confirmed = started
+    else:
+        grant.lost = True  # reaped: every boundary of the body now refuses at once
+    return held
+
+
+def _let_go(store: Store, state: Delivery, grant: Grant) -> None:
     """Release one slot: its beats stop and the delivery forgets it first (a beat after the release would find
     nothing, and say lost; a release the store fails is not tried again: the reaper takes the slot)."""
-    HEARTBEATS.remove(key, holder)
-    if (key, holder) in state.concurrency:
-        state.concurrency.remove((key, holder))
-    store.release_slot(key, holder=holder)
+    HEARTBEATS.remove(grant.key, grant.holder)
+    if grant in state.concurrency:
+        state.concurrency.remove(grant)
+    store.release_slot(grant.key, holder=grant.holder)
 
 
 class ConcurrencyLimit(Guardrail):
@@ -160,6 +240,7 @@ class ConcurrencyLimit(Guardrail):
         holder = delivery_owner(request)
         reap_after = resolve(task, "concurrency_reap_after", call)
         for key, limit in wanted:
+            started = time.monotonic()
             answer = store.acquire_slot(
                 key,
                 holder=holder,
@@ -174,9 +255,10 @@ class ConcurrencyLimit(Guardrail):
             if not answer.acquired:
                 self._release(task)  # a slot taken before this one: not held while waiting
                 raise self._wait(task, key, limit, answer.retry_at)
-            state.concurrency.append((key, holder))
-            state.holds.append(Hold(holder, functools.partial(_let_go, store, state, key, holder)))
-            beat = functools.partial(_beat, store, key, holder)
+            grant = Grant(key=key, holder=holder, reap_after=reap_after, confirmed=started)
+            state.concurrency.append(grant)
+            state.holds.append(Hold(holder, functools.partial(_let_go, store, state, grant)))
+            beat = functools.partial(_beat, store, grant)
             HEARTBEATS.add(store, key, holder, lease=reap_after, beat=beat, every=beat_interval(reap_after))
 
     def _wait(self, task: GuardedTask, key: str, limit: int, retry_at: float) -> BaseException:
@@ -199,7 +281,9 @@ class ConcurrencyLimit(Guardrail):
     @contextmanager
     def _holding(self, task: GuardedTask) -> Iterator[None]:
         try:
+            fence(task, "before the body")
             yield
+            self._completing(task)
         finally:
             # The body is over: its slots go back now, before a retry is published or the result stored.
             # Inside a database transaction (atomic=True on the Django store) a release would be rolled back
@@ -208,6 +292,18 @@ class ConcurrencyLimit(Guardrail):
             if in_transaction is None or not in_transaction():
                 self._release(task)
 
+    def _completing(self, task: GuardedTask) -> None:
+        """The body returned: are its slots still its own? Inside a database transaction (``atomic=True`` on the
+        Django store) a lost slot refuses the commit (SlotLostError rolls the body's work back). Outside one the
+        body's effects have happened and running it again could repeat them: a lost slot is reported (logged,
+        ``holder_fenced``) and the completion goes ahead."""
+        state = delivery(task)
+        in_transaction = getattr(get_store(task.app), "in_transaction", None)
+        if in_transaction is not None and in_transaction():
+            fence(task, "completion")
+        else:
+            _lost(task, state, "completion (its effects had run)")
+
     def _release(self, task: GuardedTask) -> None:
         """Release every slot held, in reverse order, each on its own (the store may be what fails: a slot
         left held is reaped after the ceiling)."""
@@ -215,16 +311,16 @@ class ConcurrencyLimit(Guardrail):
         if not state.concurrency:
             return
         store = get_store(task.app)
-        for key, holder in reversed(list(state.concurrency)):
-            state.forget(holder)
+        for grant in reversed(list(state.concurrency)):
+            state.forget(grant.holder)
             try:
-                _let_go(store, state, key, holder)
+                _let_go(store, state, grant)
             except Exception:
                 logger.warning(
                     "Task %s[%s]: concurrency slot %s not released; it is reaped after the ceiling",
                     task.name,
                     task.request.id,
-                    key,
+                    grant.key,
                     exc_info=True,
                 )
 
