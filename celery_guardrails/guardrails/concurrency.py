@@ -151,14 +151,15 @@ def report_fenced(task: Any, grant: Grant, where: str) -> None:
     )
 
 
-def _lost(task: Any, state: Delivery, where: str) -> Grant | None:
-    """The first slot of ``state`` found reaped (reported), or None: every slot is still this delivery's."""
+def _lost(task: Any, state: Delivery, where: str, *, landing: bool = True) -> Grant | None:
+    """The first slot of ``state`` found reaped (reported), or None: every slot is still this delivery's.
+    ``landing``: an effect is about to land in the transaction open now, if any."""
     store = get_store(task.app)
     in_transaction = getattr(store, "in_transaction", None)
-    # Inside a database transaction (Django store) the check is always the store's: its UPDATE of the slot's
-    # row joins the transaction and locks the row until the commit, so the reaper (which must lock it too)
-    # waits for the effect to commit or roll back: the effect and the reap never interleave.
-    locking = in_transaction is not None and bool(in_transaction())
+    # Where an effect lands inside a database transaction (Django store) the check is always the store's: its
+    # UPDATE of the slot's row joins the transaction and locks the row until it ends, and the reaper skips a
+    # locked row: the slot cannot be taken away between the check and the commit.
+    locking = landing and in_transaction is not None and bool(in_transaction())
     for grant in state.concurrency:
         if not grant.lost:
             started = time.monotonic()
@@ -174,15 +175,17 @@ def _lost(task: Any, state: Delivery, where: str) -> Grant | None:
     return None
 
 
-def fence(task: Any, where: str) -> None:
+def fence(task: Any, where: str, *, landing: bool = True) -> None:
     """Raise :class:`~celery_guardrails.exceptions.SlotLostError` when a concurrency slot the running delivery
     of ``task`` holds was reaped (the holder stalled past ``concurrency_reap_after``); nothing when it holds
     none. Called at the body's boundaries (:class:`ConcurrencyLimit`) and by the effect helpers (``effect()``,
-    the checkpoint's save, the Django effect helpers). Raises StoreError like any store operation."""
+    the checkpoint's save, the Django effect helpers). ``landing=False``: no effect lands in the open
+    transaction yet (before the body: the slot's row is not locked for the whole body). Raises StoreError like
+    any store operation."""
     state: Delivery | None = getattr(task.request, ATTRIBUTE, None)
     if state is None or not state.concurrency:
         return
-    grant = _lost(task, state, where)
+    grant = _lost(task, state, where, landing=landing)
     if grant is not None:
         raise SlotLostError(grant.key, grant.holder, where)
 
@@ -281,7 +284,7 @@ class ConcurrencyLimit(Guardrail):
     @contextmanager
     def _holding(self, task: GuardedTask) -> Iterator[None]:
         try:
-            fence(task, "before the body")
+            fence(task, "before the body", landing=False)
             yield
             self._completing(task)
         finally:

@@ -157,3 +157,36 @@ def write_effect_limited(self: GuardedTask, key: str, sink: str) -> str:
     if self.request.attempt == 1:
         raise TransientError("provider busy")
     return "written"
+
+
+@shared_task(
+    base=GuardedTask,
+    bind=True,
+    idempotency_key="fenced:{key}",
+    atomic=True,
+    concurrency_key="tenant:{tenant}",
+    concurrency_limit=2,
+    retry_later_delay=0.2,
+)
+def limited_atomic_effect(self: GuardedTask, key: str, sink: str, gate: str) -> dict[str, Any]:
+    """At most two at once per tenant, its body one transaction with its key. Reports itself, waits until the
+    Redis key ``gate`` exists, then inserts an Effect row and marks the key processed through the effect helper
+    ``mark_processed`` (fenced in the same transaction: a holder whose slot was reaped rolls both back)."""
+    from django_celery_guardrails.effects import mark_processed
+    from tests.testapp.models import Effect
+
+    client = redis.Redis.from_url(REDIS_URL)
+    report = seen(
+        self,
+        sink,
+        attempt=self.request.attempt,
+        history=[(r.get("class"), r.get("rule")) for r in self.request.attempt_history],
+    )
+    deadline = time.monotonic() + 120
+    while not client.exists(gate):
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"gate {gate} never opened")
+        time.sleep(0.05)
+    Effect.objects.create(key=key)
+    mark_processed(f"fenced:{key}")
+    return report
