@@ -29,6 +29,21 @@
     ``GuardedTask`` publishes the message again later, no attempt spent (a slot taken before is released).
 * The reaper also runs on a timer: the watchdog's bootstep thread in every worker calls :func:`reap` every
   ``watchdog_interval`` seconds (each key reaped with the ceiling its last capacity check used).
+* Fencing. A holder is reaped when silent past the ceiling, and a process that is only stopped (SIGSTOP, a
+  paused VM) is silent too: it may resume after its slot was given away. The grant is this delivery's own (the
+  holder id is unique per delivery; a reaped holder is never renewed: the store's set of live holders is the
+  token, which a limit of N, where N grants are legitimate at once, needs rather than "the newest wins"), and
+  :func:`fence` checks it at the body's boundaries: before the body, at each ``effect()`` block, each checkpoint
+  save, in the Django effect helpers, and before the completion. A slot confirmed (acquired, beaten, checked)
+  less than half the ceiling ago is taken as held without a round trip; else the check is a heartbeat, which
+  says whether the holder still holds it. Where an effect lands inside a database transaction (Django store) the
+  check is always the store's: its UPDATE locks the slot's row until the commit and the reaper skips locked
+  rows, so no reap lands between the check and the commit. A reaped holder gets
+  :class:`~celery_guardrails.exceptions.SlotLostError` (logged, ``holder_fenced`` sent); classified as a wait
+  through the retry gate, its message comes back later under the limit when that is safe (the body never
+  started, or the gate's rules: no effect before, an atomic body rolled back), else it is a final failure
+  ``not_idempotent``. A body that returned outside a transaction has had its effects: its lost slot is
+  reported, and the completion goes ahead.
 
 It comes last in ``GuardedTask.guardrails``: a duplicate of a completed idempotency key, a delivery its
 budget defers or a copy waiting behind a live claim never takes a slot.

@@ -137,3 +137,44 @@ def test_a_holder_stopped_past_the_ceiling_rolls_its_effect_back_when_it_resumes
         for worker in workers.values():
             worker.stop()
         sink.client.delete(gate_a, gate_b)
+
+
+def test_a_holder_inside_its_fenced_effect_is_neither_reaped_nor_waited_for_until_it_ends() -> None:
+    import threading
+
+    from django.db import connection, connections, transaction
+
+    from django_celery_guardrails.store import DjangoStore
+
+    if connection.vendor != "postgresql":
+        pytest.skip("row locks (runs in the PostgreSQL pass)")
+    # Given a holder of a key limited to one, whose effect transaction has checked its slot (the fence's UPDATE
+    # locks the row) and is still open
+    store, key, t0 = DjangoStore(), f"limit:locked-{uuid.uuid4().hex[:8]}", 1_800_000_000.0
+    assert store.acquire_slot(key, holder="a", limit=1, now=t0, reap_after=60).acquired
+    checked, finish, steps = threading.Event(), threading.Event(), []
+
+    def effect() -> None:
+        try:
+            with transaction.atomic():
+                steps.append(("fence", store.heartbeat_slot(key, holder="a", now=t0 + 1)))
+                checked.set()
+                finish.wait(30)
+            steps.append(("committed", True))
+        finally:
+            connections.close_all()
+
+    holder = threading.Thread(target=effect)
+    holder.start()
+    assert checked.wait(30)
+    # When its heartbeat thread beats and another delivery's capacity check comes long past the ceiling
+    beat = store.heartbeat_slot(key, holder="a", now=t0 + 500)
+    refused = store.acquire_slot(key, holder="b", limit=1, now=t0 + 1000, reap_after=60)
+    steps.append(("checked meanwhile", (beat, refused.acquired, refused.reaped)))
+    finish.set()
+    holder.join(30)
+    # Then neither waited for the effect: the beat says held, the capacity check reaps nothing and is refused
+    assert steps == [("fence", True), ("checked meanwhile", (True, False, ())), ("committed", True)]
+    # and once the effect's transaction ended, the holder (silent since its fence) is reaped as usual
+    answer = store.acquire_slot(key, holder="b", limit=1, now=t0 + 1000, reap_after=60)
+    assert answer.acquired and [h.holder for h in answer.reaped] == ["a"]
