@@ -178,3 +178,38 @@ def test_a_holder_inside_its_fenced_effect_is_neither_reaped_nor_waited_for_unti
     # and once the effect's transaction ended, the holder (silent since its fence) is reaped as usual
     answer = store.acquire_slot(key, holder="b", limit=1, now=t0 + 1000, reap_after=60)
     assert answer.acquired and [h.holder for h in answer.reaped] == ["a"]
+
+
+def test_a_chunk_saved_after_the_slot_was_reaped_rolls_back_and_the_job_resumes_under_the_limit(
+    celery_app: Any, celery_worker: Any, received: Any
+) -> None:
+    from django.db import connection
+
+    from celery_guardrails import signals
+    from celery_guardrails.stores import get_store
+    from tests.testapp.models import ChunkItem
+
+    if connection.vendor != "postgresql":
+        # SQLite has one writer: the other delivery cannot take the slot while the chunk's transaction is open.
+        pytest.skip("a reap inside an open chunk needs a second writer (runs in the PostgreSQL pass)")
+
+    # Given a chunked job of 6 items (2 a chunk) limited to one per tenant, whose slot another delivery takes
+    # (reaping it, as after a stall) while its second chunk runs
+    tenant, job, thief = f"t-{uuid.uuid4().hex[:8]}", f"job-{uuid.uuid4().hex[:8]}", f"thief-{uuid.uuid4().hex[:8]}"
+    fenced = received(signals.holder_fenced)
+    with tenant_context(tenant):
+        result = django_tasks.limited_chunks.delay(job, 6, thief)
+    # When its second chunk is saved: the save is fenced, the chunk rolls back
+    wait_for("the holder fenced", lambda: len(fenced) == 1)
+    assert [(f["task_id"], f["key"], f["where"]) for f in fenced] == [
+        (result.id, f"limit:tenant:{tenant}", "checkpoint")
+    ]
+    assert sorted(ChunkItem.objects.filter(job=job).values_list("item", "run")) == [(0, 1), (1, 1)]
+    # Then, once the other delivery gives the slot back, the job runs again under the limit, resuming at item 2,
+    # on its first attempt: each item's row exactly once
+    get_store(celery_app).release_slot(f"limit:tenant:{tenant}", holder=thief)
+    report = result.get(timeout=60)
+    assert report["run"] == 2 and report["attempt"] == 1
+    assert ["retry_later", "concurrency:slot_lost"] in report["history"]
+    rows = sorted(ChunkItem.objects.filter(job=job).values_list("item", "run"))
+    assert rows == [(0, 1), (1, 1), (2, 2), (3, 2), (4, 2), (5, 2)]

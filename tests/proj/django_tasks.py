@@ -190,3 +190,45 @@ def limited_atomic_effect(self: GuardedTask, key: str, sink: str, gate: str) -> 
     Effect.objects.create(key=key)
     mark_processed(f"fenced:{key}")
     return report
+
+
+@shared_task(
+    base=GuardedTask,
+    bind=True,
+    idempotent=True,
+    concurrency_key="tenant:{tenant}",
+    concurrency_limit=1,
+    retry_later_delay=0.1,
+)
+def limited_chunks(self: GuardedTask, job: str, count: int, thief: str) -> dict[str, Any]:
+    """One per tenant, a chunked job (two items a chunk, one ChunkItem row each). On its first run, as its second
+    chunk starts, another delivery (``thief``) takes its slot, reaping it, as after a stall past the ceiling (from
+    a thread of its own: outside the chunk's transaction)."""
+    import threading
+
+    from celery_guardrails.context import current_tenant
+    from celery_guardrails.stores import get_store
+    from tests.testapp.models import ChunkItem
+
+    run = int(redis.Redis.from_url(REDIS_URL).incr(f"{job}:runs"))
+    store, key = get_store(self.app), f"limit:tenant:{current_tenant()}"
+
+    def take_the_slot() -> None:
+        from django.db import connection
+
+        try:
+            store.acquire_slot(key, holder=thief, limit=1, now=time.time() + 100, reap_after=60.0, task_id=thief)
+        finally:
+            connection.close()
+
+    for item in self.checkpoint.iterate(range(count), every=2):
+        if run == 1 and item == 2:
+            taker = threading.Thread(target=take_the_slot)
+            taker.start()
+            taker.join()
+        ChunkItem.objects.create(job=job, item=item, run=run)
+    return {
+        "run": run,
+        "attempt": self.request.attempt,
+        "history": [(r.get("class"), r.get("rule")) for r in self.request.attempt_history],
+    }
