@@ -95,6 +95,8 @@ class Delivery:
     body_ran: bool = False
     #: What the body itself raised (a store error from the task's own code is the task's, not the guardrails').
     body_error: BaseException | None = None
+    #: A store error the concurrency fence met inside the body (the guardrails' own outage, not the body's).
+    fence_error: BaseException | None = None
     #: What the body returned.
     retval: Any = None
     #: The body is running: a ``self.retry()`` made now is the body's, and goes through the retry gate.

@@ -62,7 +62,13 @@ from typing import TYPE_CHECKING, Any
 from celery_guardrails import headers, signals
 from celery_guardrails.context import current_tenant
 from celery_guardrails.delivery import ATTRIBUTE, Delivery, Grant, Hold, delivery
-from celery_guardrails.exceptions import ConcurrencyKeyError, ConfigurationError, RetryLater, SlotLostError
+from celery_guardrails.exceptions import (
+    ConcurrencyKeyError,
+    ConfigurationError,
+    RetryLater,
+    SlotLostError,
+    StoreError,
+)
 from celery_guardrails.guardrails.idempotency import HEARTBEATS, delivery_owner, render_key
 from celery_guardrails.guardrails.retries import retry_later
 from celery_guardrails.options import resolve
@@ -180,7 +186,12 @@ def _lost(task: Any, state: Delivery, where: str, *, landing: bool = True) -> Gr
             started = time.monotonic()
             if not locking and started - grant.confirmed < grant.reap_after * TRUSTED:
                 continue  # confirmed too recently for any reaper to have taken it: no round trip
-            if store.heartbeat_slot(grant.key, holder=grant.holder, now=time.time()):
+            try:
+                held = store.heartbeat_slot(grant.key, holder=grant.holder, now=time.time())
+            except StoreError as exc:
+                state.fence_error = exc  # an outage of the guardrails' store, not the body's error
+                raise
+            if held:
                 if not locking:  # (a beat inside a transaction may still be rolled back)
                     grant.confirmed = started
                 continue
@@ -298,10 +309,17 @@ class ConcurrencyLimit(Guardrail):
 
     @contextmanager
     def _holding(self, task: GuardedTask) -> Iterator[None]:
+        state = delivery(task)
         try:
             fence(task, "before the body", landing=False)
             yield
             self._completing(task)
+        except StoreError as exc:
+            if exc is state.fence_error:
+                # The store failed under a fence check, not the task's own code: an outage GuardedTask settles
+                # (the message comes back later, no attempt spent), not an error of the body to classify.
+                state.body_error = None
+            raise
         finally:
             # The body is over: its slots go back now, before a retry is published or the result stored.
             # Inside a database transaction (atomic=True on the Django store) a release would be rolled back

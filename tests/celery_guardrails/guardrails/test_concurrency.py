@@ -241,6 +241,40 @@ def test_a_holder_stopped_past_the_ceiling_is_fenced_when_it_resumes_and_runs_ag
         sink.client.delete(fenced_sink.key, effects.key, gate_a, gate_b)
 
 
+def test_store_cut_at_a_fence_check_in_the_body_the_message_comes_back_no_attempt_spent(
+    celery_app: Any, sink: Sink, tmp_path: Path
+) -> None:
+    # Given a worker whose store goes through a proxy (reap ceiling 1 s), running a limited task held at its gate
+    require("redis")
+    proxy = TcpProxy(6379)
+    store = REDIS_URL.replace("127.0.0.1:6379", f"127.0.0.1:{proxy.port}")
+    queue = f"gr-test-slots-{uuid.uuid4().hex[:12]}"
+    config = {"store": store, "backoff_base": 0.2, "concurrency_reap_after": 1.0}
+    env = proj_env(queue=queue, GUARDRAILS_TEST_GUARDRAILS=json.dumps(config))
+    tenant, gate, effects = f"cut-{uuid.uuid4().hex[:8]}", f"{sink.key}:gate", f"{sink.key}:effects"
+    try:
+        with WorkerProcess(app=PROJ_APP, queue=queue, log_path=tmp_path / "worker.log", env=env) as worker:
+            result = publish(tasks.limited_effect, tenant, sink.key, gate, queue=queue)
+            sink.wait(1)
+            # When the store is cut, its slot unconfirmed for longer than half the ceiling, and the gate opens:
+            # its effect() block must ask the store whether the slot is still its own
+            proxy.cut()
+            time.sleep(0.8)
+            sink.client.set(gate, 1)
+            wait_for("the outage logged", lambda: "the guardrails store is unavailable" in worker.log)
+            # Then the effect did not land, and the message is neither failed nor lost: it comes back
+            assert sink.client.llen(effects) == 0 and result.state in ("PENDING", "RETRY")
+            proxy.restore()
+            report = result.get(timeout=TIMEOUT)
+            landed = [raw.decode() for raw in sink.client.lrange(effects, 0, -1)]
+    finally:
+        proxy.close()
+        sink.client.delete(gate, effects)
+    # and runs again on its first attempt, the outage in its history; its effect landed once
+    assert report["attempt"] == 1 and ["store_unavailable", "store"] in report["history"]
+    assert landed == [result.id]
+
+
 def test_store_cut_at_the_capacity_check_the_message_comes_back_no_attempt_spent(
     celery_app: Any, sink: Sink, tmp_path: Path
 ) -> None:
