@@ -337,8 +337,14 @@ class ConcurrencyLimit(Guardrail):
         in_transaction = getattr(get_store(task.app), "in_transaction", None)
         if in_transaction is not None and in_transaction():
             fence(task, "completion")
-        else:
+            return
+        try:
             _lost(task, state, "completion (its effects had run)")
+        except StoreError:  # a report only: an outage now must not send a finished body round again
+            state.fence_error = None
+            logger.warning(
+                "Task %s[%s]: its concurrency slots could not be checked at completion", task.name, task.request.id
+            )
 
     def _release(self, task: GuardedTask) -> None:
         """Release every slot held, in reverse order, each on its own (the store may be what fails: a slot
