@@ -49,7 +49,8 @@ from typing import TYPE_CHECKING, Any
 
 from celery_guardrails.context import current_tenant
 from celery_guardrails.delivery import ATTRIBUTE, delivery
-from celery_guardrails.exceptions import CheckpointError, ConfigurationError, RetryLater, StoreError
+from celery_guardrails.exceptions import CheckpointError, ConfigurationError, RetryLater, SlotLostError, StoreError
+from celery_guardrails.guardrails.concurrency import fence
 from celery_guardrails.options import resolve
 from celery_guardrails.pipeline import Guardrail
 from celery_guardrails.stores import get_store, store_url
@@ -199,6 +200,13 @@ class Checkpoint:
     def _save(self) -> None:
         """Write the position (in the open chunk's transaction, then commit it: Django)."""
         ttl = resolve(self.task, "idempotency_retention", self.task.call_options())
+        try:
+            # Fencing (owned by the concurrency guardrail): a holder whose slot was reaped saves nothing; on
+            # Django the check joins the chunk's transaction, so the chunk rolls back with it.
+            fence(self.task, "checkpoint")
+        except SlotLostError as exc:
+            self._end(exc)
+            raise
         try:
             saved = self.store.save_checkpoint(
                 self.key, expected=self._saved, position=self._position, state=self._state_text, ttl=ttl

@@ -4,7 +4,8 @@
 
 1. Celery's own control flow (``Retry``, ``Ignore``, ``Reject``) passes through untouched.
 2. ``RetryLater`` -> retry later (no attempt consumed); ``TransientError`` -> transient;
-   ``PermanentError`` -> permanent.
+   ``PermanentError`` -> permanent. ``SlotLostError`` (the delivery's concurrency slot was reaped while it
+   ran) -> retry later under the limit, through the gate below (unless the body never started).
 3. The task's ``permanent_errors``.
 4. ``deterministic_errors`` (``ValueError``, ``TypeError``, ``KeyError``, validation errors, ...): no retry
    can fix them, so they are permanent, unless a class of ``transient_errors`` (or ``autoretry_for``) at least
@@ -43,7 +44,7 @@ from typing import Any
 
 from celery.exceptions import Ignore, Reject, Retry
 
-from celery_guardrails.exceptions import PermanentError, RetryLater, TransientError
+from celery_guardrails.exceptions import PermanentError, RetryLater, SlotLostError, TransientError
 from celery_guardrails.options import DETERMINISTIC_ERRORS, DETERMINISTIC_MODULES, resolve
 
 #: Statuses worth retrying: request timeout, too early, too many requests (and every 5xx).
@@ -64,6 +65,8 @@ CONNECT_FAILURES = frozenset(
 CONNECT_ERRNOS = frozenset({errno.ECONNREFUSED, errno.ENETUNREACH, errno.EHOSTUNREACH})
 #: Rules that are the task author's own word that trying again is safe.
 OWN_WORD = frozenset({"TransientError"})
+#: The rule of a delivery stopped because its concurrency slot was reaped (SlotLostError).
+SLOT_LOST = "concurrency:slot_lost"
 HTTP_LIBRARIES = frozenset({"requests", "httpx", "urllib3", "urllib"})
 # Transport-level failures of those libraries (no response at all): always worth another try.
 TRANSPORT_ERRORS = frozenset(
@@ -113,12 +116,16 @@ def classify(exc: BaseException, task: Any, call: Mapping[str, Any], state: Any 
 
 def gated(verdict: Verdict, task: Any, call: Mapping[str, Any], state: Any = None) -> Verdict:
     """``verdict`` through the retry gate: a transient one stands only where a re-run is safe."""
-    if verdict.kind is not Kind.TRANSIENT or verdict.rule in OWN_WORD:
+    slot_lost = verdict.rule == SLOT_LOST
+    if (verdict.kind is not Kind.TRANSIENT or verdict.rule in OWN_WORD) and not slot_lost:
         return verdict
     from celery_guardrails import gate
     from celery_guardrails.delivery import delivery
 
-    safety = gate.judge(task, call, state if state is not None else delivery(task))
+    state = state if state is not None else delivery(task)
+    if slot_lost and not state.body_ran:  # stopped before its body: nothing of it ran
+        return verdict
+    safety = gate.judge(task, call, state)
     if safety.safe:
         return verdict
     return Verdict(Kind.PERMANENT, f"{verdict.rule}:not_idempotent", note=safety.note)
@@ -129,6 +136,8 @@ def _rules(exc: BaseException, task: Any, call: Mapping[str, Any]) -> Verdict:
         return Verdict(Kind.CONTROL, "celery")
     if isinstance(exc, RetryLater):
         return Verdict(Kind.RETRY_LATER, "RetryLater", exc.delay)
+    if isinstance(exc, SlotLostError):  # not the message's fault: no attempt spent, when a re-run is safe
+        return Verdict(Kind.RETRY_LATER, SLOT_LOST)
     if isinstance(exc, TransientError):
         return Verdict(Kind.TRANSIENT, "TransientError", exc.retry_after)
     if isinstance(exc, PermanentError):

@@ -33,6 +33,22 @@ class Hold:
 
 
 @dataclass(slots=True, kw_only=True)
+class Grant:
+    """A concurrency slot a delivery holds, and what its holder knows of it (see
+    :mod:`celery_guardrails.guardrails.concurrency`). Its own: the heartbeat thread and the body's thread update it.
+    """
+
+    key: str
+    holder: str
+    #: The ceiling the slot was taken under (seconds): silent longer than this, the holder may be reaped.
+    reap_after: float
+    #: Monotonic time at which the last step that found the slot held (the acquire, a beat, a check) began.
+    confirmed: float
+    #: A beat or a check found the slot gone: it was reaped (every boundary now refuses, no round trip).
+    lost: bool = False
+
+
+@dataclass(slots=True, kw_only=True)
 class Delivery:
     """The guardrails' state of one delivery."""
 
@@ -65,8 +81,8 @@ class Delivery:
     ordering: tuple[str, int] | None = None
     #: Ordering looked at this delivery (else an earlier guardrail ended it first: its outcome still counts).
     ordering_checked: bool = False
-    #: The concurrency slots held, in the order taken: (store key, holder).
-    concurrency: list[tuple[str, str]] = field(default_factory=list)
+    #: The concurrency slots held, in the order taken.
+    concurrency: list[Grant] = field(default_factory=list)
     #: What to give up before this delivery's message is published again (claims, run slots).
     holds: list[Hold] = field(default_factory=list)
     #: A guardrail is publishing the message again (so it is not taken for the body's own ``self.retry()``).
@@ -79,6 +95,8 @@ class Delivery:
     body_ran: bool = False
     #: What the body itself raised (a store error from the task's own code is the task's, not the guardrails').
     body_error: BaseException | None = None
+    #: A store error the concurrency fence met inside the body (the guardrails' own outage, not the body's).
+    fence_error: BaseException | None = None
     #: What the body returned.
     retval: Any = None
     #: The body is running: a ``self.retry()`` made now is the body's, and goes through the retry gate.

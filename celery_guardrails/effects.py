@@ -20,6 +20,9 @@ connection, is a refused connection that came *after* an effect. So the body say
   ``celery_guardrails.effect()`` in the task function or a function of its module it calls);
   ``marks_effects=True`` says so for a body whose blocks are elsewhere (a client library of the project's).
 * ``effect()`` also works as a decorator; outside a guarded task's body it does nothing.
+* A body holding a concurrency slot (``concurrency_key`` / ``exclusive_key``) is fenced as a block begins: if
+  the slot was reaped while the holder stalled, the block does not run
+  (:class:`~celery_guardrails.exceptions.SlotLostError`, see :mod:`celery_guardrails.guardrails.concurrency`).
 
 The key a body hands downstream: ``self.request.idempotency_key`` of a keyed task is an opaque string made from
 the scoped key (a UUID: it tells a provider neither the task's module nor the tenant), the same on every
@@ -81,6 +84,12 @@ class effect(ContextDecorator):  # lower case: used like a function, ``with effe
         state = self.explicit if self.explicit is not None else _running()
         if state is not None and not state.in_body:
             state = None
+        if state is not None and state.concurrency:
+            # A holder whose concurrency slot was reaped while it stalled does not act beside the slot's new
+            # holder: SlotLostError here, before the block (no effect counted).
+            from celery_guardrails.guardrails.concurrency import fence
+
+            fence(current_task._get_current_object(), "effect")
         self.state = state
         return self
 

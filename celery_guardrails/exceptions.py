@@ -9,6 +9,10 @@ Every exception the extension raises derives from one root, :class:`GuardrailsEr
     │   └── MissingTenantError  a ``tenant_required`` task published or delivered without a tenant
     ├── IdempotencyKeyError     an idempotency key that cannot be made (missing argument, too long, bad text)
     ├── ConcurrencyKeyError     a concurrency_key / exclusive_key that cannot be made (the same rules)
+    ├── SlotLostError           (on the worker) this delivery's concurrency slot was reaped while it ran (it
+    │                           stalled past concurrency_reap_after): stopped at its next boundary, its effect
+    │                           through the helpers refused; it comes back later under the limit, or (an effect
+    │                           may have landed before) ends as a final failure ``not_idempotent``
     ├── PayloadContractError    a message that breaks the payload contract (refused at publish, nothing sent)
     │   ├── PayloadTooLargeError    its serialised arguments are over max_payload_bytes
     │   ├── PayloadTooDeepError     its arguments are nested deeper than max_payload_depth
@@ -147,6 +151,22 @@ class IdempotencyKeyError(GuardrailsError, ValueError):
 class ConcurrencyKeyError(GuardrailsError, ValueError):
     """A ``concurrency_key`` or ``exclusive_key`` could not be made from the task's arguments, or is not
     acceptable (the rules of idempotency keys)."""
+
+
+class SlotLostError(GuardrailsError):
+    """A slot of ``concurrency_key`` / ``exclusive_key`` this delivery held was reaped while it ran: its holder
+    stalled (a stopped process, a long pause) past ``concurrency_reap_after``, and the slot may be another
+    delivery's now. Raised at the body's boundaries and by the effect helpers (see
+    :mod:`celery_guardrails.guardrails.concurrency`), so that the stalled holder stops instead of running beside
+    the new one. ``where`` says which boundary noticed (``"before the body"``, ``"effect"``, ``"checkpoint"``,
+    ``"transition"``, ``"completion"``, ...)."""
+
+    def __init__(self, key: str, holder: str, where: str) -> None:
+        super().__init__(key, holder, where)
+        self.key, self.holder, self.where = key, holder, where
+
+    def __str__(self) -> str:
+        return f"concurrency slot {self.key} of {self.holder} was reaped while it ran (stopped at: {self.where})"
 
 
 class PoisonMessageError(GuardrailsError):

@@ -895,9 +895,10 @@ OPTIONS: Mapping[str, Option] = {
         Option(
             name="concurrency_reap_after",
             default=300.0,
-            doc="Seconds without a heartbeat after which a slot's holder is reaped (its worker died): recorded as "
-            "failed with reason 'lost', holder_reaped sent. A running holder beats every quarter of it (at most "
-            "every 10 s). Reaping runs in every capacity check and on the watchdog's timer.",
+            doc="Seconds without a heartbeat after which a slot's holder is reaped (its worker died, or stalled): "
+            "recorded as failed with reason 'lost', holder_reaped sent. A running holder beats every quarter of it "
+            "(at most every 10 s). Reaping runs in every capacity check and on the watchdog's timer. A stalled "
+            "holder that resumes is fenced at its next boundary (SlotLostError, holder_fenced).",
             check=_seconds,
             scopes=frozenset({TASK, APP}),
         ),

@@ -90,6 +90,16 @@ holder_reaped
     timer). Arguments: ``key`` (the store's key, ``limit:...`` or ``exclusive:...``), ``holder``, ``task_name``,
     ``task_id``, ``tenant`` (of the lost job; "" when none), ``heartbeat_at``, ``reaped_at`` (epoch seconds),
     ``reason`` (``"lost"``).
+
+holder_fenced
+    A holder whose concurrency slot was reaped (it stalled past ``concurrency_reap_after``: a stopped process,
+    a long pause) went on running and was stopped at a boundary: before its body, at an effect helper
+    (``effect()``, a checkpoint, ``transition`` / ``mark_processed``) or at its completion. Sent by the stalled
+    holder's own process, once per refusal. ``sender`` is the task. Arguments: ``key``, ``holder``,
+    ``task_name``, ``task_id``, ``tenant`` ("" when none), ``where`` (the boundary). Its message comes back
+    later under the limit, or ends as a final failure when an effect may have landed before (see
+    :class:`~celery_guardrails.exceptions.SlotLostError`); at ``where="completion (its effects had run)"`` the
+    body had already returned outside a transaction: its effects ran unfenced, and this is their record.
 """
 
 from __future__ import annotations
@@ -110,4 +120,5 @@ store_unavailable = Signal(name="store_unavailable")
 stale_skipped = Signal(name="stale_skipped")
 ordering_gap_skipped = Signal(name="ordering_gap_skipped")
 holder_reaped = Signal(name="holder_reaped")
+holder_fenced = Signal(name="holder_fenced")
 delivery_ended = Signal(name="delivery_ended")

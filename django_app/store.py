@@ -721,7 +721,17 @@ class DjangoStore:
     @translated("renew a concurrency slot")
     def heartbeat_slot(self, key: str, *, holder: str, now: float) -> bool:
         slot = ConcurrencySlot.objects.filter(key=key, holder=holder, state=HELD)
-        return bool(slot.update(heartbeat_at=_moment(now)))
+        if connection.in_atomic_block:
+            # The fence inside an effect's transaction: the UPDATE locks the row until that transaction ends, and
+            # the reaper skips a locked row, so the slot cannot be taken away under the effect.
+            return bool(slot.update(heartbeat_at=_moment(now)))
+        with transaction.atomic():
+            # The heartbeat thread never waits for a holder's own effect transaction (it beats for every
+            # delivery of the process): a row locked by its holder is alive, and is left as it is.
+            mine = list(slot.select_for_update(skip_locked=True).values_list("pk", flat=True))
+            if mine:
+                return bool(ConcurrencySlot.objects.filter(pk__in=mine).update(heartbeat_at=_moment(now)))
+        return slot.exists()
 
     @translated("release a concurrency slot")
     def release_slot(self, key: str, *, holder: str) -> bool:
@@ -837,11 +847,17 @@ def _lock_slot_key(key: str, *, reap_after: float | None) -> None:
 
 
 def _reap(key: str, *, now: float, reap_after: float) -> list[SlotHolder]:
-    """Mark lost the holders of ``key`` whose heartbeat is older than ``reap_after`` (under the key's lock)."""
+    """Mark lost the holders of ``key`` whose heartbeat is older than ``reap_after`` (under the key's lock).
+
+    A row locked by its holder is skipped: the holder is inside an effect's transaction whose fence renewed
+    the heartbeat there (see :func:`celery_guardrails.guardrails.concurrency.fence`), alive for as long as that
+    transaction is open (a killed process's connection goes, and its lock with it): a reap never lands in the
+    middle of a holder's fenced effect, and never waits for one. (SQLite has no row locks: its one writer at a
+    time keeps the reap and the effect apart.)"""
     stale = list(
-        ConcurrencySlot.objects.filter(key=key, state=HELD, heartbeat_at__lt=_moment(now - reap_after)).order_by(
-            "heartbeat_at"
-        )
+        ConcurrencySlot.objects.select_for_update(skip_locked=True)
+        .filter(key=key, state=HELD, heartbeat_at__lt=_moment(now - reap_after))
+        .order_by("heartbeat_at")
     )
     if not stale:
         return []

@@ -29,6 +29,21 @@
     ``GuardedTask`` publishes the message again later, no attempt spent (a slot taken before is released).
 * The reaper also runs on a timer: the watchdog's bootstep thread in every worker calls :func:`reap` every
   ``watchdog_interval`` seconds (each key reaped with the ceiling its last capacity check used).
+* Fencing. A holder is reaped when silent past the ceiling, and a process that is only stopped (SIGSTOP, a
+  paused VM) is silent too: it may resume after its slot was given away. The grant is this delivery's own (the
+  holder id is unique per delivery; a reaped holder is never renewed: the store's set of live holders is the
+  token, which a limit of N, where N grants are legitimate at once, needs rather than "the newest wins"), and
+  :func:`fence` checks it at the body's boundaries: before the body, at each ``effect()`` block, each checkpoint
+  save, in the Django effect helpers, and before the completion. A slot confirmed (acquired, beaten, checked)
+  less than half the ceiling ago is taken as held without a round trip; else the check is a heartbeat, which
+  says whether the holder still holds it. Where an effect lands inside a database transaction (Django store) the
+  check is always the store's: its UPDATE locks the slot's row until the commit and the reaper skips locked
+  rows, so no reap lands between the check and the commit. A reaped holder gets
+  :class:`~celery_guardrails.exceptions.SlotLostError` (logged, ``holder_fenced`` sent); classified as a wait
+  through the retry gate, its message comes back later under the limit when that is safe (the body never
+  started, or the gate's rules: no effect before, an atomic body rolled back), else it is a final failure
+  ``not_idempotent``. A body that returned outside a transaction has had its effects: its lost slot is
+  reported, and the completion goes ahead.
 
 It comes last in ``GuardedTask.guardrails``: a duplicate of a completed idempotency key, a delivery its
 budget defers or a copy waiting behind a live claim never takes a slot.
@@ -46,8 +61,14 @@ from typing import TYPE_CHECKING, Any
 
 from celery_guardrails import headers, signals
 from celery_guardrails.context import current_tenant
-from celery_guardrails.delivery import Delivery, Hold, delivery
-from celery_guardrails.exceptions import ConcurrencyKeyError, ConfigurationError, RetryLater
+from celery_guardrails.delivery import ATTRIBUTE, Delivery, Grant, Hold, delivery
+from celery_guardrails.exceptions import (
+    ConcurrencyKeyError,
+    ConfigurationError,
+    RetryLater,
+    SlotLostError,
+    StoreError,
+)
 from celery_guardrails.guardrails.idempotency import HEARTBEATS, delivery_owner, render_key
 from celery_guardrails.guardrails.retries import retry_later
 from celery_guardrails.options import resolve
@@ -63,6 +84,10 @@ logger = logging.getLogger(__name__)
 
 #: Longest interval between two heartbeats of a slot, in seconds (a quarter of the ceiling when shorter).
 BEAT_MAX = 10.0
+#: Share of the ceiling within which a slot confirmed held (acquired, beaten, checked) is taken as still held at
+#: a boundary without asking the store: no reaper can take it sooner than the ceiling after that step began,
+#: and half of it leaves room for clocks that differ between workers.
+TRUSTED = 0.5
 #: Doublings of the wait for a slot at most (the delay stays under 16 times ``retry_later_delay``).
 WAIT_DOUBLINGS = 4
 #: The store key's namespace of each option (a concurrency key and an exclusive key never share slots).
@@ -123,17 +148,101 @@ def report_reaped(sender: Any, reaped: tuple[SlotHolder, ...] | list[SlotHolder]
         )
 
 
-def _beat(store: Store, key: str, holder: str, now: float) -> bool:
-    return store.heartbeat_slot(key, holder=holder, now=now)
+def report_fenced(task: Any, grant: Grant, where: str) -> None:
+    """Log and signal a holder that went on after its slot was reaped, stopped at ``where`` (its overlap)."""
+    request = task.request
+    logger.warning(
+        "Task %s[%s]: concurrency slot %s of holder %s was reaped while it ran (silent past %.3fs: stalled); "
+        "fenced at %s",
+        task.name,
+        request.id,
+        grant.key,
+        grant.holder,
+        grant.reap_after,
+        where,
+    )
+    signals.holder_fenced.send(
+        sender=task,
+        key=grant.key,
+        holder=grant.holder,
+        task_name=task.name,
+        task_id=str(request.id or ""),
+        tenant=current_tenant() or "",
+        where=where,
+    )
 
 
-def _let_go(store: Store, state: Delivery, key: str, holder: str) -> None:
+def _lost(task: Any, state: Delivery, where: str, *, landing: bool = True) -> Grant | None:
+    """The first slot of ``state`` found reaped (reported), or None: every slot is still this delivery's.
+    ``landing``: an effect is about to land in the transaction open now, if any."""
+    store = get_store(task.app)
+    in_transaction = getattr(store, "in_transaction", None)
+    # Where an effect lands inside a database transaction (Django store) the check is always the store's: its
+    # UPDATE of the slot's row joins the transaction and locks the row until it ends, and the reaper skips a
+    # locked row: the slot cannot be taken away between the check and the commit.
+    locking = landing and in_transaction is not None and bool(in_transaction())
+    for grant in state.concurrency:
+        if not grant.lost:
+            started = time.monotonic()
+            if not locking and started - grant.confirmed < grant.reap_after * TRUSTED:
+                continue  # confirmed too recently for any reaper to have taken it: no round trip
+            try:
+                held = store.heartbeat_slot(grant.key, holder=grant.holder, now=time.time())
+            except StoreError as exc:
+                state.fence_error = exc  # an outage of the guardrails' store, not the body's error
+                raise
+            if held:
+                if not locking:  # (a beat inside a transaction may still be rolled back)
+                    grant.confirmed = started
+                continue
+            grant.lost = True
+        report_fenced(task, grant, where)
+        return grant
+    return None
+
+
+def fence(task: Any, where: str, *, landing: bool = True) -> None:
+    """Raise :class:`~celery_guardrails.exceptions.SlotLostError` when a concurrency slot the running delivery
+    of ``task`` holds was reaped (the holder stalled past ``concurrency_reap_after``); nothing when it holds
+    none. Called at the body's boundaries (:class:`ConcurrencyLimit`) and by the effect helpers (``effect()``,
+    the checkpoint's save, the Django effect helpers). ``landing=False``: no effect lands in the open
+    transaction yet (before the body: the slot's row is not locked for the whole body). Raises StoreError like
+    any store operation."""
+    state: Delivery | None = getattr(task.request, ATTRIBUTE, None)
+    if state is None or not state.concurrency:
+        return
+    grant = _lost(task, state, where, landing=landing)
+    if grant is not None:
+        raise SlotLostError(grant.key, grant.holder, where)
+
+
+def fence_running(where: str) -> None:
+    """:func:`fence` for the guarded body running in this thread, if any (the helpers' entry point)."""
+    from celery import current_task
+
+    task = current_task._get_current_object()
+    state: Delivery | None = getattr(task.request, ATTRIBUTE, None) if task is not None else None
+    if state is not None and state.in_body and state.concurrency:
+        fence(task, where)
+
+
+def _beat(store: Store, grant: Grant, now: float) -> bool:
+    started = time.monotonic()
+    held = store.heartbeat_slot(grant.key, holder=grant.holder, now=now)
+    if held:
+        grant.confirmed = started
+    else:
+        grant.lost = True  # reaped: every boundary of the body now refuses at once
+    return held
+
+
+def _let_go(store: Store, state: Delivery, grant: Grant) -> None:
     """Release one slot: its beats stop and the delivery forgets it first (a beat after the release would find
     nothing, and say lost; a release the store fails is not tried again: the reaper takes the slot)."""
-    HEARTBEATS.remove(key, holder)
-    if (key, holder) in state.concurrency:
-        state.concurrency.remove((key, holder))
-    store.release_slot(key, holder=holder)
+    HEARTBEATS.remove(grant.key, grant.holder)
+    if grant in state.concurrency:
+        state.concurrency.remove(grant)
+    store.release_slot(grant.key, holder=grant.holder)
 
 
 class ConcurrencyLimit(Guardrail):
@@ -160,6 +269,7 @@ class ConcurrencyLimit(Guardrail):
         holder = delivery_owner(request)
         reap_after = resolve(task, "concurrency_reap_after", call)
         for key, limit in wanted:
+            started = time.monotonic()
             answer = store.acquire_slot(
                 key,
                 holder=holder,
@@ -174,9 +284,10 @@ class ConcurrencyLimit(Guardrail):
             if not answer.acquired:
                 self._release(task)  # a slot taken before this one: not held while waiting
                 raise self._wait(task, key, limit, answer.retry_at)
-            state.concurrency.append((key, holder))
-            state.holds.append(Hold(holder, functools.partial(_let_go, store, state, key, holder)))
-            beat = functools.partial(_beat, store, key, holder)
+            grant = Grant(key=key, holder=holder, reap_after=reap_after, confirmed=started)
+            state.concurrency.append(grant)
+            state.holds.append(Hold(holder, functools.partial(_let_go, store, state, grant)))
+            beat = functools.partial(_beat, store, grant)
             HEARTBEATS.add(store, key, holder, lease=reap_after, beat=beat, every=beat_interval(reap_after))
 
     def _wait(self, task: GuardedTask, key: str, limit: int, retry_at: float) -> BaseException:
@@ -198,8 +309,17 @@ class ConcurrencyLimit(Guardrail):
 
     @contextmanager
     def _holding(self, task: GuardedTask) -> Iterator[None]:
+        state = delivery(task)
         try:
+            fence(task, "before the body", landing=False)
             yield
+            self._completing(task)
+        except StoreError as exc:
+            if exc is state.fence_error:
+                # The store failed under a fence check, not the task's own code: an outage GuardedTask settles
+                # (the message comes back later, no attempt spent), not an error of the body to classify.
+                state.body_error = None
+            raise
         finally:
             # The body is over: its slots go back now, before a retry is published or the result stored.
             # Inside a database transaction (atomic=True on the Django store) a release would be rolled back
@@ -208,6 +328,24 @@ class ConcurrencyLimit(Guardrail):
             if in_transaction is None or not in_transaction():
                 self._release(task)
 
+    def _completing(self, task: GuardedTask) -> None:
+        """The body returned: are its slots still its own? Inside a database transaction (``atomic=True`` on the
+        Django store) a lost slot refuses the commit (SlotLostError rolls the body's work back). Outside one the
+        body's effects have happened and running it again could repeat them: a lost slot is reported (logged,
+        ``holder_fenced``) and the completion goes ahead."""
+        state = delivery(task)
+        in_transaction = getattr(get_store(task.app), "in_transaction", None)
+        if in_transaction is not None and in_transaction():
+            fence(task, "completion")
+            return
+        try:
+            _lost(task, state, "completion (its effects had run)")
+        except StoreError:  # a report only: an outage now must not send a finished body round again
+            state.fence_error = None
+            logger.warning(
+                "Task %s[%s]: its concurrency slots could not be checked at completion", task.name, task.request.id
+            )
+
     def _release(self, task: GuardedTask) -> None:
         """Release every slot held, in reverse order, each on its own (the store may be what fails: a slot
         left held is reaped after the ceiling)."""
@@ -215,16 +353,16 @@ class ConcurrencyLimit(Guardrail):
         if not state.concurrency:
             return
         store = get_store(task.app)
-        for key, holder in reversed(list(state.concurrency)):
-            state.forget(holder)
+        for grant in reversed(list(state.concurrency)):
+            state.forget(grant.holder)
             try:
-                _let_go(store, state, key, holder)
+                _let_go(store, state, grant)
             except Exception:
                 logger.warning(
                     "Task %s[%s]: concurrency slot %s not released; it is reaped after the ceiling",
                     task.name,
                     task.request.id,
-                    key,
+                    grant.key,
                     exc_info=True,
                 )
 

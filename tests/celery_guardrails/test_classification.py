@@ -15,7 +15,7 @@ import pytest
 from celery import Celery
 from celery.exceptions import Ignore, Reject, Retry
 
-from celery_guardrails import GuardedTask, PermanentError, RetryLater, TransientError
+from celery_guardrails import GuardedTask, PermanentError, RetryLater, SlotLostError, TransientError
 from celery_guardrails.classification import Kind, classify, parse_retry_after, sent_nothing
 from celery_guardrails.delivery import Delivery
 
@@ -107,6 +107,22 @@ def test_unknown_errors_are_retried_only_where_a_rerun_is_safe() -> None:
         assert verdict(RuntimeError("?"), unsafe) == ("transient", "unknown_errors:transient")
     finally:
         app.conf.guardrails = {}
+
+
+def test_a_delivery_whose_slot_was_reaped_waits_for_it_again_only_where_a_rerun_is_safe() -> None:
+    # Given a holder fenced (SlotLostError: its concurrency slot was reaped while it stalled)
+    lost = SlotLostError("limit:tenant:acme", "host:1:id:n.0", "effect")
+    ran = Delivery(body_ran=True)
+    # Then stopped before its body it waits for a slot again, no attempt spent, whatever the task
+    assert verdict(lost, plain) == ("retry_later", "concurrency:slot_lost")
+    # and stopped inside its body, the gate decides: before the first marked effect (or idempotent) it waits too
+    assert verdict(lost, marked, state=ran) == ("retry_later", "concurrency:slot_lost")
+    assert verdict(lost, configured, state=ran) == ("retry_later", "concurrency:slot_lost")
+    # after an effect, or in a body that marks none, it is a final failure not_idempotent, with the gate's note
+    after = Delivery(body_ran=True, effects=1)
+    assert verdict(lost, marked, state=after) == ("permanent", "concurrency:slot_lost:not_idempotent")
+    assert verdict(lost, plain, state=ran) == ("permanent", "concurrency:slot_lost:not_idempotent")
+    assert "chain it" in str(classify(lost, marked, {}, after).note)
 
 
 def test_a_refused_verdict_says_why_and_what_to_do() -> None:

@@ -54,3 +54,16 @@ if "GUARDRAILS_TEST_REAPED_SINK" in os.environ:
         )
 
     signals.holder_reaped.connect(_report_holder_reaped, weak=False)
+
+if "GUARDRAILS_TEST_FENCED_SINK" in os.environ:
+    import redis
+
+    from celery_guardrails import signals
+
+    def _report_holder_fenced(sender: object = None, **details: object) -> None:
+        redis.Redis.from_url(redis_url).rpush(
+            os.environ["GUARDRAILS_TEST_FENCED_SINK"],
+            json.dumps({"sender": getattr(sender, "name", None) or str(sender), **details}, default=str),
+        )
+
+    signals.holder_fenced.connect(_report_holder_fenced, weak=False)

@@ -157,3 +157,78 @@ def write_effect_limited(self: GuardedTask, key: str, sink: str) -> str:
     if self.request.attempt == 1:
         raise TransientError("provider busy")
     return "written"
+
+
+@shared_task(
+    base=GuardedTask,
+    bind=True,
+    idempotency_key="fenced:{key}",
+    atomic=True,
+    concurrency_key="tenant:{tenant}",
+    concurrency_limit=2,
+    retry_later_delay=0.2,
+)
+def limited_atomic_effect(self: GuardedTask, key: str, sink: str, gate: str) -> dict[str, Any]:
+    """At most two at once per tenant, its body one transaction with its key. Reports itself, waits until the
+    Redis key ``gate`` exists, then inserts an Effect row and marks the key processed through the effect helper
+    ``mark_processed`` (fenced in the same transaction: a holder whose slot was reaped rolls both back)."""
+    from django_celery_guardrails.effects import mark_processed
+    from tests.testapp.models import Effect
+
+    client = redis.Redis.from_url(REDIS_URL)
+    report = seen(
+        self,
+        sink,
+        attempt=self.request.attempt,
+        history=[(r.get("class"), r.get("rule")) for r in self.request.attempt_history],
+    )
+    deadline = time.monotonic() + 120
+    while not client.exists(gate):
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"gate {gate} never opened")
+        time.sleep(0.05)
+    Effect.objects.create(key=key)
+    mark_processed(f"fenced:{key}")
+    return report
+
+
+@shared_task(
+    base=GuardedTask,
+    bind=True,
+    idempotent=True,
+    concurrency_key="tenant:{tenant}",
+    concurrency_limit=1,
+    retry_later_delay=0.1,
+)
+def limited_chunks(self: GuardedTask, job: str, count: int, thief: str) -> dict[str, Any]:
+    """One per tenant, a chunked job (two items a chunk, one ChunkItem row each). On its first run, as its second
+    chunk starts, another delivery (``thief``) takes its slot, reaping it, as after a stall past the ceiling (from
+    a thread of its own: outside the chunk's transaction)."""
+    import threading
+
+    from celery_guardrails.context import current_tenant
+    from celery_guardrails.stores import get_store
+    from tests.testapp.models import ChunkItem
+
+    run = int(redis.Redis.from_url(REDIS_URL).incr(f"{job}:runs"))
+    store, key = get_store(self.app), f"limit:tenant:{current_tenant()}"
+
+    def take_the_slot() -> None:
+        from django.db import connection
+
+        try:
+            store.acquire_slot(key, holder=thief, limit=1, now=time.time() + 100, reap_after=60.0, task_id=thief)
+        finally:
+            connection.close()
+
+    for item in self.checkpoint.iterate(range(count), every=2):
+        if run == 1 and item == 2:
+            taker = threading.Thread(target=take_the_slot)
+            taker.start()
+            taker.join()
+        ChunkItem.objects.create(job=job, item=item, run=run)
+    return {
+        "run": run,
+        "attempt": self.request.attempt,
+        "history": [(r.get("class"), r.get("rule")) for r in self.request.attempt_history],
+    }

@@ -389,6 +389,27 @@ def limited_flaky(self: GuardedTask, sink: str) -> dict[str, Any]:
     return report
 
 
+@shared_task(base=GuardedTask, bind=True, concurrency_key="tenant:{tenant}", concurrency_limit=2, retry_later_delay=0.2)
+def limited_effect(self: GuardedTask, sink: str, gate: str) -> dict[str, Any]:
+    """At most two at once per tenant. Reports itself, waits until the key ``gate`` exists (it stays: a run
+    again passes it), then lands its effect through ``self.effect()``: its task id pushed to ``{sink}:effects``."""
+    client = redis.Redis.from_url(REDIS_URL)
+    report = seen(
+        self,
+        sink,
+        attempt=self.request.attempt,
+        history=[(r.get("class"), r.get("rule")) for r in self.request.attempt_history],
+    )
+    deadline = time.monotonic() + 120
+    while not client.exists(gate):
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"gate {gate} never opened")
+        time.sleep(0.05)
+    with self.effect():
+        client.rpush(f"{sink}:effects", str(self.request.id))
+    return report
+
+
 @shared_task(base=GuardedTask, bind=True, concurrency_key="x:{no_such_argument}", concurrency_limit=1)
 def bad_concurrency_key(self: GuardedTask) -> None:
     """A template naming an argument the task does not take."""

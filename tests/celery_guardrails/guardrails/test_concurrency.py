@@ -7,6 +7,7 @@ and reports the count it saw as it started: the overlap, sampled at every start,
 from __future__ import annotations
 
 import json
+import signal
 import time
 import uuid
 from collections.abc import Iterator
@@ -164,6 +165,114 @@ def test_holders_killed_with_their_worker_are_reaped_recorded_lost_and_the_waite
         for worker in workers.values():
             worker.stop()
         reaped_sink.client.delete(reaped_sink.key)
+
+
+def test_a_holder_stopped_past_the_ceiling_is_fenced_when_it_resumes_and_runs_again_under_the_limit(
+    celery_app: Any, sink: Sink, tmp_path: Path
+) -> None:
+    # Given worker A (solo) and worker B (2 threads), each on its own queue, a reap ceiling of 1.5 s, and a task
+    # limited to 2 per tenant that lands its effect through self.effect() once its gate opens
+    require("redis")
+    tenant = f"stalled-{uuid.uuid4().hex[:8]}"
+    fenced_sink, effects = Sink(f"{sink.key}:fenced"), Sink(f"{sink.key}:effects")
+    gate_a, gate_b = f"{sink.key}:gate-a", f"{sink.key}:gate-b"
+    config = json.dumps({"concurrency_reap_after": 1.5})
+    queues = {name: f"gr-test-slots-{uuid.uuid4().hex[:12]}" for name in ("a", "b")}
+    workers = {
+        name: WorkerProcess(
+            app=PROJ_APP,
+            queue=queues[name],
+            pool=pool,
+            concurrency=concurrency,
+            log_path=tmp_path / f"{name}.log",
+            env=proj_env(
+                queue=queues[name], GUARDRAILS_TEST_GUARDRAILS=config, GUARDRAILS_TEST_FENCED_SINK=fenced_sink.key
+            ),
+        )
+        for name, pool, concurrency in (("a", "solo", 1), ("b", "threads", 2))
+    }
+    try:
+        for worker in workers.values():
+            worker.start()
+        stalled = publish(tasks.limited_effect, tenant, sink.key, gate_a, queue=queues["a"])
+        sink.wait(1)  # in its body, holding a slot, before its effect
+        # When worker A is stopped (SIGSTOP: the body and the heartbeat thread alike) past the ceiling, its gate
+        # opening meanwhile, and two more deliveries on worker B take both slots (reaping A's holder)
+        workers["a"].kill(signal.SIGSTOP)
+        sink.client.set(gate_a, 1)
+        time.sleep(2.0)
+        others = [publish(tasks.limited_effect, tenant, sink.key, gate_b, queue=queues["b"]) for _ in range(2)]
+        sink.wait(3)
+        # and worker A resumes
+        workers["a"].kill(signal.SIGCONT)
+        wait_for(
+            "the stalled holder fenced, or its effect landed",
+            lambda: "fenced at effect" in workers["a"].log or effects.client.llen(effects.key) > 0,
+        )
+        # Then its effect did not land beside the two holders of the slots (they are still in their bodies)
+        assert effects.client.lrange(effects.key, 0, -1) == []
+        (signalled,) = fenced_sink.wait(1)
+        assert (signalled["task_id"], signalled["key"], signalled["where"], signalled["tenant"]) == (
+            stalled.id,
+            f"limit:tenant:{tenant}",
+            "effect",
+            tenant,
+        )
+        (line,) = [line for line in workers["a"].log.splitlines() if "fenced at effect" in line]
+        assert stalled.id in line and f"limit:tenant:{tenant}" in line and signalled["holder"] in line
+        # and when the holders finish, its message runs again under the limit (no attempt spent) and lands its
+        # effect once: three effects, one per message, the stalled one last
+        sink.client.set(gate_b, 1)
+        for other in others:
+            other.get(timeout=TIMEOUT)
+        report = stalled.get(timeout=TIMEOUT)
+        assert [raw.decode() for raw in effects.client.lrange(effects.key, 0, -1)][2:] == [stalled.id]
+        assert sorted(raw.decode() for raw in effects.client.lrange(effects.key, 0, -1)) == sorted(
+            [stalled.id, *(other.id for other in others)]
+        )
+        assert report["attempt"] == 1 and ["retry_later", "concurrency:slot_lost"] in report["history"]
+        status = concurrency_status(f"tenant:{tenant}", app=celery_app)
+        assert (status["held"], status["reaped"]) == (0, 1)
+        assert [h.task_id for h in status["recent_lost"]] == [stalled.id]
+    finally:
+        workers["a"].kill(signal.SIGCONT)
+        for worker in workers.values():
+            worker.stop()
+        sink.client.delete(fenced_sink.key, effects.key, gate_a, gate_b)
+
+
+def test_store_cut_at_a_fence_check_in_the_body_the_message_comes_back_no_attempt_spent(
+    celery_app: Any, sink: Sink, tmp_path: Path
+) -> None:
+    # Given a worker whose store goes through a proxy (reap ceiling 1 s), running a limited task held at its gate
+    require("redis")
+    proxy = TcpProxy(6379)
+    store = REDIS_URL.replace("127.0.0.1:6379", f"127.0.0.1:{proxy.port}")
+    queue = f"gr-test-slots-{uuid.uuid4().hex[:12]}"
+    config = {"store": store, "backoff_base": 0.2, "concurrency_reap_after": 1.0}
+    env = proj_env(queue=queue, GUARDRAILS_TEST_GUARDRAILS=json.dumps(config))
+    tenant, gate, effects = f"cut-{uuid.uuid4().hex[:8]}", f"{sink.key}:gate", f"{sink.key}:effects"
+    try:
+        with WorkerProcess(app=PROJ_APP, queue=queue, log_path=tmp_path / "worker.log", env=env) as worker:
+            result = publish(tasks.limited_effect, tenant, sink.key, gate, queue=queue)
+            sink.wait(1)
+            # When the store is cut, its slot unconfirmed for longer than half the ceiling, and the gate opens:
+            # its effect() block must ask the store whether the slot is still its own
+            proxy.cut()
+            time.sleep(0.8)
+            sink.client.set(gate, 1)
+            wait_for("the outage logged", lambda: "the guardrails store is unavailable" in worker.log)
+            # Then the effect did not land, and the message is neither failed nor lost: it comes back
+            assert sink.client.llen(effects) == 0 and result.state in ("PENDING", "RETRY")
+            proxy.restore()
+            report = result.get(timeout=TIMEOUT)
+            landed = [raw.decode() for raw in sink.client.lrange(effects, 0, -1)]
+    finally:
+        proxy.close()
+        sink.client.delete(gate, effects)
+    # and runs again on its first attempt, the outage in its history; its effect landed once
+    assert report["attempt"] == 1 and ["store_unavailable", "store"] in report["history"]
+    assert landed == [result.id]
 
 
 def test_store_cut_at_the_capacity_check_the_message_comes_back_no_attempt_spent(
