@@ -15,6 +15,7 @@ import signal
 import socket
 import subprocess
 import sys
+import textwrap
 import time
 from pathlib import Path
 from typing import Any
@@ -47,6 +48,11 @@ def configure() -> str:
             "GUARDRAILS_CLOCK": f"{time.time()}:{CLOCK_SPEED}",
             "EXAMPLE_WATCHDOG_INTERVAL": "1",
             "EXAMPLE_ACTIVITY_FLUSH_INTERVAL": "2",
+            # An ordering gap alerted after 2 s and given up after 6 s (the demo reads the status in between);
+            # an outbox message that cannot be published dead-lettered at its third try (settings.py).
+            "EXAMPLE_ORDERING_GAP_ALERT_AFTER": "2",
+            "EXAMPLE_ORDERING_GAP_TIMEOUT": "6",
+            "EXAMPLE_OUTBOX_MAX_ATTEMPTS": "3",
         }
     )
     if os.environ.get("DEMO_BROKER") != "filesystem" and redis_answers():
@@ -301,6 +307,8 @@ def main() -> None:
         audit()
         retry_gate(app, provider)
         hostile_input(app, log_path)
+        ordering_gap(app, log_path)
+        unpublishable(app)
 
         print("\n-- the worker's log lines for request demo-req-42 (tenant and correlation id on each line)")
         for line in log_path.read_text(errors="replace").splitlines():
@@ -376,7 +384,10 @@ def status_table(app: Any) -> None:
     for task in sorted({task for task, _ in totals}):
         outcomes = ", ".join(f"{outcome} {n}" for (name, outcome), n in sorted(totals.items()) if name == task)
         print(f"   {task}: {outcomes}")
-    print("\n-- 12. celery -A example_project guardrails status (queues, open dead letters, dependencies, schedules)")
+    print(
+        "\n-- 12. celery -A example_project guardrails status (queues, open dead letters, dependencies, schedules, "
+        "outbox, ordering waits)"
+    )
     print_command([sys.executable, "-m", "celery", "-A", "example_project", "guardrails", "status"])
     print(
         "   the same numbers, with charts of the last 24 hours (dead letters by reason, outcomes per task, queue age): "
@@ -515,6 +526,120 @@ def hostile_input(app: Any, worker_log: Path) -> None:
         after = send_receipt.delay(50).get(timeout=30)
     logged = dsn in worker_log.read_text(errors="replace")
     print(f"   the worker went on (receipt {after['order_id']} sent next); the password in its log: {logged}")
+
+
+def ordering_gap(app: Any, worker_log: Path) -> None:
+    """Stock counts ordered per SKU, one of them handed its number and never published: the wait backs off, is
+    seen in the status and the metrics, alerts the owner, and ends with the missing number recorded."""
+    from celery_guardrails import status, tenant_context
+    from celery_guardrails.collectors import StateCollector
+    from celery_guardrails.guardrails.idempotency import scoped_key
+    from celery_guardrails.options import resolve
+    from celery_guardrails.stores import get_store
+    from django_celery_guardrails.models import DeadLetter
+    from django_celery_guardrails.replay import replay_dead_letters
+    from example_project.shop.tasks import update_stock
+
+    alert_after, timeout = (
+        resolve(update_stock, name, {}) for name in ("ordering_gap_alert_after", "ordering_gap_timeout")
+    )
+    print(
+        f"\n-- 18. ordering gaps: update_stock has ordering_key='sku:{{sku}}'; here ordering_gap_alert_after="
+        f"{alert_after:g}s, ordering_gap_timeout={timeout:g}s"
+    )
+    sku = "SKU-1001"
+    key = scoped_key(update_stock.name, "acme", f"sku:{sku}")
+    retention = resolve(update_stock, "ordering_retention", {})
+    lost = get_store(app).order_next(key, now=time.time(), retention=retention)
+    print(f"   count #{lost} of {sku}: its publisher took the number from the store, then died before publishing")
+    with tenant_context("acme"):
+        second = update_stock.delay(sku, "c2", 40)
+    print("   the next count (level 40) published; the worker holds it back")
+
+    def alert_lines() -> list[str]:
+        lines = worker_log.read_text(errors="replace").splitlines()
+        return [line for line in lines if "ALERT" in line and f"Ordering key waits: {key}" in line]
+
+    alerts = wait_for("the ordering alert", alert_lines, timeout=30)
+    text = status.render(status.gather(app))
+    print("   celery -A example_project guardrails status, its part on ordering (status.gather, read now):")
+    for line in text.split("Ordering waits\n", 1)[1].split("\n\n", 1)[0].splitlines():
+        print(f"   {line}")
+    samples = {s.name: s.value for f in StateCollector(app, close_database=False).collect() for s in f.samples}
+    waiting, oldest = (f"celery_guardrails_ordering_{name}" for name in ("keys_waiting", "oldest_wait_seconds"))
+    print(f"   metrics: {waiting} {samples[waiting]:g}, {oldest} {samples[oldest]:.1f}")
+    for line in alerts:  # the subject, without the JSON the log line carries after it
+        print(f"   alert{line.split('ALERT', 1)[1].split(' {', 1)[0]}")
+    first = second.get(timeout=60)
+    record = DeadLetter.objects.get(task_name=update_stock.name, reason="ordering_gap_skipped")
+    held = (record.last_failed_at - record.first_failed_at).total_seconds()
+    looks = [entry["delay"] for entry in first["history"] if entry.get("rule") == "ordering:wait"]
+    fixed = resolve(update_stock, "retry_later_delay", {})
+    print(
+        f"   #{first['sequence']} looked back {len(looks)} times in the {held:.1f}s wait, after "
+        f"{', '.join(f'{delay:.2f}' for delay in looks)} s"
+    )
+    print(
+        f"      (retry_later_delay={fixed:g}s at first, then about as long as the key had been stuck, cut to look at "
+        f"the alert and the timeout; a fixed {fixed:g}s would have made about {held / fixed:.0f})"
+    )
+    print(f"   then it gave #{lost} up and ran: {sku} at {first['level']} (#{first['sequence']})")
+    print(
+        f"   dead letter #{record.pk} {record.reason}: key {record.header['ord']}, number {record.header['ord_seq']}, "
+        f"owner {record.owner}, arguments {record.args}, attempts {record.attempts}"
+    )
+    for line in textwrap.wrap(record.exc_message, 110):
+        print(f"      {line}")
+    refused = replay_dead_letters([record.pk], app=app)
+    ((_, why),) = refused.skipped
+    print(f"   replay_dead_letters([{record.pk}]): replayed {len(refused.replayed)}, refused:")
+    for line in textwrap.wrap(why, 110):
+        print(f"      {line}")
+
+
+def unpublishable(app: Any) -> None:
+    """An outbox message no worker can publish: kept with its error and attempts, then a dead letter."""
+    from django.db import transaction
+    from django.utils import timezone
+
+    from celery_guardrails import GuardedTask, tenant_context
+    from celery_guardrails.options import app_value
+    from django_celery_guardrails.models import DeadLetter, OutboxMessage
+
+    limit = app_value(app, "outbox_max_attempts")
+    print(f"\n-- 19. the outbox keeps the ack rule: a message no relay can publish (here outbox_max_attempts={limit})")
+
+    # A task of the next release: this web process has it; the workers, still on the release before, do not.
+    @app.task(base=GuardedTask, bind=True, name="example_project.shop.tasks.refund_order", tenant_required=True)
+    def refund_order(self: Any, order_id: int) -> None:
+        """Refund an order (never runs here)."""
+
+    with tenant_context("acme"), transaction.atomic():
+        refund = refund_order.enqueue_in_transaction(48)
+    print("   refund_order(48) enqueued in a committed transaction by a web process of the next release")
+    seen: list[int] = []
+
+    def watch() -> bool:
+        row = OutboxMessage.objects.filter(task_id=refund.id).first()
+        if row is not None and row.attempts and row.attempts not in seen:
+            seen.append(row.attempts)
+            print(f"   the worker's relay, attempt {row.attempts} of {limit}: {row.last_error}")
+            print(
+                f"      the row is kept (attempts {row.attempts}, its error), tried again in "
+                f"{(row.available_at - timezone.now()).total_seconds():.0f}s"
+            )
+        return row is None
+
+    wait_for("the row dead-lettered", watch, timeout=60)
+    record = DeadLetter.objects.get(task_id=refund.id)
+    print(
+        f"   attempt {record.attempts} of {limit}: dead letter #{record.pk} {record.reason}, owner {record.owner}, "
+        f"tenant {record.tenant}, arguments {record.args}"
+    )
+    print(
+        f"   outbox messages left: {OutboxMessage.objects.count()} (the row was deleted in the record's transaction: "
+        "never gone unrecorded)"
+    )
 
 
 def print_command(argv: list[str]) -> None:

@@ -137,6 +137,14 @@ if os.environ.get("EXAMPLE_WATCHDOG_INTERVAL"):
 # The demo's workers add their activity counts every couple of seconds (default 30).
 if os.environ.get("EXAMPLE_ACTIVITY_FLUSH_INTERVAL"):
     CELERY_GUARDRAILS["activity_flush_interval"] = float(os.environ["EXAMPLE_ACTIVITY_FLUSH_INTERVAL"])
+# The demo lets an ordering gap and an unpublishable outbox message run their course in seconds (the defaults:
+# an alert after 5 minutes, the gap given up after an hour; 12 tries spanning about 18 minutes).
+if os.environ.get("EXAMPLE_ORDERING_GAP_TIMEOUT"):
+    CELERY_GUARDRAILS["ordering_gap_timeout"] = float(os.environ["EXAMPLE_ORDERING_GAP_TIMEOUT"])
+if os.environ.get("EXAMPLE_ORDERING_GAP_ALERT_AFTER"):
+    CELERY_GUARDRAILS["ordering_gap_alert_after"] = float(os.environ["EXAMPLE_ORDERING_GAP_ALERT_AFTER"])
+if os.environ.get("EXAMPLE_OUTBOX_MAX_ATTEMPTS"):
+    CELERY_GUARDRAILS["outbox_max_attempts"] = int(os.environ["EXAMPLE_OUTBOX_MAX_ATTEMPTS"])
 
 LOGGING = {
     "version": 1,

@@ -117,3 +117,30 @@ def build_report(self: GuardedTask, report_id: int, seconds: float = 1.0) -> dic
         "ended": time.time(),
         "attempt": self.request.attempt,
     }
+
+
+# The warehouse counts each SKU's stock and sends the counts in order: a later count must never be overwritten
+# by an earlier one that ran late. ordering_key runs the counts of one SKU one after another, in publish order
+# (other SKUs run freely beside them); a count whose predecessor has not come waits, looking back less and less
+# often, shows in `celery guardrails status`, alerts the owner after ordering_gap_alert_after, and after
+# ordering_gap_timeout the SKU moves past the missing number, recorded as a dead letter ordering_gap_skipped.
+# Setting a level (not adding to it) is safe to run twice (idempotent=True); the key skips a redelivered count
+# whose run completed.
+@shared_task(
+    base=GuardedTask,
+    bind=True,
+    tenant_required=True,
+    ordering_key="sku:{sku}",
+    idempotency_key="stock:{sku}:{count_id}",
+    idempotent=True,
+    retry_later_delay=0.1,
+)
+def update_stock(self: GuardedTask, sku: str, count_id: str, level: int) -> dict[str, Any]:
+    """Set a SKU's stock level to a warehouse count; tells its place in the SKU's order and its waits."""
+    logger.info("Stock of %s set to %s (count %s)", sku, level, count_id)
+    return {
+        "sku": sku,
+        "level": level,
+        "sequence": getattr(self.request, "ordering_sequence", None),
+        "history": self.request.attempt_history,
+    }

@@ -185,6 +185,7 @@ def test_a_bad_config_reports_its_findings_as_json(tmp_path: Path) -> None:
             ("GA501", f"{SHOP}.send_receipt"),
             ("GA501", f"{SHOP}.settle_payments"),
             ("GA501", f"{SHOP}.ship_order"),
+            ("GA501", f"{SHOP}.update_stock"),
             ("GA601", "nightly-cleanup"),
             ("GA702", "activity"),
         ]
@@ -252,7 +253,7 @@ def test_the_source_option_reads_another_folder(tmp_path: Path) -> None:
     (source / "shop" / "tests.py").write_text(
         "from celery_guardrails.testing import deliver_twice\n"
         "from example_project.shop.tasks import build_report, charge_order, send_receipt, settle_payments\n"
-        "from example_project.shop.tasks import ship_order\n"
+        "from example_project.shop.tasks import ship_order, update_stock\n"
     )
     # When the example project is audited with --source at it
     report = json.loads(run(tmp_path, "guardrails_audit", "--json", "--source", str(source)).stdout)
@@ -279,6 +280,7 @@ def test_the_system_checks_raise_the_findings_of_a_bad_config_and_none_of_them_f
             (f"{SHOP}.send_receipt", "guardrails.W151"),
             (f"{SHOP}.settle_payments", "guardrails.W151"),
             (f"{SHOP}.ship_order", "guardrails.W151"),
+            (f"{SHOP}.update_stock", "guardrails.W151"),
             ("max_payload_bytes", "guardrails.W112"),
             ("nightly-cleanup", "guardrails.W161"),
         ]

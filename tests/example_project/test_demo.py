@@ -115,4 +115,27 @@ def check_output(out: str) -> None:
     )
     assert "the dead letter's note: not retried: it failed after an effect() block that may have acted" in out
     assert re.search(r"replay_dead_letters\(\[\d+\]\): replayed 0, refused: not_idempotent: it may already", out)
+    # an ordering gap: the wait in the status, the metrics and one alert, looking back less and less often, then
+    # the missing number given up, recorded as a dead letter that refuses a replay
+    assert "18. ordering gaps: update_stock has ordering_key='sku:{sku}'" in out
+    key = "example_project.shop.tasks.update_stock:acme:sku:SKU-1001"
+    assert re.search(rf"{re.escape(key)} +#1 +#2 +\d", out)
+    assert "1 key(s) waiting for a missing earlier message" in out
+    assert "metrics: celery_guardrails_ordering_keys_waiting 1, celery_guardrails_ordering_oldest_wait_seconds" in out
+    assert out.count(f"alert for shop: Ordering key waits: {key} waits for #1 since") == 1
+    looks = re.search(r"#2 looked back (\d+) times in the ([\d.]+)s wait", out)
+    assert looks and 2 <= int(looks[1]) <= 12 and float(looks[2]) >= 6, out
+    assert "then it gave #1 up and ran: SKU-1001 at 40 (#2)" in out
+    assert re.search(
+        r"dead letter #\d+ ordering_gap_skipped: key sku:SKU-1001, number 1, owner shop, arguments \[\], attempts 0",
+        out,
+    )
+    assert re.search(r"replay_dead_letters\(\[\d+\]\): replayed 0, refused:\n +ordering_gap_skipped: the message", out)
+    # an outbox message no worker can publish: kept with its error and attempts, then a dead letter unpublishable
+    assert "19. the outbox keeps the ack rule: a message no relay can publish (here outbox_max_attempts=3)" in out
+    unknown = "LookupError: no task 'example_project.shop.tasks.refund_order' is registered in this process"
+    assert f"attempt 1 of 3: {unknown}" in out and f"attempt 2 of 3: {unknown}" in out
+    assert re.search(r"the row is kept \(attempts 2, its error\), tried again in \d+s", out)
+    assert re.search(r"attempt 3 of 3: dead letter #\d+ unpublishable, owner shop, tenant acme, arguments \[48\]", out)
+    assert "outbox messages left: 0 (the row was deleted in the record's transaction" in out
     assert "== worker stopped (exit code 0)" in out

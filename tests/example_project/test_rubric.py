@@ -10,8 +10,9 @@ The rubric's five tests, for the tasks they fit:
 * failure mid-job: ``charge_order`` killed after the provider charged, before the ack; ``build_report`` killed
   in its body;
 * poison: ``send_receipt`` and ``charge_order`` killing their worker every time; a malformed envelope;
-* store outage (in place of out-of-order and deployment: no shop task is ordered or versioned): the database
-  cut as ``charge_order`` starts, before its guardrails reach the store.
+* out of order: ``update_stock``'s counts of one SKU delivered last first;
+* store outage (in place of deployment: no shop task is versioned): the database cut as ``charge_order``
+  starts, before its guardrails reach the store.
 
 Each ends with ``assert_no_loss``: every message the kit sent was handled or dead-lettered.
 """
@@ -34,13 +35,21 @@ from celery_guardrails.testing import (
     assert_single_effect,
     crash_mid_task,
     deliver_twice,
+    out_of_order,
     poison,
     store_outage,
 )
 from django_celery_guardrails.models import ScheduledRun
 from example_project.celery_app import app as shop_app
 from example_project.shop.fake_provider import FlakyProvider
-from example_project.shop.tasks import build_report, charge_order, send_receipt, settle_payments, ship_order
+from example_project.shop.tasks import (
+    build_report,
+    charge_order,
+    send_receipt,
+    settle_payments,
+    ship_order,
+    update_stock,
+)
 from tests.support.services import require
 
 pytestmark = [pytest.mark.guardrails(app="example_project.celery_app:app", pool="prefork", concurrency=2)]
@@ -203,6 +212,23 @@ def test_a_malformed_charge_message_is_dead_lettered(payments: FlakyProvider) ->
     assert report.of().starts == 0
     assert_dead_lettered(report.task_id, reason="malformed_message")
     assert payments.calls[106] == 0
+    assert_no_loss()
+
+
+# -- out of order ---------------------------------------------------------------------------------------------
+
+
+def test_stock_counts_delivered_last_first_are_set_in_the_order_they_were_counted() -> None:
+    # Given three counts of one SKU, published in the order the warehouse counted them
+    counts = [("SKU-7", "c1", 12), ("SKU-7", "c2", 9), ("SKU-7", "c3", 4)]
+    # When the broker delivers them last first
+    with tenant_context(TENANT):
+        report = out_of_order(update_stock, counts)
+    # Then their bodies ran in the order they were counted (the last count is the level that stays): the early
+    # ones came back later, no attempt spent, until their turn
+    assert report.order == [0, 1, 2]
+    assert report.outcomes.count(("succeeded", "")) == 3
+    assert set(report.outcomes) == {("succeeded", ""), ("retry_later", "")}, report.outcomes
     assert_no_loss()
 
 
