@@ -114,14 +114,14 @@ def test_a_poison_message_on_a_quorum_queue_is_counted_by_the_broker(quorum_name
     client = redis.Redis.from_url(REDIS_URL)
     marker = f"gr-test-quorum-pids-{uuid.uuid4().hex}"
     guardrails = json.dumps({"max_deliveries": 1})
-    env = proj_env(queue=quorum_name, broker="amqp", GUARDRAILS_TEST_QUORUM="topic", GUARDRAILS_TEST_GUARDRAILS=guardrails)
+    env = proj_env(
+        queue=quorum_name, broker="amqp", GUARDRAILS_TEST_QUORUM="topic", GUARDRAILS_TEST_GUARDRAILS=guardrails
+    )
     worker = WorkerProcess(app=PROJ_APP, queue=quorum_name, log_path=tmp_path / "worker.log", env=env)
     try:
         with worker:
             # When it runs, kills its process, is redelivered (x-delivery-count 1) and kills it again
-            poison = app.send_task(
-                "tests.proj.tasks.kill_my_worker_keyed", args=(random.randrange(10**9), marker)
-            )
+            poison = app.send_task("tests.proj.tasks.kill_my_worker_keyed", args=(random.randrange(10**9), marker))
             wait_for("the poison message failed", lambda: poison.state == "FAILURE", timeout=60)
             # Then it ran twice, and its third delivery (x-delivery-count 2 > 1) was dead-lettered unrun as poison
             assert client.llen(marker) == 2
