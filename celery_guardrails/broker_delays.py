@@ -101,7 +101,8 @@ def _work_out(app: Any) -> DelayRule:
     from celery.utils.quorum_queues import detect_quorum_queues
 
     # kombu resolves the transport class from the URL without connecting.
-    driver = str(getattr(app.connection_for_write().transport, "driver_type", "") or "")
+    with app.connection_for_write() as connection:
+        driver = str(getattr(connection.transport, "driver_type", "") or "")
     if driver == "redis":
         options = app.conf.broker_transport_options or {}
         visibility = float(options.get("visibility_timeout", DEFAULT_VISIBILITY) or DEFAULT_VISIBILITY)

@@ -82,10 +82,11 @@ class PoisonMessages(Guardrail):
         state: Delivery | None = getattr(task.request, ATTRIBUTE, None)
         if state is None or not state.republishing:
             return
-        if state.broker_starts and not state.body_ran:
-            publication.header[headers.REDELIVERIES] = state.broker_starts
-        else:  # the run ended (its body ran): the next message counts afresh
+        if state.body_ran:  # the run ended: the next message counts afresh
             publication.header.pop(headers.REDELIVERIES, None)
+        elif state.broker_starts is not None:
+            publication.header[headers.REDELIVERIES] = state.broker_starts
+        # else: a first delivery (the broker counted nothing yet) put off again keeps the count it carries
 
     def _clear(self, task: GuardedTask) -> None:
         state = delivery(task)
