@@ -50,13 +50,17 @@ class PoisonMessages(Guardrail):
     def before_run(self, task: GuardedTask, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         request = task.request
         state = delivery(task)
+        redelivered = bool((request.delivery_info or {}).get("redelivered"))
         counted_by_broker = delivery_count(request)
         if counted_by_broker is not None:
             # A quorum queue's own count of this message's earlier deliveries, plus those of the messages it
-            # replaces (put off before their body ran): nothing to write, nothing to clear.
-            starts = headers.counter(headers.from_request(request), headers.REDELIVERIES) + counted_by_broker
-            state.broker_starts = starts
-        elif (request.delivery_info or {}).get("redelivered"):
+            # replaces (put off before their body ran): nothing to write, nothing to clear. Only a redelivery's
+            # count is the broker's: on a first delivery the header can only be a publisher's, not trusted.
+            carried = headers.counter(headers.from_request(request), headers.REDELIVERIES)
+            starts = state.broker_starts = carried + (counted_by_broker if redelivered else 0)
+            if not redelivered:
+                return
+        elif redelivered:
             starts = get_store(task.app).count_delivery(request.id, ttl=COUNT_TTL)
             state.counted = True
         else:
