@@ -421,8 +421,8 @@ def run_variant(options: Options) -> Result:
                     break
         if options.broker == "rabbitmq":
             _delete_rabbit_queue(queue)
-            if options.queue_type == "quorum":  # its exchange (the delay exchanges are Celery's, shared)
-                _delete_rabbit_exchange(queue)
+            # Its exchange (Celery's default one is named after the queue); the delay exchanges are Celery's, shared.
+            _delete_rabbit_exchange(queue)
 
 
 def restart_redis(server: Any, *, down_for: float = 2.0) -> None:
