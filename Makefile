@@ -81,7 +81,8 @@ bench: $(INSTALLED) services
 # The chaos soak: JOBS logical jobs (default 10000) per store while workers are SIGKILLed every 20 s, the
 # broker's Redis and PostgreSQL restarted once, the store cut for 10 s; exits non-zero on a loss, a doubled
 # effect with the Django store, a misfiled dead letter, a key left claimed or a duplicate added by replay.
-# SOAK_ARGS: more arguments (e.g. --broker both for the RabbitMQ variant too; --help lists them).
+# SOAK_ARGS: more arguments (e.g. --broker both for the RabbitMQ variant too; --queue-type quorum --exchange both
+# for RabbitMQ quorum queues on a topic and a direct exchange; --help lists them).
 JOBS ?= 10000
 SOAK_ARGS ?=
 soak: $(INSTALLED) services

@@ -87,6 +87,9 @@ class Delivery:
     holds: list[Hold] = field(default_factory=list)
     #: A guardrail is publishing the message again (so it is not taken for the body's own ``self.retry()``).
     republishing: bool = False
+    #: Poison guard on a quorum queue: the starts the broker counted for this run (its ``x-delivery-count``, plus
+    #: the count carried over a wait before the body ran); None where the store counts them.
+    broker_starts: int | None = None
     #: How this delivery was settled so far: ``"recorded"`` (its dead letter is durably written) or
     #: ``"republished"`` (a retry or a wait is published). An exception that leaves ``GuardedTask`` with neither
     #: set was recorded by nothing: the task records it then (see ``GuardedTask.__call__``).

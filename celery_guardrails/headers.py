@@ -30,6 +30,8 @@ is a flat mapping (an AMQP table on RabbitMQ, a JSON object on Redis)::
         "ord_wait": 3,          # waits for an earlier message of its key so far (absent: 0)
         "pub": 1796000000.25,   # when this message was published (epoch seconds; each re-publish sets it anew)
         "pv": 2,                # guarded tasks: the payload version its publisher sent (absent: 1)
+        "redeliv": 2,           # quorum queues: deliveries of earlier messages of this run the broker counted
+                                # (x-delivery-count), carried over a wait before the body ran (absent: 0)
     }
 
 An attempt record: ``{"n": 1, "start": "2026-11-30T08:00:00.123+00:00", "end": "...", "host": "celery@web1",
@@ -75,6 +77,10 @@ Version history:
   no longer treated as missing when malformed: its message's body already ran to a final failure, so it is
   recorded, checked against the message (tenant, owner, reason, key, history; see
   :mod:`celery_guardrails.guardrails.dead_letter`), as ``malformed_message`` when it does not pass.
+
+* ``1`` (0.9): ``redeliv`` added (see :mod:`celery_guardrails.guardrails.poison`): on a quorum queue the
+  broker's ``x-delivery-count`` is the poison counter, and a message put off before its body ran carries the
+  count to its next message. A release that does not know it keeps it and counts in its store.
 
 Compatibility rules:
 
@@ -130,6 +136,7 @@ ORDERING_SEQUENCE = "ord_seq"
 ORDERING_WAITS = "ord_wait"
 PUBLISHED = "pub"
 PAYLOAD_VERSION = "pv"
+REDELIVERIES = "redeliv"
 
 #: Latest period a header may name (9999-12-31T23:59:59Z, as far as a datetime goes).
 PERIOD_MAX = 253_402_300_799
@@ -137,7 +144,18 @@ PERIOD_MAX = 253_402_300_799
 HISTORY_LIMIT = 20
 #: Characters of an exception message kept in an attempt record.
 MESSAGE_LIMIT = 500
-_COUNTERS = (ATTEMPT, LATER, DEFERRED, OUTAGES, BUSY, SLOT_WAIT, HISTORY_TOTAL, PENDING_TRIES, ORDERING_WAITS)
+_COUNTERS = (
+    ATTEMPT,
+    LATER,
+    DEFERRED,
+    OUTAGES,
+    BUSY,
+    SLOT_WAIT,
+    HISTORY_TOTAL,
+    PENDING_TRIES,
+    ORDERING_WAITS,
+    REDELIVERIES,
+)
 
 
 def from_message_headers(headers: Mapping[str, Any] | None) -> dict[str, Any]:

@@ -19,6 +19,7 @@ from fnmatch import fnmatchcase
 from typing import Any
 
 from celery_guardrails import headers, signals
+from celery_guardrails.broker_delays import countdown_for, delay_rule, republishable_headers
 from celery_guardrails.context import current_correlation_id, current_tenant
 from celery_guardrails.delivery import delivery
 from celery_guardrails.redaction import exception_name, exception_text, for_task
@@ -140,9 +141,11 @@ def republish(
 ) -> BaseException:
     """Publish the running message again after ``countdown`` seconds with ``header``; return Celery's Retry.
 
-    Every other header of the message is kept (tenant included: it is in ``header``). ``args``, ``kwargs`` and
-    ``options`` are what a body's ``self.retry(...)`` asked for (None: the message's own). The caller raises the
-    returned exception so Celery records RETRY and acks the current delivery after the publish.
+    Every other header of the message is kept (tenant included: it is in ``header``), except those the broker
+    set (``x-death``, ``x-delivery-count``, ...). ``countdown`` is rounded to what the broker accepts (whole
+    seconds on RabbitMQ's native delayed delivery; see :mod:`celery_guardrails.broker_delays`). ``args``,
+    ``kwargs`` and ``options`` are what a body's ``self.retry(...)`` asked for (None: the message's own). The
+    caller raises the returned exception so Celery records RETRY and acks the current delivery after the publish.
     """
     request = task.request
     state = delivery(task)
@@ -156,13 +159,18 @@ def republish(
     arrived_as = getattr(request, ARRIVED_AS, None)
     if arrived_as:
         extra.setdefault("serializer", arrived_as)
-    message_headers = {**(request.headers or {}), **(extra.pop("headers", None) or {}), headers.HEADER: header}
+    # The broker's own headers (x-death, x-delivery-count, ...) are never copied: see celery_guardrails.broker_delays.
+    message_headers = {
+        **republishable_headers(request.headers),
+        **(extra.pop("headers", None) or {}),
+        headers.HEADER: header,
+    }
     # max_retries: the guardrails count attempts themselves; Celery's own limit must not interfere.
     retry: BaseException = task.retry(
         args=args,
         kwargs=kwargs,
         exc=exc,
-        countdown=min(max(0.0, countdown), longest_countdown(task.app)),
+        countdown=countdown_for(task.app, countdown),
         max_retries=request.retries + 1,
         throw=False,
         headers=message_headers,
@@ -173,12 +181,10 @@ def republish(
 
 
 def longest_countdown(app: Any) -> float:
-    """The longest countdown a re-published message may have: on a Redis broker, nine tenths of its
-    ``visibility_timeout`` (a message held by a worker for longer is delivered to another one as well: kombu
-    takes it for lost); elsewhere no bound."""
-    if not str(app.conf.broker_url or "").startswith(("redis://", "rediss://")):
-        return float("inf")
-    return 0.9 * float((app.conf.broker_transport_options or {}).get("visibility_timeout", 3600))
+    """The longest countdown a re-published message may have: on a Redis broker (kombu's Redis transport, whatever
+    the URL's scheme), nine tenths of its ``visibility_timeout`` (a message held by a worker for longer is
+    delivered to another one as well: kombu takes it for lost); elsewhere no bound."""
+    return delay_rule(app).longest
 
 
 def store_unavailable(task: Any, exc: BaseException) -> BaseException:

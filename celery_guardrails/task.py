@@ -317,7 +317,9 @@ class GuardedTask(Task):  # type: ignore[misc]
         be published Celery rejects the running message without requeue (``Reject(exc, requeue=False)`` in
         ``Task.retry``), which on an acks-late delivery removes it from the broker with nothing recorded. The ack
         is sacred: it is given back to the broker unacked instead, and runs again when it is redelivered (no
-        attempt is recorded for it)."""
+        attempt is recorded for it). A publish that refuses the retry itself (a ``ValueError``: a countdown or a
+        route native delayed delivery does not take) is never given back: that would loop; it ends as a
+        dead letter ``guardrail_error``."""
         state = delivery(self)
         if not self.request.called_directly and not state.republishing:
             if state.in_body and any(isinstance(g, Retries) for g in self.guardrails):
@@ -344,6 +346,15 @@ class GuardedTask(Task):  # type: ignore[misc]
                 # Not the broker: the serializer refuses the message's own arguments (a pickled object that will not
                 # pickle again). Given back, it would come back and fail the same way, until the poison guard.
                 raise UnpublishableError(self.name, f"its retry could not be encoded: {rejected.reason}") from rejected
+            if isinstance(rejected.reason, ValueError):
+                # Not the broker being away: the publish refuses the retry as asked (kombu's calculate_routing_key
+                # on RabbitMQ's native delayed delivery: "countdown must be a positive number", "routing_key must
+                # be non-empty"). Given back, the message would run again at once and be refused again: a requeue
+                # loop with no attempt spent. It ends as a record (guardrail_error: replay it once fixed).
+                raise GuardrailsError(
+                    f"{self.name}: its retry was refused by the publish ({type(rejected.reason).__name__}: "
+                    f"{rejected.reason}); recorded instead of given back to the broker"
+                ) from rejected
             logger.error(
                 "Task %s[%s]: its retry could not be published (%s); given back to the broker unacked",
                 self.name,

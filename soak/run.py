@@ -11,8 +11,13 @@ added, and the workers' deaths and their causes; and exits non-zero on any loss,
 Django store, any misfiled dead letter, a key left claimed, or a duplicate added by the replay.
 
 ``--broker rabbitmq`` runs the same on the machine's RabbitMQ (a queue of its own; the broker is not
-restarted). ``--short`` is the suite's version: a few hundred jobs, one kill, one store cut, on the machine's
+restarted); with ``--queue-type quorum`` the queue is a quorum queue on an exchange of its own, ``--exchange
+topic`` (Celery's native delayed delivery carries the retries' countdowns), ``direct`` (the worker holds them) or
+``both``. ``--short`` is the suite's version: a few hundred jobs, one kill, one store cut, on the machine's
 PostgreSQL (a database of its own) instead of a private cluster.
+
+Every run of a job's body is counted (``runs.log``): a job run more than :data:`LOOP_LIMIT` times fails the soak
+(a requeue loop), whatever its outcome.
 """
 
 from __future__ import annotations
@@ -37,9 +42,14 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-KINDS = ("ok", "transient", "permanent", "poison")
+KINDS = ("ok", "transient", "later", "permanent", "poison")
 #: Share of the logical jobs of each kind (the rest are ``ok``) and of those published twice.
-MIX = {"poison": 0.01, "permanent": 0.02, "transient": 0.10}
+MIX = {"poison": 0.01, "permanent": 0.02, "transient": 0.10, "later": 0.05}
+#: Kinds whose jobs must end with their effect (``permanent`` after the replay).
+EFFECT_KINDS = ("ok", "transient", "later", "permanent")
+#: Runs of one job's body past which the soak calls it a loop: a poison job published twice runs at most
+#: 2 x (max_deliveries + 1) = 8 times; a transient or later one 3 times per copy, plus the kills' redeliveries.
+LOOP_LIMIT = 12
 TWICE = 0.20
 #: The dead-letter reason each kind must end with (``ok`` and ``transient`` must end with none).
 EXPECTED_REASON = {"permanent": "permanent", "poison": "poison"}
@@ -50,6 +60,9 @@ class Options:
     jobs: int = 10_000
     store: str = "django"
     broker: str = "redis"
+    #: RabbitMQ: ``classic`` (the queue Celery declares) or ``quorum`` (on an exchange of type ``exchange``).
+    queue_type: str = "classic"
+    exchange: str = "topic"
     kill_every: float = 20.0
     kills: int = 0  # with --short: this many kills, at progress marks, instead of every kill_every seconds
     broker_restart: bool = True
@@ -58,6 +71,8 @@ class Options:
     private_db: bool = True
     visibility_timeout: float = 30.0
     settle_timeout: float = 1500.0
+    #: Seconds between two of the three checks that the broker holds nothing more for the queue.
+    drain_interval: float = 2.0
     seed: int = 13
     kombu_pop: bool = False
     workdir: str = ""
@@ -75,6 +90,8 @@ class Result:
     broker: str
     jobs: int
     messages: int
+    queue_type: str = "classic"
+    exchange: str = ""
     seconds: float = 0.0
     per_kind: dict[str, dict[str, Any]] = field(default_factory=dict)
     reasons: dict[str, dict[str, int]] = field(default_factory=dict)
@@ -83,6 +100,10 @@ class Result:
     claimed_jobs: list[str] = field(default_factory=list)
     replayed: int = 0
     replay_duplicates: int = 0
+    #: Runs of the jobs' bodies, all told, and the most for one job (and which).
+    runs: int = 0
+    most_runs: int = 0
+    most_runs_job: str = ""
     killed: int = 0
     deaths: list[Death] = field(default_factory=list)
     lost_causes: dict[str, str] = field(default_factory=dict)
@@ -253,12 +274,22 @@ def run_variant(options: Options) -> Result:
     """One store, one broker: set the stage, publish, break things, settle, replay, count."""
     from soak.services import PrivatePostgres, PrivateRedis, TcpProxy
 
-    name = f"{options.store}-store-{options.broker}"
+    name = f"{options.store}-store-{options.broker}" + (
+        f"-quorum-{options.exchange}" if options.queue_type == "quorum" else ""
+    )
     workdir = Path(options.workdir) / name if options.workdir else Path(tempfile.mkdtemp(prefix=f"soak-{name}-"))
     workdir.mkdir(parents=True, exist_ok=True)
     (workdir / "fixed").unlink(missing_ok=True)
+    (workdir / "runs.log").unlink(missing_ok=True)
     kinds, messages = plan_jobs(options.jobs, options.seed)
-    result = Result(store=options.store, broker=options.broker, jobs=options.jobs, messages=len(messages))
+    result = Result(
+        store=options.store,
+        broker=options.broker,
+        jobs=options.jobs,
+        messages=len(messages),
+        queue_type=options.queue_type,
+        exchange=options.exchange if options.queue_type == "quorum" else "",
+    )
     queue = f"soak-{uuid.uuid4().hex[:8]}"
     stack: list[Any] = []  # what to stop at the end, last first
     try:
@@ -298,6 +329,8 @@ def run_variant(options: Options) -> Result:
             "SOAK_DB_NAME": db_name,
             "SOAK_VISIBILITY_TIMEOUT": str(options.visibility_timeout),
             "SOAK_KOMBU_POP": "1" if options.kombu_pop else "0",
+            "SOAK_QUEUE_TYPE": options.queue_type,
+            "SOAK_EXCHANGE": options.exchange,
         }
         worker_env = {**base_env, "SOAK_DB_PORT": str(worker_db_port), "SOAK_STORE": store_url}
         # This process: Django on the database directly (never cut), the store's Redis directly.
@@ -314,7 +347,7 @@ def run_variant(options: Options) -> Result:
         )
         from soak import app as soak_app
 
-        counter = Counter(kinds, broker=options.broker, queue=queue)
+        counter = Counter(kinds, broker=options.broker, queue=queue, drain_interval=options.drain_interval)
         supervisor = Supervisor(env=worker_env, queue=queue, logs=workdir)
         supervisor.start()
         stack.append(supervisor)
@@ -365,6 +398,7 @@ def run_variant(options: Options) -> Result:
         tally(result, kinds, collections.Counter(messages), before, after, counter.dead_letters())
         claimed = claimed_keys(store_redis.url if store_redis else None)
         result.claimed_keys, result.claimed_jobs = len(claimed), [job_of_key(key) for key in claimed[:100]]
+        count_runs(result, workdir / "runs.log")
         result.killed = supervisor.kills
         result.deaths = supervisor.deaths
         result.events = chaos.log
@@ -387,6 +421,8 @@ def run_variant(options: Options) -> Result:
                     break
         if options.broker == "rabbitmq":
             _delete_rabbit_queue(queue)
+            # Its exchange (Celery's default one is named after the queue); the delay exchanges are Celery's, shared.
+            _delete_rabbit_exchange(queue)
 
 
 def restart_redis(server: Any, *, down_for: float = 2.0) -> None:
@@ -411,10 +447,10 @@ def publish(task: Any, messages: list[str], kinds: dict[str, str]) -> None:
 class Counter:
     """Reads the effects and dead letters (on the database directly, never through the cut) and the broker."""
 
-    def __init__(self, kinds: dict[str, str], *, broker: str, queue: str) -> None:
-        self.kinds, self.broker, self.queue = kinds, broker, queue
+    def __init__(self, kinds: dict[str, str], *, broker: str, queue: str, drain_interval: float = 2.0) -> None:
+        self.kinds, self.broker, self.queue, self.drain_interval = kinds, broker, queue, drain_interval
         self.replaying: set[str] = set()
-        self.expect_effect = {job for job, kind in kinds.items() if kind in ("ok", "transient")}
+        self.expect_effect = {job for job, kind in kinds.items() if kind in EFFECT_KINDS and kind != "permanent"}
         self.expect_dead = {job for job, kind in kinds.items() if kind in EXPECTED_REASON}
 
     def _query(self, sql: str) -> list[tuple[Any, ...]]:
@@ -495,7 +531,7 @@ class Counter:
         deadline, quiet = time.monotonic() + timeout, 0
         while quiet < 3 and time.monotonic() < deadline:
             quiet = quiet + 1 if self.pending() == 0 else 0
-            time.sleep(2)
+            time.sleep(self.drain_interval)
 
 
 def tally(
@@ -513,7 +549,7 @@ def tally(
         dead_per_job[job] += 1
     for kind in KINDS:
         jobs = [job for job, k in kinds.items() if k == kind]
-        wants_effect = kind in ("ok", "transient", "permanent")
+        wants_effect = kind in EFFECT_KINDS
         final = after if kind == "permanent" else before
         row = {
             "jobs": len(jobs),
@@ -536,6 +572,14 @@ def tally(
     result.replay_duplicates = sum(max(0, after[job] - 1) for job, kind in kinds.items() if kind == "permanent")
     # Anything else the replay's run added (a job of another kind run again).
     result.replay_duplicates += sum(after[job] - before[job] for job, kind in kinds.items() if kind != "permanent")
+
+
+def count_runs(result: Result, log: Path) -> None:
+    """The runs of the jobs' bodies (one line per run in ``log``): all told, and the most for one job."""
+    runs = collections.Counter(log.read_text().split()) if log.exists() else collections.Counter()
+    result.runs = sum(runs.values())
+    if runs:
+        result.most_runs_job, result.most_runs = runs.most_common(1)[0]
 
 
 def job_of_key(key: str) -> str:
@@ -592,6 +636,8 @@ def judge(result: Result, *, kombu_pop: bool) -> None:
         result.failures.append(f"{result.claimed_keys} key(s) left claimed")
     if result.replay_duplicates:
         result.failures.append(f"the replay added {result.replay_duplicates} duplicate effect(s)")
+    if result.most_runs > LOOP_LIMIT:
+        result.failures.append(f"job {result.most_runs_job} ran {result.most_runs} times (a loop)")
 
 
 def expected(row: dict[str, Any]) -> str:
@@ -602,8 +648,10 @@ def expected(row: dict[str, Any]) -> str:
 def render(results: list[Result]) -> str:
     lines = []
     for result in results:
+        queue = f" ({result.queue_type} queue, {result.exchange} exchange)" if result.queue_type == "quorum" else ""
         lines.append(
-            f"\n{result.store} store, {result.broker} broker: {result.jobs} jobs ({result.messages} messages) in "
+            f"\n{result.store} store, {result.broker} broker{queue}: {result.jobs} jobs ({result.messages} messages) "
+            f"in "
             f"{result.seconds:.0f}s; {result.killed} workers SIGKILLed; {len(result.deaths)} died on their own"
         )
         lines.append(
@@ -622,7 +670,8 @@ def render(results: list[Result]) -> str:
             lines.append(f"left claimed: {job}: {result.lost_causes.get(job, 'no trace read (RabbitMQ)')}")
         lines.append(
             f"keys left claimed: {result.claimed_keys}; replayed {result.replayed}, "
-            f"duplicates the replay added: {result.replay_duplicates}"
+            f"duplicates the replay added: {result.replay_duplicates}; "
+            f"runs {result.runs}, most for one job {result.most_runs} ({result.most_runs_job or '-'})"
         )
         causes = collections.Counter(death.cause for death in result.deaths)
         for cause, count in causes.most_common():
@@ -672,11 +721,36 @@ def _delete_rabbit_queue(queue: str) -> None:
     subprocess.run(["rabbitmqctl", "-q", "delete_queue", queue], capture_output=True, check=False)
 
 
-def parse(argv: list[str]) -> tuple[Options, list[str], list[str], bool]:
+def _delete_rabbit_exchange(name: str) -> None:
+    import contextlib
+
+    from kombu import Connection
+
+    with (
+        Connection("amqp://guest:guest@127.0.0.1:5672//") as connection,
+        contextlib.suppress(*connection.channel_errors, *connection.connection_errors),
+    ):
+        connection.default_channel.exchange_delete(name)
+
+
+def parse(argv: list[str]) -> tuple[Options, list[str], list[str], list[str], bool]:
     parser = argparse.ArgumentParser(prog="make soak", description=__doc__.split("\n\n")[0])
     parser.add_argument("--jobs", type=int, default=int(os.environ.get("SOAK_JOBS", "10000")))
     parser.add_argument("--store", choices=["django", "redis", "both"], default="both")
     parser.add_argument("--broker", choices=["redis", "rabbitmq", "both"], default="redis")
+    parser.add_argument(
+        "--queue-type",
+        choices=["classic", "quorum"],
+        default="classic",
+        help="RabbitMQ: quorum runs on a quorum queue (the Redis broker is left out)",
+    )
+    parser.add_argument(
+        "--exchange",
+        choices=["topic", "direct", "both"],
+        default="topic",
+        help="--queue-type quorum: the queue's exchange (topic: native delayed delivery; direct: the worker holds "
+        "the ETAs)",
+    )
     parser.add_argument("--kill-every", type=float, default=20.0, help="seconds between two SIGKILLs")
     parser.add_argument("--store-cut", type=float, default=10.0, help="seconds the store is cut (0: never)")
     parser.add_argument("--short", action="store_true", help="the suite's soak: one kill, one store cut")
@@ -697,13 +771,18 @@ def parse(argv: list[str]) -> tuple[Options, list[str], list[str], bool]:
         seed=args.seed,
         workdir=args.workdir,
         kombu_pop=args.kombu_pop,
+        queue_type=args.queue_type,
     )
     if args.short:
         options.kills, options.broker_restart, options.db_restart = 1, False, False
         options.private_db, options.visibility_timeout, options.settle_timeout = False, 10.0, 240.0
+        options.drain_interval = 1.0
     stores = ["django", "redis"] if args.store == "both" else [args.store]
     brokers = ["redis", "rabbitmq"] if args.broker == "both" else [args.broker]
-    return options, stores, brokers, args.json
+    if args.queue_type == "quorum":  # a RabbitMQ queue type
+        brokers = ["rabbitmq"]
+    exchanges = ["topic", "direct"] if args.exchange == "both" else [args.exchange]
+    return options, stores, brokers, exchanges, args.json
 
 
 def _interrupted(signum: int, frame: Any) -> None:
@@ -717,37 +796,36 @@ def main(argv: list[str]) -> int:
         result = run_variant(options)
         print("RESULT " + json.dumps(asdict(result)), flush=True)
         return 0
-    options, stores, brokers, as_json = parse(argv)
+    options, stores, brokers, exchanges, as_json = parse(argv)
     results = []
-    for broker in brokers:
-        for store in stores:
-            variant = asdict(options) | {"store": store, "broker": broker}
-            if broker == "rabbitmq":
-                variant["broker_restart"] = False
-            child = subprocess.Popen(
-                [sys.executable, "-m", "soak.run", "--variant", json.dumps(variant)],
-                cwd=ROOT,
-                stdout=subprocess.PIPE,
-                text=True,
-                env={**os.environ, "PYTHONPATH": str(ROOT)},
-            )
-            assert child.stdout is not None
-            found = []
-            try:
-                for line in child.stdout:  # progress as it comes; the result line kept
-                    if line.startswith("RESULT "):
-                        found.append(line)
-                    else:
-                        print(line, end="", flush=True)
-            finally:
-                if child.poll() is None and not found:  # this process was stopped: so is the variant
-                    child.terminate()
-            if child.wait() or not found:
-                print(f"soak [{store} store, {broker} broker] did not finish (exit {child.returncode})")
-                return 2
-            data = json.loads(found[-1][len("RESULT ") :])
-            data["deaths"] = [Death(**death) for death in data["deaths"]]
-            results.append(Result(**data))
+    for broker, exchange, store in [(b, e, s) for b in brokers for e in exchanges for s in stores]:
+        variant = asdict(options) | {"store": store, "broker": broker, "exchange": exchange}
+        if broker == "rabbitmq":
+            variant["broker_restart"] = False
+        child = subprocess.Popen(
+            [sys.executable, "-m", "soak.run", "--variant", json.dumps(variant)],
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            text=True,
+            env={**os.environ, "PYTHONPATH": str(ROOT)},
+        )
+        assert child.stdout is not None
+        found = []
+        try:
+            for line in child.stdout:  # progress as it comes; the result line kept
+                if line.startswith("RESULT "):
+                    found.append(line)
+                else:
+                    print(line, end="", flush=True)
+        finally:
+            if child.poll() is None and not found:  # this process was stopped: so is the variant
+                child.terminate()
+        if child.wait() or not found:
+            print(f"soak [{store} store, {broker} broker] did not finish (exit {child.returncode})")
+            return 2
+        data = json.loads(found[-1][len("RESULT ") :])
+        data["deaths"] = [Death(**death) for death in data["deaths"]]
+        results.append(Result(**data))
     print(json.dumps([asdict(r) for r in results], indent=1) if as_json else render(results))
     return 1 if any(result.failures for result in results) else 0
 

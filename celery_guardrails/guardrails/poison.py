@@ -10,6 +10,13 @@ the lease of the claim its dead delivery left: a holder whose process on this ho
 once (:func:`celery_guardrails.guardrails.idempotency.holder_gone`), and once the dead letter is recorded the key
 is marked failed (a replay reopens it), not left claimed by a delivery that will never end.
 
+On a RabbitMQ quorum queue the broker counts for itself: a redelivered message carries ``x-delivery-count``
+(how many times it was delivered before and given back). There that count is the poison counter, with no store
+write (and no store needed to stop a poison message); a message put off before its body ran carries its count to
+the message that replaces it (header ``redeliv``), as the store's count is kept for it elsewhere. The broker
+counts every delivery given back, a message prefetched by a worker that was killed before it started included:
+a message can be dead-lettered poison sooner there than where the store counts starts only.
+
 For the worker to give such a message back, ``GuardedTask`` acks late and rejects on a lost worker
 (``acks_late``, ``reject_on_worker_lost``); with Redis the broker gives it back after the transport's
 ``visibility_timeout`` (see the README).
@@ -20,12 +27,14 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any
 
-from celery_guardrails.delivery import delivery
+from celery_guardrails import headers
+from celery_guardrails.broker_delays import delivery_count
+from celery_guardrails.delivery import ATTRIBUTE, Delivery, delivery
 from celery_guardrails.exceptions import PoisonMessageError, StoreError
 from celery_guardrails.guardrails.idempotency import fail_abandoned
 from celery_guardrails.options import resolve
 from celery_guardrails.outcomes import POISON, attempt_record, fail_finally
-from celery_guardrails.pipeline import Guardrail
+from celery_guardrails.pipeline import Guardrail, Publication
 from celery_guardrails.stores import get_store
 
 if TYPE_CHECKING:
@@ -40,12 +49,22 @@ COUNT_TTL = 24 * 3600
 class PoisonMessages(Guardrail):
     def before_run(self, task: GuardedTask, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         request = task.request
-        if not (request.delivery_info or {}).get("redelivered"):
-            return
-        store = get_store(task.app)
-        starts = store.count_delivery(request.id, ttl=COUNT_TTL)
         state = delivery(task)
-        state.counted = True
+        redelivered = bool((request.delivery_info or {}).get("redelivered"))
+        counted_by_broker = delivery_count(request)
+        if counted_by_broker is not None:
+            # A quorum queue's own count of this message's earlier deliveries, plus those of the messages it
+            # replaces (put off before their body ran): nothing to write, nothing to clear. Only a redelivery's
+            # count is the broker's: on a first delivery the header can only be a publisher's, not trusted.
+            carried = headers.counter(headers.from_request(request), headers.REDELIVERIES)
+            starts = state.broker_starts = carried + (counted_by_broker if redelivered else 0)
+            if not redelivered:
+                return
+        elif redelivered:
+            starts = get_store(task.app).count_delivery(request.id, ttl=COUNT_TTL)
+            state.counted = True
+        else:
+            return
         limit = resolve(task, "max_deliveries", task.call_options())
         if starts > limit:
             # The count stays: should this message come back once more (its ack lost), it is refused at once.
@@ -61,6 +80,17 @@ class PoisonMessages(Guardrail):
                         "Task %s[%s]: key of a poison message not marked failed: %s", task.name, request.id, exc
                     )
             raise pending or error
+
+    def on_publish(self, task: GuardedTask, publication: Publication) -> None:
+        # Only a re-publish of the running delivery (a retry, a wait) carries or drops the broker's count.
+        state: Delivery | None = getattr(task.request, ATTRIBUTE, None)
+        if state is None or not state.republishing:
+            return
+        if state.body_ran:  # the run ended: the next message counts afresh
+            publication.header.pop(headers.REDELIVERIES, None)
+        elif state.broker_starts is not None:
+            publication.header[headers.REDELIVERIES] = state.broker_starts
+        # else: a first delivery (the broker counted nothing yet) put off again keeps the count it carries
 
     def _clear(self, task: GuardedTask) -> None:
         state = delivery(task)
