@@ -30,9 +30,10 @@ lint: $(INSTALLED)
 # PYTEST_ARGS: more pytest arguments for both passes (make flaky adds a JUnit report).
 PYTEST_ARGS ?=
 # Test processes per pass (pytest-xdist): most of a test's time is spent waiting on real workers and services,
-# so three processes on two cores keep both busy (measured on 2 cores: the PostgreSQL pass took 780 s with two,
-# 566 s with three, with no test failing more often). Each has its own Redis database and test database.
-WORKERS ?= 3
+# so more processes than cores keep both busy (measured on 2 cores: the PostgreSQL pass took 780 s with two,
+# 566 s with three; with the tests of #29, 724 s with three on a loaded host and 526 s with five on a quiet one,
+# using about 55% of the two cores' time). Each has its own Redis database and test database.
+WORKERS ?= 5
 test: $(INSTALLED) services lint
 	$(MAKE) --no-print-directory test-postgres test-sqlite matrix-edges
 

@@ -59,7 +59,7 @@ def confirms_off(app: Any) -> bool:
     """Whether ``app`` publishes to RabbitMQ without publisher confirms (``broker_transport_options`` without
     ``confirm_publish=True``, Celery's default): the app's own publishes are not confirmed. The outbox relay's
     are, whatever this says (:class:`RelayPublisher`). False when it cannot be told (a broker URL kombu cannot
-    read is the worker's to say): the audit (GA005) and the system check (W004) ask it."""
+    read is the worker's to say): the audit (GA005) and the deployment check (guardrails.W105) ask it."""
     try:
         options = app.conf.broker_transport_options or {}
         return confirms_apply(app) and not options.get("confirm_publish")
