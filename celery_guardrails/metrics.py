@@ -483,6 +483,29 @@ def register_collector(factory: Callable[[], Any]) -> None:
     _collectors.append(factory)
 
 
+class _SizedFiles:
+    """prometheus_client's multiprocess collector, without the files a process has created and not yet sized.
+
+    A prefork child's metric file is opened (empty) and then grown to its first size (``MmapedDict.__init__``);
+    a scrape between the two read zero bytes and failed whole (``struct.error``, a 500 for every metric), seen
+    with ``--max-tasks-per-child=1``, where children start all the time. Such a file holds nothing yet.
+    """
+
+    def collect(self) -> Any:
+        import glob
+
+        from prometheus_client.multiprocess import MultiProcessCollector
+
+        files = []
+        for name in glob.glob(os.path.join(os.environ[MULTIPROC_DIR], "*.db")):
+            try:
+                if os.path.getsize(name) >= 8:  # the 8-byte header that says how much of the file is used
+                    files.append(name)
+            except OSError:  # removed since (mark_process_dead of a live gauge's file)
+                continue
+        return MultiProcessCollector.merge(files, accumulate=True)  # type: ignore[no-untyped-call]
+
+
 def metrics_registry() -> Any:
     """A registry to expose: every process's metrics summed from ``PROMETHEUS_MULTIPROC_DIR`` when it is set
     (prefork children, a multi-process web server), else this process's own; plus :func:`register_collector`'s.
@@ -492,9 +515,7 @@ def metrics_registry() -> Any:
         raise ConfigurationError("metrics", "needs prometheus-client: pip install 'celery-guardrails[prometheus]'")
     registry = CollectorRegistry(auto_describe=False)
     if os.environ.get(MULTIPROC_DIR):
-        from prometheus_client import multiprocess
-
-        multiprocess.MultiProcessCollector(registry)  # type: ignore[no-untyped-call]
+        registry.register(_SizedFiles())
     else:
         registry.register(_ThisProcess())
     for factory in _collectors:

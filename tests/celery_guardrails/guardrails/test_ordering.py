@@ -189,7 +189,12 @@ def gap_records(app: Any, stream: str) -> list[dict[str, Any]]:
 
     client = get_store(app).client  # type: ignore[attr-defined]
     records = [json.loads(entry[b"record"]) for _, entry in client.xrange(STREAM)]
-    return [r for r in records if r["reason"] == "ordering_gap_skipped" and r["header"]["ord"] == f"stream:{stream}"]
+    # (Other tests' records share the stream: a record cut to its bounds keeps fewer fields.)
+    return [
+        r
+        for r in records
+        if r.get("reason") == "ordering_gap_skipped" and (r.get("header") or {}).get("ord") == f"stream:{stream}"
+    ]
 
 
 def test_a_gap_that_never_fills_is_given_up_and_the_late_one_dead_lettered(
