@@ -27,8 +27,9 @@ lint: $(INSTALLED)
 	$(VENV)/bin/mypy
 
 # The whole suite: lint, then everything on PostgreSQL, then what uses the database again on SQLite.
-# PYTEST_ARGS: more pytest arguments for both passes (make flaky adds a JUnit report).
-PYTEST_ARGS ?=
+# PYTEST_ARGS: more pytest arguments for both passes (make flaky adds a JUnit report); by default the slowest
+# tests are listed, so that a CI log shows where a pass spent its time.
+PYTEST_ARGS ?= --durations=25
 # Test processes per pass (pytest-xdist): most of a test's time is spent waiting on real workers and services,
 # so more processes than cores keep both busy (measured on 2 cores: the PostgreSQL pass took 780 s with two,
 # 566 s with three; with the tests of #29, 724 s with three on a loaded host and 526 s with five on a quiet one,

@@ -491,13 +491,18 @@ class _SizedFiles:
     with ``--max-tasks-per-child=1``, where children start all the time. Such a file holds nothing yet.
     """
 
+    def __init__(self, path: str) -> None:
+        if not os.path.isdir(path):  # as prometheus_client's own: the scrape fails (503), never an empty 200
+            raise ValueError(f"{MULTIPROC_DIR}={path!r} is not a directory")
+        self.path = path
+
     def collect(self) -> Any:
         import glob
 
         from prometheus_client.multiprocess import MultiProcessCollector
 
         files = []
-        for name in glob.glob(os.path.join(os.environ[MULTIPROC_DIR], "*.db")):
+        for name in glob.glob(os.path.join(self.path, "*.db")):
             try:
                 if os.path.getsize(name) >= 8:  # the 8-byte header that says how much of the file is used
                     files.append(name)
@@ -515,7 +520,7 @@ def metrics_registry() -> Any:
         raise ConfigurationError("metrics", "needs prometheus-client: pip install 'celery-guardrails[prometheus]'")
     registry = CollectorRegistry(auto_describe=False)
     if os.environ.get(MULTIPROC_DIR):
-        registry.register(_SizedFiles())
+        registry.register(_SizedFiles(os.environ[MULTIPROC_DIR]))
     else:
         registry.register(_ThisProcess())
     for factory in _collectors:
