@@ -130,7 +130,11 @@ def test_a_holder_stopped_past_the_ceiling_rolls_its_effect_back_when_it_resumes
         assert report["attempt"] == 1 and ["retry_later", "concurrency:slot_lost"] in report["history"]
         rows = list(Effect.objects.filter(key__in=keys).order_by("created_at", "pk").values_list("key", flat=True))
         assert sorted(rows) == keys and rows[-1] == keys[0]
-        status = concurrency_status(f"tenant:{tenant}", app=celery_app)
+        # (the slot is released as the delivery ends, just after its result is stored)
+        status = wait_for(
+            "every slot released",
+            lambda: (s := concurrency_status(f"tenant:{tenant}", app=celery_app))["held"] == 0 and s,
+        )
         assert (status["held"], status["reaped"], [h.task_id for h in status["recent_lost"]]) == (0, 1, [stalled.id])
     finally:
         workers["a"].kill(signal.SIGCONT)

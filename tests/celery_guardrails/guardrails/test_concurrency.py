@@ -231,7 +231,11 @@ def test_a_holder_stopped_past_the_ceiling_is_fenced_when_it_resumes_and_runs_ag
             [stalled.id, *(other.id for other in others)]
         )
         assert report["attempt"] == 1 and ["retry_later", "concurrency:slot_lost"] in report["history"]
-        status = concurrency_status(f"tenant:{tenant}", app=celery_app)
+        # (the slot is released as the delivery ends, just after its result is stored)
+        status = wait_for(
+            "every slot released",
+            lambda: (s := concurrency_status(f"tenant:{tenant}", app=celery_app))["held"] == 0 and s,
+        )
         assert (status["held"], status["reaped"]) == (0, 1)
         assert [h.task_id for h in status["recent_lost"]] == [stalled.id]
     finally:
