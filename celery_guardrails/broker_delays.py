@@ -97,12 +97,33 @@ def delay_rule(app: Any) -> DelayRule:
     return rule
 
 
+def transport_class(app: Any) -> Any:
+    """The kombu transport class of ``app``'s broker (None when kombu does not know it), from its settings alone.
+
+    Not through ``app.connection_for_write()``: a kombu ``Connection`` for ``amqp://`` tries ``import
+    librabbitmq`` each time it is made (``kombu.transport.supports_librabbitmq``; a failed import is not cached),
+    and a prefork child that imports while a thread of its parent held that module's import lock at the fork
+    waits for it for ever (seen: a child hung in its first retry while the outbox relay thread was connecting at
+    the worker's start). Naming the transport imports only kombu's transport module, which the worker has.
+    """
+    from kombu.transport import resolve_transport
+
+    conf = app.conf
+    url = conf.broker_write_url or conf.broker_url or ""
+    if isinstance(url, list | tuple):
+        url = url[0] if url else ""
+    url = str(url).split(";", 1)[0].strip()
+    name = conf.broker_transport or (url.split("://", 1)[0] if "://" in url else url) or "amqp"
+    try:
+        return resolve_transport(name)
+    except (KeyError, ImportError, AttributeError, ValueError):
+        return None
+
+
 def _work_out(app: Any) -> DelayRule:
     from celery.utils.quorum_queues import detect_quorum_queues
 
-    # kombu resolves the transport class from the URL without connecting.
-    with app.connection_for_write() as connection:
-        driver = str(getattr(connection.transport, "driver_type", "") or "")
+    driver = str(getattr(transport_class(app), "driver_type", "") or "")
     if driver == "redis":
         options = app.conf.broker_transport_options or {}
         visibility = float(options.get("visibility_timeout", DEFAULT_VISIBILITY) or DEFAULT_VISIBILITY)

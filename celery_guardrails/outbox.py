@@ -47,12 +47,10 @@ def confirms_apply(app: Any) -> bool:
     ``pyamqp://``): the one transport with publisher confirms. Opens no connection."""
     from kombu.transport.pyamqp import Transport
 
-    connection = app.connection_for_write()
-    try:
-        transport = connection.get_transport_cls()
-        return isinstance(transport, type) and issubclass(transport, Transport)
-    finally:
-        connection.release()
+    from celery_guardrails.broker_delays import transport_class
+
+    transport = transport_class(app)  # no kombu Connection made (see transport_class: a fork-time import lock)
+    return isinstance(transport, type) and issubclass(transport, Transport)
 
 
 def confirms_off(app: Any) -> bool:
@@ -131,7 +129,8 @@ def relay_loop(app: Any, stopping: threading.Event, *, interval: float | None = 
     wait = float(app_value(app, "outbox_relay_interval") if interval is None else interval)
     size = int(app_value(app, "outbox_batch") if batch is None else batch)
     lease = float(app_value(app, "outbox_relay_lease"))
-    publisher = RelayPublisher(app)  # one broker connection for every pass
+    with quiet():  # no pool child forked while this thread is inside kombu's imports
+        publisher = RelayPublisher(app)  # one broker connection for every pass
     failures = 0
     try:
         while not stopping.is_set():
