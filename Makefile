@@ -33,8 +33,9 @@ PYTEST_ARGS ?= --durations=25
 # Test processes per pass (pytest-xdist): most of a test's time is spent waiting on real workers and services,
 # so more processes than cores keep both busy (measured on 2 cores: the PostgreSQL pass took 780 s with two,
 # 566 s with three; with the tests of #29, 724 s with three on a loaded host and 526 s with five on a quiet one,
-# using about 55% of the two cores' time). Each has its own Redis database and test database.
-WORKERS ?= 5
+# using about 55% of the two cores' time, but timing-bound tests failed more often: four). Each has its own Redis
+# database and test database.
+WORKERS ?= 4
 test: $(INSTALLED) services lint
 	$(MAKE) --no-print-directory test-postgres test-sqlite matrix-edges
 
