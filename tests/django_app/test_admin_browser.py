@@ -236,7 +236,9 @@ def four_dead_letters(celery_worker: Any, sink: Sink) -> list[DeadLetter]:
     # six busiest tasks would leave the charge out. The hour starts empty here.
     client = redis.Redis.from_url(REDIS_URL)
     hour = int(time.time() // 3600 * 3600)
-    client.delete(*(f"guardrails:{{activity}}:{hour + k * 3600}" for k in (-1, 0, 1)))
+    # The chart covers the last 24 hours, and the Redis of a machine keeps what earlier runs of the suite counted
+    # in them (3,161 runs of another task once pushed the charge out of the six): those hours start empty too.
+    client.delete(*(f"guardrails:{{activity}}:{hour + k * 3600}" for k in range(-25, 2)))
     results = []
     with tenant_context("acme"):
         for n in range(4):
