@@ -101,6 +101,8 @@ def test_no_planted_secret_escapes_a_guarded_tasks_failure(
     assert leaked(alert) == [] and alert[0]["dead_letter"]["exc_message"].startswith("could not connect")
     # And no log line of the worker: Celery's retry and "raised unexpected" (with the traceback), the final failure
     wait_for("the alert's log line", lambda: "ALERT for security" in log_output.getvalue())
+    # (Celery logs "raised unexpected" after on_failure has recorded and alerted: wait for it too)
+    wait_for("Celery's failure line", lambda: f"leak[{result.id}] raised unexpected" in log_output.getvalue())
     output = log_output.getvalue()
     assert leaked(output) == []
     for line in (
