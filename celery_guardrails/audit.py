@@ -80,9 +80,13 @@ ordering and concurrency
                    messages wait behind a long task in a worker that holds them
     GA503 warning  ``ordering_key`` without ``idempotency_key``: a redelivered message of a key runs twice
 scheduled work
-    GA601 warning  a ``beat_schedule`` entry with no policy in ``schedules``: no stated timezone, overlap or
-                   catch-up, no run ledger, no missed-run detection
+    GA601 warning  a beat entry (``beat_schedule``, or a django-celery-beat row) that is not watched: its task is
+                   a plain Celery task, or its schedule cannot be read (solar, clocked): no run ledger, no
+                   missed-run detection. Celery's ``celery.backend_cleanup``, the guardrails app's own tasks and
+                   one-off rows are not graded.
     GA602 warning  a crontab entry whose policy states no ``timezone`` (nor its crontab): read in the app's zone
+    GA607 info     a beat entry or django-celery-beat row watched with the default policy (no policy written)
+    GA608 info     a beat entry opted out of the schedule guardrails (``schedules[name] = None``)
     GA603 warning  a scheduled entry nobody hears about: no policy ``owner`` and its task has none
     GA604 error    a policy for an entry that does not exist (the worker and beat refuse to start)
     GA605 error    a guarded entry whose task is registered and is not a ``GuardedTask`` (refused at start-up)
@@ -97,10 +101,11 @@ tests (the project's tests prove its tasks on the rubric's bad days with the tes
     GA809 info     the tests were not read whole (the scan's bound): the rest is not graded
 
 The defaults are not findings where they are safe: ``overlap`` ("skip") and ``catch_up`` ("latest") always have
-a value in a policy, so a policy is graded on its timezone and owner. Policies that name a django-celery-beat
-row (not in ``beat_schedule``) are not read from the database here: their rows are assumed to exist when
-django-celery-beat is installed. A file-level finding (GA002-GA004) names the file, relative to the source
-folder, and its lines: one finding per file, so that a file with many call sites costs its axis once.
+a value in a policy, so a policy is graded on its timezone and owner; an entry with the default policy on its
+owner (GA603), and named once (GA607). django-celery-beat's rows are read from the database when its table can
+be read; when it cannot (not migrated), policies that name a row are assumed to exist. A file-level finding
+(GA002-GA004) names the file, relative to the source folder, and its lines: one finding per file, so that a file
+with many call sites costs its axis once.
 
 The retry rules (GA201, GA202, GA3xx: :func:`retry_rules`) are also what a worker logs as it starts
 (:func:`celery_guardrails.install.warn_about`): one rule, written once.
@@ -124,7 +129,14 @@ from typing import Any
 from celery.schedules import crontab
 
 from celery_guardrails import audit_source
-from celery_guardrails.options import app_value, celery_option, celery_option_set, resolve, task_attribute
+from celery_guardrails.options import (
+    DEFAULT_POLICY,
+    app_value,
+    celery_option,
+    celery_option_set,
+    resolve,
+    task_attribute,
+)
 from celery_guardrails.outbox import confirms_off
 
 ERROR = "error"
@@ -1003,30 +1015,86 @@ def _task_of(entry: Any) -> str:
     return str(entry.get("task") if isinstance(entry, dict) else getattr(entry, "task", ""))
 
 
-def _scheduled_work(app: Any) -> list[Finding]:
-    from celery_guardrails.outcomes import owner_of
+def _django_beat_installed() -> bool:
     from celery_guardrails.stores import django_apps_installed
+
+    return django_apps_installed("django_celery_beat")
+
+
+def _beat_rows(app: Any) -> dict[str, Any] | None:
+    """django-celery-beat's rows as beat entries (enabled or not), by name; None when django-celery-beat is not
+    installed or its table cannot be read (not migrated yet)."""
+    from celery_guardrails.stores import django_apps_installed
+
+    if not django_apps_installed("django_celery_beat"):
+        return None
+    try:
+        from django_celery_guardrails.schedulers import periodic_task_rows
+
+        enabled, disabled, _ = periodic_task_rows(app, names=None)
+    except Exception:  # no table yet, no database: the rows are not graded (an audit never raises)
+        return None
+    return {**disabled, **enabled}
+
+
+def _scheduled_work(app: Any) -> list[Finding]:
+    from celery_guardrails.beat import Entry, read_entry
+    from celery_guardrails.exceptions import ConfigurationError
+    from celery_guardrails.outcomes import owner_of
 
     found = []
     entries = dict(app.conf.beat_schedule or {})
+    rows = _beat_rows(app)
+    # A settings entry django-celery-beat copied into its table is graded once, as the settings entry.
+    every = {**(rows or {}), **entries}
     policies = app_value(app, "schedules")
-    for name, entry in sorted(entries.items()):
-        policy = policies.get(name)
+    for name, entry in sorted(every.items()):
+        policy = policies.get(name, DEFAULT_POLICY)
+        kind = "beat entry" if name in entries else "periodic task"
+        try:
+            read = read_entry(app, name, entry, policy=policy)
+        except ConfigurationError:
+            read = None  # a policy whose schedule cannot be read: the worker and beat say it as they start
         if policy is None:
             found.append(
                 _finding(
-                    "GA601",
-                    WARNING,
+                    "GA608",
+                    INFO,
                     name,
-                    "a beat entry with no policy: no stated timezone, overlap or catch-up, no run ledger, no "
-                    "missed-run detection",
-                    f'add schedules["{name}"] = {{"timezone": ..., "overlap": "skip", "catch_up": "latest"}}',
+                    f"a {kind} opted out of the schedule guardrails (its policy is None): no run ledger, no missed-run "
+                    "detection",
+                    f'remove schedules["{name}"] to watch it with the default policy',
                 )
             )
             continue
         schedule = _schedule_of(entry)
+        task = app.tasks.get(_task_of(entry))
+        if policy.default:
+            if not isinstance(read, Entry):
+                if read is not None and not read.expected:  # Celery's own, the app's own, one-off rows: by design
+                    found.append(
+                        _finding(
+                            "GA601",
+                            WARNING,
+                            name,
+                            f"a {kind} that is not watched: {read.reason}: no run ledger, no missed-run detection",
+                            "make its task a GuardedTask (or give it a schedule the guardrails read), or opt it out "
+                            f'with schedules["{name}"] = None',
+                        )
+                    )
+                continue
+            found.append(
+                _finding(
+                    "GA607",
+                    INFO,
+                    name,
+                    f"a {kind} watched with the default policy (overlap skip, catch-up latest, grace {read.grace:g} s)",
+                    f'write schedules["{name}"] = {{"timezone": ..., "grace": ..., "owner": ...}} to state its own, '
+                    "or None to opt out",
+                )
+            )
         own_zone = getattr(schedule, "__dict__", {}).get("tz")
-        if policy.timezone is None and own_zone is None and isinstance(schedule, crontab | str):
+        if not policy.default and policy.timezone is None and own_zone is None and isinstance(schedule, crontab | str):
             found.append(
                 _finding(
                     "GA602",
@@ -1036,8 +1104,7 @@ def _scheduled_work(app: Any) -> list[Finding]:
                     f'set schedules["{name}"]["timezone"] (an IANA name such as "Europe/Berlin")',
                 )
             )
-        task = app.tasks.get(_task_of(entry))
-        if task is not None and not hasattr(task, "guardrails"):
+        if not policy.default and task is not None and not hasattr(task, "guardrails"):
             found.append(
                 _finding(
                     "GA605",
@@ -1058,18 +1125,18 @@ def _scheduled_work(app: Any) -> list[Finding]:
                     f'set schedules["{name}"]["owner"], or an owner on its task',
                 )
             )
-    if not django_apps_installed("django_celery_beat"):
-        for name in sorted(set(policies) - set(entries)):
+    if rows is not None or not _django_beat_installed():
+        for name in sorted(n for n, policy in policies.items() if policy is not None and n not in every):
             found.append(
                 _finding(
                     "GA604",
                     ERROR,
                     name,
                     "a schedules policy for a beat entry that does not exist: the worker and beat refuse to start",
-                    f'add "{name}" to beat_schedule, or remove its policy',
+                    f'add "{name}" to beat_schedule (or a PeriodicTask of that name), or remove its policy',
                 )
             )
-    if policies and not app_value(app, "watchdog"):
+    if (policies or every) and not app_value(app, "watchdog"):
         found.append(
             _finding(
                 "GA606",

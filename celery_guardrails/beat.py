@@ -1,13 +1,23 @@
-"""Scheduled work with stated guardrails: beat entries with a policy dispatch through the run ledger.
+"""Scheduled work with stated guardrails: every beat entry dispatches through the run ledger.
 
-Give an entry of ``CELERY_BEAT_SCHEDULE`` (or a django-celery-beat ``PeriodicTask``, by name) a policy in
-``CELERY_GUARDRAILS["schedules"]`` (see :class:`~celery_guardrails.options.SchedulePolicy`) and run beat
-with a guarded scheduler::
+Run beat with a guarded scheduler::
 
     celery -A proj beat -S celery_guardrails.beat:GuardedScheduler
     celery -A proj beat -S django_celery_guardrails.schedulers:GuardedDatabaseScheduler
 
-For those entries the scheduler does not use Celery's own "is it due" arithmetic. On every tick (at most a
+Every entry of ``CELERY_BEAT_SCHEDULE`` and every django-celery-beat ``PeriodicTask`` is *watched*: the entry's
+policy in ``CELERY_GUARDRAILS["schedules"]`` (see :class:`~celery_guardrails.options.SchedulePolicy`), else the
+default policy (:data:`~celery_guardrails.options.DEFAULT_POLICY`: grace 60 s, or half the entry's period when
+that is shorter). These are left to Celery as they are (:func:`watched_by_default` says why):
+
+* an entry whose policy is ``None`` (``schedules = {"cleanup": None}``: opted out);
+* with no policy written: an entry whose task is a plain Celery task registered in this process (only a
+  ``GuardedTask`` records its runs in the ledger; Celery's own ``celery.backend_cleanup`` and the guardrails
+  app's ``django_celery_guardrails.prune`` are plain tasks, never watched by default), a one-off
+  django-celery-beat row, and a schedule the guardrails cannot read (solar, clocked, an interval shorter
+  than a second or not whole seconds, a row that does not parse: a written policy makes those an error).
+
+For watched entries the scheduler does not use Celery's own "is it due" arithmetic. On every tick (at most a
 second apart) it reads each entry's timetable (:mod:`celery_guardrails.schedules`: its time zone and DST
 rules) from the entry's *horizon*, the newest period the ledger says was handled, to now:
 
@@ -16,14 +26,17 @@ rules) from the entry's *horizon*, the newest period the ledger says was handled
   the message is published with the period in its ``guardrails`` header and the period key as its
   idempotency key (a manual re-run of that period is a duplicate, skipped by the worker);
 * periods older than ``grace`` (beat was down) are handled by ``catch_up``: ``skip`` records them missed,
-  ``latest`` dispatches the newest one, ``all`` dispatches each, oldest first (the newest ``catch_up_limit``;
-  older ones are recorded missed). At most :data:`LOOKBACK` seconds are looked back at.
+  ``latest`` dispatches the newest one (when a period is due on time in the same tick, it is the newest: the
+  late ones are recorded missed and the current one runs, never skipped as overlapping a stale run), ``all``
+  dispatches each, oldest first (the newest ``catch_up_limit``; older ones are recorded missed). A catch-up
+  message says so in its header (``catchup``): on the worker, a current run never yields to a catch-up run
+  under ``overlap="skip"`` (it waits for it; see :mod:`celery_guardrails.guardrails.scheduled_runs`). At most
+  :data:`LOOKBACK` seconds are looked back at.
 
 The horizon is read from the ledger when beat starts, so a restart neither repeats nor forgets a period
 (django-celery-beat #634 is the bug this avoids). A disabled django-celery-beat row is not dispatched: each of
 its periods that comes due is recorded ``skipped_disabled`` (by beat, or by the watchdog when beat is down),
 so that enabled again it goes on from its next period instead of owing (and alerting) its disabled time.
-Entries without a policy are left to Celery as they are.
 An entry may also give its schedule as a 5-field crontab string (``"30 2 * * *"``).
 """
 
@@ -35,6 +48,7 @@ import uuid
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
+from itertools import pairwise
 from typing import Any
 from zoneinfo import ZoneInfo
 
@@ -49,7 +63,7 @@ from celery_guardrails.clock import accelerated_clock, now
 from celery_guardrails.context import validate_tenant
 from celery_guardrails.exceptions import ConfigurationError, ContextError
 from celery_guardrails.ledger import DISPATCHED, MISSED, SKIPPED_DISABLED, Heads, period_key
-from celery_guardrails.options import SchedulePolicy, app_value
+from celery_guardrails.options import DEFAULT_POLICY, SchedulePolicy, app_value
 from celery_guardrails.schedules import Every, parse_crontab, periods_between, timetable
 from celery_guardrails.stores import django_apps_installed, get_store
 
@@ -62,6 +76,11 @@ LOOKBACK = 7 * 24 * 3600.0
 MAX_PERIODS = 2000
 #: Seconds a guarded scheduler sleeps at most between two looks at its entries.
 TICK = 1.0
+#: Task name prefixes of plain tasks that Celery and the guardrails app schedule themselves: never watched by
+#: default, even where the task is not imported (a web process), so that no page shows them as watched.
+PLAIN_TASK_PREFIXES = ("celery.", "django_celery_guardrails.")
+#: Where the shortest gap of a crontab is measured (a Monday; the first runs after it).
+_GAP_FROM = datetime(2001, 1, 1, tzinfo=UTC)
 
 
 @dataclass(slots=True, kw_only=True)
@@ -81,9 +100,17 @@ class Entry:
     tenant: str | None = None
     #: Read from ``schedule`` once, when the entry is made (raises ValueError for a schedule it cannot read).
     timetable: Any = field(init=False)
+    #: Seconds a run may start late before its period counts as missed (:meth:`SchedulePolicy.grace_for`).
+    grace: float = field(init=False)
 
     def __post_init__(self) -> None:
         self.timetable = timetable(self.schedule, zone=self.zone, fall_back=self.policy.fall_back)
+        self.grace = self.policy.grace_for(None if self.policy.grace is not None else shortest_gap(self.timetable))
+
+    @property
+    def default(self) -> bool:
+        """Whether it is watched with the default policy (the ``schedules`` setting does not name it)."""
+        return self.policy.default
 
     def periods(self, after: float, until: float, *, limit: int = MAX_PERIODS) -> list[float]:
         """Due instants in (after, until], epoch seconds, oldest first (the newest ``limit``)."""
@@ -103,6 +130,30 @@ class Entry:
         return float(self.timetable.next_after(datetime.fromtimestamp(after, UTC)).timestamp())
 
 
+def shortest_gap(table: Any) -> float:
+    """Seconds between two runs of a timetable: its interval, or a crontab's shortest gap among its first runs
+    (every minute: 60; hourly: 3600; at 09:00 and 17:00: 8 hours)."""
+    if isinstance(table, Every):
+        return table.interval.total_seconds()
+    runs = periods_between(table, _GAP_FROM, _GAP_FROM + timedelta(days=800), limit=6)
+    gaps = [(later - earlier).total_seconds() for earlier, later in pairwise(runs)]
+    return min(gaps, default=LOOKBACK)  # fewer than two runs in 800 days (29 February): the full grace
+
+
+def watched_by_default(app: Any, task_name: str) -> bool:
+    """Whether an entry with no policy written, running ``task_name``, is watched: not a plain Celery task.
+
+    A plain task registered here is not (its worker would never record the run started, and every dispatch
+    would be reported missed); nor are Celery's and the guardrails app's own (:data:`PLAIN_TASK_PREFIXES`), nor
+    a one-off django-celery-beat row (:func:`read_entry` says so).
+    A task not registered in this process (sent by name) is watched: beat imports the task modules a worker
+    imports, so there it is known."""
+    if task_name.startswith(PLAIN_TASK_PREFIXES):
+        return False
+    task = app.tasks.get(task_name)
+    return task is None or hasattr(task, "guardrails")
+
+
 def _zone(app: Any, name: str, schedule: Any, policy: SchedulePolicy, warned: set[str]) -> ZoneInfo:
     if policy.timezone is not None:
         return policy.timezone
@@ -111,7 +162,8 @@ def _zone(app: Any, name: str, schedule: Any, policy: SchedulePolicy, warned: se
     own = getattr(schedule, "__dict__", {}).get("tz")
     if own is not None:
         return ZoneInfo(str(own))
-    if isinstance(schedule, crontab | str) and name not in warned:
+    if isinstance(schedule, crontab | str) and not policy.default and name not in warned:
+        # A policy written without a timezone is warned about; an entry with none is read as Celery reads it.
         warned.add(name)
         logger.warning(
             "celery-guardrails: beat entry %r is a crontab without a timezone in its policy; it is read in %s",
@@ -142,15 +194,16 @@ def _tenant_of(options: dict[str, Any], policy: SchedulePolicy) -> tuple[dict[st
 def build_entries(
     app: Any, raw: Mapping[str, Any], *, known: Iterable[str] | None = None, warned: set[str] | None = None
 ) -> dict[str, Entry]:
-    """The guarded entries among ``raw`` (name -> beat entry dict or Celery ScheduleEntry).
+    """The watched entries among ``raw`` (name -> beat entry dict or Celery ScheduleEntry): each with its policy,
+    or the default one (see the module docstring for the entries left to Celery).
 
     Raises :class:`ConfigurationError` naming the entry for a policy whose entry does not exist (among
-    ``known`` names, default the keys of ``raw``), a crontab that does not parse, or a schedule kind the
-    guardrails cannot read (solar).
+    ``known`` names, default the keys of ``raw``), and, for an entry with a policy written, a crontab that does
+    not parse or a schedule kind the guardrails cannot read (solar).
     """
-    policies: dict[str, SchedulePolicy] = app_value(app, "schedules")
+    policies: dict[str, SchedulePolicy | None] = app_value(app, "schedules")
     names = set(raw if known is None else known)
-    missing = sorted(set(policies) - names)
+    missing = sorted(name for name, policy in policies.items() if policy is not None and name not in names)
     if missing:
         raise ConfigurationError(
             "schedules",
@@ -158,72 +211,140 @@ def build_entries(
             f"(known: {', '.join(sorted(names)) or 'none'})",
         )
     entries = {}
-    for name, policy in policies.items():
-        if name not in raw:
-            continue  # a disabled PeriodicTask: known, not scheduled now
-        item = raw[name]
-        get = (
-            item.get if isinstance(item, Mapping) else lambda key, default=None, item=item: getattr(item, key, default)
-        )
-        schedule = get("schedule")
-        error = getattr(schedule, "error", None)  # a django-celery-beat row that cannot be read
-        if isinstance(error, str):
-            raise ConfigurationError("schedules", f"beat entry {name!r}: {error}")
-        try:
-            if isinstance(schedule, str):
-                schedule = parse_crontab(schedule)
-            options, tenant = _tenant_of(dict(get("options") or {}), policy)
-            entry = Entry(
-                name=name,
-                task=str(get("task")),
-                schedule=schedule,
-                policy=policy,
-                zone=_zone(app, name, schedule, policy, warned if warned is not None else set()),
-                args=tuple(get("args") or ()),
-                kwargs=dict(get("kwargs") or {}),
-                options=options,
-                tenant=tenant,
-            )
-            table = entry.timetable
-            if isinstance(table, Every) and (
-                table.interval.total_seconds() % 1 or table.interval < timedelta(seconds=1)
-            ):
-                # Periods are named by whole seconds (the period key): shorter or fractional ones would collide.
-                raise ValueError(f"an interval of a policy must be whole seconds, at least 1, got {table.interval}")
-        except (ValueError, TypeError) as exc:
-            raise ConfigurationError("schedules", f"beat entry {name!r}: {exc}") from None
-        entries[name] = entry
+    for name, item in raw.items():
+        found = read_entry(app, name, item, policy=policies.get(name, DEFAULT_POLICY), warned=warned)
+        if isinstance(found, Entry):
+            entries[name] = found
     return entries
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class NotWatched:
+    """Why a beat entry is left to Celery. ``expected``: by design (opted out, Celery's or the guardrails app's own
+    plain task, a one-off row), nothing to fix; else the audit reports it (a plain task, a schedule it cannot
+    read)."""
+
+    reason: str
+    expected: bool = False
+
+
+def read_entry(
+    app: Any, name: str, item: Any, *, policy: SchedulePolicy | None, warned: set[str] | None = None
+) -> Entry | NotWatched:
+    """The watched entry of beat entry ``item`` (a dict or a Celery ScheduleEntry) under ``policy`` (None: opted
+    out; :data:`DEFAULT_POLICY`: none written), or why it is not watched. Raises :class:`ConfigurationError` for
+    an entry with a policy written whose schedule cannot be read."""
+    if policy is None:
+        return NotWatched(reason="opted out (its policy is None)", expected=True)
+    get = item.get if isinstance(item, Mapping) else lambda key, default=None: getattr(item, key, default)
+    task = str(get("task"))
+    if policy.default:
+        if get("one_off"):
+            return NotWatched(reason="a one-off task (django-celery-beat disables it after its run)", expected=True)
+        if task.startswith(PLAIN_TASK_PREFIXES):
+            return NotWatched(reason=f"{task} is Celery's or the guardrails app's own plain task", expected=True)
+        if not watched_by_default(app, task):
+            return NotWatched(reason=f"its task {task} is a plain Celery task (not a GuardedTask)")
+    schedule = get("schedule")
+    error = getattr(schedule, "error", None)  # a django-celery-beat row that cannot be read
+    if isinstance(error, str):
+        if policy.default:  # django-celery-beat logs it and skips it, as it always did
+            return NotWatched(reason=error)
+        raise ConfigurationError("schedules", f"beat entry {name!r}: {error}")
+    try:
+        if isinstance(schedule, str):
+            schedule = parse_crontab(schedule)
+        options, tenant = _tenant_of(dict(get("options") or {}), policy)
+        entry = Entry(
+            name=name,
+            task=task,
+            schedule=schedule,
+            policy=policy,
+            zone=_zone(app, name, schedule, policy, warned if warned is not None else set()),
+            args=tuple(get("args") or ()),
+            kwargs=dict(get("kwargs") or {}),
+            options=options,
+            tenant=tenant,
+        )
+        table = entry.timetable
+        if isinstance(table, Every) and (table.interval.total_seconds() % 1 or table.interval < timedelta(seconds=1)):
+            # Periods are named by whole seconds (the period key): shorter or fractional ones would collide.
+            raise ValueError(f"an interval of a policy must be whole seconds, at least 1, got {table.interval}")
+    except (ValueError, TypeError) as exc:
+        if policy.default:  # a solar or clocked schedule, a sub-second interval: Celery's to run, unwatched
+            logger.debug("Beat entry %r is not watched: %s", name, exc)
+            return NotWatched(reason=str(exc))
+        raise ConfigurationError("schedules", f"beat entry {name!r}: {exc}") from None
+    return entry
+
+
 def configured_entries(app: Any, *, warned: set[str] | None = None) -> dict[str, Entry]:
-    """The guarded entries of the app: ``beat_schedule``, and django-celery-beat rows when installed."""
+    """The watched entries of the app: ``beat_schedule``, and django-celery-beat rows when installed."""
     return all_configured_entries(app, warned=warned)[0]
 
 
 def all_configured_entries(app: Any, *, warned: set[str] | None = None) -> tuple[dict[str, Entry], dict[str, Entry]]:
-    """(the guarded entries, the guarded entries disabled now: django-celery-beat rows with ``enabled`` off),
-    from one read of the rows."""
-    policies = app_value(app, "schedules")
-    if not policies:
-        return {}, {}
+    """(the watched entries, the watched entries disabled now: django-celery-beat rows with ``enabled`` off),
+    from one read of the rows (every row: an entry with no policy is watched too)."""
     raw: dict[str, Any] = dict(app.conf.beat_schedule or {})
     known = set(raw)
     disabled: dict[str, Any] = {}
     if django_apps_installed("django_celery_beat"):
         from django_celery_guardrails.schedulers import periodic_task_rows
 
-        rows, disabled, names = periodic_task_rows(app, names=set(policies) - known)
-        raw.update(rows)
+        rows, disabled, names = periodic_task_rows(app, names=None)
+        # A settings entry django-celery-beat copied into its table is read from the settings, as it always was.
+        raw.update({name: row for name, row in rows.items() if name not in known})
+        disabled = {name: row for name, row in disabled.items() if name not in known}
         known |= names
     return build_entries(app, raw, known=known, warned=warned), build_disabled_entries(app, disabled, warned=warned)
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Watch:
+    """One beat entry and what the guardrails make of it: its watched :class:`Entry`, or why it is not watched."""
+
+    name: str
+    #: "beat entry" (``beat_schedule``) or "periodic task" (a django-celery-beat row).
+    kind: str
+    disabled: bool
+    found: Entry | NotWatched
+
+
+def watch_list(app: Any, *, rows: bool = True, warned: set[str] | None = None) -> list[Watch]:
+    """Every beat entry of the app, by name: ``beat_schedule``, then django-celery-beat's rows when installed and
+    ``rows`` (a settings entry django-celery-beat copied into its table is listed once, as the settings entry).
+    Raises :class:`ConfigurationError` as beat would (a policy for an entry that does not exist, or whose
+    schedule cannot be read), and the database's error when the rows cannot be read."""
+    policies = app_value(app, "schedules")
+    raw: dict[str, Any] = dict(app.conf.beat_schedule or {})
+    disabled: dict[str, Any] = {}
+    known = set(raw)
+    if rows and django_apps_installed("django_celery_beat"):
+        from django_celery_guardrails.schedulers import periodic_task_rows
+
+        enabled, disabled, names = periodic_task_rows(app, names=None)
+        enabled = {name: row for name, row in enabled.items() if name not in raw}
+        disabled = {name: row for name, row in disabled.items() if name not in raw}
+        known |= names
+    else:
+        enabled = {}
+        known |= set(policies)  # rows not read: a policy may name one
+    build_entries(app, {}, known=known)  # a policy for an entry that does not exist: ConfigurationError
+    found = []
+    sources = (("beat entry", raw, False), ("periodic task", enabled, False), ("periodic task", disabled, True))
+    for kind, items, off in sources:
+        for name, item in items.items():
+            read = read_entry(app, name, item, policy=policies.get(name, DEFAULT_POLICY), warned=warned)
+            found.append(Watch(name=name, kind=kind, disabled=off, found=read))
+    return sorted(found, key=lambda watch: watch.name)
+
+
 def build_disabled_entries(app: Any, raw: Mapping[str, Any], *, warned: set[str] | None = None) -> dict[str, Entry]:
-    """The guarded entries among disabled rows ``raw``; none when one cannot be read (a disabled row is not due:
+    """The watched entries among disabled rows ``raw``; none when one cannot be read (a disabled row is not due:
     it must not stop beat or the watchdog from handling the others)."""
     try:
-        return build_entries(app, raw, known=app_value(app, "schedules"), warned=warned)
+        return build_entries(app, raw, known=set(app_value(app, "schedules")) | set(raw), warned=warned)
     except ConfigurationError:
         logger.exception("celery-guardrails: a disabled guarded row cannot be read; its periods are not skipped")
         return {}
@@ -307,12 +428,16 @@ def horizon(app: Any, name: str) -> float | None:
 
 def plan(entry: Entry, periods: list[float], current: float) -> tuple[list[float], list[float]]:
     """(periods to dispatch, periods to record missed), each oldest first, for due ``periods``."""
-    grace = entry.policy.grace
+    grace = entry.grace
     late = [p for p in periods if current - p > grace]
     on_time = [p for p in periods if current - p <= grace]
     if entry.policy.catch_up == "skip" or not late:
         return on_time, late
-    keep = 1 if entry.policy.catch_up == "latest" else entry.policy.catch_up_limit
+    if entry.policy.catch_up == "latest":
+        # "Run the most recent": a period due on time in this tick is the most recent one. Dispatching a stale
+        # period beside it would let the stale run take the overlap slot and the current one be skipped.
+        return (on_time, late) if on_time else (late[-1:], late[:-1])
+    keep = entry.policy.catch_up_limit
     return late[-keep:] + on_time, late[:-keep]
 
 
@@ -332,6 +457,8 @@ def dispatch(app: Any, entry: Entry, period: float, *, current: float, catch_up:
             headers.IDEMPOTENCY_KEY: period_key(entry.name, period),
         }
     )
+    if catch_up:
+        guardrails[headers.CATCH_UP] = 1
     if entry.tenant is not None:
         guardrails[headers.TENANT] = entry.tenant
     message_headers[headers.HEADER] = guardrails
@@ -394,7 +521,11 @@ class GuardedSchedulerMixin:
         super().setup_schedule()  # type: ignore[misc]
         entries = self._guardrails_entries = self.guarded_entries()  # a bad policy stops beat, naming the entry
         check_tasks(self.app, entries)
-        logger.info("celery-guardrails: guarded beat entries: %s", ", ".join(sorted(entries)) or "none")
+        described = [f"{name} ({'default' if e.default else 'its'} policy)" for name, e in sorted(entries.items())]
+        logger.info("celery-guardrails: watched beat entries: %s", ", ".join(described) or "none")
+        unwatched = sorted(set(self.known_entry_names()) - set(entries))
+        if unwatched:
+            logger.info("celery-guardrails: beat entries left to Celery (not watched): %s", ", ".join(unwatched))
 
     def known_entry_names(self) -> set[str]:
         return set(self.schedule)
@@ -416,9 +547,9 @@ class GuardedSchedulerMixin:
 
     def populate_heap(self, *args: Any, **kwargs: Any) -> None:
         super().populate_heap(*args, **kwargs)  # type: ignore[misc]
-        # Guarded entries are dispatched by tick_guarded, never by Celery's heap.
-        policies = app_value(self.app, "schedules")
-        self._heap = [event for event in self._heap if event[2].name not in policies]
+        # Watched entries are dispatched by tick_guarded, never by Celery's heap.
+        watched = {*getattr(self, "_guardrails_entries", {}), *self.current_disabled_entries()}
+        self._heap = [event for event in self._heap if event[2].name not in watched]
         heapq.heapify(self._heap)
 
     def tick(self, *args: Any, **kwargs: Any) -> float:
@@ -466,13 +597,13 @@ class GuardedSchedulerMixin:
             to_dispatch, to_record = plan(entry, periods, current)
             store = get_store(self.app)
             for period in to_record:
-                reason = f"beat did not dispatch it within {entry.policy.grace:g}s (catch_up={entry.policy.catch_up})"
+                reason = f"beat did not dispatch it within {entry.grace:g}s (catch_up={entry.policy.catch_up})"
                 if store.run_record(entry.name, period, status=MISSED, now=current, reason=reason):
                     report(self.app, entry, period, kind="missed", reason=reason)
             for period in to_dispatch:
                 try:
                     task_id = dispatch(
-                        self.app, entry, period, current=current, catch_up=current - period > entry.policy.grace
+                        self.app, entry, period, current=current, catch_up=current - period > entry.grace
                     )
                 except PublishFailed:  # not published: the next tick looks at this period again
                     self._guardrails_horizons[entry.name] = period - 1

@@ -25,6 +25,7 @@ is a flat mapping (an AMQP table on RabbitMQ, a JSON object on Redis)::
         "hist_n": 3,            # how many records were ever written (the list keeps the last 20)
         "sched": "nightly",     # scheduled work: the beat entry (schedule) this message runs a period of
         "period": 1796000000,   # ... and that period's due instant, epoch seconds (see celery_guardrails.beat)
+        "catchup": 1,           # ... dispatched late, as a catch-up (absent: on time)
         "ord": "account:42",    # ordered work: the ordering key made at publish (unscoped: task and tenant scope it)
         "ord_seq": 17,          # ... and the sequence number the store handed out for it then (1, 2, ...)
         "ord_wait": 3,          # waits for an earlier message of its key so far (absent: 0)
@@ -82,6 +83,9 @@ Version history:
   broker's ``x-delivery-count`` is the poison counter, and a message put off before its body ran carries the
   count to its next message. A release that does not know it keeps it and counts in its store.
 
+* ``1`` (0.9): ``catchup`` added on a scheduled period beat dispatched late (a release that does not know it
+  keeps it; its runs then yield the overlap slot as any run does). Anything but ``1`` reads as absent.
+
 Compatibility rules:
 
 * A message without the header (published by plain Celery, another service or an older release) is handled
@@ -131,6 +135,7 @@ HISTORY = "hist"
 HISTORY_TOTAL = "hist_n"
 SCHEDULE = "sched"
 PERIOD = "period"
+CATCH_UP = "catchup"
 ORDERING_KEY = "ord"
 ORDERING_SEQUENCE = "ord_seq"
 ORDERING_WAITS = "ord_wait"

@@ -474,7 +474,11 @@ def _admin_tenants(value: Any) -> Any:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class SchedulePolicy:
-    """The guardrails of one beat entry (``schedules["<entry name>"]``); defaults documented here."""
+    """The guardrails of one beat entry (``schedules["<entry name>"]``); defaults documented here.
+
+    An entry with no policy is watched with these defaults (:data:`DEFAULT_POLICY`: ``default`` True); a policy of
+    ``None`` (``schedules = {"cleanup": None}``) opts the entry out, leaving it to Celery as it is.
+    """
 
     #: IANA zone the entry's crontab is read in; None: the crontab's own zone, else the app's ``timezone``
     #: (a crontab entry without one gets a start-up warning that names it).
@@ -487,8 +491,9 @@ class SchedulePolicy:
     #: catch_up_limit of them).
     catch_up: str = "latest"
     catch_up_limit: int = 10
-    #: Seconds a run may start late before its period counts as missed.
-    grace: float = 60.0
+    #: Seconds a run may start late before its period counts as missed; None (not set): 60 s, or half the
+    #: entry's period when that is shorter (an every-4-s entry is missed 2 s late): see :meth:`grace_for`.
+    grace: float | None = None
     #: Seconds a started run may take before it counts as overdue (None: never).
     max_runtime: float | None = None
     #: Give the task the end of the last successful period (``self.request.since``, and ``since=`` when
@@ -501,6 +506,21 @@ class SchedulePolicy:
     #: The tenant every run of the entry runs as, unless the entry names its own (a beat_schedule entry's
     #: ``options={"tenant": ...}``, a django-celery-beat row's headers ``{"tenant": ...}``).
     tenant: str | None = None
+    #: True for the policy of an entry the ``schedules`` setting does not name (shown as "default").
+    default: bool = False
+
+    def grace_for(self, period: float | None) -> float:
+        """The grace in seconds of an entry whose period (seconds between runs; None: not known) is ``period``:
+        the policy's own, else :data:`DEFAULT_GRACE` capped at half the period."""
+        if self.grace is not None:
+            return self.grace
+        return DEFAULT_GRACE if period is None else min(DEFAULT_GRACE, period / 2)
+
+
+#: Seconds of grace of a policy that sets none, at most (half the entry's period when that is shorter).
+DEFAULT_GRACE = 60.0
+#: The policy of a beat entry the ``schedules`` setting does not name: watched, with every default.
+DEFAULT_POLICY = SchedulePolicy(default=True)
 
 
 def _zone(value: Any) -> ZoneInfo | None:
@@ -532,15 +552,18 @@ def _tenant(value: Any) -> str:
     return validate_tenant(value)
 
 
-def _schedules(value: Any) -> dict[str, SchedulePolicy]:
+def _schedules(value: Any) -> dict[str, SchedulePolicy | None]:
     if not isinstance(value, Mapping):
-        raise ValueError(f"must map beat entry names to policy dicts, got {value!r:.80}")
-    policies = {}
+        raise ValueError(f"must map beat entry names to policy dicts (or None to opt out), got {value!r:.80}")
+    policies: dict[str, SchedulePolicy | None] = {}
     for entry, raw in value.items():
         if not isinstance(entry, str) or not entry or len(entry) > 200:
             raise ValueError(f"entry names are strings of 1 to 200 characters, got {entry!r:.80}")
+        if raw is None:  # opted out: not watched, left to Celery as it is
+            policies[entry] = None
+            continue
         if not isinstance(raw, Mapping):
-            raise ValueError(f"entry {entry!r}: the policy must be a dict, got {raw!r:.80}")
+            raise ValueError(f"entry {entry!r}: the policy must be a dict (or None to opt out), got {raw!r:.80}")
         checked = {}
         for key, item in raw.items():
             if key not in _POLICY_CHECKS:
@@ -1106,7 +1129,9 @@ OPTIONS: Mapping[str, Option] = {
             default={},
             doc="Policies of beat entries (CELERY_BEAT_SCHEDULE names or django-celery-beat PeriodicTask "
             "names): {'nightly-report': {'timezone': 'Europe/Berlin', 'overlap': 'skip', 'catch_up': "
-            "'latest', 'grace': 300, 'max_runtime': 3600}}. See SchedulePolicy for every key.",
+            "'latest', 'grace': 300, 'max_runtime': 3600}}. See SchedulePolicy for every key. An entry it does "
+            "not name is watched with the default policy (grace: 60 s or half its period); None opts one out "
+            "({'cleanup': None}).",
             check=_schedules,
             scopes=frozenset({APP}),
         ),

@@ -23,10 +23,10 @@ Where each comes from:
 * ordering keys that wait for a missing earlier message (when a guarded task declares ``ordering_key``): how
   many, the oldest wait's age, and the :data:`ORDERING_SHOWN` oldest (key, the number waited for, since when),
   from the store's index of waits (written as a wait starts and ends, not by each look of a waiting message).
-* per schedule (the ``schedules`` setting): records of the run ledger in the last :data:`WINDOW` seconds that
-  were missed or overdue (a period that was missed or overdue and then ran still counts: its ``missed_at`` /
-  ``overdue_at`` stay), the newest successful period, and the newest record's status, read with the store's
-  ``run_list``.
+* per watched schedule (every beat entry: its policy, or the default one): records of the run ledger in the last
+  :data:`WINDOW` seconds that were missed or overdue (a period that was missed or overdue and then ran still
+  counts: its ``missed_at`` / ``overdue_at`` stay), the newest successful period, and the newest record's
+  status, read with the store's ``run_list``.
 """
 
 from __future__ import annotations
@@ -253,12 +253,16 @@ def read_dependencies(app: Any) -> list[DependencyStatus]:
 
 
 def read_schedules(app: Any) -> list[ScheduleStatus]:
-    """The ledger of each schedule the ``schedules`` setting guards (see the module docstring)."""
+    """The ledger of each watched schedule: every beat entry, with its policy or the default one (see the module
+    docstring)."""
+    from celery_guardrails.beat import all_configured_entries
     from celery_guardrails.clock import now
     from celery_guardrails.options import app_value
     from celery_guardrails.stores import get_store
 
-    names = sorted(app_value(app, "schedules"))
+    policies = app_value(app, "schedules")
+    entries, disabled = all_configured_entries(app)
+    names = sorted({*entries, *disabled, *(name for name, policy in policies.items() if policy is not None)})
     if not names:
         return []
     store = get_store(app)

@@ -1,6 +1,7 @@
 """Missed-run detection that does not depend on beat: compare each guarded schedule with the ledger.
 
-One check (:func:`check`), for every beat entry with a policy whose schedule has a ledger record:
+One check (:func:`check`), for every watched beat entry (each has its policy, or the default one: see
+:mod:`celery_guardrails.beat`) whose schedule has a ledger record:
 
 * each period due more than ``grace`` ago with no record (beat is down, or stuck) is recorded ``missed``;
 * a record still ``dispatched`` more than ``grace`` after its period, or after its dispatch for a catch-up
@@ -45,7 +46,7 @@ from celery_guardrails.clock import now
 from celery_guardrails.forks import quiet
 from celery_guardrails.ledger import DISPATCHED, MISSED, OVERDUE, RUNNING, Heads
 from celery_guardrails.options import app_value
-from celery_guardrails.stores import get_store
+from celery_guardrails.stores import django_apps_installed, get_store
 from celery_guardrails.stores.base import ACQUIRED
 
 logger = logging.getLogger(__name__)
@@ -88,7 +89,7 @@ def check(app: Any, *, entries: dict[str, Entry] | None = None, current: float |
 
 
 def _check_entry(app: Any, store: Any, entry: Entry, current: float, findings: Findings, heads: Heads) -> None:
-    grace = entry.policy.grace
+    grace = entry.grace
     if heads.newest_period is None:
         return
     for period in entry.periods(heads.newest_period, current - grace - 1e-6):  # late: more than grace
@@ -122,14 +123,21 @@ def _check_entry(app: Any, store: Any, entry: Entry, current: float, findings: F
 
 
 def lock_key(app: Any) -> str:
-    """The watchdog claim of the app's guarded schedules (named by their sorted names).
+    """The watchdog claim of the app's schedules (named by the sorted names of its policies and settings entries:
+    known without a database read).
 
-    The workers of one app share it. Another app on the same store, guarding other schedules, has its own:
+    The workers of one app share it. Another app on the same store, watching other schedules, has its own:
     with one claim for all, the app that checked first in each interval could keep the others from ever
     checking theirs.
     """
-    names = "\n".join(sorted(app_value(app, "schedules")))
+    names = "\n".join(sorted({*app_value(app, "schedules"), *(app.conf.beat_schedule or {})}))
     return f"{LOCK_KEY}:{hashlib.sha256(names.encode()).hexdigest()[:16]}"
+
+
+def watches_anything(app: Any) -> bool:
+    """Whether the app may have a watched schedule (every beat entry is watched, policy or not): without one, the
+    watchdog takes no claim in the store."""
+    return bool(app_value(app, "schedules") or app.conf.beat_schedule or django_apps_installed("django_celery_beat"))
 
 
 def check_if_my_turn(app: Any, *, owner: str) -> Findings | None:
@@ -183,7 +191,7 @@ class WatchdogStep(bootsteps.StartStopStep):  # type: ignore[misc]
 
         try:
             flush_alert_summaries(app)
-            if app_value(app, "schedules"):
+            if watches_anything(app):
                 check_if_my_turn(app, owner=owner)
         except Exception:  # the watchdog must never take the worker down
             logger.exception("Watchdog check failed")

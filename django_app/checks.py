@@ -13,6 +13,16 @@ guardrails.W003  a setting that is allowed but weakens a guardrail: ``redact_key
                  ``CELERY_GUARDRAILS`` or on a task), so nothing is redacted by name.
 guardrails.E010  ``admin_tenants`` names a callable that cannot be imported or is not callable (a bad value
                  is E001): until it is fixed, admin users who are scoped by it see nothing.
+guardrails.I001  a beat entry (``CELERY_BEAT_SCHEDULE``) or django-celery-beat periodic task with no policy
+                 written: it is watched with the default policy (missed runs detected, the ledger, catch-up
+                 and overlap rules); named so that ``check`` says what is watched (silence it with
+                 ``SILENCED_SYSTEM_CHECKS``).
+guardrails.W004  the ``schedules`` setting names an entry that does not exist, or one whose schedule cannot be
+                 read: beat and the worker refuse to start (a warning, not an error: the row may come with a
+                 migration or a fixture still to be loaded).
+guardrails.W005  a beat entry or periodic task with no policy that is not watched: its task is a plain Celery
+                 task, or its schedule cannot be read (solar, clocked). Celery's ``celery.backend_cleanup``, the
+                 app's own ``django_celery_guardrails.prune`` and one-off rows are left out on purpose.
 
 The deployment audit (:mod:`celery_guardrails.audit`) of the project's Celery app, as deployment checks
 (``manage.py check --deploy``; the audit reads every registered task, so it is not run before every command):
@@ -30,7 +40,7 @@ placement, is W10x; GA8xx, tests, W18x):
     GA009 W109  source not read whole       GA501 W151  Redis visibility_timeout not longer than a limit
     GA101 W111  plain Celery task           GA502 W152  prefetch above 1 with long tasks
     GA102 W112  no max_payload_bytes        GA503 W153  ordering_key without idempotency_key
-    GA103 W113  allow_sensitive_payload     GA601 W161  beat entry without policy
+    GA103 W113  allow_sensitive_payload     GA601 W161  beat entry not watched
     GA104 W114  no sensitive_keys           GA602 W162  crontab policy without timezone
     GA105 W115  accepts_versions without    GA603 W163  schedule without owner
                 its payload_version         GA604 W164  policy for a missing entry
@@ -42,8 +52,8 @@ placement, is W10x; GA8xx, tests, W18x):
                 reject_on_worker_lost       GA801 W181  no test uses the test kit
     GA304 W134  time_limit without          GA802 W182  guarded task no kit test names
                 soft_time_limit             GA809 W189  tests not read whole
-    GA305 W135  plain task retried
-                (zero rule)
+    GA305 W135  plain task retried          GA607 -     default policy: I001 says it
+                (zero rule)                 GA608 -     opted out (a choice)
     GA306 W136  fixed retry interval
     GA307 W137  retried on any error
     GA308 W138  more than 10 retries
@@ -60,7 +70,8 @@ import threading
 from typing import Any
 
 from django.conf import settings
-from django.core.checks import Error, Tags, Warning, register
+from django.core.checks import CheckMessage, Error, Info, Tags, Warning, register
+from django.db import DatabaseError
 
 from celery_guardrails.exceptions import ConfigurationError
 from celery_guardrails.options import OPTIONS, django_settings, validate_task, warnings_about
@@ -69,6 +80,9 @@ from celery_guardrails.options import OPTIONS, django_settings, validate_task, w
 AUDIT_IDS: dict[str, str | None] = {
     **{f"GA{axis}0{number}": f"guardrails.W1{axis}{number}" for axis in range(9) for number in range(1, 10)},
     "GA405": None,
+    # Plain `check` names the entries watched with the default policy (I001); an opted-out entry is a choice.
+    "GA607": None,
+    "GA608": None,
 }
 
 MIDDLEWARE_PATH = "django_celery_guardrails.middleware.GuardrailsContextMiddleware"
@@ -128,6 +142,56 @@ def _guarded_tasks() -> list[Any]:
 
 
 _importing = threading.local()
+
+
+@register(Tags.compatibility)
+def check_schedules(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]:
+    """Name every beat entry watched with the default policy (I001) and every one not watched that could be
+    (W005); a schedules setting beat would refuse is W004."""
+    from celery_guardrails.beat import Entry, watch_list
+
+    from .health import celery_app
+
+    try:
+        django_settings()
+    except ConfigurationError:
+        return []  # E001 says it
+    try:
+        app = celery_app()
+        _guarded_tasks()  # the task modules imported as beat imports them: a plain task is known as such
+        try:
+            watches = watch_list(app)
+        except DatabaseError:  # django-celery-beat's table not migrated yet: the settings entries only
+            watches = watch_list(app, rows=False)
+    except ConfigurationError as exc:
+        return [Warning(str(exc), hint="See Scheduled work in the README.", obj="schedules", id="guardrails.W004")]
+    except Exception:  # a check never raises: an app that cannot be loaded says so elsewhere
+        return []
+    messages: list[CheckMessage] = []
+    for watch in watches:
+        found, state = watch.found, " (disabled)" if watch.disabled else ""
+        if isinstance(found, Entry) and found.default:
+            messages.append(
+                Info(
+                    f"{watch.kind} {watch.name!r}{state} is watched with the default policy: missed runs after "
+                    f"{found.grace:g} s late, overlap skip, catch-up latest.",
+                    hint=f'State its own with CELERY_GUARDRAILS["schedules"]["{watch.name}"] = {{...}}, or opt it out '
+                    "with None.",
+                    obj=watch.name,
+                    id="guardrails.I001",
+                )
+            )
+        elif not isinstance(found, Entry) and not found.expected:
+            messages.append(
+                Warning(
+                    f"{watch.kind} {watch.name!r}{state} is not watched: {found.reason}: no missed-run detection.",
+                    hint="Make its task a GuardedTask (base=GuardedTask), or opt it out with "
+                    f'CELERY_GUARDRAILS["schedules"]["{watch.name}"] = None.',
+                    obj=watch.name,
+                    id="guardrails.W005",
+                )
+            )
+    return messages
 
 
 @register(Tags.compatibility)

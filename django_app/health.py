@@ -1,12 +1,13 @@
 """Schedule health: one line per guarded schedule, read from the run ledger (the ``guardrails.ScheduledRun`` table).
 
-:func:`schedule_health` lists every beat entry with a policy in the ``schedules`` setting, and every schedule
-the ledger has records of that no longer has one. Each line says when the schedule last succeeded, what its
+:func:`schedule_health` lists every watched beat entry (with its policy in the ``schedules`` setting, or the
+default one: its policy reads "default", see :mod:`celery_guardrails.beat`), and every schedule the ledger has
+records of that is no longer watched. Each line says when the schedule last succeeded, what its
 newest record is, when it is due next, how many of its runs were missed, overdue or failed in a window
 (default the last 7 days; a run that was missed or overdue counts as such after it ran or finished: its
 ``missed_at`` / ``overdue_at`` stay), and one ``state`` word, the first of these that holds:
 
-    no policy   the ledger has records of it, the ``schedules`` setting has no policy for it
+    no policy   the ledger has records of it, but it is no longer watched (opted out, or gone)
     disabled    its django-celery-beat row is disabled (its due periods are recorded skipped, not missed)
     never run   it has a policy and no record yet
     overdue     a run past ``max_runtime`` is still open (an ``overdue`` record)
@@ -82,6 +83,8 @@ class ScheduleHealth:
     task: str | None
     timezone: str | None
     owner: str | None
+    #: Whether it is watched with the default policy (the ``schedules`` setting does not name it).
+    default_policy: bool
     #: The policy's overlap, catch_up, grace (seconds) and max_runtime (seconds, None: no limit).
     overlap: str | None
     catch_up: str | None
@@ -109,7 +112,8 @@ class ScheduleHealth:
         if not self.has_policy:
             return ""
         runtime = "none" if self.max_runtime is None else f"{self.max_runtime:g}s"
-        return f"overlap {self.overlap}, catch-up {self.catch_up}, grace {self.grace:g}s, max runtime {runtime}"
+        summary = f"overlap {self.overlap}, catch-up {self.catch_up}, grace {self.grace or 0:g}s, max runtime {runtime}"
+        return f"default: {summary}" if self.default_policy else summary
 
 
 class _PerSchedule(Subquery):
@@ -156,7 +160,7 @@ def _state(
 ) -> tuple[str, str]:
     """The state word and its explanation."""
     if entry is None:
-        return NO_POLICY, "the ledger has records of it, but the schedules setting has no policy for it"
+        return NO_POLICY, "the ledger has records of it, but it is no longer watched (opted out, or no such entry)"
     if disabled:
         return DISABLED, "its periodic task is disabled: periods that come due are recorded skipped, not missed"
     if row is None:
@@ -164,7 +168,7 @@ def _state(
     if row["open_overdue"]:
         return STATE_OVERDUE, f"{row['open_overdue']} run(s) past max_runtime still open"
     unrecorded = entry.next_due(row["newest_period"].timestamp())
-    if current - unrecorded > entry.policy.grace:
+    if current - unrecorded > entry.grace:
         return STATE_MISSED, f"no record of the run due {_utc(_at(unrecorded))} (are beat and the watchdog running?)"
     decided = [(row[key], word) for key, word in (("last_ok", OK), ("last_failed", FAILED), ("last_missed", MISSED))]
     newest_decided = max((item for item in decided if item[0] is not None), default=None, key=lambda item: item[0])
@@ -190,9 +194,10 @@ def _health(
         task=None if entry is None else entry.task,
         timezone=None if entry is None else str(entry.zone),
         owner=None if entry is None else owner_of_entry(app, entry),
+        default_policy=entry is not None and entry.default,
         overlap=None if policy is None else policy.overlap,
         catch_up=None if policy is None else policy.catch_up,
-        grace=None if policy is None else policy.grace,
+        grace=None if entry is None else entry.grace,
         max_runtime=None if policy is None else policy.max_runtime,
         last_success=None if row is None else row["last_ok"],
         last_record=None if row is None else LastRecord(period=row["newest_period"], status=row["newest_status"]),

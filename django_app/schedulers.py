@@ -1,9 +1,10 @@
 """django-celery-beat with the schedule guardrails.
 
-Run beat with ``-S django_celery_guardrails.schedulers:GuardedDatabaseScheduler``: ``PeriodicTask`` rows
-whose name has a policy in ``CELERY_GUARDRAILS["schedules"]`` are dispatched through the run ledger (see
-:mod:`celery_guardrails.beat`); every other row is left to django-celery-beat as it is. A row's crontab
-time zone is used when its policy states none.
+Run beat with ``-S django_celery_guardrails.schedulers:GuardedDatabaseScheduler``: ``PeriodicTask`` rows are
+dispatched through the run ledger (see :mod:`celery_guardrails.beat`), each with its policy in
+``CELERY_GUARDRAILS["schedules"]`` or the default one; a row opted out (``{"name": None}``), one-off, or whose
+task is a plain Celery task is left to django-celery-beat as it is. A row's crontab time zone is used when its
+policy states none.
 """
 
 from __future__ import annotations
@@ -21,7 +22,6 @@ from django_celery_beat.schedulers import DatabaseScheduler
 
 from celery_guardrails.beat import Entry, GuardedSchedulerMixin, build_disabled_entries, build_entries
 from celery_guardrails.exceptions import ConfigurationError
-from celery_guardrails.options import app_value
 
 logger = logging.getLogger(__name__)
 
@@ -35,7 +35,7 @@ class Unparsable:
 
 #: The fields a guarded entry is made of, read as values: no model instances for 10,000 rows a tick.
 ROW_FIELDS = (
-    *("name", "task", "enabled", "args", "kwargs", "headers", "expires", "expire_seconds"),
+    *("name", "task", "enabled", "one_off", "args", "kwargs", "headers", "expires", "expire_seconds"),
     *("queue", "exchange", "routing_key", "priority"),
     *("interval_id", "crontab_id", "solar_id", "clocked_id"),
 )
@@ -48,13 +48,16 @@ KINDS = (
 )
 
 
-def periodic_task_rows(app: Any = None, *, names: Iterable[str]) -> tuple[dict[str, Any], dict[str, Any], set[str]]:
-    """Rows named ``names`` (one query, and one per schedule kind): (enabled ones as beat entries, disabled ones
-    as beat entries, the names of all). An enabled row whose schedule or arguments cannot be read is kept,
+def periodic_task_rows(
+    app: Any = None, *, names: Iterable[str] | None
+) -> tuple[dict[str, Any], dict[str, Any], set[str]]:
+    """Rows named ``names`` (None: every row; one query, and one per schedule kind): (enabled ones as beat entries,
+    disabled ones as beat entries, the names of all). An enabled row whose schedule or arguments cannot be read is kept,
     standing for its error (django-celery-beat itself skips it with a log line, so a guarded entry would
     silently never run); a disabled one is left out (it is not due anyway). ``app`` is not read: entries are
     plain mappings."""
-    rows = list(PeriodicTask.objects.filter(name__in=list(names)).values(*ROW_FIELDS))
+    found = PeriodicTask.objects.all() if names is None else PeriodicTask.objects.filter(name__in=list(names))
+    rows = list(found.values(*ROW_FIELDS))
     schedules = _schedules(rows)
     enabled: dict[str, Any] = {}
     disabled: dict[str, Any] = {}
@@ -63,7 +66,8 @@ def periodic_task_rows(app: Any = None, *, names: Iterable[str]) -> tuple[dict[s
             (enabled if row["enabled"] else disabled)[row["name"]] = _entry(row, schedules)
         except ValueError as exc:
             if row["enabled"]:
-                enabled[row["name"]] = {"task": row["task"], "schedule": Unparsable(str(exc))}
+                broken = Unparsable(str(exc))
+                enabled[row["name"]] = {"task": row["task"], "schedule": broken, "one_off": row["one_off"]}
     return enabled, disabled, {row["name"] for row in rows}
 
 
@@ -101,7 +105,14 @@ def _entry(row: dict[str, Any], schedules: dict[tuple[str, int], Any]) -> dict[s
     if row["expires"] or row["expire_seconds"]:
         options["expires"] = row["expires"] or row["expire_seconds"]
     options["headers"] = {**headers, "periodic_task_name": row["name"]}
-    return {"task": row["task"], "schedule": schedule, "args": args, "kwargs": kwargs, "options": options}
+    return {
+        "task": row["task"],
+        "schedule": schedule,
+        "args": args,
+        "kwargs": kwargs,
+        "options": options,
+        "one_off": row["one_off"],  # django-celery-beat disables it after its run: not watched by default
+    }
 
 
 def _json(text: str | None, *, empty: str) -> Any:
@@ -144,10 +155,9 @@ class GuardedDatabaseScheduler(GuardedSchedulerMixin, DatabaseScheduler):  # typ
         return self._read_rows()[0]
 
     def _read_rows(self) -> tuple[dict[str, Entry], dict[str, Entry]]:
-        # Straight from the rows with a policy (one query a tick), not from self.schedule: a row
+        # Straight from the rows (one query a tick), not from self.schedule: a row with a policy that
         # django-celery-beat cannot read is missing there, and must stop beat instead.
-        policies = app_value(self.app, "schedules")
-        enabled, disabled, names = periodic_task_rows(self.app, names=policies)
+        enabled, disabled, names = periodic_task_rows(self.app, names=None)
         warned = self._guardrails_warned
         return (
             build_entries(self.app, enabled, known=names, warned=warned),

@@ -7,7 +7,10 @@ already skipped a period that ran before. Then, for the entry's policy:
 * overlap: ``skip`` and ``queue`` take the schedule's *run slot*, a claim in the store renewed by the same
   heartbeat as idempotency keys (so a run whose worker died frees it when its lease runs out). Held by
   another run, ``skip`` records the period ``skipped_overlap`` and returns without running the body;
-  ``queue`` comes back later through ``RetryLater``. ``allow`` takes no slot.
+  ``queue`` comes back later through ``RetryLater``. ``allow`` takes no slot. A period dispatched on time never
+  yields to a catch-up (a period beat dispatched late, header ``catchup``): held by a catch-up run, ``skip``
+  waits for it as ``queue`` does, so a stale run never makes the current one ``skipped_overlap``. A catch-up
+  finding the slot held is skipped as any run is.
 * the ledger record goes to ``running``, then ``ok`` or ``failed``;
 * ``since=True``: ``self.request.since`` is the end of the last successful period, read from the ledger
   (None before the first success), and is passed as ``since=`` when the task takes that argument.
@@ -31,7 +34,7 @@ from celery_guardrails.exceptions import RetryLater
 from celery_guardrails.guardrails.idempotency import delivery_owner, heartbeat, task_signature
 from celery_guardrails.guardrails.retries import retry_later
 from celery_guardrails.ledger import FAILED, OK, SKIPPED_OVERLAP, period_key
-from celery_guardrails.options import SchedulePolicy, app_value, resolve
+from celery_guardrails.options import DEFAULT_POLICY, SchedulePolicy, app_value, resolve
 from celery_guardrails.pipeline import Guardrail, Publication, SkipBody
 from celery_guardrails.redaction import redacted_error
 from celery_guardrails.stores import get_store
@@ -42,8 +45,10 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-#: A policy-less period (its entry lost its policy after dispatch) is still recorded, and may overlap.
+#: A period of an entry opted out after dispatch (``schedules = {name: None}``) is still recorded, and may overlap.
 NO_POLICY = SchedulePolicy(overlap="allow")
+#: What a slot owner ends with when its run is a catch-up (a current run finding it so waits instead of skipping).
+CATCH_UP_OWNER = "+catch-up"
 
 
 def slot_key(schedule: str) -> str:
@@ -66,18 +71,21 @@ class ScheduledRuns(Guardrail):
         name, period = header.get(headers.SCHEDULE), header.get(headers.PERIOD)
         if name is None or period is None:
             return
-        policy = app_value(task.app, "schedules").get(name) or NO_POLICY
+        # An entry the setting does not name runs with the default policy, as beat dispatched it.
+        policy = app_value(task.app, "schedules").get(name, DEFAULT_POLICY) or NO_POLICY
+        catch_up = header.get(headers.CATCH_UP) == 1
         request.schedule_name, request.period = name, moment(period)
         request.period_key = period_key(name, period)
         store = get_store(task.app)
         state = delivery(task)
         if policy.overlap != "allow":
-            owner = delivery_owner(request)
+            owner = delivery_owner(request) + (CATCH_UP_OWNER if catch_up else "")
             lease = resolve(task, "idempotency_lease", task.call_options())
             # Leases are real time (the heartbeat renews them with time.time()), whatever the clock option.
             claim = store.claim(slot_key(name), owner=owner, now=time.time(), lease=lease, retention=lease)
             if claim.state != ACQUIRED:
-                self._overlapping(task, name, period, policy, claim.lease_until)
+                behind_catch_up = not catch_up and claim.owner.endswith(CATCH_UP_OWNER)
+                self._overlapping(task, name, period, policy, claim.lease_until, behind_catch_up=behind_catch_up)
             state.slot = (slot_key(name), owner, lease)
             state.holds.append(Hold(owner, lambda: store.release(slot_key(name), owner=owner)))
         store.run_start(name, period, task_id=request.id, now=now(task.app))
@@ -88,13 +96,16 @@ class ScheduledRuns(Guardrail):
             if "since" in task_signature(task).parameters:
                 kwargs["since"] = request.since
 
-    def _overlapping(self, task: GuardedTask, name: str, period: int, policy: SchedulePolicy, until: float) -> None:
-        if policy.overlap == "skip":
+    def _overlapping(
+        self, task: GuardedTask, name: str, period: int, policy: SchedulePolicy, until: float, *, behind_catch_up: bool
+    ) -> None:
+        if policy.overlap == "skip" and not behind_catch_up:
             reason = "the previous run was still going (overlap=skip)"
             logger.warning("Scheduled run %s of %r skipped: %s", moment(period), name, reason)
             get_store(task.app).run_finish(name, period, status=SKIPPED_OVERLAP, now=now(task.app), reason=reason)
             raise SkipBody(None)  # a success: the period key is completed, a re-dispatch is a duplicate
-        wait = RetryLater(f"scheduled run {name!r}: the previous run is still going (overlap=queue)")
+        why = "a catch-up run is still going (the current period waits for it)" if behind_catch_up else "overlap=queue"
+        wait = RetryLater(f"scheduled run {name!r}: the previous run is still going ({why})")
         delay = max(0.5, min(until - time.time() + 0.5, resolve(task, "retry_later_delay", task.call_options())))
         # A wait behind a live run slot, like one behind a held key: bounded by that run's lease, not by
         # retry_later_max.
