@@ -13,16 +13,17 @@ guardrails.W003  a setting that is allowed but weakens a guardrail: ``redact_key
                  ``CELERY_GUARDRAILS`` or on a task), so nothing is redacted by name.
 guardrails.E010  ``admin_tenants`` names a callable that cannot be imported or is not callable (a bad value
                  is E001): until it is fixed, admin users who are scoped by it see nothing.
-guardrails.I001  a beat entry (``CELERY_BEAT_SCHEDULE``) or django-celery-beat periodic task with no policy
-                 written: it is watched with the default policy (missed runs detected, the ledger, catch-up
-                 and overlap rules); named so that ``check`` says what is watched (silence it with
+guardrails.I001  beat entries (``CELERY_BEAT_SCHEDULE``) and django-celery-beat periodic tasks with no policy
+                 written: they are watched with the default policy (missed runs detected, the ledger, catch-up
+                 and overlap rules); one message names them all, with each one's grace (silence it with
                  ``SILENCED_SYSTEM_CHECKS``).
 guardrails.W004  the ``schedules`` setting names an entry that does not exist, or one whose schedule cannot be
                  read: beat and the worker refuse to start (a warning, not an error: the row may come with a
                  migration or a fixture still to be loaded).
-guardrails.W005  a beat entry or periodic task with no policy that is not watched: its task is a plain Celery
-                 task, or its schedule cannot be read (solar, clocked). Celery's ``celery.backend_cleanup``, the
-                 app's own ``django_celery_guardrails.prune`` and one-off rows are left out on purpose.
+guardrails.W005  beat entries or periodic tasks with no policy that are not watched (one message names them):
+                 the task is a plain Celery task, or the schedule cannot be read (solar, clocked). Celery's
+                 ``celery.backend_cleanup``, the app's own ``django_celery_guardrails.prune`` and one-off rows
+                 are left out on purpose.
 
 The deployment audit (:mod:`celery_guardrails.audit`) of the project's Celery app, as deployment checks
 (``manage.py check --deploy``; the audit reads every registered task, so it is not run before every command):
@@ -167,31 +168,51 @@ def check_schedules(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage
         return [Warning(str(exc), hint="See Scheduled work in the README.", obj="schedules", id="guardrails.W004")]
     except Exception:  # a check never raises: an app that cannot be loaded says so elsewhere
         return []
-    messages: list[CheckMessage] = []
+    defaults, unwatched = [], []
     for watch in watches:
-        found, state = watch.found, " (disabled)" if watch.disabled else ""
+        found, state = watch.found, "disabled, " if watch.disabled else ""
         if isinstance(found, Entry) and found.default:
-            messages.append(
-                Info(
-                    f"{watch.kind} {watch.name!r}{state} is watched with the default policy: missed runs after "
-                    f"{found.grace:g} s late, overlap skip, catch-up latest.",
-                    hint=f'State its own with CELERY_GUARDRAILS["schedules"]["{watch.name}"] = {{...}}, or opt it out '
-                    "with None.",
-                    obj=watch.name,
-                    id="guardrails.I001",
-                )
-            )
+            defaults.append(f"{watch.kind} {watch.name!r} ({state}grace {found.grace:g} s)")
         elif not isinstance(found, Entry) and not found.expected:
-            messages.append(
-                Warning(
-                    f"{watch.kind} {watch.name!r}{state} is not watched: {found.reason}: no missed-run detection.",
-                    hint="Make its task a GuardedTask (base=GuardedTask), or opt it out with "
-                    f'CELERY_GUARDRAILS["schedules"]["{watch.name}"] = None.',
-                    obj=watch.name,
-                    id="guardrails.W005",
-                )
+            unwatched.append(f"{watch.kind} {watch.name!r} ({found.reason})")
+    # One message each, however many entries: Django prints the checks before every management command.
+    messages: list[CheckMessage] = []
+    if defaults:
+        messages.append(
+            Info(
+                f"{_count(defaults, 'beat entry', 'beat entries')} watched with the default policy (missed when "
+                f"later than its grace, overlap skip, catch-up latest): {_names(defaults)}.",
+                hint='State a policy with CELERY_GUARDRAILS["schedules"]["<name>"] = {...}, or opt one out with None; '
+                'silence this with SILENCED_SYSTEM_CHECKS = ["guardrails.I001"].',
+                obj="schedules",
+                id="guardrails.I001",
             )
+        )
+    if unwatched:
+        messages.append(
+            Warning(
+                f"{_count(unwatched, 'beat entry', 'beat entries')} not watched, no missed-run detection: "
+                f"{_names(unwatched)}.",
+                hint="Make the task a GuardedTask (base=GuardedTask), or opt the entry out with "
+                'CELERY_GUARDRAILS["schedules"]["<name>"] = None.',
+                obj="schedules",
+                id="guardrails.W005",
+            )
+        )
     return messages
+
+
+#: Entries a schedules check message names at most (then "and N more").
+NAMED = 20
+
+
+def _count(items: list[str], one: str, many: str) -> str:
+    return f"1 {one} is" if len(items) == 1 else f"{len(items)} {many} are"
+
+
+def _names(items: list[str]) -> str:
+    more = len(items) - NAMED
+    return "; ".join(items[:NAMED]) + (f"; and {more} more" if more > 0 else "")
 
 
 @register(Tags.compatibility)

@@ -46,7 +46,9 @@ def _entry(**policy: Any) -> Entry:
     ("catch_up", "limit", "dispatched", "recorded"),
     [
         ("skip", 10, [360], [60, 120, 180, 240, 300]),
-        ("latest", 10, [300, 360], [60, 120, 180, 240]),
+        # "latest" runs the most recent period: 360, due on time, is it (#30: dispatching 300 beside it let the
+        # stale run take the overlap slot and the current one be skipped)
+        ("latest", 10, [360], [60, 120, 180, 240, 300]),
         ("all", 10, [60, 120, 180, 240, 300, 360], []),
         ("all", 2, [240, 300, 360], [60, 120, 180]),
     ],
@@ -60,6 +62,37 @@ def test_plan_applies_the_catch_up_policy(
     to_dispatch, to_record = plan(_entry(catch_up=catch_up, catch_up_limit=limit, grace=20), due, 370.0)
     # Then exactly these periods run, oldest first, and the rest are recorded missed
     assert (to_dispatch, to_record) == (dispatched, recorded)
+
+
+@pytest.mark.parametrize(
+    ("catch_up", "dispatched", "recorded"),
+    [("skip", [], [60, 120, 180]), ("latest", [180], [60, 120]), ("all", [60, 120, 180], [])],
+)
+def test_plan_with_every_period_late_catches_up_the_newest(
+    catch_up: str, dispatched: list[int], recorded: list[int]
+) -> None:
+    # Given periods 60..180 due, now 370, grace 20: all late, none due on time
+    # When the plan is made for each policy
+    to_dispatch, to_record = plan(_entry(catch_up=catch_up, grace=20), [60.0, 120.0, 180.0], 370.0)
+    # Then "latest" runs the newest late period (what Celery beat does), "all" each, "skip" none
+    assert (to_dispatch, to_record) == (dispatched, recorded)
+
+
+@pytest.mark.parametrize(
+    ("schedule", "grace"),
+    [(4.0, 2.0), (60.0, 30.0), (120.0, 60.0), (3600.0, 60.0), ("* * * * *", 30.0), ("0 9,17 * * *", 60.0)],
+)
+def test_the_default_grace_is_a_minute_or_half_the_period(schedule: Any, grace: float) -> None:
+    from zoneinfo import ZoneInfo
+
+    from celery_guardrails.options import DEFAULT_POLICY
+
+    # Given an entry with no policy written (the default one), and one whose policy sets grace
+    # When its grace is read
+    default = Entry(name="e", task=TASK, schedule=schedule, policy=DEFAULT_POLICY, zone=ZoneInfo("UTC"))
+    stated = Entry(name="e", task=TASK, schedule=schedule, policy=SchedulePolicy(grace=7), zone=ZoneInfo("UTC"))
+    # Then the default is 60 s, or half the period when that is shorter; a stated grace is kept as it is
+    assert (default.grace, stated.grace, default.default, stated.default) == (grace, 7.0, True, False)
 
 
 # --- real beat, real worker -------------------------------------------------------------------------------
@@ -285,3 +318,105 @@ def test_a_crontab_entry_without_a_timezone_is_named_in_a_warning(caplog: pytest
         "celery-guardrails: beat entry 'nightly' is a crontab without a timezone in its policy; it is read in "
         "America/New_York"
     ]
+
+
+# --- #30: every entry watched by default; catch-up keeps the current period --------------------------------
+
+
+def test_an_entry_without_a_policy_is_watched_and_its_missed_runs_recorded_one_opted_out_is_left_to_celery(
+    tmp_path: Path, rigs: list[Rig], sink: Sink
+) -> None:
+    uid = uuid.uuid4().hex[:6]
+    watched, opted, plain = f"every-4s-{uid}", f"opted-out-{uid}", f"plain-{uid}"
+    start = a_whole_minute()
+    # Given three entries every 4 s and no policy written for any: a guarded task's, one opted out with None,
+    # and a plain Celery task's
+    rig = Rig(
+        tmp_path,
+        entries={
+            watched: entry(sink, schedule=4.0),
+            opted: entry(sink, schedule=4.0),
+            plain: {"task": "tests.proj.tasks.plain_add", "schedule": 4.0, "args": [1, 2]},
+        },
+        policies={opted: None},
+        start=start,
+    )
+    rigs.append(rig)
+    # And a worker (with its watchdog) and a guarded beat
+    rig.worker()
+    beat = rig.beat()
+    rig.looking(beat, watched)
+    # When a period comes due while beat runs
+    first = start + 4
+    rig.set_clock(first + 0.5)
+    # Then it runs through the ledger, as with a policy
+    rig.wait(f"{watched} ran {first}", lambda: _status(rig, watched, first) == OK)
+    # When beat stops and the clock passes three more periods, the last one 2.5 s late (the default grace of an
+    # every-4-s entry is half its period: 2 s)
+    beat.stop()
+    periods = [first + 4 * k for k in (1, 2, 3)]
+    rig.set_clock(periods[-1] + 2.5)
+    # Then the watchdog records each of them missed, saying why
+    for period in periods:
+        run = rig.wait(f"{watched} {period} missed", lambda period=period: _missed(rig, watched, period))
+        assert (run.task_id, run.reason) == ("", "not dispatched within 2s of its due time (is beat running?)")
+    assert [(r.period, r.status) for r in rig.runs(watched)] == [(first, OK), *((p, MISSED) for p in periods)]
+    # And beat said which entries it watches, with which policy, and which it leaves to Celery
+    assert f"watched beat entries: {watched} (default policy)" in beat.log
+    assert f"beat entries left to Celery (not watched): {opted}, {plain}" in beat.log
+    # And the opted-out entry ran as Celery runs it (on the real clock, no period, no ledger); neither it nor the
+    # plain task's entry has a ledger record
+    rig.wait(f"{opted} ran by Celery", lambda: [item for item in sink.items() if item["schedule"] is None])
+    assert rig.runs(opted) == rig.runs(plain) == []
+    assert {item["schedule"] for item in sink.items()} == {watched, None}
+
+
+@pytest.mark.parametrize("catch_up", ["latest", "all"])
+def test_beat_back_with_a_stale_and_a_current_period_runs_the_current_one(
+    tmp_path: Path, rigs: list[Rig], sink: Sink, catch_up: str
+) -> None:
+    import redis
+
+    name = f"every-minute-{catch_up}-{uuid.uuid4().hex[:6]}"
+    gate = f"gate-{name}"
+    start = a_whole_minute() + 30
+    # Given an every-minute entry with overlap "skip" whose runs each wait for the test to open a gate, and a
+    # worker that runs two at once
+    rig = Rig(
+        tmp_path,
+        entries={name: entry(sink, gate=gate)},
+        policies={name: {"catch_up": catch_up, "overlap": "skip", "grace": GRACE}},
+        start=start,
+        settings={"retry_later_delay": 0.5},
+    )
+    rigs.append(rig)
+    client = redis.Redis.from_url(REDIS_URL)
+    rig.worker(concurrency=2)
+    beat = rig.beat()
+    rig.looking(beat, name)
+    first = start + 30
+    client.rpush(gate, "go")
+    rig.set_clock(first + 1)
+    rig.wait(f"{first} ran", lambda: _status(rig, name, first) == OK)
+    # When beat stops for a period, and comes back 1 s into the next one: one stale period and one current
+    beat.stop()
+    stale, current = first + MINUTE, first + 2 * MINUTE
+    rig.set_clock(current + 1)
+    rig.looking(rig.beat(name="beat-again"), name)
+    # And a run has taken the overlap slot and waits at the gate (the current one, or "all"'s catch-up)
+    rig.wait("a run started", lambda: "running" in {_status(rig, name, p) for p in (stale, current)})
+    client.rpush(gate, "go", "go")
+    # Then the current period runs, never skipped as overlapping the stale run
+    rig.wait(f"{current} ran", lambda: _status(rig, name, current) == OK)
+    if catch_up == "latest":
+        # And "latest" recorded the stale period missed: the current one is the latest
+        assert _status(rig, name, stale) == MISSED
+        assert periods_ran(sink, name) == [first, current]
+    else:
+        # And "all" ran the stale one too, as a catch-up the current run waited behind (had the current run
+        # taken the slot first, the catch-up would be the one skipped: a stale run yields, never the current)
+        rig.wait(f"{stale} decided", lambda: _status(rig, name, stale) in (OK, "skipped_overlap"))
+        ran = [first, current] if _status(rig, name, stale) == "skipped_overlap" else [first, stale, current]
+        assert sorted(periods_ran(sink, name)) == ran
+    assert _status(rig, name, current) == OK
+    client.delete(gate)

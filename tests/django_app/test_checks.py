@@ -48,8 +48,9 @@ def test_every_audit_code_has_its_system_check_id_and_is_in_the_table() -> None:
     codes = re.findall(r"^    (GA\d{3}) (?:error|warning|info) ", audit.__doc__ or "", flags=re.MULTILINE)
     assert len(codes) == len(set(codes)) and {code[2] for code in codes} == set("012345678")
     # Then each has its id by the rule, guardrails.W1 + axis digit + number (GA0xx -> W10x, GA8xx -> W18x), but
-    # GA405, which W002 says already
-    expected = {code: None if code == "GA405" else f"guardrails.W1{code[2]}{code[4]}" for code in codes}
+    # GA405, which W002 says already, GA607, which the plain check's I001 says, and GA608 (an opt-out, a choice)
+    quiet = ("GA405", "GA607", "GA608")
+    expected = {code: None if code in quiet else f"guardrails.W1{code[2]}{code[4]}" for code in codes}
     assert {code: AUDIT_IDS[code] for code in codes} == expected
     # And the checks' docstring table lists every code with that id
     table = dict(re.findall(r"(GA\d{3}) (W1\d\d|-)", checks.__doc__ or ""))
@@ -131,4 +132,52 @@ def test_a_guarded_task_keyed_by_a_secret_is_an_error_naming_task_option_and_fie
     assert error.msg.startswith(
         "celery-guardrails setting 'idempotency_key': on task 'shop.pay_by_token': field {api_token} names "
         "'api_token', a secret (redact_keys entry 'token')"
+    )
+
+
+@pytest.mark.django_db
+def test_plain_check_names_each_entry_and_row_watched_with_the_default_policy() -> None:
+    from celery import current_app
+    from django_celery_beat.models import IntervalSchedule, PeriodicTask
+
+    # Given a settings entry of a guarded task with no policy, one of a plain task, one opted out, Celery's own
+    # backend_cleanup, and django-celery-beat rows: a guarded task's with no policy, a disabled one, a one-off one
+    app = current_app._get_current_object()
+    task = "tests.proj.tasks.scheduled_job"
+
+    @app.task(name="tests.checks.plain", shared=False, lazy=False)
+    def plain() -> None: ...  # a plain Celery task (removed below)
+
+    beat_schedule = app.conf.beat_schedule
+    app.conf.beat_schedule = {
+        **beat_schedule,
+        "nightly": {"task": task, "schedule": 86400.0},
+        "plain": {"task": "tests.checks.plain", "schedule": 60.0},
+        "opted": {"task": task, "schedule": 60.0},
+        "celery.backend_cleanup": {"task": "celery.backend_cleanup", "schedule": 86400.0},
+    }
+    guardrails = app.conf.guardrails
+    app.conf.guardrails = {**guardrails, "schedules": {**guardrails.get("schedules", {}), "opted": None}}
+    every = IntervalSchedule.objects.create(every=4, period=IntervalSchedule.SECONDS)
+    PeriodicTask.objects.create(name="row every 4s", task=task, interval=every)
+    PeriodicTask.objects.create(name="row disabled", task=task, interval=every, enabled=False)
+    PeriodicTask.objects.create(name="row once", task=task, interval=every, one_off=True)
+    try:
+        # When plain `manage.py check` runs (no --deploy)
+        messages = [m for m in run_checks() if m.id in ("guardrails.I001", "guardrails.W005")]
+    finally:
+        app.conf.beat_schedule, app.conf.guardrails = beat_schedule, guardrails
+        del app.tasks["tests.checks.plain"]
+    # Then one message of information names each entry and row watched with the default policy, with its grace;
+    # one warning names the plain task's entry; the opted-out, Celery's own and the one-off entries are not named
+    assert [(m.id, m.obj) for m in messages] == [("guardrails.I001", "schedules"), ("guardrails.W005", "schedules")]
+    info, warning = messages
+    assert info.msg == (
+        "3 beat entries are watched with the default policy (missed when later than its grace, overlap skip, "
+        "catch-up latest): beat entry 'nightly' (grace 60 s); periodic task 'row disabled' (disabled, grace 2 s); "
+        "periodic task 'row every 4s' (grace 2 s)."
+    )
+    assert warning.msg == (
+        "1 beat entry is not watched, no missed-run detection: beat entry 'plain' (its task tests.checks.plain is a "
+        "plain Celery task (not a GuardedTask))."
     )

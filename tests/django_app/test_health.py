@@ -28,7 +28,8 @@ HEALTH = "admin:guardrails_scheduledrun_health"
 CHANGELIST = "admin:guardrails_scheduledrun_changelist"
 STORE = DjangoStore()
 
-# Every entry runs each minute with the default policy (grace 60 s, overlap skip, catch-up latest), except:
+# Every entry runs each minute with a policy of defaults (grace 30 s: half the period, overlap skip, catch-up
+# latest), except:
 POLICIES: dict[str, dict[str, Any]] = {
     "a ok": {},
     "b missed": {"owner": "ops"},
@@ -87,15 +88,16 @@ def ledger() -> None:
 
 
 def expected(schedule: str, **fields: Any) -> ScheduleHealth:
-    """A guarded every-minute schedule with the default policy, due next at 08:11; ``fields`` differ."""
+    """A guarded every-minute schedule with a policy of defaults, due next at 08:11; ``fields`` differ."""
     values: dict[str, Any] = {
         "schedule": schedule,
         "task": f"tasks.{schedule.split()[1]}",
         "timezone": "UTC",
         "owner": None,
+        "default_policy": False,
         "overlap": "skip",
         "catch_up": "latest",
-        "grace": 60.0,
+        "grace": 30.0,
         "max_runtime": None,
         "last_success": None,
         "last_record": None,
@@ -179,6 +181,7 @@ def test_one_line_per_schedule_in_each_state(ledger: None) -> None:
             task=None,
             timezone=None,
             owner=None,
+            default_policy=False,
             overlap=None,
             catch_up=None,
             grace=None,
@@ -190,7 +193,7 @@ def test_one_line_per_schedule_in_each_state(ledger: None) -> None:
             overdue_count=0,
             failed_count=0,
             state="no policy",
-            detail="the ledger has records of it, but the schedules setting has no policy for it",
+            detail="the ledger has records of it, but it is no longer watched (opted out, or no such entry)",
         ),
     ]
 
@@ -222,8 +225,8 @@ def test_the_number_of_queries_does_not_grow_with_schedules() -> None:
         assert len(schedule_health(make_app(few), now=NOW)) == 12
     with CaptureQueriesContext(connection) as twelve:
         lines = schedule_health(make_app(many), now=NOW)
-    # Then both take the same single query
-    assert len(two) == len(twelve) == 1
+    # Then both take the same two queries: the ledger's, and django-celery-beat's rows (every row is watched)
+    assert len(two) == len(twelve) == 2
     assert {line.state for line in lines} == {"failing"} and {line.failed_count for line in lines} == {1}
 
 
@@ -265,7 +268,7 @@ def test_the_admin_page_shows_each_state_and_links_to_the_ledger(
         assert f">{item.state}</span>" in html
     # with the next due time in UTC and in the schedule's zone, and its policy
     assert "2027-01-16 01:30:00<span" in html and "2027-01-16 02:30:00 CET (Europe/Berlin)" in html
-    assert "overlap skip, catch-up latest, grace 60s, max runtime 30s" in html
+    assert "overlap skip, catch-up latest, grace 30s, max runtime 30s" in html
     assert "Schedule health" in html and 'class="breadcrumbs"' in html
     # and a schedule's link lists that schedule's records
     item, url = page.context["rows"][0]
@@ -339,3 +342,31 @@ def test_a_disabled_row_shows_disabled_and_a_finished_overdue_run_stays_counted(
     # And a finish delivered twice does not say it twice
     STORE.run_finish("d overdue", NOW - MINUTE, status=OK, now=NOW - 4)
     assert STORE.run_list("d overdue")[0].reason == "finished after being overdue: too long"
+
+
+def test_entries_and_rows_without_a_policy_are_listed_with_the_default_policy(
+    admin_client: Client, app: Celery
+) -> None:
+    from django_celery_beat.models import IntervalSchedule, PeriodicTask
+
+    # Given a settings entry every minute and a django-celery-beat row every 4 s, no policy written for either, and
+    # a row opted out with None (whose ledger has a record from before)
+    app.conf.guardrails = {**app.conf.guardrails, "schedules": {"z opted out": None}}
+    app.conf.beat_schedule = {"x settings": {"task": "tasks.x", "schedule": MINUTE}}
+    every = IntervalSchedule.objects.create(every=4, period=IntervalSchedule.SECONDS)
+    PeriodicTask.objects.create(name="y row", task="tasks.y", interval=every)
+    PeriodicTask.objects.create(name="z opted out", task="tasks.z", interval=every)
+    ran("z opted out", NOW - MINUTE)
+    # When the health is read
+    lines = {line.schedule: line for line in schedule_health(app, now=NOW)}
+    # Then both are listed with the default policy (grace: 60 s or half the period), never run yet; the opted-out
+    # row is not watched (its old records: "no policy")
+    assert {name: (line.default_policy, line.grace, line.state) for name, line in lines.items()} == {
+        "x settings": (True, 30.0, "never run"),
+        "y row": (True, 2.0, "never run"),
+        "z opted out": (False, None, "no policy"),
+    }
+    # And the admin page shows their policy as "default"
+    html = admin_client.get(reverse(HEALTH)).content.decode()
+    assert "default: overlap skip, catch-up latest, grace 30s, max runtime none" in html
+    assert "default: overlap skip, catch-up latest, grace 2s, max runtime none" in html

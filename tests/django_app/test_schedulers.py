@@ -243,14 +243,15 @@ def test_a_row_carries_its_tenant_in_its_headers_and_a_policy_names_one_for_its_
     require("redis")
     uid = uuid.uuid4().hex[:6]
     guarded, plain, by_policy = f"acme nightly {uid}", f"globex plain {uid}", f"initech by policy {uid}"
-    # Given a guarded row whose headers name its tenant, a row without a policy that does the same (every
-    # second, on Celery's own clock), and a guarded row whose policy names the tenant
+    # Given a guarded row whose headers name its tenant, a row opted out of the guardrails that does the same
+    # (every second, on Celery's own clock), and a guarded row whose policy names the tenant
     every_minute = IntervalSchedule.objects.create(every=60, period=IntervalSchedule.SECONDS)
     every_second = IntervalSchedule.objects.create(every=1, period=IntervalSchedule.SECONDS)
     periodic_task(guarded, sink, interval=every_minute, headers=json.dumps({"tenant": "acme"}))
     periodic_task(plain, sink, interval=every_second, headers=json.dumps({"tenant": "globex"}))
     periodic_task(by_policy, sink, interval=every_minute)
-    rig = database_rig(tmp_path, {guarded: {"grace": 30}, by_policy: {"grace": 30, "tenant": "initech"}})
+    policies = {guarded: {"grace": 30}, by_policy: {"grace": 30, "tenant": "initech"}, plain: None}
+    rig = database_rig(tmp_path, policies)
     try:
         rig.worker()
         rig.looking(rig.beat(scheduler=SCHEDULER), guarded, by_policy)
@@ -326,3 +327,71 @@ def test_many_rows_are_read_as_django_celery_beat_reads_them_in_a_few_queries() 
     # And the row whose arguments are not JSON stands for its error
     assert isinstance(enabled["many-bad"]["schedule"], Unparsable)
     assert "not JSON" in enabled["many-bad"]["schedule"].error
+
+
+def test_a_settings_entry_and_a_row_without_a_policy_are_watched_and_their_missed_runs_reported(
+    tmp_path: Path, sink: Sink
+) -> None:
+    import os
+    import subprocess
+    import sys
+
+    from celery_guardrails.beat import moment
+
+    require("redis")
+    uid = uuid.uuid4().hex[:6]
+    setting, row, opted = f"settings every 4s {uid}", f"row every 4s {uid}", f"row opted out {uid}"
+    # Given a CELERY_BEAT_SCHEDULE entry and a django-celery-beat row, each every 4 s with no policy written, and
+    # a row opted out with None
+    every = IntervalSchedule.objects.create(every=4, period=IntervalSchedule.SECONDS)
+    periodic_task(row, sink, interval=every)
+    periodic_task(opted, sink, interval=every)
+    start = a_whole_minute()
+    rig = Rig(
+        tmp_path,
+        entries={setting: {"task": TASK, "schedule": 4.0, "kwargs": {"sink": sink.key}}},
+        policies={opted: None},
+        start=start,
+        settings={"watchdog": False},  # the command below is the watchdog
+    )
+    rig.env.update(proj_env(queue=rig.queue, django=True))
+    try:
+        # And a worker and a guarded database scheduler
+        rig.worker()
+        beat = rig.beat(scheduler=SCHEDULER)
+        rig.looking(beat, setting, row)
+        # When a period comes due while beat runs, then beat stops and three more pass, the last 2.5 s late (the
+        # default grace of an every-4-s entry: 2 s)
+        first = start + 4
+        rig.set_clock(first + 0.5)
+        for name in (setting, row):
+            rig.wait(f"{name} ran", lambda name=name: (run := rig.run_of(name, first)) and run.status == OK)
+        beat.stop()
+        periods = [first + 4 * k for k in (1, 2, 3)]
+        rig.set_clock(periods[-1] + 2.5)
+        # And `manage.py guardrails_watchdog` runs
+        script = (
+            "import django; django.setup(); from tests.proj.app import app; "
+            "from django.core.management import call_command; call_command('guardrails_watchdog')"
+        )
+        done = subprocess.run(
+            [sys.executable, "-c", script],
+            env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[2]), **rig.env},
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=False,
+        )
+    finally:
+        rig.stop()
+    # Then it prints each missed period of both, by name, and records it
+    assert done.returncode == 0, done.stderr
+    printed = [line for line in done.stdout.splitlines() if line.startswith("missed: ")]
+    assert sorted(printed) == sorted(
+        f"missed: {name} {moment(period):%Y-%m-%d %H:%M:%S}Z" for name in (setting, row) for period in periods
+    )
+    for name in (setting, row):
+        assert [(r.period, r.status) for r in rig.runs(name)] == [(first, OK), *((p, MISSED) for p in periods)]
+    # And beat named both as watched with the default policy; the opted-out row has no ledger
+    assert f"{row} (default policy)" in beat.log and f"{setting} (default policy)" in beat.log
+    assert rig.runs(opted) == []

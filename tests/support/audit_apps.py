@@ -73,7 +73,8 @@ PLANTED = {
     ("GA501", "bad.slow"),  # backoff_max, retry_later and time_limit (lease off) over a 300 s visibility_timeout
     ("GA502", "worker_prefetch_multiplier"),  # 4, with tasks without a time_limit
     ("GA503", "bad.ordered"),  # ordering_key without idempotency_key
-    ("GA601", "nightly"),  # a beat entry without a policy
+    ("GA601", "plain-nightly"),  # a beat entry without a policy, not watched: its task is a plain one
+    ("GA607", "nightly"),  # a beat entry without a policy: watched with the default policy
     ("GA602", "hourly"),  # a crontab policy without timezone
     ("GA603", "hourly"),  # ... and without an owner, on an unowned task
     ("GA605", "plain-sync"),  # a policy for a plain task's entry
@@ -134,6 +135,7 @@ def bad_app() -> Celery:
             "nightly": {"task": "bad.report", "schedule": crontab(hour=2, minute=30)},
             "hourly": {"task": "bad.keyless", "schedule": crontab(minute=0)},
             "plain-sync": {"task": "bad.plain", "schedule": 3600.0},
+            "plain-nightly": {"task": "bad.plain", "schedule": 86400.0},
         },
         guardrails={
             "alert_channels": ["log"],

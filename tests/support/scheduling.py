@@ -41,7 +41,7 @@ class Rig:
         tmp_path: Path,
         *,
         entries: dict[str, dict[str, Any]],
-        policies: dict[str, dict[str, Any]],
+        policies: dict[str, dict[str, Any] | None],
         start: float | None = None,
         settings: dict[str, Any] | None = None,
         store: Store | None = None,
