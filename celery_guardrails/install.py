@@ -27,6 +27,7 @@ from celery import bootsteps
 from celery.signals import after_setup_logger, after_setup_task_logger
 
 from celery_guardrails import options
+from celery_guardrails.exceptions import ConfigurationError
 from celery_guardrails.log import ContextFilter, install_filters
 
 logger = logging.getLogger(__name__)
@@ -53,7 +54,14 @@ class GuardrailsBootstep(bootsteps.Step):  # type: ignore[misc]
         # A policy for an entry that does not exist, or a schedule that cannot be read, stops the worker too.
         from celery_guardrails.beat import check_tasks, configured_entries
 
-        check_tasks(app, configured_entries(app))
+        try:
+            entries = configured_entries(app, every_row=False)
+        except ConfigurationError:
+            raise
+        except Exception:  # django-celery-beat's rows out of reach (database down, not migrated): not the worker's
+            logger.warning("celery-guardrails: the beat entries could not be read to check them", exc_info=True)
+            entries = {}
+        check_tasks(app, entries)
         # Before the consumer connects: its connection is made with the transport chosen here.
         from celery_guardrails.broker_pop import configure
 

@@ -257,7 +257,6 @@ def read_schedules(app: Any) -> list[ScheduleStatus]:
     docstring)."""
     from celery_guardrails.beat import all_configured_entries
     from celery_guardrails.clock import now
-    from celery_guardrails.exceptions import ConfigurationError
     from celery_guardrails.options import app_value
     from celery_guardrails.stores import get_store
 
@@ -266,7 +265,7 @@ def read_schedules(app: Any) -> list[ScheduleStatus]:
     try:
         entries, disabled = all_configured_entries(app)
         names |= {*entries, *disabled}
-    except ConfigurationError:  # the status reads the ledger of the policies still; beat and the worker say it
+    except Exception:  # a bad setting (beat and the worker say it), rows out of reach: the policies' ledgers still
         logger.debug("Status: the beat entries cannot be read; the schedules with a policy are listed", exc_info=True)
     if not names:
         return []
