@@ -1,0 +1,466 @@
+"""The first hour of a new user (#30), as the user goes through it: the documented install (the wheel, not an
+editable checkout), then a ``django-admin startproject`` project that follows the README's Quick start as printed.
+
+The Quick start's blocks are read from README.md itself: a fenced block whose first line is ``# <path> (new
+file)`` or ``# <path> (add at the end)`` goes into that file; ``# shell: ...`` blocks are commands. What the
+tests add of their own (a database and a queue for the run, tasks that fail and then succeed, beat entries) is
+written after a marker line, never mixed into the README's text.
+
+One virtual environment serves the whole run (every test process of it): the wheel built once, installed with
+the extras the README names, plus ``postgres`` (the tests' database) and ``prometheus`` (the metrics view).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+import re
+import shlex
+import signal
+import subprocess
+import textwrap
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+from tests.support.services import HOST, PORTS, REDIS_URL, require
+from tests.support.waiting import wait_for
+from tests.test_packaging import ROOT, build_wheel, run
+
+README = (ROOT / "README.md").read_text()
+#: What the tests write into the project's files after the README's text.
+OURS = "# --- added by tests/test_first_hour.py, not from the README: "
+
+pytestmark = pytest.mark.timeout(300)
+
+
+# ---------------------------------------------------------------------------------------------------- the README
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Block:
+    """A fenced block of the Quick start."""
+
+    language: str  # "python" or "shell"
+    target: str  # the file it goes in, or what the shell block is for ("install", "run, ...")
+    how: str  # "new file", "add at the end", or "" for shell blocks
+    text: str  # the whole block, its first (naming) line included
+
+
+def quick_start() -> list[Block]:
+    """The blocks of README.md's "Quick start for a Django project" section, in order."""
+    start = README.index("## Quick start for a Django project")
+    section = README[start : README.index("\n---\n", start)]
+    found = []
+    for language, text in re.findall(r"^```(\w+)\n(.*?)^```$", section, flags=re.M | re.S):
+        first = text.splitlines()[0]
+        if language == "python":
+            named = re.fullmatch(r"# (\S+) \((new file|add at the end)\)(?::.*)?", first)
+            assert named, f"a Quick start python block does not name its file: {first!r}"
+            found.append(Block(language=language, target=named[1], how=named[2], text=text))
+        else:
+            named = re.fullmatch(r"# shell: (.+)", first)
+            assert named, f"a Quick start shell block does not say what it is for: {first!r}"
+            found.append(Block(language=language, target=named[1], how="", text=text))
+    return found
+
+
+def shell_block(starting: str) -> Block:
+    (block,) = [b for b in quick_start() if b.language == "shell" and b.target.startswith(starting)]
+    return block
+
+
+def extras() -> list[str]:
+    """The extras of the Quick start's ``pip install`` line."""
+    (line,) = [line for line in shell_block("install").text.splitlines() if line.startswith("pip install")]
+    match = re.search(r"\[([\w,]+)\]", line)
+    assert match, line
+    return match[1].split(",")
+
+
+def commands(block: Block) -> list[list[str]]:
+    """The block's commands, each split as a shell would (comments dropped)."""
+    return [words for line in block.text.splitlines() if (words := shlex.split(line, comments=True))]
+
+
+# --------------------------------------------------------------------------------------------- the installation
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Installed:
+    venv: Path
+    wheel: Path
+
+    @property
+    def bin(self) -> Path:
+        return self.venv / "bin"
+
+
+@contextlib.contextmanager
+def locked(path: Path) -> Iterator[None]:
+    with path.open("w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        yield
+
+
+@pytest.fixture(scope="module")
+def installed(tmp_path_factory: pytest.TempPathFactory) -> Installed:
+    """The wheel, built once and installed (not editable) into a fresh venv with the README's extras, shared by
+    every test process of the run (pytest-xdist's processes share the parent of their temporary folders)."""
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent
+    folder = root / "first-hour-venv"
+    with locked(root / "first-hour-venv.lock"):
+        ready = folder / "ready"
+        if not ready.exists():
+            folder.mkdir(exist_ok=True)
+            wheel = build_wheel(folder)
+            venv = folder / "venv"
+            run("python3", "-m", "venv", venv, cwd=folder)
+            wanted = ",".join([*extras(), "postgres", "prometheus"])
+            run(venv / "bin" / "python", "-m", "pip", "install", "-q", f"{wheel}[{wanted}]", cwd=folder)
+            ready.write_text(wheel.name)
+    return Installed(venv=folder / "venv", wheel=folder / ready.read_text())
+
+
+@pytest.fixture
+def database() -> Iterator[str]:
+    """A PostgreSQL database of the test's own, dropped afterwards."""
+    require("postgres")
+    import psycopg
+
+    name = f"first_hour_{uuid.uuid4().hex[:10]}"
+    user = os.environ.get("GUARDRAILS_TEST_PGUSER", "postgres")
+    with psycopg.connect(host=HOST, port=PORTS["postgres"], user=user, dbname="postgres", autocommit=True) as db:
+        db.execute(f'CREATE DATABASE "{name}"')
+    try:
+        yield name
+    finally:
+        with psycopg.connect(host=HOST, port=PORTS["postgres"], user=user, dbname="postgres", autocommit=True) as db:
+            db.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+def query(database: str, sql: str, *params: object) -> list[tuple[object, ...]]:
+    import psycopg
+
+    user = os.environ.get("GUARDRAILS_TEST_PGUSER", "postgres")
+    with psycopg.connect(host=HOST, port=PORTS["postgres"], user=user, dbname=database) as db:
+        return list(db.execute(sql, params).fetchall())  # type: ignore[arg-type]
+
+
+# ---------------------------------------------------------------------------------------- the user's project
+
+
+@dataclass
+class Project:
+    folder: Path
+    env: dict[str, str]
+    database: str
+    processes: list[subprocess.Popen[bytes]] = field(default_factory=list)
+
+    def manage(self, *arguments: str, check: bool = True, env: dict[str, str] | None = None) -> str:
+        done = subprocess.run(
+            ["python", "manage.py", *arguments],
+            cwd=self.folder,
+            env=env or self.env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        if check:
+            assert done.returncode == 0, f"manage.py {arguments} failed:\n{done.stdout}\n{done.stderr}"
+        return done.stdout + done.stderr
+
+    def python(self, script: str, *arguments: str) -> str:
+        done = subprocess.run(
+            ["python", "-c", textwrap.dedent(script), *arguments],
+            cwd=self.folder,
+            env=self.env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert done.returncode == 0, f"script failed:\n{done.stdout}\n{done.stderr}"
+        return done.stdout
+
+    def start(self, command: list[str], log: str) -> Path:
+        """Start a long-running command of the Quick start, its output in ``log``; :meth:`stop_all` ends it."""
+        path = self.folder / log
+        with path.open("wb") as out:
+            self.processes.append(
+                subprocess.Popen(
+                    command,
+                    cwd=self.folder,
+                    env=self.env,
+                    stdout=out,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                )
+            )
+        return path
+
+    def stop(self, process: subprocess.Popen[bytes]) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGTERM)
+        try:
+            process.wait(30)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(process.pid, signal.SIGKILL)
+            process.wait(10)
+
+    def stop_all(self) -> None:
+        for process in reversed(self.processes):
+            self.stop(process)
+        self.processes.clear()
+
+
+TEST_SETTINGS = (
+    OURS
+    + """the run's own database and queue, and a beat entry ---
+DATABASES = {
+    "default": {
+        "ENGINE": "django.db.backends.postgresql",
+        "NAME": os.environ["FIRST_HOUR_DB"],
+        "USER": os.environ.get("GUARDRAILS_TEST_PGUSER", "postgres"),
+        "HOST": "127.0.0.1",
+    }
+}
+CELERY_TASK_DEFAULT_QUEUE = os.environ["FIRST_HOUR_QUEUE"]
+CELERY_BEAT_SCHEDULE = {"shop-sync-settings": {"task": "shop.tasks.sync", "schedule": 4.0}}
+"""
+)
+
+TEST_TASKS = (
+    OURS
+    + """a task that fails permanently until it is fixed, and the beat entries' task ---
+import os
+from pathlib import Path
+
+from celery_guardrails import PermanentError
+
+FLAGS = Path(os.environ["FIRST_HOUR_FLAGS"])
+
+
+@shared_task(base=GuardedTask, bind=True, idempotency_key="ship:{order_id}", dependency="carrier-api")
+def ship(self, order_id):
+    if not (FLAGS / "fixed").exists():
+        raise PermanentError(f"order {order_id}: the carrier refused the address")
+    (FLAGS / f"shipped-{order_id}").write_text(self.request.id)
+
+
+@shared_task
+def sync():
+    return "synced"
+"""
+)
+
+
+def make_project(tmp_path: Path, installed: Installed, database: str) -> Project:
+    """``django-admin startproject proj``, ``startapp shop``, the Quick start's blocks applied as printed, then
+    the test's own lines after them; the seal key made by the README's command."""
+    require("redis")
+    folder = tmp_path / "site"
+    folder.mkdir()
+    (tmp_path / "flags").mkdir()
+    env = {
+        "PATH": f"{installed.bin}:{os.environ['PATH']}",
+        "HOME": str(tmp_path),
+        "LANG": "C.UTF-8",
+        "CELERY_BROKER_URL": REDIS_URL,
+        "FIRST_HOUR_DB": database,
+        "FIRST_HOUR_QUEUE": f"first-hour-{uuid.uuid4().hex[:10]}",
+        "FIRST_HOUR_FLAGS": str(tmp_path / "flags"),
+    }
+    if "GUARDRAILS_TEST_PGUSER" in os.environ:
+        env["GUARDRAILS_TEST_PGUSER"] = os.environ["GUARDRAILS_TEST_PGUSER"]
+    project = Project(folder=folder, env=env, database=database)
+    run(installed.bin / "django-admin", "startproject", "proj", folder, cwd=tmp_path)
+    run(installed.bin / "python", "manage.py", "startapp", "shop", cwd=folder)
+    for block in quick_start():
+        if block.language != "python":
+            continue
+        path = folder / block.target
+        if block.how == "new file":
+            path.write_text(block.text)
+        else:
+            assert path.exists(), f"the Quick start adds to {block.target}, which startproject did not make"
+            path.write_text(path.read_text() + "\n\n" + block.text)
+    with (folder / "proj" / "settings.py").open("a") as settings:
+        settings.write("\n\n" + TEST_SETTINGS)
+    with (folder / "shop" / "tasks.py").open("a") as tasks:
+        tasks.write("\n\n" + TEST_TASKS)
+    key = subprocess.run(
+        ["bash", "-c", shell_block("a seal key").text + '\nprintf %s "$GUARDRAILS_SEAL_KEY"'],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    ).stdout
+    assert len(key) == 44, key  # a Fernet key: 32 bytes, url-safe base64
+    env["GUARDRAILS_SEAL_KEY"] = key
+    return project
+
+
+def run_block(project: Project) -> tuple[list[list[str]], list[list[str]]]:
+    """The "run" block's commands: those that finish (manage.py ...) and the long-running ones (celery ...)."""
+    steps = commands(shell_block("run"))
+    return [c for c in steps if c[0] == "python"], [c for c in steps if c[0] == "celery"]
+
+
+REPLAY_FROM_THE_ADMIN = """
+import json, os, sys
+
+import django
+
+os.environ.setdefault("DJANGO_SETTINGS_MODULE", "proj.settings")
+django.setup()
+from django.test.utils import setup_test_environment
+
+setup_test_environment()  # the test client's host, "testserver", allowed
+from celery import current_app
+from django.contrib.auth import get_user_model
+from django.test import Client
+from django.urls import reverse
+
+from django_celery_guardrails.models import DeadLetter
+
+pk = int(sys.argv[1])
+imported_before = "shop.tasks" in sys.modules or "shop.tasks.ship" in current_app.tasks
+staff = get_user_model().objects.create_superuser("first-hour", "first-hour@example.com", "pw")
+client = Client()
+client.force_login(staff)
+changelist = reverse("admin:guardrails_deadletter_changelist")
+asked = client.post(changelist, {"action": "replay_selected", "_selected_action": [pk]})
+done = client.post(changelist, {"action": "replay_selected", "_selected_action": [pk], "post": "yes"}, follow=True)
+print(json.dumps({
+    "imported_before": imported_before,
+    "asked": [asked.status_code, "replay these dead letters" in asked.content.decode()],
+    "done": done.status_code,
+    "messages": [str(m) for m in done.context["messages"]],
+    "status": DeadLetter.objects.get(pk=pk).status,
+}))
+"""
+
+
+def test_the_quick_start_as_printed_runs_a_guarded_task_and_replays_its_dead_letters(
+    tmp_path: Path, installed: Installed, database: str
+) -> None:
+    # Given a fresh startproject project with the Quick start's blocks from README.md, as printed
+    project = make_project(tmp_path, installed, database)
+    finishing, long_running = run_block(project)
+    assert finishing == [["python", "manage.py", "migrate"], ["python", "manage.py", "check"]]
+    assert [c[:4] for c in long_running] == [["celery", "-A", "proj", "worker"], ["celery", "-A", "proj", "beat"]]
+    # And without the seal key, `check` names the command that makes one (a hint, not a KeyError)
+    unkeyed = {k: v for k, v in project.env.items() if k != "GUARDRAILS_SEAL_KEY"}
+    warned = project.manage("check", env=unkeyed)
+    assert "guardrails.W002" in warned and "Fernet.generate_key().decode()" in warned, warned
+    assert "GUARDRAILS_SEAL_KEY" in warned
+    try:
+        # When its commands run: migrate and check, then a worker and beat
+        for command in finishing:
+            out = project.manage(*command[2:])
+        assert "guardrails.W002" not in out and "ERROR" not in out, out
+        worker_log = project.start(long_running[0], "worker.log")
+        project.start(long_running[1], "beat.log")
+        wait_for("the worker", lambda: "ready." in worker_log.read_text(errors="replace") or None)
+        # And a guarded task that succeeds and one that fails for good are sent
+        project.python(
+            """
+            import os, django
+            os.environ.setdefault("DJANGO_SETTINGS_MODULE", "proj.settings")
+            django.setup()
+            from shop.tasks import charge, ship
+            charge.delay(1, 1999, "tok_visa")
+            ship.delay(7)
+            ship.delay(8)
+            """
+        )
+        # Then the first succeeds on the worker
+        wait_for(
+            "the charge",
+            lambda: re.search(r"Task shop\.tasks\.charge\[\S+\] succeeded", worker_log.read_text(errors="replace")),
+        )
+        # And the others are dead letters, open
+        sql = "SELECT id, status FROM guardrails_deadletter WHERE task_name = %s ORDER BY id"
+
+        def two_records() -> list[tuple[object, ...]] | None:
+            rows = query(database, sql, "shop.tasks.ship")
+            return rows if len(rows) == 2 else None
+
+        dead = wait_for("two dead letters", two_records)
+        assert [status for _, status in dead] == ["open", "open"]
+        (first, _), (second, _) = dead
+        # When the cause is fixed and the first is replayed from the admin by a staff user (confirmation, then
+        # the replay), in a process that has not imported shop.tasks (autodiscover_tasks() found it, no more)
+        (tmp_path / "flags" / "fixed").write_text("")
+        replayed = json.loads(project.python(REPLAY_FROM_THE_ADMIN, str(first)))
+        # Then the admin asked, then replayed it
+        assert replayed == {
+            "imported_before": False,
+            "asked": [200, True],
+            "done": 200,
+            "messages": ["Replayed 1 dead letter(s)."],
+            "status": "replayed",
+        }
+        # When the second is replayed by the command
+        out = project.manage("guardrails_replay", "--task", "shop.tasks.ship")
+        # Then it says so, and both run on the worker and succeed
+        assert "Replayed 1 dead letter(s); refused 0." in out, out
+        wait_for("both shipped", lambda: all((tmp_path / "flags" / f"shipped-{n}").exists() for n in (7, 8)) or None)
+        assert [status for _, status in query(database, sql, "shop.tasks.ship")] == ["replayed", "replayed"]
+        log = worker_log.read_text(errors="replace")
+        assert len(re.findall(r"Task shop\.tasks\.ship\[\S+\] succeeded", log)) == 2, log
+    finally:
+        project.stop_all()
+
+
+def test_the_quick_start_reports_missed_runs_of_settings_entries_and_beat_rows_without_a_policy(
+    tmp_path: Path, installed: Installed, database: str
+) -> None:
+    """Against the contract of #30 point 4 (missed-run detection by default, for every beat entry with no
+    ``schedules`` policy): fails until that work is merged."""
+    # Given the Quick start's project, a settings entry and a django-celery-beat interval row, both every 4 s,
+    # and no `schedules` policy written
+    project = make_project(tmp_path, installed, database)
+    finishing, long_running = run_block(project)
+    try:
+        for command in finishing:
+            project.manage(*command[2:])
+        project.python(
+            """
+            import os, django
+            os.environ.setdefault("DJANGO_SETTINGS_MODULE", "proj.settings")
+            django.setup()
+            from django_celery_beat.models import IntervalSchedule, PeriodicTask
+            every = IntervalSchedule.objects.create(every=4, period=IntervalSchedule.SECONDS)
+            PeriodicTask.objects.create(name="shop-sync-row", task="shop.tasks.sync", interval=every)
+            """
+        )
+        project.start(long_running[0], "worker.log")
+        beat = project.start(long_running[1], "beat.log")
+        # When beat runs about 10 s, then stops for about 15 s
+        wait_for(
+            "beat's first dispatches",
+            lambda: all(name in beat.read_text(errors="replace") for name in ("shop-sync-settings", "shop-sync-row"))
+            or None,
+            timeout=30,
+        )
+        import time
+
+        time.sleep(6)  # beat's own period: nothing to wait for but the clock
+        project.stop(project.processes[1])
+        time.sleep(15)  # the runs beat does not dispatch while it is stopped
+        # Then the watchdog reports missed runs of both
+        out = project.manage("guardrails_watchdog")
+        for name in ("shop-sync-settings", "shop-sync-row"):
+            assert re.search(rf"^missed: {name} \d{{4}}-\d\d-\d\d \d\d:\d\d:\d\dZ$", out, flags=re.M), out
+    finally:
+        project.stop_all()
