@@ -20,6 +20,7 @@ import re
 import shlex
 import signal
 import subprocess
+import sys
 import textwrap
 import uuid
 from collections.abc import Iterator
@@ -122,9 +123,11 @@ def installed(tmp_path_factory: pytest.TempPathFactory) -> Installed:
             folder.mkdir(exist_ok=True)
             wheel = build_wheel(folder)
             venv = folder / "venv"
-            run("python3", "-m", "venv", venv, cwd=folder)
+            # This environment's pip installs into it (pip --python): no copy of pip to set up there first.
+            run("python3", "-m", "venv", "--without-pip", venv, cwd=folder)
             wanted = ",".join([*extras(), "postgres", "prometheus"])
-            run(venv / "bin" / "python", "-m", "pip", "install", "-q", f"{wheel}[{wanted}]", cwd=folder)
+            pip = (sys.executable, "-m", "pip", "--python", venv / "bin" / "python", "install", "-q")
+            run(*pip, f"{wheel}[{wanted}]", cwd=folder)
             ready.write_text(wheel.name)
     return Installed(venv=folder / "venv", wheel=folder / ready.read_text())
 
@@ -464,3 +467,169 @@ def test_the_quick_start_reports_missed_runs_of_settings_entries_and_beat_rows_w
             assert re.search(rf"^missed: {name} \d{{4}}-\d\d-\d\d \d\d:\d\d:\d\dZ$", out, flags=re.M), out
     finally:
         project.stop_all()
+
+
+RENDER_EVERY_PAGE = """
+import json, os, re, sys, uuid
+
+import django
+
+os.environ.setdefault("DJANGO_SETTINGS_MODULE", "proj.settings")
+django.setup()
+from django.test.utils import setup_test_environment
+
+setup_test_environment()  # the test client's host, "testserver", allowed
+from django.contrib import admin
+from django.contrib.auth import get_user_model
+from django.contrib.staticfiles import finders
+from django.test import Client, RequestFactory
+from django.urls import reverse
+from django.utils import timezone
+
+import django_celery_guardrails
+from django_celery_guardrails.models import DeadLetter, ScheduledRun
+
+imported_before = "shop.tasks" in sys.modules
+now = timezone.now()
+DeadLetter.objects.create(
+    task_name="shop.tasks.charge", task_id=str(uuid.uuid4()), args=[1], kwargs={"amount_cents": 1999},
+    reason="permanent", exc_type="ValueError", exc_message="card declined", first_failed_at=now, last_failed_at=now,
+)
+ScheduledRun.objects.create(schedule="shop-sync", period=now, status="ok")
+staff = get_user_model().objects.create_superuser("first-hour", "first-hour@example.com", "pw")
+asking = RequestFactory().get("/")
+asking.user = staff
+client = Client()
+client.force_login(staff)
+# The metrics first: the admin's dead-letter pages import the task modules too (a replay's outlook).
+pages = [reverse("guardrails:metrics"), reverse("admin:index"), reverse("admin:app_list", kwargs={"app_label": "guardrails"})]
+without_record = []
+for model, model_admin in admin.site._registry.items():
+    if model._meta.app_label != "guardrails":
+        continue
+    record = model._default_manager.order_by("pk").first()
+    for pattern in model_admin.get_urls():
+        name = pattern.name or ""
+        if not name.startswith("guardrails_"):
+            continue
+        if name.endswith("_add") and not model_admin.has_add_permission(asking):
+            continue
+        if name.endswith("_delete") and not model_admin.has_delete_permission(asking, record):
+            continue
+        if name.endswith(("_change", "_history")) and not model_admin.has_view_or_change_permission(asking, record):
+            continue
+        parameters = list(getattr(pattern.pattern, "converters", {}))
+        if not parameters:
+            pages.append(reverse("admin:" + name))
+        elif record is None:
+            without_record.append(name)
+        else:
+            pages.append(reverse("admin:" + name, args=[record.pk]))
+rendered, statics, metrics = {}, set(), ""
+for url in pages:
+    try:
+        response = client.get(url)
+    except Exception as exc:  # TemplateDoesNotExist and the like: the test client raises the view's error
+        rendered[url] = f"{type(exc).__name__}: {exc}"
+        continue
+    rendered[url] = response.status_code
+    body = response.content.decode()
+    if url.endswith("metrics"):
+        metrics = body
+    statics.update(re.findall(r'(?:src|href)="/static/([^"?#]+)', body))
+missing_statics = sorted(path for path in statics if not finders.find(path))
+print(json.dumps({
+    "imported_before": imported_before,
+    "package": os.path.dirname(django_celery_guardrails.__file__),
+    "rendered": rendered,
+    "without_record": without_record,
+    "statics": sorted(statics),
+    "missing_statics": missing_statics,
+    "dependencies": sorted(set(re.findall(r'dependency="([^"]+)"', metrics))),
+}))
+"""
+
+
+def test_every_admin_page_and_the_metrics_render_from_the_installed_wheel(
+    tmp_path: Path, installed: Installed, database: str
+) -> None:
+    # Given the wheel installed (not editable) with the documented extras, in the Quick start's project, a dead
+    # letter and a ledger record in its database
+    project = make_project(tmp_path, installed, database)
+    project.manage("migrate")
+    # When a staff user opens every page of the guardrails admin (the index, the app's index, each change list,
+    # each record's pages, the health page, the dashboard, the overview) and the metrics view
+    seen = json.loads(project.python(RENDER_EVERY_PAGE))
+    # Then the package served them from the venv, not from the source tree
+    assert seen["package"].startswith(str(installed.venv)), seen["package"]
+    # And every one is a 200: no TemplateDoesNotExist, no 500
+    assert {url: status for url, status in seen["rendered"].items() if status != 200} == {}
+    rendered = list(seen["rendered"])
+    for page in (
+        "/admin/guardrails/",
+        "/admin/guardrails/deadletter/",
+        "/admin/guardrails/deadletter/1/change/",
+        "/admin/guardrails/deadletter/1/replay/",
+        "/admin/guardrails/deadletter/overview/",
+        "/admin/guardrails/dashboard/",
+        "/admin/guardrails/scheduledrun/",
+        "/admin/guardrails/scheduledrun/1/change/",
+        "/admin/guardrails/scheduledrun/health/",
+        "/guardrails/metrics",
+    ):
+        assert page in rendered, rendered
+    # And every static file the pages reference is there
+    assert seen["statics"] and seen["missing_statics"] == []
+    # And the metrics have the gauges of the guarded task's dependency, although nothing in the web process
+    # imported shop.tasks (autodiscover_tasks() found it; the view imported it as a worker does)
+    assert seen["imported_before"] is False
+    assert seen["dependencies"] == ["carrier-api", "payments-api"]
+
+
+@pytest.mark.django_db
+def test_a_task_module_that_fails_to_import_is_named_in_the_refusal_and_warned_once() -> None:
+    import logging
+
+    from celery import Celery
+    from django.utils import timezone
+
+    from django_celery_guardrails.models import DeadLetter
+    from django_celery_guardrails.replay import replay_dead_letters
+
+    # Given a project whose task module raises when imported, and an open dead letter of a task it defines
+    app = Celery(f"broken-{uuid.uuid4().hex[:6]}", broker=REDIS_URL, set_as_current=False)
+    app.conf.imports = ("tests.support.broken_tasks",)
+    now = timezone.now()
+    record = DeadLetter.objects.create(
+        task_name="shop.tasks.charge",
+        task_id=str(uuid.uuid4()),
+        args=[1],
+        kwargs={},
+        reason="permanent",
+        first_failed_at=now,
+        last_failed_at=now,
+    )
+    # When it is replayed, twice (the warnings heard on the module's logger itself: Celery's Django fixup runs
+    # django.setup() before the import, whose logging set-up closes pytest's capturing handler)
+    warned: list[str] = []
+    heard = logging.Handler(logging.WARNING)
+    heard.emit = lambda record: warned.append(record.getMessage())  # type: ignore[method-assign]
+    logger = logging.getLogger("django_celery_guardrails.discovery")
+    logger.addHandler(heard)
+    try:
+        results = [replay_dead_letters([record.pk], app=app) for _ in range(2)]
+    finally:
+        logger.removeHandler(heard)
+    # Then each refusal names the module and its error, and the record stays open
+    why = (
+        "task 'shop.tasks.charge' is not registered in this process (not found by autodiscover_tasks, CELERY_IMPORTS "
+        "or include); importing the task module 'tests.support.broken_tasks' failed: RuntimeError: the settings "
+        "lack PAYMENTS_URL; the record stays open"
+    )
+    assert [(result.replayed, result.skipped) for result in results] == [([], [(record.pk, why)])] * 2
+    assert DeadLetter.objects.get(pk=record.pk).status == "open"
+    # And the process tried the import once, and warned once
+    assert warned == [
+        "Tasks cannot be looked up in this process: importing the task module 'tests.support.broken_tasks' "
+        "failed: RuntimeError: the settings lack PAYMENTS_URL"
+    ]
