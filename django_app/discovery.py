@@ -55,7 +55,7 @@ def import_task_modules(app: Any) -> Discovery:
         if done is None:
             done = _import(app)
             setattr(app, _ATTRIBUTE, done)
-    return done  # type: ignore[no-any-return]
+    return done
 
 
 def _import(app: Any) -> Discovery:
