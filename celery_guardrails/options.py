@@ -1237,17 +1237,6 @@ OPTIONS: Mapping[str, Option] = {
             scopes=frozenset({APP}),
         ),
         Option(
-            name="waiting",
-            default=True,
-            doc="Keep a row per message the guardrails re-publish with a countdown (a retry, a deferral by a retry "
-            "budget or circuit, a wait for a concurrency slot, an ordering turn, a busy key, a store outage) until "
-            "its next delivery starts: the admin's Waiting page and the status command list them. One store write "
-            "per such re-publish and one removal as it runs again; none for a delivery that is not re-published. "
-            "False: nothing is written. See celery_guardrails.waiting.",
-            check=_boolean,
-            scopes=frozenset({APP}),
-        ),
-        Option(
             name="activity_flush_interval",
             default=30.0,
             doc="Seconds between two additions of a worker process's outcome counts to the store (and at its "

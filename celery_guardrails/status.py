@@ -12,7 +12,7 @@ Where each comes from:
   the last :data:`RATE_MINUTES` whole minutes, from the outcome counts the workers keep in the store, and
   arrivals derived as those plus the depth's change between the first and last queue samples of the window
   (a broker counts no arrivals); "?" until two samples are kept.
-* messages waiting for a countdown (with the ``waiting`` option, its default): re-published by a retry, a
+* messages waiting for a countdown (when the app has a guarded task): re-published by a retry, a
   retry-budget or circuit deferral, a wait for a concurrency slot, an ordering turn, a busy key or a store
   outage, and not in any queue until the broker delivers them again: how many per reason, and the
   :data:`WAITING_SHOWN` soonest due (task, id, tenant, reason, attempt, due, since when), from the store's rows
@@ -48,7 +48,6 @@ from typing import Any, TypeVar
 from celery_guardrails import activity
 from celery_guardrails.activity import QueueRate
 from celery_guardrails.ledger import MISSED, OK, OVERDUE
-from celery_guardrails.options import app_value
 from celery_guardrails.queues import QueueDepth, read_queues
 from celery_guardrails.redaction import DEFAULT, exception_text, for_app
 from celery_guardrails.stores import django_apps_installed
@@ -207,7 +206,7 @@ class Status:
     outbox: OutboxBacklog | None = None
     #: Ordering keys that wait (None: not read, no guarded task of the app has an ``ordering_key``).
     ordering: OrderingWaits | None = None
-    #: Messages re-published with a countdown, waiting for it (None: not read, the ``waiting`` option is off).
+    #: Messages re-published with a countdown, waiting for it (None: not read, the app has no guarded task).
     waiting: Waiting | None = None
 
 
@@ -383,9 +382,16 @@ def gather(app: Any, *, queues: Iterable[str] = (), now: float | None = None) ->
         status.outbox = attempt(OUTBOX, read_outbox, errors, app=app)
     if ordered(app):
         status.ordering = attempt(ORDERING, lambda: read_ordering(app, now=status.at), errors, app=app)
-    if app_value(app, "waiting"):
+    if guarded(app):
         status.waiting = attempt(WAITING, lambda: read_waiting(app, now=status.at), errors, app=app)
     return status
+
+
+def guarded(app: Any) -> bool:
+    """Whether the app has a guarded task (only those can wait for a countdown the guardrails set)."""
+    from celery_guardrails.task import GuardedTask
+
+    return any(isinstance(task, GuardedTask) for task in list(app.tasks.values()))
 
 
 def read_waiting(app: Any, *, now: float, tenants: frozenset[str] | None = None, limit: int = WAITING_SHOWN) -> Waiting:

@@ -1,7 +1,7 @@
 """Waiting work made visible: messages the guardrails re-published with a countdown, until they run again.
 
 A retry after an error, a deferral by a retry budget or an open circuit, a wait for a concurrency slot, an
-ordering turn, a busy idempotency key, an overlapping scheduled run, a store outage: each re-publishes the
+ordering turn, a busy idempotency key, an overlapping scheduled run, a pending dead letter: each re-publishes the
 running message with a countdown (:func:`celery_guardrails.outcomes.republish`), and until the broker delivers
 it again it is in no queue a status read can count (Redis keeps it in its ``unacked`` hash, RabbitMQ in a
 delay queue). So each such re-publish also keeps one row per task id in the store (:meth:`Store.wait_note`):
@@ -11,7 +11,9 @@ admin's "Waiting" page and ``celery -A proj guardrails status`` list them, with 
 * **Written** by the re-publish, before the new message is published: a delivery that starts at once finds the
   row there to remove (written after, it could come after that removal and stay). The write never endangers the
   retry: whatever it raises is logged as one warning and the re-publish goes on (a row is a view, the message
-  is the work). Only the countdown path writes; a delivery that is not re-published pays nothing.
+  is the work). Only the countdown path writes; a delivery that is not re-published pays nothing. A message
+  re-published because the store is out of reach writes nothing: the row would go to that same store, and
+  each delivery of the outage would wait for its timeout twice.
 * **One row per task id**: each re-publish of a message replaces its row (a key waiting through many quick
   re-publishes stays one row). ``since`` is read from the message's history (the first of the consecutive
   records of the same wait), so it survives the replacements.
@@ -22,8 +24,6 @@ admin's "Waiting" page and ``celery -A proj guardrails status`` list them, with 
 * **Forgotten** :data:`KEPT_AFTER_DUE` seconds after it was due, without a delivery (its message was lost, a
   worker without this guardrail ran it): a row cannot stay for ever. Past :data:`OVERDUE_AFTER` seconds after
   its due time it is shown "overdue" (a queue backed up behind it, no worker consuming, or lost).
-
-The ``waiting`` option (app) turns it off: nothing is written (rows already kept are still removed).
 """
 
 from __future__ import annotations
@@ -48,9 +48,9 @@ KEPT_AFTER_DUE = 24 * 3600.0
 
 RETRY, LATER, BUDGET, CIRCUIT = "retry", "later", "budget", "circuit"
 CONCURRENCY, ORDERING, BUSY, OVERLAP = "concurrency", "ordering", "busy", "overlap"
-STORE, DEAD_LETTER = "store", "dead_letter"
+DEAD_LETTER = "dead_letter"
 #: Every reason a wait can have, in the order counts are shown.
-REASONS = (RETRY, LATER, BUDGET, CIRCUIT, CONCURRENCY, ORDERING, BUSY, OVERLAP, STORE, DEAD_LETTER)
+REASONS = (RETRY, LATER, BUDGET, CIRCUIT, CONCURRENCY, ORDERING, BUSY, OVERLAP, DEAD_LETTER)
 #: How each reason reads, before its detail.
 LABELS = {
     RETRY: "retry after",
@@ -61,7 +61,6 @@ LABELS = {
     ORDERING: "ordering",
     BUSY: "busy key",
     OVERLAP: "overlap",
-    STORE: "store outage:",
     DEAD_LETTER: "dead letter not yet recorded:",
 }
 
@@ -74,7 +73,7 @@ _LATER_RULES: dict[str, tuple[str, re.Pattern[str] | None]] = {
     "schedule:overlap": (OVERLAP, None),
 }
 #: Record classes of waits that do not run the body (consecutive ones are one wait: ``since`` is the first).
-_WAITS_ONLY = frozenset({"retry_later", "deferred_budget", "deferred_circuit", "store_unavailable"})
+_WAITS_ONLY = frozenset({"retry_later", "deferred_budget", "deferred_circuit"})
 #: Longest detail kept (a key, an error class).
 DETAIL_LIMIT = 255
 
@@ -96,30 +95,31 @@ class Waiting(Guardrail):
 
 def came_back(header: Mapping[str, Any]) -> bool:
     """Whether the message was re-published with a countdown (so a waiting row may be kept for it)."""
-    if headers.PENDING_DEAD_LETTER in header:
-        return True
+    return headers.PENDING_DEAD_LETTER in header or bool(_last(header).get("delay"))
+
+
+def _last(header: Mapping[str, Any]) -> Mapping[str, Any]:
+    """The message's last attempt record ({} when it has none)."""
     history = header.get(headers.HISTORY)
     last = history[-1] if isinstance(history, list) and history else None
-    return isinstance(last, Mapping) and bool(last.get("delay"))
+    return last if isinstance(last, Mapping) else {}
 
 
 def enabled(task: Any) -> bool:
-    """Whether re-publishes of ``task`` keep a waiting row: the option is on and the task runs the guardrail that
-    removes it (a task whose ``guardrails`` leave it out would leave rows until they expire)."""
-    from celery_guardrails.options import app_value
-
+    """Whether re-publishes of ``task`` keep a waiting row: only when the task runs the guardrail that removes it
+    (a task whose ``guardrails`` leave it out would leave its rows until they expire)."""
     removers = overriding(getattr(task, "guardrails", ()), "before_run")
-    return bool(app_value(task.app, "waiting")) and any(isinstance(g, Waiting) for g in removers)
+    return any(isinstance(g, Waiting) for g in removers)
 
 
 def note(task: Any, *, header: Mapping[str, Any], countdown: float) -> None:
     """Keep the waiting row of ``task``'s message, re-published with ``header`` after ``countdown`` seconds.
     Never raises: a failure is one warning (the re-publish goes on)."""
-    if countdown <= 0:
-        return  # delivered again at once: in its queue, where the status counts it
     try:
-        if not enabled(task):
-            return
+        if countdown <= 0:
+            return  # delivered again at once: in its queue, where the status counts it
+        if _last(header).get("class") == "store_unavailable" or not enabled(task):
+            return  # the store is out of reach (see the module docstring), or nothing would remove the row
         from celery_guardrails.stores import get_store
 
         get_store(task.app).wait_note(describe(task, header=header, countdown=countdown, now=time.time()))
@@ -164,8 +164,6 @@ def _reason(task: Any, header: Mapping[str, Any], last: Mapping[str, Any]) -> tu
 
         dependency = resolve(task, "dependency", task.call_options())
         return (BUDGET if kind == "deferred_budget" else CIRCUIT), str(dependency or "")
-    if kind == "store_unavailable":
-        return STORE, _short_name(last.get("exc"))
     if kind == "retry_later":
         reason, pattern = _LATER_RULES.get(rule, (LATER, None))
         found = pattern.search(text) if pattern is not None else None

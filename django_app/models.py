@@ -808,7 +808,9 @@ class WaitingMessage(models.Model):
     reason = models.CharField(
         _("reason"),
         max_length=40,
-        help_text=_("Why it waits: retry, later, budget, circuit, concurrency, ordering, busy, overlap, store, ..."),
+        help_text=_(
+            "Why it waits: retry, later, budget, circuit, concurrency, ordering, busy, overlap or dead_letter."
+        ),
     )
     detail = models.CharField(
         _("detail"),

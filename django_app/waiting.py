@@ -35,9 +35,7 @@ class Row:
 
 def waiting_context(user: Any) -> dict[str, Any]:
     """The page's context: ``waiting`` (a :class:`celery_guardrails.status.Waiting`, None when it could not be
-    read), ``rows``, ``error`` (why it could not be read) and ``enabled`` (the ``waiting`` option)."""
-    from celery_guardrails.options import app_value
-
+    read), ``rows`` and ``error`` (why it could not be read)."""
     app = health.celery_app()
     now = time.time()
     visible = visible_tenants(user)
@@ -61,6 +59,5 @@ def waiting_context(user: Any) -> dict[str, Any]:
         "waiting": found,
         "rows": rows,
         "error": error,
-        "enabled": bool(app_value(app, "waiting")),
         "overdue_minutes": round(waiting.OVERDUE_AFTER / 60),
     }

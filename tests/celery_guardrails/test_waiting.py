@@ -158,4 +158,5 @@ def test_in_words_and_due_read_as_people_say_them() -> None:
     said = [waiting.due_in_words(row, 1_000_000.0 - ahead) for ahead in (250, 45, 0, -299, -420, -3 * 3600)]
     assert said == ["in 4 min", "in 45 s", "now", "now", "overdue 7 min", "overdue 3 h"]
     assert waiting.label(row) == "circuit payments-api"
-    assert waiting.label(Wait(task_id="t", task_name="n", reason="store", due=0, since=0, expires=0)) == "store outage"
+    pending = Wait(task_id="t", task_name="n", reason="dead_letter", due=0, since=0, expires=0)
+    assert waiting.label(pending) == "dead letter not yet recorded"
