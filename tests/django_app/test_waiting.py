@@ -13,19 +13,26 @@ from typing import Any
 
 import pytest
 from django.contrib.auth.models import Permission, User
+from django.db import connection
 from django.test import Client
 from django.urls import reverse
 
 from celery_guardrails import budget_status, tenant_context
+from celery_guardrails.stores import get_store
+from celery_guardrails.stores.base import Wait
 from django_celery_guardrails import health
 from django_celery_guardrails.models import WaitingMessage
 from tests.conftest import Sink
+from tests.django_app import test_admin_browser
+from tests.django_app.test_admin_browser import ARTIFACTS, boxes, log_in, overlap
 from tests.proj import tasks
 from tests.support.waiting import wait_for
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
 WAITING = "admin:guardrails_waitingmessage_changelist"
+#: Headless Chromium (tests/django_app/test_admin_browser.py's fixture).
+browser = test_admin_browser.browser
 TIMEOUT = 60
 
 
@@ -98,7 +105,7 @@ def test_a_circuit_deferral_and_a_retry_are_on_the_waiting_page_scoped_and_gone_
         "2",
     ]
     assert re.fullmatch(r"in \d+ s", listed[deferred.id][5]) and re.fullmatch(r"in \d+ s", listed[retried.id][5])
-    dues = re.findall(r'<td class="gr-due"><time datetime="([^"]+)"', html)
+    dues = re.findall(r'<td class="gr-due gr-when"><time datetime="([^"]+)"', html)
     assert len(dues) == 2 and dues == sorted(dues)  # the soonest due first (ISO times of one zone sort as text)
     assert counts(html) == {"retry": "1", "circuit": "1"}
     assert re.search(r'<time datetime="\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d[+-]\d\d:\d\d" title=', html)  # ISO on hover
@@ -125,3 +132,73 @@ def test_a_circuit_deferral_and_a_retry_are_on_the_waiting_page_scoped_and_gone_
     assert deferred.get(timeout=TIMEOUT)["attempt"] == 1
     assert not WaitingMessage.objects.filter(task_id__in=[deferred.id, retried.id]).exists()
     assert "Nothing waits." in admin_client.get(reverse(WAITING)).content.decode()
+
+
+@pytest.fixture
+def long_waits(monkeypatch: pytest.MonkeyPatch) -> list[Wait]:
+    """Waits with long real values in the Django store (a long task name, UUID ids, 100-character tenants, a
+    255-character key with no place to break a line), one of them overdue, and an admin user; written before the
+    browser starts (Playwright's thread may not write)."""
+    import time
+
+    from celery import Celery
+
+    app = Celery("waiting-page", set_as_current=False)
+    app.conf.guardrails = {"store": "django"}
+    monkeypatch.setattr(health, "celery_app", lambda: app)
+    now = time.time()
+    store = get_store(app)
+    tenant = ("tenant_" + "northwind_traders_international_" * 4)[:100]
+    waits = [
+        Wait(
+            task_id=str(uuid.uuid4()),
+            task_name="billing.integrations.payment_providers.settlements.tasks.reconcile_settlement_batches",
+            tenant=tenant,
+            reason=reason,
+            detail=detail,
+            attempt=attempt,
+            due=now + ahead,
+            since=now - 3600,
+            expires=now + 86400,
+        )
+        for reason, detail, attempt, ahead in [
+            ("retry", "ProviderTemporarilyUnavailableError", 4, 3 * 3600),
+            ("budget", "payments-platform-settlement-provider-api", 2, 1800),
+            ("concurrency", "pdf:" + "x" * 251, 1, 600),
+            ("circuit", "payments-platform-settlement-provider-api", 1, -900),
+        ]
+    ]
+    for wait in waits:
+        store.wait_note(wait)
+    User.objects.create_superuser("admin", "admin@example.com", "pw-for-tests")
+    return waits
+
+
+def test_the_waiting_page_keeps_long_values_inside_a_1366_pixel_screen(
+    long_waits: list[Wait], live_server: Any, browser: Any
+) -> None:
+    width = 1366
+    page = browser.new_page(viewport={"width": width, "height": 768})
+    # When the Waiting page lists waits with long task names, tenants and keys
+    log_in(page, live_server, "/admin/guardrails/waitingmessage/", "**/admin/guardrails/waitingmessage/")
+    page.wait_for_selector("#waiting")
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    page.screenshot(path=str(ARTIFACTS / "1366-waiting.png"), full_page=True)
+    # Then the page is no wider than the screen, and every header and cell is inside it
+    assert page.evaluate("document.documentElement.scrollWidth") <= width
+    cells = boxes(page, "#waiting th, #waiting td")
+    assert [c["text"].strip()[:40] for c in cells if c["x"] < -0.5 or c["x"] + c["width"] > width + 0.5] == []
+    # And no two cells of a row overlap (a long key wraps inside its own column)
+    rows_ = page.locator("#waiting tbody tr")
+    assert rows_.count() == 4
+    for i in range(4):
+        row = boxes(page, f"#waiting tbody tr:nth-child({i + 1}) td")
+        assert [
+            (a["text"][:20], b["text"][:20]) for j, a in enumerate(row) for b in row[j + 1 :] if overlap(a, b)
+        ] == []
+    # And the counts and the due times read as people say them, the overdue one marked
+    assert page.locator("#waiting-total").inner_text() == "4 waiting"
+    dues = [text.strip() for text in page.locator("#waiting td.gr-due").all_inner_texts()]
+    assert dues == ["overdue 15 min", "in 10 min", "in 30 min", "in 3 h"]  # (the page took seconds, not minutes)
+    assert page.locator("#waiting time.gr-overdue").count() == 1
+    connection.close()  # the ORM's connection in Playwright's thread
