@@ -18,7 +18,7 @@ from datetime import UTC, datetime
 from fnmatch import fnmatchcase
 from typing import Any
 
-from celery_guardrails import headers, signals
+from celery_guardrails import headers, signals, waiting
 from celery_guardrails.broker_delays import countdown_for, delay_rule, republishable_headers
 from celery_guardrails.context import current_correlation_id, current_tenant
 from celery_guardrails.delivery import delivery
@@ -165,12 +165,16 @@ def republish(
         **(extra.pop("headers", None) or {}),
         headers.HEADER: header,
     }
+    countdown = countdown_for(task.app, countdown)
+    # Shown as waiting until it runs again (never raises; written first, so a delivery that starts at once finds
+    # the row to remove): see celery_guardrails.waiting.
+    waiting.note(task, header=header, countdown=countdown)
     # max_retries: the guardrails count attempts themselves; Celery's own limit must not interfere.
     retry: BaseException = task.retry(
         args=args,
         kwargs=kwargs,
         exc=exc,
-        countdown=countdown_for(task.app, countdown),
+        countdown=countdown,
         max_retries=request.retries + 1,
         throw=False,
         headers=message_headers,

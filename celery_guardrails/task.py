@@ -50,6 +50,7 @@ from celery_guardrails.outcomes import (
 )
 from celery_guardrails.pipeline import Guardrail, Publication, SkipBody, SkipPublish, overriding
 from celery_guardrails.results import redacting_backend
+from celery_guardrails.waiting import Waiting
 
 logger = logging.getLogger(__name__)
 
@@ -87,8 +88,11 @@ class GuardedTask(Task):  # type: ignore[misc]
     #: payload version the worker does not accept before any guardrail acts on the delivery.
     #: Metrics is first: its before_run sees every delivery before a guardrail can refuse it, and its after-hooks
     #: run last, so the duration it records covers every guardrail (it records nothing unless ``metrics`` is on).
+    #: Waiting comes next: it removes the waiting row of a message that was re-published with a countdown before
+    #: any guardrail could re-publish it again (which writes the row anew; see celery_guardrails.waiting).
     guardrails: ClassVar[tuple[Guardrail, ...]] = (
         Metrics(),
+        Waiting(),
         ContextPropagation(),
         PendingDeadLetters(),
         PoisonMessages(),
