@@ -33,8 +33,9 @@ what is still waiting when the worker or beat stops gets :data:`DRAIN_SECONDS` t
 An unreachable channel (nothing listens on the SMTP port, the webhook's host is down or unknown, a connect
 timeout) is an outage, not a bug: after its three tries it logs ONE warning line, with no traceback (the
 channel, the error's class and message, when it is tried again), and the process leaves that channel alone for
-``alert_channel_pause`` seconds: its alerts in that time are counted and dropped (the dead letters keep their
-records, and the ``log`` channel still writes each alert). The first delivery after the pause tries again;
+``alert_throttle`` seconds (the window that throttles alerts): its alerts in that time are counted and dropped
+(the dead letters keep their records, and the ``log`` channel still writes each alert). The first delivery after
+the pause tries again;
 when it goes out, one line says the channel is back and how many alerts it missed. Any other failure (a
 refused login, an HTTP 500) is logged with its traceback after the third try. This is per process: each
 prefork child says it once.
@@ -205,7 +206,7 @@ def send(
                         payload,
                         timeout,
                         channel=f"webhook {url}",
-                        pause=app_value(app, "alert_channel_pause"),
+                        pause=app_value(app, "alert_throttle"),
                     )
         except Exception:
             logger.exception("Alert channel %s failed for %s", channel, subject)
@@ -261,7 +262,7 @@ class Delivery:
     channel: str
     deliver: Callable[..., Any]
     args: tuple[Any, ...]
-    pause: float  # alert_channel_pause: how long an unreachable channel is left alone
+    pause: float  # alert_throttle: how long an unreachable channel is left alone
     hint: str = ""  # said once with the outage's warning (how to get rid of it in development)
 
 
@@ -408,7 +409,7 @@ def _mail(app: Any, owner: str | None, subject: str, payload: dict[str, Any]) ->
         send_mail,
         *mail,
         channel=f"mail{where}",
-        pause=app_value(app, "alert_channel_pause"),
+        pause=app_value(app, "alert_throttle"),
         hint=hint,
     )
 

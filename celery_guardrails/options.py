@@ -1014,18 +1014,10 @@ OPTIONS: Mapping[str, Option] = {
             scopes=frozenset({APP}),
         ),
         Option(
-            name="alert_channel_pause",
-            default=300.0,
-            doc="Seconds an alert channel that could not be reached (connection refused, unknown host, timeout) "
-            "is left alone by the process that found it so: one warning line per outage, its alerts in that "
-            "time dropped (the dead letters keep their records), then it is tried again.",
-            check=_seconds,
-            scopes=frozenset({APP}),
-        ),
-        Option(
             name="alert_throttle",
             default=300.0,
-            doc="Seconds of a throttle window per (owner, task, reason): one alert, then one summary.",
+            doc="Seconds of a throttle window per (owner, task, reason): one alert, then one summary. Also how "
+            "long a process leaves an unreachable alert channel alone after its one warning line.",
             check=_seconds,
             scopes=frozenset({APP}),
         ),
