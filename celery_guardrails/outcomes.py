@@ -22,6 +22,7 @@ from celery_guardrails import headers, signals, waiting
 from celery_guardrails.broker_delays import countdown_for, delay_rule, republishable_headers
 from celery_guardrails.context import current_correlation_id, current_tenant
 from celery_guardrails.delivery import delivery
+from celery_guardrails.log import shown
 from celery_guardrails.redaction import exception_name, exception_text, for_task
 
 logger = logging.getLogger(__name__)
@@ -324,8 +325,8 @@ def fail_finally(
         failure.attempts,
         failure.exc_type,
         failure.exc_message,
-        failure.tenant,
-        failure.correlation_id,
+        shown(failure.tenant),  # "-" for none, as the log context and the admin show it
+        shown(failure.correlation_id),
     )
     return hand_over(task, failure, exc)
 

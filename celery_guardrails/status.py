@@ -110,6 +110,7 @@ class DependencyStatus:
     exhausted: bool
     circuit: str
     consecutive_failures: int
+    window_seconds: float = 0.0  # the budget's window (retry_budget_window)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -284,6 +285,7 @@ def read_dependencies(app: Any) -> list[DependencyStatus]:
                 exhausted=bool(status["exhausted"]),
                 circuit=str(status["circuit"]),
                 consecutive_failures=int(status["consecutive_failures"]),
+                window_seconds=float(status["window_seconds"]),
             )
         )
     return found
@@ -478,6 +480,8 @@ def _table(headers: list[str], rows: list[list[str]]) -> list[str]:
 
 def render(status: Status) -> str:
     """``status`` as text tables: queues, open dead letters by owner, dependencies, schedule health."""
+    from celery_guardrails.guardrails.budget import budget_use
+
     lines: list[str] = []
     watch = bool(status.depth_change)
     rated = status.rates is not None or RATES in status.errors
@@ -509,10 +513,16 @@ def render(status: Status) -> str:
     if status.dead_letters.truncated:
         lines.append(f"  (counted over the newest {STREAM_SCAN} entries of the dead-letter stream)")
     rows = [
-        [d.dependency, f"{d.retries:g}/{d.retries_allowed:g}" + (" exhausted" if d.exhausted else ""), d.circuit]
+        [
+            d.dependency,
+            # whole retries, with the unit (the store's sliding window weighs counts: 1.825/3 read as a typo)
+            budget_use({"retries": d.retries, "retries_allowed": d.retries_allowed, "window_seconds": d.window_seconds})
+            + (" exhausted" if d.exhausted else ""),
+            d.circuit,
+        ]
         for d in status.dependencies
     ]
-    lines += _section("Dependencies", DEPENDENCIES, status, ["DEPENDENCY", "RETRIES/ALLOWED", "CIRCUIT"], rows)
+    lines += _section("Dependencies", DEPENDENCIES, status, ["DEPENDENCY", "RETRY BUDGET", "CIRCUIT"], rows)
     rows = [
         [
             s.schedule,

@@ -184,6 +184,14 @@ class GuardedTask(Task):  # type: ignore[misc]
     @classmethod
     def on_bound(cls, app: Any) -> None:
         install(app)
+        # A duplicate of a message whose key failed for good is refused by design (its dead letter is the record):
+        # Celery logs an exception in ``throws`` as one INFO line "raised expected", not an ERROR with a
+        # traceback. Added to what the task declares itself.
+        from celery_guardrails.exceptions import DuplicateOfFailureError
+
+        declared = tuple(cls.throws or ())
+        if not any(issubclass(DuplicateOfFailureError, kind) for kind in declared):
+            cls.throws = (*declared, DuplicateOfFailureError)
 
     # The result backend, its stored failures redacted (redact_results; see celery_guardrails.results): Celery's
     # tracer and the worker's request store an exception through ``task.backend``.
