@@ -561,7 +561,7 @@ def _waiting_lines(status: Status) -> list[str]:
         [
             w.task,
             w.task_id,
-            w.tenant or "(none)",
+            w.tenant or "-",
             w.reason_text,
             str(w.attempt),
             w.due_text,

@@ -629,6 +629,10 @@ def ordering_gap(app: Any, worker_log: Path) -> None:
     print("   celery -A example_project guardrails status, its part on ordering (status.gather, read now):")
     for line in text.split("Ordering waits\n", 1)[1].split("\n\n", 1)[0].splitlines():
         print(f"   {line}")
+    # The message held back is in no queue while it waits for its turn: the status's Waiting section lists it
+    print("   and its part on waiting work (also the admin's Waiting page):")
+    for line in text.split("Waiting (", 1)[1].split("\n\n", 1)[0].splitlines()[1:]:
+        print(f"   {line}")
     samples = {s.name: s.value for f in StateCollector(app, close_database=False).collect() for s in f.samples}
     waiting, oldest = (f"celery_guardrails_ordering_{name}" for name in ("keys_waiting", "oldest_wait_seconds"))
     print(f"   metrics: {waiting} {samples[waiting]:g}, {oldest} {samples[oldest]:.1f}")
