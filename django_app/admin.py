@@ -18,7 +18,7 @@ these are reported not replayed, like any other refusal.
 from __future__ import annotations
 
 from collections.abc import Callable
-from datetime import timedelta
+from datetime import UTC, datetime, timedelta
 from typing import Any, cast
 
 from django.contrib import admin, messages
@@ -31,7 +31,6 @@ from django.http import HttpRequest, HttpResponse
 from django.shortcuts import get_object_or_404, redirect
 from django.template.response import TemplateResponse
 from django.urls import path, reverse
-from django.utils import timezone
 from django.utils.html import format_html, format_html_join
 from django.utils.http import urlencode
 
@@ -41,7 +40,18 @@ from celery_guardrails.stores import store_url
 
 from . import health
 from .dashboard import dashboard_context
-from .display import escape, shown_field
+from .display import (
+    EMPTY,
+    REDACTED_MARK,
+    arguments_line,
+    error_line,
+    escape,
+    json_text,
+    moment,
+    moment_html,
+    shown_field,
+    time_column,
+)
 from .forms import EditAndReplayForm
 from .maintenance import close_dead_letters
 from .models import (
@@ -119,15 +129,35 @@ def _changed_keys(before: dict[str, Any], after: dict[str, Any]) -> list[str]:
     return sorted(k for k in before.keys() | after.keys() if before.get(k, object()) != after.get(k, object()))
 
 
+def _tenant(tenant: str | None, limit: int = 16) -> str:
+    """A tenant as every page shows it: shortened (whole on hover), and an absent one as ``-``."""
+    return _short(tenant, limit) if tenant else EMPTY
+
+
+def _parameters(task_name: str) -> list[str]:
+    """The positional parameters of ``task_name`` when this process knows the task (names a list's argument
+    summary: ``order_id=42``); none when it does not (the values are shown by position)."""
+    import inspect
+
+    task = health.celery_app().tasks.get(task_name)
+    if task is None:
+        return []
+    try:
+        parameters = inspect.signature(task.run).parameters.values()
+    except (TypeError, ValueError):  # no signature to read: by position
+        return []
+    return [p.name for p in parameters if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+
+
 #: The dead letter's fields on its page, each through :func:`.display.escape` (a bidi override in a key or a
 #: value shows as ``\u202e``, never reverses the text). The history, traceback and replay's task id are shown
-#: formatted instead; "arguments stored as text" is said without the model's note that such a record cannot be
-#: replayed: the "replay" field says what a replay would do.
+#: formatted instead; "arguments stored as text" is said in words (:meth:`DeadLetterAdmin.stored_arguments`):
+#: a bare ❌ there read as "replay impossible".
 _DEAD_LETTER_FIELDS = [
     (
         shown_field(DeadLetter, f.name, multiline=f.name == "exc_message")
         if f.name != "arguments_are_repr"
-        else "arguments_cut"
+        else "stored_arguments"
     )
     for f in DeadLetter._meta.fields
     if f.name not in ("history", "traceback", "replayed_task_id")
@@ -136,11 +166,20 @@ _DEAD_LETTER_FIELDS = [
 
 @admin.register(DeadLetter)
 class DeadLetterAdmin(CheckedChangeList, TenantScopedAdmin):
-    # Long values are shortened (whole in their title) so that every column fits a 1,366 px screen.
-    # The full task name and id are in the task's title (and searchable by the exact id), the status is under
-    # the reason (and under it, for an open record, whether a replay would go through), the attempts are on the
-    # record's page. Lookups by URL: the filters below only (CheckedChangeList).
-    list_display = ("task", "reason_and_status", "owner_name", "tenant_id", "last_failure")
+    # Rows a person can tell apart: the record's id (and its task id's first characters), the error, the
+    # arguments. Long values are shortened (whole in their title) so that every column fits a 1,366 px screen:
+    # the full task name and id are in the task's title (and searchable by the exact id), the status is under
+    # the reason (and under it, for an open record, whether a replay would go through), the tenant under the
+    # owner, the attempts on the record's page. Lookups by URL: the filters below only (CheckedChangeList).
+    list_display = (
+        "record_id",
+        "task",
+        "error",
+        "arguments",
+        "reason_and_status",
+        "owner_and_tenant",
+        "last_failure",
+    )
     # Built for millions of records (bench/scale.py): filter choices one index probe per value, a count capped
     # at 10,000 (the whole table estimated), no facet counts, search by exact ids through their indexes. An
     # "=field" search would be iexact, UPPER(field) = UPPER(%s): no index serves it, every search a full scan.
@@ -193,15 +232,18 @@ class DeadLetterAdmin(CheckedChangeList, TenantScopedAdmin):
         def cell(value: Any) -> str:
             return escape("" if value is None else value, html=True)
 
+        # Times as every page writes them; the table wraps its cells to the page (Django's form rows hide what
+        # overflows them), in a box that scrolls should a cell still not fit.
         rows = format_html_join(
             "",
             "<tr><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td>"
             '<td class="note">{}</td></tr>',
             (
                 (
-                    *map(
-                        cell, (r.get("n"), r.get("start"), r.get("end"), r.get("host"), r.get("class"), r.get("rule"))
-                    ),
+                    cell(r.get("n")),
+                    cell(moment(r["start"]) if r.get("start") else ""),
+                    cell(moment(r["end"]) if r.get("end") else ""),
+                    *map(cell, (r.get("host"), r.get("class"), r.get("rule"))),
                     cell(r.get("exc") or ""),
                     cell(r.get("delay")),
                     cell(r.get("note") or ""),  # the core's advice on a not_idempotent failure; older records have none
@@ -211,11 +253,33 @@ class DeadLetterAdmin(CheckedChangeList, TenantScopedAdmin):
             ),
         )
         return format_html(
-            '<table class="attempt-history"><thead><tr><th>#</th><th>start</th><th>end</th><th>worker</th>'
-            "<th>class</th><th>rule</th><th>exception</th><th>delay s</th><th>note</th></tr></thead>"
-            "<tbody>{}</tbody></table>",
+            '<div class="gr-scroll" tabindex="0"><table class="attempt-history"><thead><tr><th>#</th><th>start</th>'
+            "<th>end</th><th>worker</th><th>class</th><th>rule</th><th>exception</th><th>delay s</th><th>note</th>"
+            "</tr></thead><tbody>{}</tbody></table></div>",
             rows,
         )
+
+    @admin.display(description="id", ordering="pk")
+    def record_id(self, obj: DeadLetter) -> str:
+        # The record's number (the link to its page, the id an action's message names) and, under it, the
+        # start of its task id: two rows of the same task and error still differ here.
+        return format_html(
+            '#{}<br> <span class="dl-task-id" title="{}">{}</span>',
+            obj.pk,
+            escape(obj.task_id),
+            escape(obj.task_id[:8], html=True),
+        )
+
+    @admin.display(description="error")
+    def error(self, obj: DeadLetter) -> str:
+        # The exception's class and the first words of its (redacted) message; the whole on hover and on the page
+        return _short(error_line(obj.exc_type, obj.exc_message), 90)
+
+    @admin.display(description="arguments")
+    def arguments(self, obj: DeadLetter) -> str:
+        # The stored arguments, redacted as stored (a redacted value stays "[redacted]"), named as the call was
+        names = _parameters(obj.task_name)
+        return _short(arguments_line(obj.args, obj.kwargs, names=names, as_repr=obj.arguments_are_repr), 70)
 
     @admin.display(description="task", ordering="task_name")
     def task(self, obj: DeadLetter) -> str:
@@ -226,9 +290,8 @@ class DeadLetterAdmin(CheckedChangeList, TenantScopedAdmin):
 
     @admin.display(description="last failure", ordering="last_failed_at")
     def last_failure(self, obj: DeadLetter) -> str:
-        # In the user's current time zone; the time under the date: a narrow column leaves the reason whole
-        moment = timezone.localtime(obj.last_failed_at)
-        return format_html("{}<br>{}", f"{moment:%Y-%m-%d}", f"{moment:%H:%M}")
+        # As every page writes a moment (in the user's current time zone), how long ago under it
+        return moment_html(obj.last_failed_at, relative=True)
 
     @admin.display(description="reason, status", ordering="reason")
     def reason_and_status(self, obj: DeadLetter) -> str:
@@ -245,24 +308,37 @@ class DeadLetterAdmin(CheckedChangeList, TenantScopedAdmin):
             outlook.summary,
         )
 
-    @admin.display(description="owner", ordering="owner")
-    def owner_name(self, obj: DeadLetter) -> str:
-        return _short(obj.owner, 16) if obj.owner else "-"  # owners may be 100 characters long
-
-    @admin.display(description="tenant", ordering="tenant")
-    def tenant_id(self, obj: DeadLetter) -> str:
-        return _short(obj.tenant, 12) if obj.tenant else "-"
+    @admin.display(description="owner, tenant", ordering="owner")
+    def owner_and_tenant(self, obj: DeadLetter) -> str:
+        # Owners may be 100 characters long, tenants 128: both shortened, the tenant under the owner
+        owner = _short(obj.owner, 16) if obj.owner else EMPTY
+        return format_html('{}<br><span class="dl-tenant">{}</span>', owner, _tenant(obj.tenant))
 
     @admin.display(description="replay")
     def replay_outlook(self, obj: DeadLetter) -> str:
         """The record page's sentence: would replay (from the sealed copy or as shown), or why not."""
         return format_html('<span class="replay-outlook">{}</span>', escape(str(self._outlook(obj)), html=True))
 
-    @admin.display(description="arguments stored as text", boolean=True)
-    def arguments_cut(self, obj: DeadLetter) -> bool:
-        """The arguments were too large or not JSON, and ``arguments`` holds their repr (the sealed copy, when the
-        record has one, holds them whole: the "replay" field says whether a replay is possible)."""
-        return obj.arguments_are_repr
+    @admin.display(description="stored arguments")
+    def stored_arguments(self, obj: DeadLetter) -> str:
+        """What the arguments above are, and what a replay would send: in words, since a bare ❌ for "stored as
+        text" read as "replay impossible". A sealed copy holds the original arguments (redaction and cuts apply
+        to the shown ones only); the "replay" field says whether a replay would go through."""
+        sealed = SealedMessage.objects.filter(dead_letter_id=obj.pk).exists()
+        redacted = REDACTED_MARK in json_text([obj.args, obj.kwargs])
+        if obj.arguments_are_repr:
+            shown = "As text (they were not JSON, or too large): the values above are their repr."
+        elif redacted:
+            shown = "As JSON, with secrets redacted."
+        else:
+            shown = "As JSON, as the task received them."
+        if sealed:
+            replay = "Sealed copy: yes — a replay sends the original arguments."
+        elif obj.arguments_are_repr or redacted:
+            replay = 'Sealed copy: no — a replay cannot send the original arguments (see "replay").'
+        else:
+            replay = "Sealed copy: no — a replay sends the arguments above."
+        return format_html('<span class="stored-arguments">{}<br> {}</span>', shown, replay)
 
     def _outlook(self, obj: DeadLetter) -> Outlook:
         # The change list reads every row's at once (changelist_view); the record page asks for its own.
@@ -510,7 +586,13 @@ class DeadLetterAdmin(CheckedChangeList, TenantScopedAdmin):
 
 @admin.register(IdempotencyKey)
 class IdempotencyKeyAdmin(AllTenantsOnlyAdmin):
-    list_display = ("key", "state", "lease_until", "finished_at")
+    # Times as every page writes them (.display.moment)
+    list_display = (
+        "key",
+        "state",
+        time_column("lease_until", "lease until"),
+        time_column("finished_at", "finished at", relative=True),
+    )
     list_filter = ("state",)
     search_fields = ("key__exact",)  # through the unique index ("=key" is iexact: a full scan)
     readonly_fields = [f.name for f in IdempotencyKey._meta.fields]
@@ -531,12 +613,25 @@ class IdempotencyKeyAdmin(AllTenantsOnlyAdmin):
 class ConcurrencySlotAdmin(TenantScopedAdmin):
     """The holders of concurrency slots, and the reaped ones (``lost``: their record, kept)."""
 
-    list_display = ("key", "state", "task_name", "task_id", "tenant", "acquired_at", "heartbeat_at", "reaped_at")
+    list_display = (
+        "key",
+        "state",
+        "task_name",
+        "task_id",
+        "tenant_shown",
+        time_column("acquired_at", "acquired at"),
+        time_column("heartbeat_at", "heartbeat at", relative=True),
+        time_column("reaped_at", "reaped at"),
+    )
     list_filter = ("state",)
     search_fields = ("key__exact", "task_id__exact")
     readonly_fields = [f.name for f in ConcurrencySlot._meta.fields]
     show_full_result_count = False
     paginator = CappedCountPaginator
+
+    @admin.display(description="tenant", ordering="tenant")
+    def tenant_shown(self, obj: ConcurrencySlot) -> str:
+        return _tenant(obj.tenant)  # "-" when absent, as on every page
 
     def has_add_permission(self, request: HttpRequest) -> bool:
         return False  # slots are taken by workers
@@ -551,13 +646,25 @@ class OutboxMessageAdmin(TenantScopedAdmin):
     relay's lag, or a message it cannot publish (``last_error`` says why). Its arguments are not shown: a
     message in flight may carry what dead letters would redact."""
 
-    list_display = ("task_name", "task_id", "tenant", "created_at", "available_at", "attempts", "last_error")
+    list_display = (
+        "task_name",
+        "task_id",
+        "tenant_shown",
+        time_column("created_at", "created at", relative=True),
+        time_column("available_at", "available at"),
+        "attempts",
+        "last_error",
+    )
     list_filter = ("task_name",)
     search_fields = ("task_id__exact",)
     exclude = ("body",)
     readonly_fields = [f.name for f in OutboxMessage._meta.fields if f.name != "body"]
     show_full_result_count = False
     paginator = CappedCountPaginator
+
+    @admin.display(description="tenant", ordering="tenant")
+    def tenant_shown(self, obj: OutboxMessage) -> str:
+        return _tenant(obj.tenant)  # "-" when absent, as on every page
 
     def has_add_permission(self, request: HttpRequest) -> bool:
         return False  # rows are written by enqueue_in_transaction
@@ -566,10 +673,43 @@ class OutboxMessageAdmin(TenantScopedAdmin):
         return False  # to look at (and delete: a row deleted by hand is never published)
 
 
+#: DependencyState's fields that hold epoch seconds (the stores' clock): shown as moments.
+EPOCH_FIELDS = ("open_until", "probe_until")
+
+
+def _epoch(seconds: float) -> datetime:
+    return datetime.fromtimestamp(seconds, UTC)
+
+
 @admin.register(DependencyState)
 class DependencyStateAdmin(AllTenantsOnlyAdmin):
-    list_display = ("dependency", "circuit", "failures", "retries_current", "first_current", "updated_at")
-    readonly_fields = [f.name for f in DependencyState._meta.fields]
+    list_display = (
+        "dependency",
+        "circuit_shown",
+        "failures",
+        "retries_current",
+        "first_current",
+        time_column("updated_at", "updated at", relative=True),
+    )
+    # The epoch-second fields (open_until, probe_until) as moments, like every other time on the pages.
+    readonly_fields = fields = [  # type: ignore[assignment]
+        f.name if f.name not in EPOCH_FIELDS else f"{f.name}_shown" for f in DependencyState._meta.fields
+    ]
+
+    @admin.display(description="circuit", ordering="circuit")
+    def circuit_shown(self, obj: DependencyState) -> str:
+        # An open circuit says until when (the store keeps epoch seconds)
+        if obj.circuit != DependencyState.Circuit.OPEN or not obj.open_until:
+            return escape(obj.get_circuit_display())  # type: ignore[attr-defined]
+        return format_html("open until {}", moment_html(_epoch(obj.open_until), relative=True))
+
+    @admin.display(description="open until")
+    def open_until_shown(self, obj: DependencyState) -> str:
+        return moment_html(_epoch(obj.open_until)) if obj.open_until else EMPTY
+
+    @admin.display(description="probes given up at")
+    def probe_until_shown(self, obj: DependencyState) -> str:
+        return moment_html(_epoch(obj.probe_until)) if obj.probe_until else EMPTY
 
     def has_add_permission(self, request: HttpRequest) -> bool:
         return False  # rows are made by the breakers and budgets that need them
@@ -585,7 +725,14 @@ class ScheduledRunAdmin(CheckedChangeList, ScheduleScopedAdmin):
 
     # Fits a 1,366 px screen: the dispatch and end times are on the record's page, the task id is shortened.
     # Lookups by URL: the filters and the date hierarchy below only (CheckedChangeList).
-    list_display = ("schedule_name", "period", "status", "started_at", "run_duration", "run_task_id")
+    list_display = (
+        "schedule_name",
+        time_column("period", "period"),
+        "status",
+        time_column("started_at", "started at"),
+        "run_duration",
+        "run_task_id",
+    )
     list_filter = ("status", ("schedule", DistinctValuesFilter), ("period", admin.DateFieldListFilter))
     search_fields = ("=task_id", "schedule")
     date_hierarchy = "period"
