@@ -33,6 +33,7 @@ from django.template.response import TemplateResponse
 from django.urls import path, reverse
 from django.utils.html import format_html, format_html_join
 from django.utils.http import urlencode
+from django.utils.safestring import mark_safe
 
 from celery_guardrails.exceptions import ConfigurationError
 from celery_guardrails.outcomes import NOT_IDEMPOTENT
@@ -118,10 +119,12 @@ def _allowed(request: HttpRequest) -> bool:
     return request.POST.get(ALLOW_NOT_IDEMPOTENT) == "yes"
 
 
-def _short(text: str, limit: int) -> str:
+def _short(text: str, limit: int, css: str = "") -> str:
     """``text`` cut to ``limit`` characters, whole in its title (hover, copy from the detail page); control and
-    invisible characters escaped in both (:mod:`.display`)."""
+    invisible characters escaped in both (:mod:`.display`); ``css`` is the span's class, when it needs one."""
     shown = text if len(text) <= limit else text[: limit - 1] + "…"
+    if css:
+        return format_html('<span class="{}" title="{}">{}</span>', css, escape(text), escape(shown, html=True))
     return format_html('<span title="{}">{}</span>', escape(text), escape(shown, html=True))
 
 
@@ -166,20 +169,14 @@ _DEAD_LETTER_FIELDS = [
 
 @admin.register(DeadLetter)
 class DeadLetterAdmin(CheckedChangeList, TenantScopedAdmin):
-    # Rows a person can tell apart: the record's id (and its task id's first characters), the error, the
-    # arguments. Long values are shortened (whole in their title) so that every column fits a 1,366 px screen:
-    # the full task name and id are in the task's title (and searchable by the exact id), the status is under
-    # the reason (and under it, for an open record, whether a replay would go through), the tenant under the
-    # owner, the attempts on the record's page. Lookups by URL: the filters below only (CheckedChangeList).
-    list_display = (
-        "record_id",
-        "task",
-        "error",
-        "arguments",
-        "reason_and_status",
-        "owner_and_tenant",
-        "last_failure",
-    )
+    # Rows a person can tell apart: the record's id (and its task id's first characters) over its task, the
+    # error over the arguments. Five columns, as many as fit beside the admin's navigation and the filters on a
+    # 1,366 px screen (with seven, the browser squeezed the task to a letter a line). Long values are shortened,
+    # whole in their title: the full task name and id are in the task's (and searchable by the exact id). The
+    # status is under the reason (and under it, for an open record, whether a replay would go through), the
+    # tenant under the owner, the attempts on the record's page. Lookups by URL: the filters below only
+    # (CheckedChangeList).
+    list_display = ("record", "error_and_arguments", "reason_and_status", "owner_and_tenant", "last_failure")
     # Built for millions of records (bench/scale.py): filter choices one index probe per value, a count capped
     # at 10,000 (the whole table estimated), no facet counts, search by exact ids through their indexes. An
     # "=field" search would be iexact, UPPER(field) = UPPER(%s): no index serves it, every search a full scan.
@@ -259,34 +256,31 @@ class DeadLetterAdmin(CheckedChangeList, TenantScopedAdmin):
             rows,
         )
 
-    @admin.display(description="id", ordering="pk")
-    def record_id(self, obj: DeadLetter) -> str:
-        # The record's number (the link to its page, the id an action's message names) and, under it, the
-        # start of its task id: two rows of the same task and error still differ here.
+    @admin.display(description="dead letter, task", ordering="pk")
+    def record(self, obj: DeadLetter) -> str:
+        # The record's number (the link to its page, the id an action's message names) and the start of its
+        # task id: two rows of the same task and error still differ here. Under them the task, its full name
+        # and id on hover.
+        short = obj.task_name.rpartition(".")[2]
         return format_html(
-            '#{}<br> <span class="dl-task-id" title="{}">{}</span>',
+            '#{} <span class="dl-task-id" title="{}">{}</span><br> <span class="dl-task" title="{} [{}]">{}</span>',
             obj.pk,
             escape(obj.task_id),
             escape(obj.task_id[:8], html=True),
+            escape(obj.task_name),
+            escape(obj.task_id),
+            escape(short if len(short) <= 30 else short[:29] + "…", html=True),
         )
 
-    @admin.display(description="error")
-    def error(self, obj: DeadLetter) -> str:
-        # The exception's class and the first words of its (redacted) message; the whole on hover and on the page
-        return _short(error_line(obj.exc_type, obj.exc_message), 90)
-
-    @admin.display(description="arguments")
-    def arguments(self, obj: DeadLetter) -> str:
-        # The stored arguments, redacted as stored (a redacted value stays "[redacted]"), named as the call was
+    @admin.display(description="error, arguments")
+    def error_and_arguments(self, obj: DeadLetter) -> str:
+        # The exception's class and the first words of its (redacted) message, and under it the stored arguments,
+        # redacted as stored (a redacted value stays "[redacted]"), named as the call named them when this
+        # process knows the task; each whole on hover, and on the record's page.
+        error = _short(error_line(obj.exc_type, obj.exc_message), 80, "dl-error")
         names = _parameters(obj.task_name)
-        return _short(arguments_line(obj.args, obj.kwargs, names=names, as_repr=obj.arguments_are_repr), 70)
-
-    @admin.display(description="task", ordering="task_name")
-    def task(self, obj: DeadLetter) -> str:
-        short = obj.task_name.rpartition(".")[2]
-        return format_html(
-            '<span title="{} [{}]">{}</span>', escape(obj.task_name), escape(obj.task_id), escape(short, html=True)
-        )
+        shown = arguments_line(obj.args, obj.kwargs, names=names, as_repr=obj.arguments_are_repr)
+        return format_html("{}<br> {}", error, _short(shown, 70, "dl-arguments"))
 
     @admin.display(description="last failure", ordering="last_failed_at")
     def last_failure(self, obj: DeadLetter) -> str:
@@ -295,7 +289,10 @@ class DeadLetterAdmin(CheckedChangeList, TenantScopedAdmin):
 
     @admin.display(description="reason, status", ordering="reason")
     def reason_and_status(self, obj: DeadLetter) -> str:
-        status = format_html('{}<br><span class="dl-status">{}</span>', _short(obj.reason, 24), escape(obj.status))
+        # The reason may break after its underscores (unknown_payload_/version): a narrower column
+        shown = escape(obj.reason, html=True).replace("_", "_<wbr>")  # escaped HTML, whose marks hold no "_"
+        reason = format_html('<span title="{}">{}</span>', escape(obj.reason), mark_safe(shown))
+        status = format_html('{}<br><span class="dl-status">{}</span>', reason, escape(obj.status))
         if obj.status != DeadLetter.Status.OPEN:
             return status
         # What a replay would do (yes, after a check, no), the reason on hover: the replay's own answer

@@ -129,7 +129,7 @@ def test_what_the_pages_and_the_command_say_is_what_the_replay_does(
     # the token redacted (a cut record shows the start of its stored text), the secret nowhere
     cells = {
         name: html.unescape(title)
-        for name, title in re.findall(r'<td class="field-(\w+)"><span title="([^"]*)">', row.group(0))
+        for name, title in re.findall(r'<span class="dl-(error|arguments)" title="([^"]*)">', row.group(0))
     }
     assert f"#{record.pk} {record.task_id[:8]}" in unescaped(row.group(0))
     assert cells["error"] == f"PermanentError: provider refused account {sink.key}"
