@@ -259,16 +259,15 @@ class DeadLetterAdmin(CheckedChangeList, TenantScopedAdmin):
     @admin.display(description="dead letter, task", ordering="pk")
     def record(self, obj: DeadLetter) -> str:
         # The record's number (the link to its page, the id an action's message names) and the start of its
-        # task id: two rows of the same task and error still differ here. Under them the task, its full name
-        # and id on hover.
+        # task id (whole on hover): two rows of the same task and error still differ here. Under them the
+        # task, its full name on hover.
         short = obj.task_name.rpartition(".")[2]
         return format_html(
-            '#{} <span class="dl-task-id" title="{}">{}</span><br> <span class="dl-task" title="{} [{}]">{}</span>',
+            '#{} <span class="dl-task-id" title="{}">{}</span><br> <span class="dl-task" title="{}">{}</span>',
             obj.pk,
             escape(obj.task_id),
             escape(obj.task_id[:8], html=True),
             escape(obj.task_name),
-            escape(obj.task_id),
             escape(short if len(short) <= 30 else short[:29] + "…", html=True),
         )
 
