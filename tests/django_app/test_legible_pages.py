@@ -18,7 +18,6 @@ from django.test import Client
 from django.urls import reverse
 from django.utils import timezone
 
-from django_celery_guardrails.display import ago, arguments_line, error_line, moment, span
 from django_celery_guardrails.models import (
     ConcurrencySlot,
     DeadLetter,
@@ -97,6 +96,8 @@ def test_every_page_writes_a_moment_one_way_and_an_absent_tenant_as_a_dash(
 
 
 def test_moments_spans_errors_and_arguments_as_people_read_them() -> None:
+    from django_celery_guardrails.display import ago, arguments_line, error_line, moment, span
+
     # Given a moment, lengths of time, an error and a call's stored arguments
     now = timezone.now()
     # Then a moment is ISO-like with its zone, and how long ago it was reads in words
@@ -121,7 +122,7 @@ def test_moments_spans_errors_and_arguments_as_people_read_them() -> None:
         "HTTPError: 503 Server Error: Service Unavailable"
     )
     assert arguments_line([42, 1200], {"api_token": "[redacted]"}, names=["order_id", "amount_cents"]) == (
-        'order_id=42, amount_cents=1200, api_token=[redacted]'
+        "order_id=42, amount_cents=1200, api_token=[redacted]"
     )
     assert arguments_line([42, "x"], {}) == '42, "x"' and arguments_line([], {}) == "(none)"
     assert arguments_line(["[1, <object>]"], {"repr": "{}"}, as_repr=True) == "as text: [1, <object>]"
