@@ -51,6 +51,7 @@ from .display import (
     moment,
     moment_html,
     shown_field,
+    span,
     time_column,
 )
 from .forms import EditAndReplayForm
@@ -142,12 +143,10 @@ def _parameters(task_name: str) -> list[str]:
     summary: ``order_id=42``); none when it does not (the values are shown by position)."""
     import inspect
 
-    task = health.celery_app().tasks.get(task_name)
-    if task is None:
-        return []
     try:
-        parameters = inspect.signature(task.run).parameters.values()
-    except (TypeError, ValueError):  # no signature to read: by position
+        task = health.celery_app().tasks.get(task_name)
+        parameters = inspect.signature(task.run).parameters.values() if task is not None else ()
+    except Exception:  # an app that will not finalize, no signature to read: by position (a list must show)
         return []
     return [p.name for p in parameters if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
 
@@ -242,7 +241,7 @@ class DeadLetterAdmin(CheckedChangeList, TenantScopedAdmin):
                     cell(moment(r["end"]) if r.get("end") else ""),
                     *map(cell, (r.get("host"), r.get("class"), r.get("rule"))),
                     cell(r.get("exc") or ""),
-                    cell(r.get("delay")),
+                    cell(span(r["delay"]) if isinstance(r.get("delay"), int | float) else r.get("delay")),
                     cell(r.get("note") or ""),  # the core's advice on a not_idempotent failure; older records have none
                 )
                 for r in (obj.history if isinstance(obj.history, list) else [])
@@ -251,7 +250,7 @@ class DeadLetterAdmin(CheckedChangeList, TenantScopedAdmin):
         )
         return format_html(
             '<div class="gr-scroll" tabindex="0"><table class="attempt-history"><thead><tr><th>#</th><th>start</th>'
-            "<th>end</th><th>worker</th><th>class</th><th>rule</th><th>exception</th><th>delay s</th><th>note</th>"
+            "<th>end</th><th>worker</th><th>class</th><th>rule</th><th>exception</th><th>delay</th><th>note</th>"
             "</tr></thead><tbody>{}</tbody></table></div>",
             rows,
         )

@@ -23,7 +23,7 @@ from __future__ import annotations
 import json
 import unicodedata
 from collections.abc import Callable
-from datetime import UTC, datetime
+from datetime import datetime
 from itertools import groupby
 from typing import Any, cast
 
@@ -135,7 +135,8 @@ def as_moment(value: object) -> datetime | None:
             return None
     if not isinstance(value, datetime):
         return None
-    return value if timezone.is_aware(value) else timezone.make_aware(value, UTC)
+    # A naive one is a database's time with USE_TZ off: in the current time zone, as Django reads it
+    return value if timezone.is_aware(value) else timezone.make_aware(value)
 
 
 def moment(value: object) -> str:

@@ -548,6 +548,7 @@ def test_long_real_values_keep_the_layout_at_1366_pixels(
     # and all ten attempts and the whole traceback are there, none of it cut off or past the screen (the
     # history's box would scroll, visibly, rather than hide a column)
     assert page.locator("table.attempt-history tbody tr").count() == 10
+    page.locator("div.field-attempt_history").screenshot(path=str(ARTIFACTS / "1366-long-values-history.png"))
     assert unreadable(page) == []
     (history,) = boxes(page, "table.attempt-history")
     (row,) = boxes(page, "div.form-row.field-attempt_history")
