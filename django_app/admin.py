@@ -65,11 +65,13 @@ from .models import (
     OutboxMessage,
     ScheduledRun,
     SealedMessage,
+    WaitingMessage,
 )
 from .overview import dead_letter_overview
 from .paging import CappedCountPaginator, CheckedChangeList, DistinctValuesFilter
 from .replay import Outlook, Refused, ReplayResult, outlooks, plan, replay_dead_letters, replay_with_changes
 from .scoping import AllTenantsOnlyAdmin, ScheduleScopedAdmin, TenantScopedAdmin, linked, schedules_seen
+from .waiting import waiting_context
 
 #: LogEntries written per INSERT by the actions; the fields of a record its LogEntry names (``str(record)``).
 LOG_BATCH = 500
@@ -824,3 +826,34 @@ class DashboardAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
             **(extra_context or {}),
         }
         return TemplateResponse(request, "admin/guardrails/dashboard/dashboard.html", context)
+
+
+@admin.register(WaitingMessage)
+class WaitingAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
+    """The Waiting page (:mod:`.waiting`) in place of a change list: messages re-published with a countdown,
+    read from the configured store; shown to those who may view dead letters, scoped by tenant, changing
+    nothing."""
+
+    def has_view_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return bool(request.user.has_perm("guardrails.view_deadletter"))
+
+    def has_add_permission(self, request: HttpRequest) -> bool:
+        return False
+
+    def has_change_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return False
+
+    def has_delete_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return False
+
+    def changelist_view(self, request: HttpRequest, extra_context: dict[str, Any] | None = None) -> HttpResponse:
+        if not self.has_view_permission(request):
+            raise PermissionDenied
+        context = {
+            **self.admin_site.each_context(request),
+            "title": "Waiting",
+            "opts": self.model._meta,
+            **waiting_context(request.user),
+            **(extra_context or {}),
+        }
+        return TemplateResponse(request, "admin/guardrails/waiting/waiting.html", context)
