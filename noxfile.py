@@ -1,9 +1,9 @@
 """The compatibility matrix: every combination of Python, Celery, kombu, Django, django-celery-beat and redis-py
-that the README's table lists, each in a virtual environment of its own, running the suite's smoke subset
-(``pytest -m smoke``: a real worker on Redis and RabbitMQ, context, retries, idempotency, dead letters, a
+that the table of docs/compatibility.md lists, each in a virtual environment of its own, running the suite's
+smoke subset (``pytest -m smoke``: a real worker on Redis and RabbitMQ, context, retries, idempotency, dead letters, a
 scheduled run, the migrations, the test kit) on the real services.
 
-``make matrix`` runs every combination, then writes the README's table from the results
+``make matrix`` runs every combination, then writes the table of docs/compatibility.md from the results
 (``compat/results.json``). ``make test`` runs the oldest and the newest. ``nox -s "smoke(newest)"`` runs one.
 
 The combinations cover each version of each line at least once (pairwise, not every product: 108 products
@@ -26,7 +26,7 @@ import nox
 
 ROOT = Path(__file__).resolve().parent
 RESULTS = ROOT / "compat" / "results.json"
-README = ROOT / "README.md"
+TABLE_PAGE = ROOT / "docs" / "compatibility.md"
 
 nox.options.sessions = ["smoke", "table"]
 nox.options.error_on_missing_interpreters = True
@@ -140,7 +140,7 @@ def smoke(session: nox.Session, combination: str) -> None:
 
 @nox.session(python=False)
 def table(session: nox.Session) -> None:
-    """Write the README's compatibility table from the last results (between its markers)."""
+    """Write the compatibility table of docs/compatibility.md from the last results (between its markers)."""
     results = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
     rows = [
         "| combination | Python | Celery | kombu | Django | django-celery-beat | redis-py | result (date) |",
@@ -153,11 +153,11 @@ def table(session: nox.Session) -> None:
             f"| {combination.name} | {combination.python} | {combination.celery} | {combination.kombu} | "
             f"{combination.django} | {combination.beat} | {combination.redis} | {result} |"
         )
-    text = README.read_text()
+    text = TABLE_PAGE.read_text()
     start, end = "<!-- compat:start -->", "<!-- compat:end -->"
     if start not in text or end not in text:
-        session.error("README.md has no compatibility table markers")
+        session.error("docs/compatibility.md has no compatibility table markers")
     before, rest = text.split(start, 1)
     after = rest.split(end, 1)[1]
-    README.write_text(before + start + "\n" + "\n".join(rows) + "\n" + end + after)
-    session.log(f"README.md: {len(COMBINATIONS)} combinations")
+    TABLE_PAGE.write_text(before + start + "\n" + "\n".join(rows) + "\n" + end + after)
+    session.log(f"docs/compatibility.md: {len(COMBINATIONS)} combinations")

@@ -29,6 +29,16 @@ Off the ack path: the ``log`` channel writes at once; mail and webhooks are hand
 process (:class:`Sender`), so a slow SMTP server or webhook never holds a message's ack. Each delivery is
 tried three times (1 s, then 2 s apart); at most :data:`MAX_PENDING` wait (more are logged and dropped);
 what is still waiting when the worker or beat stops gets :data:`DRAIN_SECONDS` to go out.
+
+An unreachable channel (nothing listens on the SMTP port, the webhook's host is down or unknown, a connect
+timeout) is an outage, not a bug: after its three tries it logs ONE warning line, with no traceback (the
+channel, the error's class and message, when it is tried again), and the process leaves that channel alone for
+``alert_throttle`` seconds (the window that throttles alerts): its alerts in that time are counted and dropped
+(the dead letters keep their records, and the ``log`` channel still writes each alert). The first delivery after
+the pause tries again;
+when it goes out, one line says the channel is back and how many alerts it missed. Any other failure (a
+refused login, an HTTP 500) is logged with its traceback after the third try. This is per process: each
+prefork child says it once.
 """
 
 from __future__ import annotations
@@ -42,6 +52,7 @@ import threading
 import time
 import urllib.request
 from collections.abc import Callable
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
@@ -188,9 +199,34 @@ def send(
             elif channel == "webhook":
                 for url in app_value(app, "alert_webhooks"):
                     timeout = app_value(app, "alert_timeout")
-                    SENDER.submit(f"webhook {url} of {subject!r}", _post, url, payload, timeout)
+                    SENDER.submit(
+                        f"webhook {url} of {subject!r}",
+                        _post,
+                        url,
+                        payload,
+                        timeout,
+                        channel=f"webhook {url}",
+                        pause=app_value(app, "alert_throttle"),
+                    )
         except Exception:
             logger.exception("Alert channel %s failed for %s", channel, subject)
+
+
+def _unreachable(exc: BaseException) -> bool:
+    """Whether ``exc`` says the channel's server could not be reached (an outage: one warning line), rather than
+    that it answered with a refusal (a bug or a setting to fix: a traceback)."""
+    import smtplib
+    import urllib.error
+
+    if isinstance(exc, urllib.error.HTTPError):  # the server answered (a 4xx/5xx)
+        return False
+    if isinstance(exc, urllib.error.URLError):  # refused, DNS, timeout: urllib wraps the OSError
+        return True
+    if isinstance(exc, smtplib.SMTPConnectError | smtplib.SMTPServerDisconnected):
+        return True
+    if isinstance(exc, smtplib.SMTPException):  # a refused login or recipient: the server is there
+        return False
+    return isinstance(exc, OSError)  # ConnectionRefusedError, TimeoutError, socket.gaierror, no route
 
 
 def _redactor(app: Any, failure: FinalFailure | None) -> Redactor:
@@ -210,43 +246,113 @@ DRAIN_SECONDS = 10.0
 RETRY_PAUSES = (1.0, 2.0)
 
 
+@dataclass(slots=True, kw_only=True)
+class Outage:
+    """A channel this process found unreachable: left alone until ``until`` (epoch seconds)."""
+
+    until: float
+    skipped: int = 0
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Delivery:
+    """One alert to send through one channel (``mail``, ``webhook <url>``)."""
+
+    what: str
+    channel: str
+    deliver: Callable[..., Any]
+    args: tuple[Any, ...]
+    pause: float  # alert_throttle: how long an unreachable channel is left alone
+    hint: str = ""  # said once with the outage's warning (how to get rid of it in development)
+
+
 class Sender:
     """One daemon thread per process that delivers alerts (mail, webhooks) off the task's path."""
 
     def __init__(self) -> None:
-        self.pending: queue.Queue[tuple[str, Callable[..., Any], tuple[Any, ...]]] = queue.Queue(MAX_PENDING)
+        self.pending: queue.Queue[Delivery] = queue.Queue(MAX_PENDING)
         self.pid = 0
         self.lock = threading.Lock()
         self.thread: threading.Thread | None = None
+        self.outages: dict[str, Outage] = {}  # channels found unreachable (only the sender thread touches it)
 
-    def submit(self, what: str, deliver: Callable[..., Any], *args: Any) -> None:
+    def submit(
+        self,
+        what: str,
+        deliver: Callable[..., Any],
+        *args: Any,
+        channel: str = "alert",
+        pause: float = 300.0,
+        hint: str = "",
+    ) -> None:
         with self.lock:
             if self.pid != os.getpid():  # first use, or a forked pool child: the parent's thread is not here
                 self.pid = os.getpid()
                 self.pending = queue.Queue(MAX_PENDING)
+                self.outages = {}
                 self.thread = threading.Thread(target=self._run, name="guardrails-alerts", daemon=True)
                 self.thread.start()
         try:
-            self.pending.put_nowait((what, deliver, args))
+            self.pending.put_nowait(
+                Delivery(what=what, channel=channel, deliver=deliver, args=args, pause=pause, hint=hint)
+            )
         except queue.Full:
             logger.error("Alert %s dropped: %d alerts are already waiting to be sent", what, MAX_PENDING)
 
     def _run(self) -> None:
         while True:
-            what, deliver, args = self.pending.get()
+            item = self.pending.get()
             try:
-                for pause in (*RETRY_PAUSES, None):
-                    try:
-                        deliver(*args)
-                        break
-                    except Exception:
-                        if pause is None:
-                            logger.exception("Alert %s could not be sent (3 tries)", what)
-                        else:
-                            logger.warning("Alert %s not sent; trying again in %gs", what, pause, exc_info=True)
-                            time.sleep(pause)
+                outage = self.outages.get(item.channel)
+                if outage is not None and time.time() < outage.until:
+                    outage.skipped += 1  # said when the channel is back: no line per alert during an outage
+                    continue
+                self._deliver(item)
+            except Exception:  # the thread must live on whatever one delivery does
+                logger.exception("Alert %s: the sender failed", item.what)
             finally:
                 self.pending.task_done()
+
+    def _deliver(self, item: Delivery) -> None:
+        for pause in (*RETRY_PAUSES, None):
+            try:
+                item.deliver(*item.args)
+            except Exception as exc:
+                if pause is not None:
+                    # One line per delivery at most, at the end: three tracebacks per alert was the noise.
+                    logger.debug(
+                        "Alert %s not sent (%s: %s); trying again in %gs", item.what, type(exc).__name__, exc, pause
+                    )
+                    time.sleep(pause)
+                elif _unreachable(exc):
+                    self._down(item, exc)
+                else:
+                    logger.exception("Alert %s could not be sent (3 tries)", item.what)
+            else:
+                outage = self.outages.pop(item.channel, None)
+                if outage is not None:
+                    logger.warning(
+                        "Alert channel %s is reachable again; %d alert(s) were not sent while it was not",
+                        item.channel,
+                        outage.skipped,
+                    )
+                return
+
+    def _down(self, item: Delivery, exc: BaseException) -> None:
+        from celery_guardrails.log import when
+
+        retry_at = time.time() + item.pause
+        self.outages[item.channel] = Outage(until=retry_at)
+        logger.warning(
+            "Alert channel %s unreachable (%s: %s): alert %s not sent; its alerts until %s are dropped (the dead "
+            "letters keep their records), then it is tried again%s",
+            item.channel,
+            type(exc).__name__,
+            exc,
+            item.what,
+            when(retry_at),
+            f". {item.hint}" if item.hint else "",
+        )
 
     def drain(self, timeout: float = DRAIN_SECONDS) -> bool:
         """Wait for what is queued to go out (at most ``timeout`` seconds); whether it all did."""
@@ -289,7 +395,23 @@ def _mail(app: Any, owner: str | None, subject: str, payload: dict[str, Any]) ->
         getattr(settings, "SERVER_EMAIL", None),
         recipients,
     )
-    SENDER.submit(f"mail of {subject!r}", send_mail, *mail)
+    backend = str(getattr(settings, "EMAIL_BACKEND", ""))
+    smtp = backend == "django.core.mail.backends.smtp.EmailBackend"
+    where = f" (SMTP {getattr(settings, 'EMAIL_HOST', '')}:{getattr(settings, 'EMAIL_PORT', '')})" if smtp else ""
+    hint = (
+        "In development, set EMAIL_BACKEND = 'django.core.mail.backends.console.EmailBackend' (alerts printed) "
+        "or remove 'mail' from alert_channels"
+        if smtp and getattr(settings, "DEBUG", False)
+        else ""
+    )
+    SENDER.submit(
+        f"mail of {subject!r}",
+        send_mail,
+        *mail,
+        channel=f"mail{where}",
+        pause=app_value(app, "alert_throttle"),
+        hint=hint,
+    )
 
 
 def _django_configured() -> bool:

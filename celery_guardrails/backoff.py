@@ -1,8 +1,14 @@
 """Backoff: how long to wait before the next attempt.
 
-* ``full_jitter`` (default): ``random() * min(backoff_max, backoff_base * 2 ** (n - 1))`` after the n-th
-  failed attempt: exponential growth, spread uniformly so that many workers failing at the same instant do
-  not come back at the same instant.
+* ``equal_jitter`` (default): after the n-th failed attempt, half of ``ceiling = min(backoff_max,
+  backoff_base * 2 ** n)`` fixed and half random: ``ceiling / 2 + random() * ceiling / 2``. With the default
+  ``backoff_base`` of 1 s the retries wait 1-2 s, 2-4 s, 4-8 s, 8-16 s, 16-32 s, ... then 300-600 s
+  (``backoff_max`` 600 s). The fixed half is the floor: a first retry never comes sooner than ``backoff_base``
+  (full jitter drew 0.013 s after a provider's 503: a hammer), and the random half still spreads the workers
+  that failed at the same instant over a window as long as the floor.
+* ``full_jitter``: ``random() * min(backoff_max, backoff_base * 2 ** (n - 1))``: exponential growth, spread
+  uniformly from zero (the AWS "full jitter"; Celery's ``retry_backoff``): the widest spread, but any retry
+  may come back at once.
 * ``decorrelated_jitter``: ``min(backoff_max, backoff_base + random() * (3 * previous - backoff_base))``,
   ``previous`` being the last delay (``backoff_base`` at first).
 * A ``Retry-After`` the error carries wins, capped by ``backoff_max``: the provider said when.
@@ -36,7 +42,10 @@ class Backoff:
             last = self.base if previous is None else previous
             return float(min(self.maximum, self.base + self.random() * max(0.0, 3 * last - self.base)))
         # The exponent is capped: 2.0 ** 1100 overflows, and the maximum is reached long before anyway.
-        return float(self.random() * min(self.maximum, self.base * 2.0 ** min(failures - 1, 64)))
+        if self.strategy == "full_jitter":
+            return float(self.random() * min(self.maximum, self.base * 2.0 ** min(failures - 1, 64)))
+        ceiling = min(self.maximum, self.base * 2.0 ** min(failures, 64))
+        return float(ceiling / 2 + self.random() * ceiling / 2)
 
 
 def backoff_for(task: Any, call: Mapping[str, Any]) -> Backoff:

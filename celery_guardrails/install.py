@@ -65,11 +65,36 @@ class GuardrailsBootstep(bootsteps.Step):  # type: ignore[misc]
         # Before the consumer connects: its connection is made with the transport chosen here.
         from celery_guardrails.broker_pop import configure
 
-        if configure(app):
-            logger.info("celery-guardrails: Redis broker, atomic pop (broker_atomic_pop)")
-        logger.info("celery-guardrails: %d guarded task(s), app settings %s", len(guarded), sorted(settings))
+        atomic = configure(app)
+        # One summary line says what the extension changed in the worker (a replaced transport, a patched
+        # consumer): an operator reading the start-up should not have to find it in a separate INFO line.
+        logger.info(
+            "celery-guardrails: %d guarded task(s); broker: %s; app settings %s",
+            len(guarded),
+            "; ".join(broker_changes(app, atomic=atomic)),
+            sorted(settings),
+        )
         warn_about(app, guarded)
         super().__init__(parent, **kwargs)
+
+
+def broker_changes(app: Any, *, atomic: bool) -> list[str]:
+    """What the extension changes in this worker's broker handling, as the start-up summary says it."""
+    from celery_guardrails.broker_pop import TRANSPORT
+    from celery_guardrails.broker_restart import affected
+
+    said = []
+    if atomic:
+        said.append(
+            f"kombu's Redis transport replaced by {TRANSPORT} (atomic pop: a worker killed as a message is handed "
+            "to it loses nothing; broker_atomic_pop=False keeps kombu's)"
+        )
+    else:
+        said.append(f"transport {app.conf.broker_transport or str(app.conf.broker_url or '').split('://')[0]} as set")
+    redis = str(app.conf.broker_url or "").startswith(("redis://", "rediss://"))
+    if redis and options.app_value(app, "broker_restart_guard") and affected():
+        said.append("consumer patched to outlive a Redis restart (broker_restart_guard)")
+    return said
 
 
 def warn_about(app: Any, guarded: list[Any]) -> None:

@@ -42,7 +42,9 @@ import logging
 import os
 import pkgutil
 import threading
+import time
 from collections.abc import Iterator, Mapping
+from datetime import datetime
 from typing import Any
 
 from celery._state import get_current_task
@@ -55,6 +57,36 @@ MISSING = "-"
 CELERY_TRACE_LOGGERS = ("celery.app.trace",)
 #: The extension's packages: each of their modules' loggers redacts what it writes.
 PACKAGES = ("celery_guardrails", "django_celery_guardrails")
+
+
+def duration(seconds: float) -> str:
+    """Seconds as a log line shows them, rounded with a unit: ``0.4 s``, ``12 s``, ``4 min``, ``2.5 h``, ``3 d``."""
+    seconds = max(0.0, float(seconds))
+    if seconds < 10:
+        return f"{seconds:.1f} s"
+    if seconds < 120:
+        return f"{seconds:.0f} s"
+    if seconds < 7200:
+        return f"{seconds / 60:.0f} min"
+    if seconds < 172_800:
+        return f"{seconds / 3600:.1f} h"
+    return f"{seconds / 86400:.1f} d"
+
+
+def when(instant: float, *, now: float | None = None) -> str:
+    """An epoch instant as a log line shows it: ISO-8601 local time to the second, and how far from now:
+    ``2026-12-02T11:05:03+01:00 (in 4 min)``, ``... (12 s ago)``. Never a raw epoch."""
+    now = time.time() if now is None else now
+    local = datetime.fromtimestamp(instant).astimezone().isoformat(timespec="seconds")
+    delta = instant - now
+    if abs(delta) < 0.5:
+        return f"{local} (now)"
+    return f"{local} (in {duration(delta)})" if delta > 0 else f"{local} ({duration(-delta)} ago)"
+
+
+def shown(value: Any) -> str:
+    """A context value (tenant, correlation id, owner) as logs and the admin show it: ``-`` for none."""
+    return MISSING if value is None or value == "" else str(value)
 
 
 class ContextFilter(logging.Filter):

@@ -118,6 +118,23 @@ OUTCOMES = (
     FAILED,
 )
 
+#: Every family this module records, with its type and help: exposed (HELP and TYPE, no sample) from the first
+#: scrape, before any task ran, so dashboards and alert rules find them (and a typo in a query shows as one).
+FAMILIES: dict[str, tuple[str, str]] = {
+    TASK_DURATION: (
+        "histogram",
+        "Time a guarded delivery took on the worker, guardrails included, whatever its outcome.",
+    ),
+    TASK_OUTCOMES: ("counter", "How guarded deliveries ended (outcome), with the classification or reason (detail)."),
+    QUEUE_WAIT: ("histogram", "Time from publish (or from the ETA, when later) to the start of a delivery."),
+    QUEUE_WAIT_UNKNOWN: (
+        "counter",
+        "Deliveries whose publish time is unknown (no pub header field): their wait is not observed.",
+    ),
+    MESSAGES_PUBLISHED: ("counter", "Task messages published by this process."),
+    MESSAGES_COMPLETED: ("counter", "Guarded deliveries that ended: success, final failure, or a retry published."),
+}
+
 #: The environment variable that switches prometheus_client to multiprocess mode (read as it is imported).
 MULTIPROC_DIR = "PROMETHEUS_MULTIPROC_DIR"
 
@@ -174,36 +191,34 @@ def instruments(app: Any) -> Instruments:
             _instruments = Instruments(
                 duration=Histogram(
                     TASK_DURATION,
-                    "Time a guarded delivery took on the worker, guardrails included, whatever its outcome.",
+                    FAMILIES[TASK_DURATION][1],
                     task_queue,
                     buckets=buckets,
                     registry=REGISTRY,
                 ),
                 outcomes=Counter(
                     TASK_OUTCOMES,
-                    "How guarded deliveries ended (outcome), with the classification or reason (detail).",
+                    FAMILIES[TASK_OUTCOMES][1],
                     ("task", "outcome", "detail"),
                     registry=REGISTRY,
                 ),
                 queue_wait=Histogram(
                     QUEUE_WAIT,
-                    "Time from publish (or from the ETA, when later) to the start of a delivery.",
+                    FAMILIES[QUEUE_WAIT][1],
                     task_queue,
                     buckets=buckets,
                     registry=REGISTRY,
                 ),
                 queue_wait_unknown=Counter(
                     QUEUE_WAIT_UNKNOWN,
-                    "Deliveries whose publish time is unknown (no pub header field): their wait is not observed.",
+                    FAMILIES[QUEUE_WAIT_UNKNOWN][1],
                     task_queue,
                     registry=REGISTRY,
                 ),
-                published=Counter(
-                    MESSAGES_PUBLISHED, "Task messages published by this process.", task_queue, registry=REGISTRY
-                ),
+                published=Counter(MESSAGES_PUBLISHED, FAMILIES[MESSAGES_PUBLISHED][1], task_queue, registry=REGISTRY),
                 completed=Counter(
                     MESSAGES_COMPLETED,
-                    "Guarded deliveries that ended: success, final failure, or a retry published.",
+                    FAMILIES[MESSAGES_COMPLETED][1],
                     task_queue,
                     registry=REGISTRY,
                 ),
@@ -470,6 +485,28 @@ worker_process_shutdown.connect(_on_child_exit, weak=False, dispatch_uid="celery
 # Exposition
 
 
+class _Declared:
+    """Another collector's families, then each of :data:`FAMILIES` it did not yield, empty (HELP and TYPE lines,
+    no sample): before the first task, and in multiprocess mode before a child recorded, the endpoint still
+    names every family."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+
+    def collect(self) -> Iterable[Any]:
+        from prometheus_client.core import Metric
+
+        seen = set()
+        for family in self.inner.collect():
+            seen.add(family.name)
+            yield family
+        for name, (kind, doc) in FAMILIES.items():
+            # prometheus_client names a counter's family without its "_total" (it adds it to the samples)
+            family_name = name.removesuffix("_total") if kind == "counter" else name
+            if family_name not in seen:
+                yield Metric(family_name, doc, kind)
+
+
 class _ThisProcess:
     """This process's metrics as a collector of another registry."""
 
@@ -520,9 +557,9 @@ def metrics_registry() -> Any:
         raise ConfigurationError("metrics", "needs prometheus-client: pip install 'celery-guardrails[prometheus]'")
     registry = CollectorRegistry(auto_describe=False)
     if os.environ.get(MULTIPROC_DIR):
-        registry.register(_SizedFiles(os.environ[MULTIPROC_DIR]))
+        registry.register(_Declared(_SizedFiles(os.environ[MULTIPROC_DIR])))
     else:
-        registry.register(_ThisProcess())
+        registry.register(_Declared(_ThisProcess()))
     for factory in _collectors:
         registry.register(factory())
     return registry
@@ -560,8 +597,14 @@ class MetricsEndpoint(bootsteps.StartStopStep):  # type: ignore[misc]
         pool = str(getattr(parent, "pool_cls", "") or "").lower()
         if "prefork" in pool and not os.environ.get(MULTIPROC_DIR):
             logger.warning(
-                "celery-guardrails: prefork pool without %s: the endpoint cannot see what the children record; set it "
-                "to an empty directory before the worker starts",
+                "celery-guardrails: prefork pool without %s: the endpoint on port %s cannot see what the pool "
+                "children record (it serves the main process's metrics only). Start the worker with, for example: "
+                "rm -rf /tmp/celery-metrics && mkdir /tmp/celery-metrics && "
+                "%s=/tmp/celery-metrics celery -A proj worker ...  (an empty directory at each start of the whole "
+                "worker: files left from an earlier run would be summed in; one directory per worker), or run "
+                "--pool threads",
+                MULTIPROC_DIR,
+                port,
                 MULTIPROC_DIR,
             )
         try:

@@ -772,17 +772,19 @@ OPTIONS: Mapping[str, Option] = {
         ),
         Option(
             name="backoff",
-            default="full_jitter",
-            doc="'full_jitter': random(0, min(backoff_max, backoff_base * 2**(n-1))); 'decorrelated_jitter': "
-            "min(backoff_max, random(backoff_base, 3 * previous delay)).",
-            check=_choice("full_jitter", "decorrelated_jitter"),
+            default="equal_jitter",
+            doc="After the n-th failed attempt, 'equal_jitter': half fixed, half random of min(backoff_max, "
+            "backoff_base * 2**n), so the first retry waits backoff_base to twice that (1-2 s, then 2-4 s, 4-8 s, "
+            "...); 'full_jitter': random(0, min(backoff_max, backoff_base * 2**(n-1))), which may retry at once; "
+            "'decorrelated_jitter': min(backoff_max, random(backoff_base, 3 * previous delay)).",
+            check=_choice("equal_jitter", "full_jitter", "decorrelated_jitter"),
             scopes=frozenset({TASK, APP}),
         ),
         Option(
             name="backoff_base",
             default=1.0,
-            doc="Seconds: the scale of the first retry delay. Unset on a task with Celery's retry_backoff: "
-            "that (True: 1).",
+            doc="Seconds: the scale of the first retry delay (with equal_jitter, its floor: the first retry "
+            "waits backoff_base to twice that). Unset on a task with Celery's retry_backoff: that (True: 1).",
             check=_seconds,
             scopes=frozenset({CALL, TASK, APP}),
         ),
@@ -1037,7 +1039,8 @@ OPTIONS: Mapping[str, Option] = {
         Option(
             name="alert_throttle",
             default=300.0,
-            doc="Seconds of a throttle window per (owner, task, reason): one alert, then one summary.",
+            doc="Seconds of a throttle window per (owner, task, reason): one alert, then one summary. Also how "
+            "long a process leaves an unreachable alert channel alone after its one warning line.",
             check=_seconds,
             scopes=frozenset({APP}),
         ),

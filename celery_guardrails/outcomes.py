@@ -18,10 +18,11 @@ from datetime import UTC, datetime
 from fnmatch import fnmatchcase
 from typing import Any
 
-from celery_guardrails import headers, signals
+from celery_guardrails import headers, signals, waiting
 from celery_guardrails.broker_delays import countdown_for, delay_rule, republishable_headers
 from celery_guardrails.context import current_correlation_id, current_tenant
 from celery_guardrails.delivery import delivery
+from celery_guardrails.log import shown
 from celery_guardrails.redaction import exception_name, exception_text, for_task
 
 logger = logging.getLogger(__name__)
@@ -165,12 +166,16 @@ def republish(
         **(extra.pop("headers", None) or {}),
         headers.HEADER: header,
     }
+    countdown = countdown_for(task.app, countdown)
+    # Shown as waiting until it runs again (never raises; written first, so a delivery that starts at once finds
+    # the row to remove): see celery_guardrails.waiting.
+    waiting.note(task, header=header, countdown=countdown)
     # max_retries: the guardrails count attempts themselves; Celery's own limit must not interfere.
     retry: BaseException = task.retry(
         args=args,
         kwargs=kwargs,
         exc=exc,
-        countdown=countdown_for(task.app, countdown),
+        countdown=countdown,
         max_retries=request.retries + 1,
         throw=False,
         headers=message_headers,
@@ -320,8 +325,8 @@ def fail_finally(
         failure.attempts,
         failure.exc_type,
         failure.exc_message,
-        failure.tenant,
-        failure.correlation_id,
+        shown(failure.tenant),  # "-" for none, as the log context and the admin show it
+        shown(failure.correlation_id),
     )
     return hand_over(task, failure, exc)
 

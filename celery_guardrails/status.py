@@ -12,6 +12,11 @@ Where each comes from:
   the last :data:`RATE_MINUTES` whole minutes, from the outcome counts the workers keep in the store, and
   arrivals derived as those plus the depth's change between the first and last queue samples of the window
   (a broker counts no arrivals); "?" until two samples are kept.
+* messages waiting for a countdown (when the app has a guarded task): re-published by a retry, a
+  retry-budget or circuit deferral, a wait for a concurrency slot, an ordering turn, a busy key or a store
+  outage, and not in any queue until the broker delivers them again: how many per reason, and the
+  :data:`WAITING_SHOWN` soonest due (task, id, tenant, reason, attempt, due, since when), from the store's rows
+  (see :mod:`celery_guardrails.waiting`).
 * the transactional outbox (with the Django app): messages waiting for the relay and the age of the oldest.
 * dead letters still open, per owner and task: the app's dead-letter sinks
   (:func:`celery_guardrails.dead_letters.sinks_for`). The Django sink: ``DeadLetter`` rows with status
@@ -64,8 +69,11 @@ RATE_MINUTES = 5
 QUEUES, DEAD_LETTERS, DEPENDENCIES, SCHEDULES = "queues", "dead_letters", "dependencies", "schedules"
 RATES, OUTBOX = "rates", "outbox"
 ORDERING = "ordering"
+WAITING = "waiting"
 #: The sources, in the order they are read and shown.
-SOURCES = (QUEUES, RATES, DEAD_LETTERS, DEPENDENCIES, SCHEDULES, OUTBOX, ORDERING)
+SOURCES = (QUEUES, RATES, WAITING, DEAD_LETTERS, DEPENDENCIES, SCHEDULES, OUTBOX, ORDERING)
+#: Waiting messages listed at most (the soonest due); the counts cover them all.
+WAITING_SHOWN = 20
 #: Waiting ordering keys listed at most (the oldest waits); the count covers them all.
 ORDERING_SHOWN = 10
 
@@ -102,6 +110,7 @@ class DependencyStatus:
     exhausted: bool
     circuit: str
     consecutive_failures: int
+    window_seconds: float = 0.0  # the budget's window (retry_budget_window)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -150,6 +159,33 @@ class OrderingWaits:
     oldest: list[OrderingWait]
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class WaitingMessage:
+    """A message waiting for its countdown (see :mod:`celery_guardrails.waiting`); times are epoch seconds,
+    ``reason_text`` and ``due_text`` as people read them ("budget payments-api", "in 4 min")."""
+
+    task: str
+    task_id: str
+    tenant: str
+    reason: str
+    detail: str
+    reason_text: str
+    attempt: int
+    due: float
+    due_text: str
+    since: float
+    overdue: bool
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Waiting:
+    """The messages waiting for a countdown: how many, per reason, and the WAITING_SHOWN soonest due."""
+
+    count: int
+    by_reason: dict[str, int]
+    soonest: list[WaitingMessage]
+
+
 @dataclass(slots=True, kw_only=True)
 class Status:
     """Everything :func:`gather` read; a source that failed is empty and named in ``errors``."""
@@ -171,6 +207,8 @@ class Status:
     outbox: OutboxBacklog | None = None
     #: Ordering keys that wait (None: not read, no guarded task of the app has an ``ordering_key``).
     ordering: OrderingWaits | None = None
+    #: Messages re-published with a countdown, waiting for it (None: not read, the app has no guarded task).
+    waiting: Waiting | None = None
 
 
 def read_dead_letters(app: Any) -> DeadLetters:
@@ -247,6 +285,7 @@ def read_dependencies(app: Any) -> list[DependencyStatus]:
                 exhausted=bool(status["exhausted"]),
                 circuit=str(status["circuit"]),
                 consecutive_failures=int(status["consecutive_failures"]),
+                window_seconds=float(status["window_seconds"]),
             )
         )
     return found
@@ -353,7 +392,44 @@ def gather(app: Any, *, queues: Iterable[str] = (), now: float | None = None) ->
         status.outbox = attempt(OUTBOX, read_outbox, errors, app=app)
     if ordered(app):
         status.ordering = attempt(ORDERING, lambda: read_ordering(app, now=status.at), errors, app=app)
+    if guarded(app):
+        status.waiting = attempt(WAITING, lambda: read_waiting(app, now=status.at), errors, app=app)
     return status
+
+
+def guarded(app: Any) -> bool:
+    """Whether the app has a guarded task (only those can wait for a countdown the guardrails set)."""
+    from celery_guardrails.task import GuardedTask
+
+    return any(isinstance(task, GuardedTask) for task in list(app.tasks.values()))
+
+
+def read_waiting(app: Any, *, now: float, tenants: frozenset[str] | None = None, limit: int = WAITING_SHOWN) -> Waiting:
+    """The messages waiting for a countdown, from the store (:meth:`Store.waiting`): the ``limit`` soonest due;
+    ``tenants``: only theirs."""
+    from celery_guardrails import waiting
+    from celery_guardrails.stores import get_store
+
+    found = get_store(app).waiting(now=now, limit=limit, tenants=tenants)
+    order = {reason: n for n, reason in enumerate(waiting.REASONS)}
+    by_reason = dict(sorted(found.by_reason.items(), key=lambda item: (order.get(item[0], len(order)), item[0])))
+    soonest = [
+        WaitingMessage(
+            task=wait.task_name,
+            task_id=wait.task_id,
+            tenant=wait.tenant,
+            reason=wait.reason,
+            detail=wait.detail,
+            reason_text=waiting.label(wait),
+            attempt=wait.attempt,
+            due=wait.due,
+            due_text=waiting.due_in_words(wait, now),
+            since=wait.since,
+            overdue=waiting.overdue(wait, now),
+        )
+        for wait in found.soonest
+    ]
+    return Waiting(count=found.count, by_reason=by_reason, soonest=soonest)
 
 
 def read_outbox() -> OutboxBacklog:
@@ -412,6 +488,8 @@ def _table(headers: list[str], rows: list[list[str]]) -> list[str]:
 
 def render(status: Status) -> str:
     """``status`` as text tables: queues, open dead letters by owner, dependencies, schedule health."""
+    from celery_guardrails.guardrails.budget import budget_use
+
     lines: list[str] = []
     watch = bool(status.depth_change)
     rated = status.rates is not None or RATES in status.errors
@@ -427,6 +505,8 @@ def render(status: Status) -> str:
             row.append("" if change is None else f"{change:+.1f}")
         rows.append(row)
     lines += _section("Queues", QUEUES, status, headers, rows)
+    if status.waiting is not None or WAITING in status.errors:
+        lines += _waiting_lines(status)
     if rated:
         lines.insert(
             len(lines) - 1,
@@ -441,10 +521,16 @@ def render(status: Status) -> str:
     if status.dead_letters.truncated:
         lines.append(f"  (counted over the newest {STREAM_SCAN} entries of the dead-letter stream)")
     rows = [
-        [d.dependency, f"{d.retries:g}/{d.retries_allowed:g}" + (" exhausted" if d.exhausted else ""), d.circuit]
+        [
+            d.dependency,
+            # whole retries, with the unit (the store's sliding window weighs counts: 1.825/3 read as a typo)
+            budget_use({"retries": d.retries, "retries_allowed": d.retries_allowed, "window_seconds": d.window_seconds})
+            + (" exhausted" if d.exhausted else ""),
+            d.circuit,
+        ]
         for d in status.dependencies
     ]
-    lines += _section("Dependencies", DEPENDENCIES, status, ["DEPENDENCY", "RETRIES/ALLOWED", "CIRCUIT"], rows)
+    lines += _section("Dependencies", DEPENDENCIES, status, ["DEPENDENCY", "RETRY BUDGET", "CIRCUIT"], rows)
     rows = [
         [
             s.schedule,
@@ -473,6 +559,31 @@ def render(status: Status) -> str:
                 f"{_age(waits.oldest_age)} (ordering_gap_timeout gives a missing one up)",
             )
     return "\n".join(lines).rstrip() + "\n"
+
+
+def _waiting_lines(status: Status) -> list[str]:
+    from celery_guardrails.waiting import in_words
+
+    found = status.waiting
+    rows = [
+        [
+            w.task,
+            w.task_id,
+            w.tenant or "-",
+            w.reason_text,
+            str(w.attempt),
+            w.due_text,
+            in_words(status.at - w.since),
+        ]
+        for w in (found.soonest if found else [])
+    ]
+    headers = ["TASK", "TASK ID", "TENANT", "REASON", "ATTEMPT", "DUE", "WAITING FOR"]
+    lines = _section("Waiting (re-published with a countdown, not in a queue yet)", WAITING, status, headers, rows)
+    if found is not None and found.count:
+        counts = ", ".join(f"{reason} {n}" for reason, n in found.by_reason.items())
+        more = f"; the {len(found.soonest)} soonest due:" if found.count > len(found.soonest) else ":"
+        lines.insert(1, f"  {found.count} waiting: {counts}{more}")
+    return lines
 
 
 def _section(title: str, source: str, status: Status, headers: list[str], rows: list[list[str]]) -> list[str]:

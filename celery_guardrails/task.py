@@ -50,6 +50,7 @@ from celery_guardrails.outcomes import (
 )
 from celery_guardrails.pipeline import Guardrail, Publication, SkipBody, SkipPublish, overriding
 from celery_guardrails.results import redacting_backend
+from celery_guardrails.waiting import Waiting
 
 logger = logging.getLogger(__name__)
 
@@ -87,8 +88,11 @@ class GuardedTask(Task):  # type: ignore[misc]
     #: payload version the worker does not accept before any guardrail acts on the delivery.
     #: Metrics is first: its before_run sees every delivery before a guardrail can refuse it, and its after-hooks
     #: run last, so the duration it records covers every guardrail (it records nothing unless ``metrics`` is on).
+    #: Waiting comes next: it removes the waiting row of a message that was re-published with a countdown before
+    #: any guardrail could re-publish it again (which writes the row anew; see celery_guardrails.waiting).
     guardrails: ClassVar[tuple[Guardrail, ...]] = (
         Metrics(),
+        Waiting(),
         ContextPropagation(),
         PendingDeadLetters(),
         PoisonMessages(),
@@ -180,6 +184,14 @@ class GuardedTask(Task):  # type: ignore[misc]
     @classmethod
     def on_bound(cls, app: Any) -> None:
         install(app)
+        # A duplicate of a message whose key failed for good is refused by design (its dead letter is the record):
+        # Celery logs an exception in ``throws`` as one INFO line "raised expected", not an ERROR with a
+        # traceback. Added to what the task declares itself.
+        from celery_guardrails.exceptions import DuplicateOfFailureError
+
+        declared = tuple(cls.throws or ())
+        if not any(issubclass(DuplicateOfFailureError, kind) for kind in declared):
+            cls.throws = (*declared, DuplicateOfFailureError)
 
     # The result backend, its stored failures redacted (redact_results; see celery_guardrails.results): Celery's
     # tracer and the worker's request store an exception through ``task.backend``.

@@ -18,7 +18,7 @@ these are reported not replayed, like any other refusal.
 from __future__ import annotations
 
 from collections.abc import Callable
-from datetime import timedelta
+from datetime import UTC, datetime, timedelta
 from typing import Any, cast
 
 from django.contrib import admin, messages
@@ -31,9 +31,9 @@ from django.http import HttpRequest, HttpResponse
 from django.shortcuts import get_object_or_404, redirect
 from django.template.response import TemplateResponse
 from django.urls import path, reverse
-from django.utils import timezone
 from django.utils.html import format_html, format_html_join
 from django.utils.http import urlencode
+from django.utils.safestring import mark_safe
 
 from celery_guardrails.exceptions import ConfigurationError
 from celery_guardrails.outcomes import NOT_IDEMPOTENT
@@ -41,7 +41,19 @@ from celery_guardrails.stores import store_url
 
 from . import health
 from .dashboard import dashboard_context
-from .display import escape, shown_field
+from .display import (
+    EMPTY,
+    REDACTED_MARK,
+    arguments_line,
+    error_line,
+    escape,
+    json_text,
+    moment,
+    moment_html,
+    shown_field,
+    span,
+    time_column,
+)
 from .forms import EditAndReplayForm
 from .maintenance import close_dead_letters
 from .models import (
@@ -53,11 +65,13 @@ from .models import (
     OutboxMessage,
     ScheduledRun,
     SealedMessage,
+    WaitingMessage,
 )
 from .overview import dead_letter_overview
 from .paging import CappedCountPaginator, CheckedChangeList, DistinctValuesFilter
 from .replay import Outlook, Refused, ReplayResult, outlooks, plan, replay_dead_letters, replay_with_changes
 from .scoping import AllTenantsOnlyAdmin, ScheduleScopedAdmin, TenantScopedAdmin, linked, schedules_seen
+from .waiting import waiting_context
 
 #: LogEntries written per INSERT by the actions; the fields of a record its LogEntry names (``str(record)``).
 LOG_BATCH = 500
@@ -108,10 +122,12 @@ def _allowed(request: HttpRequest) -> bool:
     return request.POST.get(ALLOW_NOT_IDEMPOTENT) == "yes"
 
 
-def _short(text: str, limit: int) -> str:
+def _short(text: str, limit: int, css: str = "") -> str:
     """``text`` cut to ``limit`` characters, whole in its title (hover, copy from the detail page); control and
-    invisible characters escaped in both (:mod:`.display`)."""
+    invisible characters escaped in both (:mod:`.display`); ``css`` is the span's class, when it needs one."""
     shown = text if len(text) <= limit else text[: limit - 1] + "…"
+    if css:
+        return format_html('<span class="{}" title="{}">{}</span>', css, escape(text), escape(shown, html=True))
     return format_html('<span title="{}">{}</span>', escape(text), escape(shown, html=True))
 
 
@@ -119,15 +135,33 @@ def _changed_keys(before: dict[str, Any], after: dict[str, Any]) -> list[str]:
     return sorted(k for k in before.keys() | after.keys() if before.get(k, object()) != after.get(k, object()))
 
 
+def _tenant(tenant: str | None, limit: int = 16) -> str:
+    """A tenant as every page shows it: shortened (whole on hover), and an absent one as ``-``."""
+    return _short(tenant, limit) if tenant else EMPTY
+
+
+def _parameters(task_name: str) -> list[str]:
+    """The positional parameters of ``task_name`` when this process knows the task (names a list's argument
+    summary: ``order_id=42``); none when it does not (the values are shown by position)."""
+    import inspect
+
+    try:
+        task = health.celery_app().tasks.get(task_name)
+        parameters = inspect.signature(task.run).parameters.values() if task is not None else ()
+    except Exception:  # an app that will not finalize, no signature to read: by position (a list must show)
+        return []
+    return [p.name for p in parameters if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+
+
 #: The dead letter's fields on its page, each through :func:`.display.escape` (a bidi override in a key or a
 #: value shows as ``\u202e``, never reverses the text). The history, traceback and replay's task id are shown
-#: formatted instead; "arguments stored as text" is said without the model's note that such a record cannot be
-#: replayed: the "replay" field says what a replay would do.
+#: formatted instead; "arguments stored as text" is said in words (:meth:`DeadLetterAdmin.stored_arguments`):
+#: a bare ❌ there read as "replay impossible".
 _DEAD_LETTER_FIELDS = [
     (
         shown_field(DeadLetter, f.name, multiline=f.name == "exc_message")
         if f.name != "arguments_are_repr"
-        else "arguments_cut"
+        else "stored_arguments"
     )
     for f in DeadLetter._meta.fields
     if f.name not in ("history", "traceback", "replayed_task_id")
@@ -136,11 +170,14 @@ _DEAD_LETTER_FIELDS = [
 
 @admin.register(DeadLetter)
 class DeadLetterAdmin(CheckedChangeList, TenantScopedAdmin):
-    # Long values are shortened (whole in their title) so that every column fits a 1,366 px screen.
-    # The full task name and id are in the task's title (and searchable by the exact id), the status is under
-    # the reason (and under it, for an open record, whether a replay would go through), the attempts are on the
-    # record's page. Lookups by URL: the filters below only (CheckedChangeList).
-    list_display = ("task", "reason_and_status", "owner_name", "tenant_id", "last_failure")
+    # Rows a person can tell apart: the record's id (and its task id's first characters) over its task, the
+    # error over the arguments. Five columns, as many as fit beside the admin's navigation and the filters on a
+    # 1,366 px screen (with seven, the browser squeezed the task to a letter a line). Long values are shortened,
+    # whole in their title: the full task name and id are in the task's (and searchable by the exact id). The
+    # status is under the reason (and under it, for an open record, whether a replay would go through), the
+    # tenant under the owner, the attempts on the record's page. Lookups by URL: the filters below only
+    # (CheckedChangeList).
+    list_display = ("record", "error_and_arguments", "reason_and_status", "owner_and_tenant", "last_failure")
     # Built for millions of records (bench/scale.py): filter choices one index probe per value, a count capped
     # at 10,000 (the whole table estimated), no facet counts, search by exact ids through their indexes. An
     # "=field" search would be iexact, UPPER(field) = UPPER(%s): no index serves it, every search a full scan.
@@ -193,17 +230,20 @@ class DeadLetterAdmin(CheckedChangeList, TenantScopedAdmin):
         def cell(value: Any) -> str:
             return escape("" if value is None else value, html=True)
 
+        # Times as every page writes them; the table wraps its cells to the page (Django's form rows hide what
+        # overflows them), in a box that scrolls should a cell still not fit.
         rows = format_html_join(
             "",
             "<tr><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td>"
             '<td class="note">{}</td></tr>',
             (
                 (
-                    *map(
-                        cell, (r.get("n"), r.get("start"), r.get("end"), r.get("host"), r.get("class"), r.get("rule"))
-                    ),
+                    cell(r.get("n")),
+                    cell(moment(r["start"]) if r.get("start") else ""),
+                    cell(moment(r["end"]) if r.get("end") else ""),
+                    *map(cell, (r.get("host"), r.get("class"), r.get("rule"))),
                     cell(r.get("exc") or ""),
-                    cell(r.get("delay")),
+                    cell(span(r["delay"]) if isinstance(r.get("delay"), int | float) else r.get("delay")),
                     cell(r.get("note") or ""),  # the core's advice on a not_idempotent failure; older records have none
                 )
                 for r in (obj.history if isinstance(obj.history, list) else [])
@@ -211,28 +251,48 @@ class DeadLetterAdmin(CheckedChangeList, TenantScopedAdmin):
             ),
         )
         return format_html(
-            '<table class="attempt-history"><thead><tr><th>#</th><th>start</th><th>end</th><th>worker</th>'
-            "<th>class</th><th>rule</th><th>exception</th><th>delay s</th><th>note</th></tr></thead>"
-            "<tbody>{}</tbody></table>",
+            '<div class="gr-scroll" tabindex="0"><table class="attempt-history"><thead><tr><th>#</th><th>start</th>'
+            "<th>end</th><th>worker</th><th>class</th><th>rule</th><th>exception</th><th>delay</th><th>note</th>"
+            "</tr></thead><tbody>{}</tbody></table></div>",
             rows,
         )
 
-    @admin.display(description="task", ordering="task_name")
-    def task(self, obj: DeadLetter) -> str:
+    @admin.display(description="dead letter, task", ordering="pk")
+    def record(self, obj: DeadLetter) -> str:
+        # The record's number (the link to its page, the id an action's message names) and the start of its
+        # task id (whole on hover): two rows of the same task and error still differ here. Under them the
+        # task, its full name on hover.
         short = obj.task_name.rpartition(".")[2]
         return format_html(
-            '<span title="{} [{}]">{}</span>', escape(obj.task_name), escape(obj.task_id), escape(short, html=True)
+            '#{} <span class="dl-task-id" title="{}">{}</span><br> <span class="dl-task" title="{}">{}</span>',
+            obj.pk,
+            escape(obj.task_id),
+            escape(obj.task_id[:8], html=True),
+            escape(obj.task_name),
+            escape(short if len(short) <= 30 else short[:29] + "…", html=True),
         )
+
+    @admin.display(description="error, arguments")
+    def error_and_arguments(self, obj: DeadLetter) -> str:
+        # The exception's class and the first words of its (redacted) message, and under it the stored arguments,
+        # redacted as stored (a redacted value stays "[redacted]"), named as the call named them when this
+        # process knows the task; each whole on hover, and on the record's page.
+        error = _short(error_line(obj.exc_type, obj.exc_message), 80, "dl-error")
+        names = _parameters(obj.task_name)
+        shown = arguments_line(obj.args, obj.kwargs, names=names, as_repr=obj.arguments_are_repr)
+        return format_html("{}<br> {}", error, _short(shown, 70, "dl-arguments"))
 
     @admin.display(description="last failure", ordering="last_failed_at")
     def last_failure(self, obj: DeadLetter) -> str:
-        # In the user's current time zone; the time under the date: a narrow column leaves the reason whole
-        moment = timezone.localtime(obj.last_failed_at)
-        return format_html("{}<br>{}", f"{moment:%Y-%m-%d}", f"{moment:%H:%M}")
+        # As every page writes a moment (in the user's current time zone), how long ago under it
+        return moment_html(obj.last_failed_at, relative=True)
 
     @admin.display(description="reason, status", ordering="reason")
     def reason_and_status(self, obj: DeadLetter) -> str:
-        status = format_html('{}<br><span class="dl-status">{}</span>', _short(obj.reason, 24), escape(obj.status))
+        # The reason may break after its underscores (unknown_payload_/version): a narrower column
+        shown = escape(obj.reason, html=True).replace("_", "_<wbr>")  # escaped HTML, whose marks hold no "_"
+        reason = format_html('<span title="{}">{}</span>', escape(obj.reason), mark_safe(shown))
+        status = format_html('{}<br><span class="dl-status">{}</span>', reason, escape(obj.status))
         if obj.status != DeadLetter.Status.OPEN:
             return status
         # What a replay would do (yes, after a check, no), the reason on hover: the replay's own answer
@@ -245,24 +305,37 @@ class DeadLetterAdmin(CheckedChangeList, TenantScopedAdmin):
             outlook.summary,
         )
 
-    @admin.display(description="owner", ordering="owner")
-    def owner_name(self, obj: DeadLetter) -> str:
-        return _short(obj.owner, 16) if obj.owner else "-"  # owners may be 100 characters long
-
-    @admin.display(description="tenant", ordering="tenant")
-    def tenant_id(self, obj: DeadLetter) -> str:
-        return _short(obj.tenant, 12) if obj.tenant else "-"
+    @admin.display(description="owner, tenant", ordering="owner")
+    def owner_and_tenant(self, obj: DeadLetter) -> str:
+        # Owners may be 100 characters long, tenants 128: both shortened, the tenant under the owner
+        owner = _short(obj.owner, 16) if obj.owner else EMPTY
+        return format_html('{}<br><span class="dl-tenant">{}</span>', owner, _tenant(obj.tenant))
 
     @admin.display(description="replay")
     def replay_outlook(self, obj: DeadLetter) -> str:
         """The record page's sentence: would replay (from the sealed copy or as shown), or why not."""
         return format_html('<span class="replay-outlook">{}</span>', escape(str(self._outlook(obj)), html=True))
 
-    @admin.display(description="arguments stored as text", boolean=True)
-    def arguments_cut(self, obj: DeadLetter) -> bool:
-        """The arguments were too large or not JSON, and ``arguments`` holds their repr (the sealed copy, when the
-        record has one, holds them whole: the "replay" field says whether a replay is possible)."""
-        return obj.arguments_are_repr
+    @admin.display(description="stored arguments")
+    def stored_arguments(self, obj: DeadLetter) -> str:
+        """What the arguments above are, and what a replay would send: in words, since a bare ❌ for "stored as
+        text" read as "replay impossible". A sealed copy holds the original arguments (redaction and cuts apply
+        to the shown ones only); the "replay" field says whether a replay would go through."""
+        sealed = SealedMessage.objects.filter(dead_letter_id=obj.pk).exists()
+        redacted = REDACTED_MARK in json_text([obj.args, obj.kwargs])
+        if obj.arguments_are_repr:
+            shown = "As text (they were not JSON, or too large): the values above are their repr."
+        elif redacted:
+            shown = "As JSON, with secrets redacted."
+        else:
+            shown = "As JSON, as the task received them."
+        if sealed:
+            replay = "Sealed copy: yes — a replay sends the original arguments."
+        elif obj.arguments_are_repr or redacted:
+            replay = 'Sealed copy: no — a replay cannot send the original arguments (see "replay").'
+        else:
+            replay = "Sealed copy: no — a replay sends the arguments above."
+        return format_html('<span class="stored-arguments">{}<br> {}</span>', shown, replay)
 
     def _outlook(self, obj: DeadLetter) -> Outlook:
         # The change list reads every row's at once (changelist_view); the record page asks for its own.
@@ -510,7 +583,13 @@ class DeadLetterAdmin(CheckedChangeList, TenantScopedAdmin):
 
 @admin.register(IdempotencyKey)
 class IdempotencyKeyAdmin(AllTenantsOnlyAdmin):
-    list_display = ("key", "state", "lease_until", "finished_at")
+    # Times as every page writes them (.display.moment)
+    list_display = (
+        "key",
+        "state",
+        time_column("lease_until", "lease until"),
+        time_column("finished_at", "finished at", relative=True),
+    )
     list_filter = ("state",)
     search_fields = ("key__exact",)  # through the unique index ("=key" is iexact: a full scan)
     readonly_fields = [f.name for f in IdempotencyKey._meta.fields]
@@ -531,12 +610,25 @@ class IdempotencyKeyAdmin(AllTenantsOnlyAdmin):
 class ConcurrencySlotAdmin(TenantScopedAdmin):
     """The holders of concurrency slots, and the reaped ones (``lost``: their record, kept)."""
 
-    list_display = ("key", "state", "task_name", "task_id", "tenant", "acquired_at", "heartbeat_at", "reaped_at")
+    list_display = (
+        "key",
+        "state",
+        "task_name",
+        "task_id",
+        "tenant_shown",
+        time_column("acquired_at", "acquired at"),
+        time_column("heartbeat_at", "heartbeat at", relative=True),
+        time_column("reaped_at", "reaped at"),
+    )
     list_filter = ("state",)
     search_fields = ("key__exact", "task_id__exact")
     readonly_fields = [f.name for f in ConcurrencySlot._meta.fields]
     show_full_result_count = False
     paginator = CappedCountPaginator
+
+    @admin.display(description="tenant", ordering="tenant")
+    def tenant_shown(self, obj: ConcurrencySlot) -> str:
+        return _tenant(obj.tenant)  # "-" when absent, as on every page
 
     def has_add_permission(self, request: HttpRequest) -> bool:
         return False  # slots are taken by workers
@@ -551,13 +643,25 @@ class OutboxMessageAdmin(TenantScopedAdmin):
     relay's lag, or a message it cannot publish (``last_error`` says why). Its arguments are not shown: a
     message in flight may carry what dead letters would redact."""
 
-    list_display = ("task_name", "task_id", "tenant", "created_at", "available_at", "attempts", "last_error")
+    list_display = (
+        "task_name",
+        "task_id",
+        "tenant_shown",
+        time_column("created_at", "created at", relative=True),
+        time_column("available_at", "available at"),
+        "attempts",
+        "last_error",
+    )
     list_filter = ("task_name",)
     search_fields = ("task_id__exact",)
     exclude = ("body",)
     readonly_fields = [f.name for f in OutboxMessage._meta.fields if f.name != "body"]
     show_full_result_count = False
     paginator = CappedCountPaginator
+
+    @admin.display(description="tenant", ordering="tenant")
+    def tenant_shown(self, obj: OutboxMessage) -> str:
+        return _tenant(obj.tenant)  # "-" when absent, as on every page
 
     def has_add_permission(self, request: HttpRequest) -> bool:
         return False  # rows are written by enqueue_in_transaction
@@ -566,10 +670,43 @@ class OutboxMessageAdmin(TenantScopedAdmin):
         return False  # to look at (and delete: a row deleted by hand is never published)
 
 
+#: DependencyState's fields that hold epoch seconds (the stores' clock): shown as moments.
+EPOCH_FIELDS = ("open_until", "probe_until")
+
+
+def _epoch(seconds: float) -> datetime:
+    return datetime.fromtimestamp(seconds, UTC)
+
+
 @admin.register(DependencyState)
 class DependencyStateAdmin(AllTenantsOnlyAdmin):
-    list_display = ("dependency", "circuit", "failures", "retries_current", "first_current", "updated_at")
-    readonly_fields = [f.name for f in DependencyState._meta.fields]
+    list_display = (
+        "dependency",
+        "circuit_shown",
+        "failures",
+        "retries_current",
+        "first_current",
+        time_column("updated_at", "updated at", relative=True),
+    )
+    # The epoch-second fields (open_until, probe_until) as moments, like every other time on the pages.
+    readonly_fields = fields = [  # type: ignore[assignment]
+        f.name if f.name not in EPOCH_FIELDS else f"{f.name}_shown" for f in DependencyState._meta.fields
+    ]
+
+    @admin.display(description="circuit", ordering="circuit")
+    def circuit_shown(self, obj: DependencyState) -> str:
+        # An open circuit says until when (the store keeps epoch seconds)
+        if obj.circuit != DependencyState.Circuit.OPEN or not obj.open_until:
+            return escape(obj.get_circuit_display())  # type: ignore[attr-defined]
+        return format_html("open until {}", moment_html(_epoch(obj.open_until), relative=True))
+
+    @admin.display(description="open until")
+    def open_until_shown(self, obj: DependencyState) -> str:
+        return moment_html(_epoch(obj.open_until)) if obj.open_until else EMPTY
+
+    @admin.display(description="probes given up at")
+    def probe_until_shown(self, obj: DependencyState) -> str:
+        return moment_html(_epoch(obj.probe_until)) if obj.probe_until else EMPTY
 
     def has_add_permission(self, request: HttpRequest) -> bool:
         return False  # rows are made by the breakers and budgets that need them
@@ -585,7 +722,14 @@ class ScheduledRunAdmin(CheckedChangeList, ScheduleScopedAdmin):
 
     # Fits a 1,366 px screen: the dispatch and end times are on the record's page, the task id is shortened.
     # Lookups by URL: the filters and the date hierarchy below only (CheckedChangeList).
-    list_display = ("schedule_name", "period", "status", "started_at", "run_duration", "run_task_id")
+    list_display = (
+        "schedule_name",
+        time_column("period", "period"),
+        "status",
+        time_column("started_at", "started at"),
+        "run_duration",
+        "run_task_id",
+    )
     list_filter = ("status", ("schedule", DistinctValuesFilter), ("period", admin.DateFieldListFilter))
     search_fields = ("=task_id", "schedule")
     date_hierarchy = "period"
@@ -682,3 +826,34 @@ class DashboardAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
             **(extra_context or {}),
         }
         return TemplateResponse(request, "admin/guardrails/dashboard/dashboard.html", context)
+
+
+@admin.register(WaitingMessage)
+class WaitingAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
+    """The Waiting page (:mod:`.waiting`) in place of a change list: messages re-published with a countdown,
+    read from the configured store; shown to those who may view dead letters, scoped by tenant, changing
+    nothing."""
+
+    def has_view_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return bool(request.user.has_perm("guardrails.view_deadletter"))
+
+    def has_add_permission(self, request: HttpRequest) -> bool:
+        return False
+
+    def has_change_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return False
+
+    def has_delete_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return False
+
+    def changelist_view(self, request: HttpRequest, extra_context: dict[str, Any] | None = None) -> HttpResponse:
+        if not self.has_view_permission(request):
+            raise PermissionDenied
+        context = {
+            **self.admin_site.each_context(request),
+            "title": "Waiting",
+            "opts": self.model._meta,
+            **waiting_context(request.user),
+            **(extra_context or {}),
+        }
+        return TemplateResponse(request, "admin/guardrails/waiting/waiting.html", context)

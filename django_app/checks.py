@@ -240,8 +240,10 @@ def check_seal_keys(app_configs: Any = None, **kwargs: Any) -> list[Warning]:
         Warning(
             "CELERY_GUARDRAILS has no seal_keys: a dead letter whose arguments had a secret redacted cannot be "
             "replayed.",
-            hint="Set CELERY_GUARDRAILS['seal_keys'] to a list of Fernet keys read from the environment (README, "
-            "Dead letters: Sealed for replay).",
+            # The command itself, where the warning is read: the Quick start's reader has not reached Dead letters.
+            hint="Make a key with: python -c 'from cryptography.fernet import Fernet; "
+            "print(Fernet.generate_key().decode())', set it as GUARDRAILS_SEAL_KEY in the environment of the web "
+            "and worker processes, and read it in CELERY_GUARDRAILS['seal_keys'] (README: Quick start).",
             id="guardrails.W002",
         )
     ]

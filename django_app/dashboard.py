@@ -26,7 +26,7 @@ from django.utils import timezone
 from django.utils.html import format_html, format_html_join
 from django.utils.safestring import SafeString
 
-from .display import escape
+from .display import escape, moment
 from .models import DeadLetter
 from .overview import HOURS
 from .scoping import HIDDEN, scope, sees_all, status_for
@@ -38,6 +38,9 @@ PALETTE = ("#417690", "#e07b39", "#79aec8", "#c0392b", "#8e6bbf", "#999999")
 #: The chart's size in SVG user units (it scales to the page's width). Its legend is HTML below it: the page
 #: lays the names out and wraps them (names in SVG at fixed places overlapped: ``retry_budget_exhausted``).
 WIDTH, HEIGHT = 720, 160
+#: What an empty chart says, in its middle and in place of its tallest bar (an empty chart once read
+#: "tallest bar: 1.0 s", a bar that did not exist).
+NO_DATA = "no data in this window"
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -118,7 +121,8 @@ def stacked_chart(
     """A bar per hour of ``starts``, its series stacked in the order of ``colours`` (series -> colour), with a
     legend; each bar's title gives its hour and values (``unknown`` for an empty hour). Server-side SVG and an
     HTML legend: no script, every text escaped, control and invisible characters written out (:mod:`.display`)."""
-    peak = max((sum(hour.values()) for hour in bars), default=0.0) or 1.0
+    highest = max((sum(hour.values()) for hour in bars), default=0.0)
+    peak = highest or 1.0  # the bars' scale (no bar when nothing is there)
     step = WIDTH / max(1, len(starts))
     rects = []
     for index, (start, hour) in enumerate(zip(starts, bars, strict=True)):
@@ -134,7 +138,7 @@ def stacked_chart(
                     f"{index * step + 1:.1f}",
                     f"{step - 2:.1f}",
                     height,
-                    timezone.localtime(start).strftime("%Y-%m-%d %H:00"),
+                    moment(start),  # the hour's start, as every page writes a moment
                     title,
                 )
             )
@@ -155,25 +159,36 @@ def stacked_chart(
                     colour,
                     escape(name),
                     f"{value:g}",
-                    timezone.localtime(start).strftime("%Y-%m-%d %H:00"),
+                    moment(start),  # the hour's start, as every page writes a moment
                     title,
                 )
             )
+    if not highest:  # said in the chart itself, not only in its legend
+        rects.append(
+            format_html(
+                '<text x="{}" y="{}" text-anchor="middle" dominant-baseline="middle" class="gr-no-data">{}</text>',
+                WIDTH // 2,
+                height // 2,
+                NO_DATA,
+            )
+        )
+    # Each name whole on hover too (the page wraps a long one, never lays it over the next)
     legend = format_html_join(
         "",
-        '<li data-legend="{}"><span class="gr-swatch" style="background: {}"></span>{}</li>',
-        ((escape(name), colour, escape(name, html=True)) for name, colour in colours.items()),
+        '<li data-legend="{}" title="{}"><span class="gr-swatch" style="background: {}"></span>{}</li>',
+        ((escape(name), escape(name), colour, escape(name, html=True)) for name, colour in colours.items()),
     )
+    peak_text = f"tallest bar: {_amount(highest, unit)}" if highest else NO_DATA
     return format_html(
         '<div class="gr-figure"><svg id="{}" class="gr-chart" viewBox="0 0 {} {}" width="100%" role="img" '
-        'aria-label="{}">{}</svg><ul class="gr-legend">{}<li class="gr-peak">tallest bar: {}</li></ul></div>',
+        'aria-label="{}">{}</svg><ul class="gr-legend">{}<li class="gr-peak">{}</li></ul></div>',
         chart_id,
         WIDTH,
         height,
         escape(label),
         SafeString("".join(rects)),
         legend,
-        _amount(peak, unit),
+        peak_text,
     )
 
 

@@ -23,12 +23,15 @@ from __future__ import annotations
 import json
 import unicodedata
 from collections.abc import Callable
+from datetime import datetime
 from itertools import groupby
 from typing import Any, cast
 
 from django.contrib.admin.utils import display_for_field
 from django.db import models
+from django.utils import timezone
 from django.utils.html import escape as html_escape
+from django.utils.html import format_html
 from django.utils.safestring import SafeString, mark_safe
 
 #: What an empty value shows as (the admin's own default).
@@ -102,6 +105,8 @@ def shown_field(model: type[models.Model], name: str, *, multiline: bool = False
             return escape(json_text(value), html=True)
         if value in (None, "") and not isinstance(field, models.BooleanField):
             return EMPTY
+        if isinstance(field, models.DateTimeField):  # the pages' one format (:func:`moment`), "3 min ago" on hover
+            return moment_html(value)
         if field.choices or not isinstance(field, models.CharField | models.TextField):
             shown = display_for_field(value, field, EMPTY)  # dates in the user's zone, a boolean's icon
             return shown if isinstance(shown, SafeString) else escape(shown, html=True)
@@ -111,3 +116,133 @@ def shown_field(model: type[models.Model], name: str, *, multiline: bool = False
     show.__name__ = show.__qualname__ = name
     show.short_description = field.verbose_name  # type: ignore[attr-defined]
     return show
+
+
+# Moments: one way every page writes them.
+
+#: A moment on every page: ISO-like, in the current time zone (the user's, else TIME_ZONE), its name after
+#: (``2026-12-02 10:31:05 UTC``); the same text everywhere, so two pages' times compare at a glance.
+MOMENT_FORMAT = "%Y-%m-%d %H:%M:%S %Z"
+
+
+def as_moment(value: object) -> datetime | None:
+    """``value`` as an aware datetime: a datetime, or the ISO-8601 text an attempt record holds; None when it is
+    neither (an empty or unreadable value)."""
+    if isinstance(value, str):
+        try:
+            value = datetime.fromisoformat(value)
+        except ValueError:
+            return None
+    if not isinstance(value, datetime):
+        return None
+    # A naive one is a database's time with USE_TZ off: in the current time zone, as Django reads it
+    return value if timezone.is_aware(value) else timezone.make_aware(value)
+
+
+def moment(value: object) -> str:
+    """``value`` (see :func:`as_moment`) as :data:`MOMENT_FORMAT` in the current time zone; :data:`EMPTY`
+    when there is none, an unreadable text as it is (escaped by the caller)."""
+    found = as_moment(value)
+    if found is None:
+        return EMPTY if value in (None, "") else str(value)
+    return timezone.localtime(found).strftime(MOMENT_FORMAT)
+
+
+def ago(value: object, *, now: datetime | None = None) -> str:
+    """How long before ``now`` ``value`` was (``3 min ago``, ``in 4 min``, ``just now``): "" when there is no
+    moment."""
+    found = as_moment(value)
+    if found is None:
+        return ""
+    seconds = ((now or timezone.now()) - found).total_seconds()
+    span = abs(seconds)
+    if span < 45:
+        return "just now"
+    if span < 90 * 60:
+        text = f"{max(1, round(span / 60))} min"
+    elif span < 36 * 3600:
+        text = f"{round(span / 3600)} h"
+    else:
+        text = f"{round(span / 86400)} days"
+    return f"{text} ago" if seconds >= 0 else f"in {text}"
+
+
+def moment_html(value: object, *, relative: bool = False, now: datetime | None = None) -> str:
+    """A ``<time>`` element: :func:`moment`'s text, the relative time (:func:`ago`) on hover, or under it with
+    ``relative=True``; :data:`EMPTY` when there is no moment."""
+    found = as_moment(value)
+    if found is None:
+        return escape(moment(value), html=True)
+    since = ago(found, now=now)
+    shown = format_html('<time datetime="{}" title="{}">{}</time>', found.isoformat(), since, moment(found))
+    return format_html('{}<br><span class="gr-ago">{}</span>', shown, since) if relative else shown
+
+
+def time_column(name: str, description: str, *, relative: bool = False) -> Callable[[Any], str]:
+    """A change-list column showing the date and time field ``name`` as :func:`moment_html` (sortable by it),
+    in place of the admin's own format (``Dec. 2, 2026, 10:31 a.m.``), so that lists and pages agree."""
+
+    def show(obj: Any) -> str:
+        return moment_html(getattr(obj, name), relative=relative)
+
+    show.__name__ = show.__qualname__ = f"{name}_shown"
+    show.short_description = description  # type: ignore[attr-defined]
+    show.admin_order_field = name  # type: ignore[attr-defined]
+    return show
+
+
+# One line that tells two records apart: their error and their arguments.
+
+#: What redaction writes in place of a value (celery_guardrails.redaction.REDACTED): shown bare, never quoted.
+REDACTED_MARK = "[redacted]"
+
+
+def _value(value: Any) -> str:
+    if isinstance(value, str) and value.startswith(REDACTED_MARK):
+        return REDACTED_MARK  # a redacted or cut value: the mark only ("(cut: ...)" is on the record's page)
+    return json_text(value)
+
+
+def arguments_line(args: Any, kwargs: Any, *, names: list[str] | tuple[str, ...] = (), as_repr: bool = False) -> str:
+    """A call's stored (redacted) arguments on one line, as a call reads: ``order_id=42, amount_cents=1200``.
+
+    Positional values are named by ``names`` (the task's parameters, when the task is known here), else shown
+    by value; redacted values stay ``[redacted]``; arguments stored as text (``as_repr``) show that text."""
+    if as_repr:
+        return f"as text: {args[0] if isinstance(args, list) and args else args}"
+    positional = args if isinstance(args, list) else [args]
+    named = kwargs if isinstance(kwargs, dict) else {"kwargs": kwargs}
+    parts = [
+        f"{names[index]}={_value(value)}" if index < len(names) else _value(value)
+        for index, value in enumerate(positional)
+    ]
+    parts.extend(f"{key}={_value(value)}" for key, value in named.items())
+    return ", ".join(parts) or "(none)"
+
+
+def error_line(exc_type: str, exc_message: str) -> str:
+    """The error as one line: the exception's class without its module, then its (redacted) message, lines
+    joined: ``HTTPError: 503 Server Error: Service Unavailable``."""
+    name = exc_type.rpartition(".")[2]
+    message = " ".join(exc_message.split())
+    return f"{name}: {message}" if name and message else name or message or EMPTY
+
+
+def span(seconds: float | None) -> str:
+    """A length of time a person reads at a glance: ``0.4 s``, ``42 s``, ``4 min 5 s``, ``2 h 7 min``,
+    ``3 days 4 h``; :data:`EMPTY` for none."""
+    if seconds is None:
+        return EMPTY
+    if seconds < 10:
+        return f"{seconds:.1f} s"
+    whole = round(seconds)
+    if whole < 60:
+        return f"{whole} s"
+    days, rest = divmod(whole, 86400)
+    hours, rest = divmod(rest, 3600)
+    minutes, secs = divmod(rest, 60)
+    if days:
+        return f"{days} days {hours} h" if hours else f"{days} days"
+    if hours:
+        return f"{hours} h {minutes} min" if minutes else f"{hours} h"
+    return f"{minutes} min {secs} s" if secs else f"{minutes} min"

@@ -61,6 +61,7 @@ from django.utils import timezone
 from kombu.serialization import dumps, loads
 
 from celery_guardrails import headers, signals
+from celery_guardrails.log import shown
 from celery_guardrails.options import OPTIONS, app_value
 from celery_guardrails.outbox import RelayPublisher
 
@@ -388,8 +389,8 @@ def _dead_letter(app: Any, row: OutboxMessage, exc: Exception, *, moment: dateti
         row.task_name,
         row.task_id,
         row.attempts,
-        row.tenant or None,
-        row.correlation_id or None,
+        shown(row.tenant),  # "-" for none, as the log context and the admin show it
+        shown(row.correlation_id),
         failure.exc_message,
     )
     for signal in (signals.final_failure, *((signals.dead_lettered,) if new else ())):

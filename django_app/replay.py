@@ -14,7 +14,8 @@ is published, so two concurrent replays of one record publish once. Records go :
 a few queries read them with their sealed copies, one UPDATE claims them (each with its own new task id), one
 store call reopens their keys, one broker connection publishes them; ``progress`` hears of each batch.
 
-A record is left open, with the reason in the result, when its task is no longer registered, its sealed copy
+A record is left open, with the reason in the result, when its task is not registered in this process (the
+project's task modules are imported first, as a worker does: :mod:`.discovery`), its sealed copy
 cannot be opened with the configured keys, or its arguments were not stored as JSON or had secrets redacted
 and no sealed copy holds them; and a ``not_idempotent`` record (its task failed after it may already have
 acted: charged a card, sent a mail) unless the caller says ``allow_not_idempotent=True``, having checked that
@@ -48,6 +49,7 @@ from celery_guardrails.redaction import REDACTED
 from celery_guardrails.sealing import restore_redacted, sealer_for
 from celery_guardrails.stores import get_store
 
+from .discovery import NOT_REGISTERED, import_task_modules
 from .models import DeadLetter, SealedMessage
 from .scoping import replayable
 
@@ -225,7 +227,11 @@ def _plan(
     if record.reason == ORDERING_GAP_SKIPPED:
         raise Refused(NEVER_CAME_REFUSAL)
     if record.task_name not in app.tasks:
-        raise Refused(f"task {record.task_name!r} is no longer registered; the record stays open")
+        # A web process has not imported the modules autodiscover_tasks() finds: import them as a worker does.
+        found = import_task_modules(app)
+        if record.task_name not in app.tasks:
+            why = "" if found.ok else f"; {found}"
+            raise Refused(f"task {record.task_name!r} is {NOT_REGISTERED}{why}; the record stays open")
     original = _unsealed(token, app, record)
     base_args, base_kwargs = (original["args"], original["kwargs"]) if original else (record.args, record.kwargs)
     header = dict(original["header"] if original else (record.header or {}))

@@ -18,7 +18,7 @@ from datetime import UTC, datetime, timedelta
 from typing import Any, ParamSpec, TypeVar
 
 from django.db import DatabaseError, IntegrityError, InterfaceError, OperationalError, connection, transaction
-from django.db.models import Case, F, FloatField, Q, QuerySet, Value, When
+from django.db.models import Case, Count, F, FloatField, Q, QuerySet, Value, When
 from django.db.models.functions import Concat
 from django.utils import timezone
 
@@ -44,6 +44,8 @@ from celery_guardrails.stores.base import (
     SlotAcquisition,
     SlotHolder,
     StoredCheckpoint,
+    Wait,
+    Waits,
     decide_admission,
     decide_outcome,
     status,
@@ -60,11 +62,15 @@ from .models import (
     IdempotencyKey,
     OrderingSequence,
     ScheduledRun,
+    WaitingMessage,
 )
 from .models import DependencyState as Row
 from .models import QueueSample as QueueSampleRow
 
 _FIELDS = [f.name for f in fields(DependencyState)]
+#: The fields of a Wait its row keeps as they are (the task id first: the row's key), and its times.
+_WAIT_COPIED = ("task_id", "task_name", "tenant", "queue", "reason", "detail", "attempt")
+_WAIT_TIMES = ("due_at", "since", "expires_at")
 #: Schedules read per query by run_heads.
 HEADS_CHUNK = 500
 T = TypeVar("T")
@@ -491,6 +497,43 @@ class DjangoStore:
             for row in waiting.order_by("gap_since").values("key", "done", "waiting", "gap_since")[:limit]
         )
         return OrderWaits(count=waiting.count() if len(oldest) >= limit else len(oldest), oldest=oldest)
+
+    # Waiting messages (celery_guardrails.waiting): one row per task id. A note is one INSERT ... ON CONFLICT
+    # UPDATE (no lock, no read first: concurrent notes of one task id end as the last one); expired rows are
+    # deleted by the read.
+
+    @translated("keep a waiting message")
+    def wait_note(self, wait: Wait) -> None:
+        values = {name: getattr(wait, name) for name in _WAIT_COPIED}
+        row = WaitingMessage(
+            **values, due_at=_moment(wait.due), since=_moment(wait.since), expires_at=_moment(wait.expires)
+        )
+        with transaction.atomic():  # a savepoint inside a caller's transaction: a failed write leaves it usable
+            WaitingMessage.objects.bulk_create(
+                [row], update_conflicts=True, unique_fields=["task_id"], update_fields=[*_WAIT_COPIED[1:], *_WAIT_TIMES]
+            )
+
+    @translated("forget a waiting message")
+    def wait_done(self, task_id: str) -> None:
+        WaitingMessage.objects.filter(task_id=task_id).delete()
+
+    @translated("read the waiting messages")
+    def waiting(self, *, now: float, limit: int, tenants: frozenset[str] | None = None) -> Waits:
+        WaitingMessage.objects.filter(expires_at__lte=_moment(now)).delete()
+        rows = WaitingMessage.objects.all()
+        if tenants is not None:
+            rows = rows.filter(tenant__in=sorted(tenants))
+        by_reason = {row["reason"]: row["n"] for row in rows.order_by().values("reason").annotate(n=Count("pk"))}
+        soonest = tuple(
+            Wait(
+                **{name: row[name] for name in _WAIT_COPIED},
+                due=row["due_at"].timestamp(),
+                since=row["since"].timestamp(),
+                expires=row["expires_at"].timestamp(),
+            )
+            for row in rows.order_by("due_at", "task_id").values(*_WAIT_COPIED, *_WAIT_TIMES)[:limit]
+        )
+        return Waits(count=sum(by_reason.values()), by_reason=by_reason, soonest=soonest)
 
     # The run ledger: one row per (schedule, period), unique on the pair. Every change is an INSERT the
     # constraint refuses on conflict or one conditional UPDATE, so concurrent beats and workers need no lock;

@@ -6,7 +6,9 @@ of the deployment read at scrape time by :class:`celery_guardrails.collectors.St
 dead letters, dependencies, schedules; here and not on the workers' endpoints, which would each export the
 same cluster-wide numbers), for staff users
 or a scraper that sends ``Authorization: Bearer <metrics_token>``; 403 for anyone else (never a redirect to a
-login page a scraper cannot follow). Mounted by ``django_celery_guardrails.urls``.
+login page a scraper cannot follow). The project's task modules are imported first, as a worker imports them
+(:mod:`.discovery`): the dependencies' gauges come from the guarded tasks. Mounted by
+``django_celery_guardrails.urls``.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from django.views.decorators.http import require_GET
 
 from celery_guardrails.options import django_settings
 
+from .discovery import import_task_modules
 from .scoping import sees_all
 
 logger = logging.getLogger(__name__)
@@ -58,9 +61,13 @@ def metrics(request: HttpRequest) -> HttpResponse:
 
     from celery_guardrails.metrics import exposition, metrics_registry
 
+    app = current_app._get_current_object()
+    # The budget and circuit gauges come from the guarded tasks' dependencies: import the task modules as a
+    # worker does, once (a module that fails to import is logged once and leaves those gauges out, not a 500).
+    import_task_modules(app)
     try:
         registry = metrics_registry()
-        registry.register(_state_collector(current_app._get_current_object()))
+        registry.register(_state_collector(app))
         body, content_type = exposition(registry)
     except Exception:  # a multiprocess directory that is gone, say: the scraper sees it as down, the log says why
         logger.exception("Metrics could not be collected")

@@ -17,12 +17,16 @@ import subprocess
 import sys
 import textwrap
 import time
+import uuid
 from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 VAR = Path(os.environ.get("EXAMPLE_VAR_DIR", ROOT / "example_project" / "var"))
 CLOCK_SPEED = 20
+#: This run's name: its queues, task ids and Redis keys (``KEY_PREFIX``) are its own.
+RUN = os.environ.get("DEMO_RUN") or uuid.uuid4().hex[:12]
+KEY_PREFIX = f"demo-{RUN}:"
 
 
 def redis_answers() -> bool:
@@ -41,7 +45,9 @@ def configure() -> str:
     os.environ.update(
         {
             "DJANGO_SETTINGS_MODULE": "example_project.settings",
-            "EXAMPLE_QUEUE": f"demo-{os.getpid()}",
+            # Queues, task ids and (on Redis) every key are the run's own: two runs on one machine (or two
+            # containers with the same pid) never consume each other's messages.
+            "EXAMPLE_QUEUE": f"demo-{RUN}",
             "EXAMPLE_SQLITE_PATH": str(VAR / "db.sqlite3"),
             # Scheduled work at 20x speed (a minute in 3 s; see celery_guardrails.beat.accelerated_clock),
             # the watchdog looking every second.
@@ -56,8 +62,14 @@ def configure() -> str:
         }
     )
     if os.environ.get("DEMO_BROKER") != "filesystem" and redis_answers():
-        os.environ["EXAMPLE_BROKER_URL"] = os.environ["EXAMPLE_RESULT_BACKEND"] = "redis://127.0.0.1:6379/14"
-        return "Redis on 127.0.0.1:6379 (db 14)"
+        # Any database (DEMO_REDIS_DB, default 14): every key the broker and the result backend write starts
+        # with the run's own prefix (kombu's and Celery's global_keyprefix), so a database shared with another
+        # run, or with anything else, is neither read nor changed outside it.
+        url = f"redis://127.0.0.1:6379/{int(os.environ.get('DEMO_REDIS_DB', '14'))}"
+        os.environ["EXAMPLE_BROKER_URL"] = os.environ["EXAMPLE_RESULT_BACKEND"] = url
+        prefix = json.dumps({"global_keyprefix": KEY_PREFIX})
+        os.environ["EXAMPLE_BROKER_TRANSPORT_OPTIONS"] = os.environ["EXAMPLE_RESULT_BACKEND_TRANSPORT_OPTIONS"] = prefix
+        return f"Redis at {url}, keys prefixed {KEY_PREFIX}"
     folders = {name: VAR / "broker" / name for name in ("messages", "processed", "results", "control")}
     for folder in folders.values():
         folder.mkdir(parents=True, exist_ok=True)
@@ -74,6 +86,29 @@ def configure() -> str:
     )
     os.environ["EXAMPLE_RESULT_BACKEND"] = f"file://{folders['results']}"
     return f"Kombu filesystem transport in {folders['messages']} (no Redis answered on 127.0.0.1:6379)"
+
+
+def forget_keys(url: str) -> None:
+    """Delete the run's own Redis keys (results, queues, bindings: all under ``KEY_PREFIX``), and no other."""
+    if not url.startswith("redis://"):
+        return
+    import redis
+
+    client = redis.Redis.from_url(url)
+    with contextlib.suppress(redis.RedisError):  # a tidy-up: never what fails the demo
+        for batch in _batches(client.scan_iter(match=f"{KEY_PREFIX}*", count=500), 500):
+            client.delete(*batch)
+
+
+def _batches(items: Any, size: int) -> Any:
+    batch: list[Any] = []
+    for item in items:
+        batch.append(item)
+        if len(batch) == size:
+            yield batch
+            batch = []
+    if batch:
+        yield batch
 
 
 def start_worker(
@@ -138,13 +173,33 @@ def start_beat(log_path: Path) -> subprocess.Popen[bytes]:
     return beat
 
 
-def wait_for(what: str, probe: Any, timeout: float = 60) -> Any:
+class DemoTimeout(SystemExit):
+    """A wait of the demo that passed its deadline: the demo stops (its workers too) and says what it waited for."""
+
+
+def wait_for(what: str, probe: Any, timeout: float = 60, every: float = 0.2) -> Any:
+    """Poll ``probe`` until it returns something truthy, and return that; past ``timeout`` seconds, stop the
+    demo with a message naming ``what`` (every wait of the demo has a deadline: nothing hangs silently)."""
     deadline = time.monotonic() + timeout
     while not (found := probe()):
         if time.monotonic() > deadline:
-            raise SystemExit(f"the demo waited {timeout}s for {what}")
-        time.sleep(0.2)
+            raise DemoTimeout(f"demo: gave up after {timeout:g}s waiting for {what}")
+        time.sleep(every)
     return found
+
+
+def outcome(result: Any, what: str, timeout: float = 60) -> Any:
+    """The return value of a task (its exception raised, as ``get`` does), waited for ``timeout`` seconds at
+    most; past that, the demo stops with a message naming ``what``, the task id and its state."""
+    from celery.exceptions import TimeoutError as ResultTimeout
+
+    try:
+        return result.get(timeout=timeout)
+    except ResultTimeout:
+        raise DemoTimeout(
+            f"demo: gave up after {timeout:g}s waiting for {what} (task {result.id}, state {result.state}; is a "
+            f"worker consuming queue {os.environ.get('EXAMPLE_QUEUE')}? see the logs in {VAR})"
+        ) from None
 
 
 def stop(worker: subprocess.Popen[bytes]) -> None:
@@ -165,6 +220,7 @@ def main() -> None:
         [sys.executable, str(ROOT / "example_project" / "manage.py"), "migrate", "--noinput", "-v", "0"],
         check=True,
         cwd=ROOT,
+        timeout=300,
     )
     print(f"== migrated {os.environ['EXAMPLE_SQLITE_PATH']}")
 
@@ -194,7 +250,7 @@ def main() -> None:
             f"   web:    HTTP {response.status_code}, task {body['task_id']}, tenant={body['tenant']}, "
             f"correlation id={body['correlation_id']}"
         )
-        seen = app.AsyncResult(body["task_id"]).get(timeout=30)
+        seen = outcome(app.AsyncResult(body["task_id"]), "the receipt of order 42", 30)
         print(f"   worker: tenant={seen['tenant']}, correlation id={seen['correlation_id']} (on {seen['worker']})")
 
         print("\n-- 2. tenant_required at publish: the same request without X-Tenant")
@@ -204,13 +260,13 @@ def main() -> None:
         print("\n-- 3. tenant_required on the worker: a tenant-less message sent by name, as another service would")
         result = app.send_task("example_project.shop.tasks.send_receipt", args=[44])
         try:
-            result.get(timeout=30)
+            outcome(result, "the refusal of the tenant-less receipt 44", 30)
         except Exception as exc:  # the refusal, raised back from the result backend
             print(f"   worker: refused without running, state {result.state}: {type(exc).__name__}: {exc}")
 
         print("\n-- 4. classified retries: charge order 42 through the flaky provider (transient 503s)")
         response = client.post("/orders/42/charge?amount=1999", headers={"X-Tenant": "acme"})
-        charged = app.AsyncResult(response.json()["task_id"]).get(timeout=60)
+        charged = outcome(app.AsyncResult(response.json()["task_id"]), "the charge of order 42", 60)
         for record in charged["history"]:
             print(
                 f"   attempt {record['n']}: {record['exc']} ({record['msg'][:40]}) -> {record['class']} "
@@ -225,7 +281,7 @@ def main() -> None:
         response = client.post("/orders/43/charge?amount=-5", headers={"X-Tenant": "acme"})
         failed = app.AsyncResult(response.json()["task_id"])
         try:
-            failed.get(timeout=30)
+            outcome(failed, "the refusal of order 43's charge", 30)
         except Exception as exc:
             print(
                 f"   worker: {type(exc).__name__}: {exc}; state {failed.state}, provider requests: {provider.calls[43]}"
@@ -243,8 +299,8 @@ def main() -> None:
         from example_project.shop.tasks import charge_order
 
         with tenant_context("acme"):
-            copies = [charge_order.apply_async((77, 2500), task_id=f"demo-charge-77-{os.getpid()}") for _ in range(3)]
-        first = copies[0].get(timeout=60)
+            copies = [charge_order.apply_async((77, 2500), task_id=f"demo-charge-77-{RUN}") for _ in range(3)]
+        first = outcome(copies[0], "the first delivery of order 77's charge", 60)
         deadline = time.monotonic() + 30
         log_text = ""
         while time.monotonic() < deadline:
@@ -272,7 +328,7 @@ def main() -> None:
         )
         declined = app.AsyncResult(response.json()["task_id"])
         with contextlib.suppress(Exception):  # the failure itself; the record says what it was
-            declined.get(timeout=30)
+            outcome(declined, "the declined charge of order 88", 30)
         record = DeadLetter.objects.get(task_id=declined.id)
         print(f"   worker: {record.exc_type}: {record.exc_message}")
         print(
@@ -292,7 +348,7 @@ def main() -> None:
         provider.declined.discard(88)  # the customer updated their card: the cause is fixed
         replayed = replay_dead_letters([record.pk], app=app)
         ((_, new_task_id),) = replayed.replayed
-        recharged = app.AsyncResult(new_task_id).get(timeout=60)
+        recharged = outcome(app.AsyncResult(new_task_id), "the replayed charge of order 88", 60)
         record.refresh_from_db()
         print(
             f"   fixed and replayed as {new_task_id}: charged {recharged['charge']} with card "
@@ -317,6 +373,7 @@ def main() -> None:
     finally:
         stop(worker)
         provider.__exit__()
+        forget_keys(str(app.conf.broker_url))
         print(f"\n== worker stopped (exit code {worker.returncode})")
 
 
@@ -337,10 +394,14 @@ def shared_capacity(app: Any) -> None:
                 results += [build_report.apply_async((n,), queue=queue) for n in range(1, count + 1)]
         print("   published 6 reports for acme, then 2 for globex")
         peak = 0
-        while not all(result.ready() for result in results):
+
+        def all_done() -> bool:
+            nonlocal peak
             peak = max(peak, concurrency_status("tenant:acme", app=app)["held"])
-            time.sleep(0.1)
-        runs = [result.get(timeout=60) for result in results]
+            return all(result.ready() for result in results)
+
+        wait_for(f"the {len(results)} reports on queue {queue} (log {log_path})", all_done, timeout=120, every=0.1)
+        runs = [outcome(result, f"report {n} of {len(results)}", 60) for n, result in enumerate(results, 1)]
         start = min(run["started"] for run in runs)
         for run in sorted(runs, key=lambda run: run["started"]):
             bar = " " * int((run["started"] - start) * 4) + "#" * max(1, int((run["ended"] - run["started"]) * 4))
@@ -437,7 +498,7 @@ def contract_and_outbox() -> None:
             result = charge_order.enqueue_in_transaction(48, 900)
         waiting = OutboxMessage.objects.count()
         print(f"   order 48: committed; outbox messages: {waiting} (the worker's relay publishes it)")
-        charged = result.get(timeout=60)
+        charged = outcome(result, "the outbox's charge", 60)
     print(
         f"   order 48 charged {charged['charge']} by the worker; outbox messages left: {OutboxMessage.objects.count()} "
         "(a crash between the commit and the publish would have lost nothing: the row waits for the relay)"
@@ -465,7 +526,7 @@ def retry_gate(app: Any, provider: Any) -> None:
     provider.warehouse_down.add(50)  # the warehouse answers 503 for order 50, after its parcel was booked
     with tenant_context("acme"):
         busy, down = ship_order.delay(51), ship_order.delay(50)
-    shipped = busy.get(timeout=60)
+    shipped = outcome(busy, "the shipment of order 51", 60)
     for record in shipped["history"]:
         print(
             f"   order 51, attempt {record['n']}: {record['msg'][:45]} inside the effect -> {record['class']} by rule "
@@ -473,7 +534,7 @@ def retry_gate(app: Any, provider: Any) -> None:
         )
     print(f"   order 51: shipped on attempt {shipped['attempt']}; parcels the carrier booked: {provider.bookings[51]}")
     with contextlib.suppress(Exception):  # the failure itself; the record says what it was
-        down.get(timeout=30)
+        outcome(down, "the failed shipment of order 50", 30)
     record = DeadLetter.objects.get(task_id=down.id)
     print(
         f"   order 50: {record.exc_message[:45]} after the booking -> {record.reason} after {record.attempts} "
@@ -512,18 +573,21 @@ def hostile_input(app: Any, worker_log: Path) -> None:
             ("arguments nested 700 levels (a prefork worker's pickle stops the worker there)", [nested(700)], {}),
             ("a database URL under an innocent name, an argument the task does not take", [49], {"dsn": dsn}),
         ):
-            message = app.amqp.as_task_v2(f"demo-hostile-{len(sent)}-{os.getpid()}", send_receipt.name, args, kwargs)
+            message = app.amqp.as_task_v2(f"demo-hostile-{len(sent)}-{RUN}", send_receipt.name, args, kwargs)
             headers = {**message.headers, "guardrails": {"v": 1, "tenant": "acme"}}
             producer.publish(message.body, routing_key=os.environ["EXAMPLE_QUEUE"], headers=headers, serializer="json")
             sent[what] = message.headers["id"]
     for what, task_id in sent.items():
-        record = wait_for("its dead letter", lambda task_id=task_id: DeadLetter.objects.filter(task_id=task_id).first())
+        record = wait_for(
+            f"the dead letter of {task_id} ({what})",
+            lambda task_id=task_id: DeadLetter.objects.filter(task_id=task_id).first(),
+        )
         print(f"   {what}:")
         print(f"      dead letter #{record.pk} {record.reason}: {record.exc_message[:110]}")
         if record.kwargs:
             print(f"      arguments as stored: {record.args} {record.kwargs}")
     with tenant_context("acme"):
-        after = send_receipt.delay(50).get(timeout=30)
+        after = outcome(send_receipt.delay(50), "receipt 50 after the hostile messages", 30)
     logged = dsn in worker_log.read_text(errors="replace")
     print(f"   the worker went on (receipt {after['order_id']} sent next); the password in its log: {logged}")
 
@@ -565,12 +629,16 @@ def ordering_gap(app: Any, worker_log: Path) -> None:
     print("   celery -A example_project guardrails status, its part on ordering (status.gather, read now):")
     for line in text.split("Ordering waits\n", 1)[1].split("\n\n", 1)[0].splitlines():
         print(f"   {line}")
+    # The message held back is in no queue while it waits for its turn: the status's Waiting section lists it
+    print("   and its part on waiting work (also the admin's Waiting page):")
+    for line in text.split("Waiting (", 1)[1].split("\n\n", 1)[0].splitlines()[1:]:
+        print(f"   {line}")
     samples = {s.name: s.value for f in StateCollector(app, close_database=False).collect() for s in f.samples}
     waiting, oldest = (f"celery_guardrails_ordering_{name}" for name in ("keys_waiting", "oldest_wait_seconds"))
     print(f"   metrics: {waiting} {samples[waiting]:g}, {oldest} {samples[oldest]:.1f}")
     for line in alerts:  # the subject, without the JSON the log line carries after it
         print(f"   alert{line.split('ALERT', 1)[1].split(' {', 1)[0]}")
-    first = second.get(timeout=60)
+    first = outcome(second, "the ordered stock updates", 60)
     record = DeadLetter.objects.get(task_name=update_stock.name, reason="ordering_gap_skipped")
     held = (record.last_failed_at - record.first_failed_at).total_seconds()
     looks = [entry["delay"] for entry in first["history"] if entry.get("rule") == "ordering:wait"]
@@ -662,7 +730,8 @@ def killed_mid_handover(app: Any) -> None:
         print("   skipped: the broker is not Redis here")
         return
     broker = redis.Redis.from_url(url)
-    queue, name = f"{os.environ['EXAMPLE_QUEUE']}-handover", "demo-handover"
+    queue, name = f"{os.environ['EXAMPLE_QUEUE']}-handover", f"demo-handover-{RUN}"
+    queue_key = str((app.conf.broker_transport_options or {}).get("global_keyprefix", "")) + queue
     # A long server-side wait, so that the worker is still waiting when it is frozen.
     options = {**app.conf.broker_transport_options, "client_name": name, "guardrails_pop_wait": 60}
     env = {"EXAMPLE_BROKER_TRANSPORT_OPTIONS": json.dumps(options)}
@@ -681,19 +750,19 @@ def killed_mid_handover(app: Any) -> None:
         wait_for("the server done with the waiting worker", lambda: not waiting())
         os.killpg(worker.pid, signal.SIGKILL)
         worker.wait()
-        print(f"   receipt 77 published, then the worker SIGKILLed; messages left in {queue}: {broker.llen(queue)}")
+        print(f"   receipt 77 published, then the worker SIGKILLed; messages left in {queue}: {broker.llen(queue_key)}")
     finally:
         stop(worker)
     worker = start_worker(log_path, queue=queue, name="handover-next")
     try:
-        receipt = result.get(timeout=60)
+        receipt = outcome(result, "the receipt after the handover", 60)
         print(
             f"   the next worker sent receipt {receipt['order_id']} for tenant {receipt['tenant']}: with kombu's BRPOP "
             "the server would have handed the message to the dead worker, and it would be gone (celery/kombu#305)"
         )
     finally:
         stop(worker)
-        broker.delete(queue)
+        broker.delete(queue_key)
 
 
 def scheduled_work(app: Any, worker_log: Path) -> None:
@@ -711,7 +780,7 @@ def scheduled_work(app: Any, worker_log: Path) -> None:
         first = wait_for("a settlement", lambda: [r for r in store.run_list(name) if r.status == OK])[-1]
     finally:
         stop(beat)
-    settled = app.AsyncResult(first.task_id).get(timeout=30)
+    settled = outcome(app.AsyncResult(first.task_id), "the settlement's result", 30)
     print(f"   beat dispatched period {moment(first.period):%H:%M}Z; it ran ok, since={settled['since']}")
     print("   beat stopped")
 
@@ -743,7 +812,7 @@ def scheduled_work(app: Any, worker_log: Path) -> None:
         )[-1]
     finally:
         stop(beat)
-    result = app.AsyncResult(caught.task_id).get(timeout=30)
+    result = outcome(app.AsyncResult(caught.task_id), "the caught-up settlement's result", 30)
     late = [r for r in store.run_list(name) if first.period < r.period <= caught.period]
     print(
         f"   beat restarted: caught up the latest missed period, {moment(caught.period):%H:%M}Z, once "

@@ -20,20 +20,24 @@ def run(*command: str | Path, cwd: Path) -> str:
     return done.stdout
 
 
-@pytest.fixture(scope="module")
-def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A wheel built from the source tree. One build at a time per checkout (a lock file): two at once, from two
-    test processes, write the same build/ and egg-info folders and fail."""
+def build_wheel(folder: Path) -> Path:
+    """A wheel built from the source tree into ``folder``. One build at a time per checkout (a lock file): two
+    at once, from two test processes, write the same build/ and egg-info folders and fail."""
     import fcntl
     import hashlib
 
-    folder = tmp_path_factory.mktemp("wheel")
     lock = Path("/tmp") / f"guardrails-build-{hashlib.sha256(str(ROOT).encode()).hexdigest()[:8]}.lock"
     with lock.open("w") as held:
         fcntl.flock(held, fcntl.LOCK_EX)
         run(sys.executable, "-m", "build", "--wheel", "--outdir", folder, ROOT, cwd=folder)
     (built,) = folder.glob("celery_guardrails-*.whl")
     return built
+
+
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A wheel built from the source tree (:func:`build_wheel`)."""
+    return build_wheel(tmp_path_factory.mktemp("wheel"))
 
 
 def test_wheel_installs_into_a_fresh_venv_and_both_packages_import(tmp_path: Path, wheel: Path) -> None:

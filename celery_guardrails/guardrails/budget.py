@@ -16,6 +16,7 @@ Tasks that declare the same ``dependency="payments-api"`` share both:
 from __future__ import annotations
 
 import logging
+import math
 import random
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -24,6 +25,7 @@ from celery_guardrails import clock, headers, signals
 from celery_guardrails.classification import Kind
 from celery_guardrails.delivery import delivery
 from celery_guardrails.exceptions import BudgetExhaustedError
+from celery_guardrails.log import duration, when
 from celery_guardrails.options import app_value, resolve
 from celery_guardrails.outcomes import CIRCUIT_OPEN, RETRY_BUDGET_EXHAUSTED, attempt_record, fail_finally, republish
 from celery_guardrails.pipeline import Guardrail
@@ -66,12 +68,15 @@ class RetryBudget(Guardrail):
         now = clock.now(task.app)
         admission = store.admit(dependency, policy, retry=request.attempt > 1, now=now)
         if admission.first_denial:
-            logger.warning("Retry budget of %s exhausted until %.0f", dependency, admission.retry_at)
+            status = store.budget_status(dependency, policy, now=now)
+            logger.warning(
+                "Retry budget of %s exhausted until %s: %s",
+                dependency,
+                when(admission.retry_at, now=now),
+                budget_use(status),
+            )
             signals.budget_exhausted.send(
-                sender=task,
-                dependency=dependency,
-                window_end=admission.retry_at,
-                status=store.budget_status(dependency, policy, now=now),
+                sender=task, dependency=dependency, window_end=admission.retry_at, status=status
             )
         if not admission.allowed:
             raise self._refuse(task, dependency, admission, policy, now, call)  # nothing ran: no outcome
@@ -102,10 +107,10 @@ class RetryBudget(Guardrail):
         delay = min(wait + jitter, resolve(task, "backoff_max", call))
         record = attempt_record(task, kind=kind, rule=reason, delay=delay)
         logger.info(
-            "Task %s[%s] deferred %.3fs: %s of %s (deferral %d)",
+            "Task %s[%s] deferred for %s: %s of %s (deferral %d)",
             task.name,
             request.id,
-            delay,
+            duration(delay),
             "retry budget spent" if admission.reason == "budget" else "circuit open",
             dependency,
             deferred,
@@ -124,7 +129,12 @@ class RetryBudget(Guardrail):
         policy = policy_for(task, task.call_options())
         now = clock.now(task.app)
         if get_store(task.app).record_outcome(dependency, policy, outcome=outcome, now=now):
-            logger.warning("Circuit of %s opened for %.1fs", dependency, policy.open_seconds)
+            logger.warning(
+                "Circuit of %s opened for %s (until %s)",
+                dependency,
+                duration(policy.open_seconds),
+                when(now + policy.open_seconds, now=now),
+            )
             signals.circuit_opened.send(sender=task, dependency=dependency, until=now + policy.open_seconds)
 
     def on_success(self, task: GuardedTask, retval: Any) -> None:
@@ -145,6 +155,16 @@ class RetryBudget(Guardrail):
         # so the breaker never waits for a probe that will not report.
         transient = verdict is not None and verdict.kind is Kind.TRANSIENT
         self._record(task, FAILURE if transient else RELEASE)
+
+
+def budget_use(status: dict[str, Any]) -> str:
+    """A dependency's retry budget as a person reads it: whole retries (the store's sliding window weighs the
+    previous window's, hence fractions) against the whole retries allowed, per window: ``3 of 3 retries per
+    60 s``."""
+    return (
+        f"{math.ceil(status['retries'] - 1e-9):d} of {math.floor(status['retries_allowed'] + 1e-9):d} retries per "
+        f"{duration(status['window_seconds'])}"
+    )
 
 
 def budget_status(dependency: str, *, app: Any = None) -> dict[str, Any]:

@@ -34,6 +34,7 @@ from celery_guardrails.context import (
     validate_tenant,
 )
 from celery_guardrails.headers import PUBLISHED
+from celery_guardrails.log import shown
 from celery_guardrails.pipeline import Guardrail, Publication
 
 if TYPE_CHECKING:
@@ -91,7 +92,9 @@ def _restore(task: Any = None, task_id: str | None = None, **_: Any) -> None:
     if stack is None:
         stack = _activations.stack = []
     stack.append(activate(tenant=tenant, correlation_id=correlation_id))
-    logger.debug("Task %s: context restored (tenant=%s, correlation id=%s)", task_id, tenant, correlation_id)
+    logger.debug(
+        "Task %s: context restored (tenant=%s, correlation id=%s)", task_id, shown(tenant), shown(correlation_id)
+    )
 
 
 def _clear(task_id: str | None = None, **_: Any) -> None:

@@ -248,6 +248,36 @@ class OrderWaits:
     oldest: tuple[OrderWait, ...] = ()
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Wait:
+    """A message the guardrails re-published with a countdown, waiting to be delivered again (see
+    :mod:`celery_guardrails.waiting`). Times are epoch seconds; ``tenant`` "" when it has none."""
+
+    task_id: str
+    task_name: str
+    tenant: str = ""
+    queue: str = ""
+    #: Why it waits: one of :data:`celery_guardrails.waiting.REASONS` ("retry", "budget", "circuit", ...).
+    reason: str
+    #: What it waits on: the error class of a retry, the dependency, the concurrency / ordering / idempotency key.
+    detail: str = ""
+    #: The attempt its next delivery makes (a wait that spends no attempt keeps the number).
+    attempt: int = 1
+    due: float
+    since: float
+    #: When the store forgets it although no delivery removed it (its message was lost): well after ``due``.
+    expires: float
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Waits:
+    """What :meth:`Store.waiting` found: how many wait, per reason, and the first ``limit`` by due time."""
+
+    count: int
+    by_reason: dict[str, int]
+    soonest: tuple[Wait, ...] = ()
+
+
 class Store(RunLedger, Protocol):
     """What a guardrails store does (each operation atomic across all workers).
 
@@ -378,6 +408,22 @@ class Store(RunLedger, Protocol):
     def order_waits(self, *, now: float, limit: int) -> OrderWaits:
         """The keys waiting for an earlier number (``gap_since`` set): how many, and the ``limit`` oldest. Read
         from an index the wait's start writes once (a Redis sorted set; an indexed column), not from a scan."""
+        ...
+
+    # Waiting messages (celery_guardrails.waiting): one row per task id, written as a message is re-published with
+    # a countdown, removed as its next delivery starts, forgotten after ``expires``.
+
+    def wait_note(self, wait: Wait) -> None:
+        """Keep ``wait`` for its task id, replacing the one kept (a key re-published many times is one row)."""
+        ...
+
+    def wait_done(self, task_id: str) -> None:
+        """Forget the wait of ``task_id`` (none kept: nothing happens)."""
+        ...
+
+    def waiting(self, *, now: float, limit: int, tenants: frozenset[str] | None = None) -> Waits:
+        """The waits not expired at ``now`` (those expired are removed): the count, per reason, and the ``limit``
+        soonest due. ``tenants``: only those of these tenants ("" for none); None: every tenant."""
         ...
 
     # Concurrency slots (see the block below the protocol): per-key limits, holders' heartbeats, the reaper.

@@ -30,6 +30,7 @@ from celery_guardrails.stores.redis_lane import Lane
 from celery_guardrails.stores.redis_ledger import LEDGER_SCRIPT, RedisRunLedger
 from celery_guardrails.stores.redis_ordering import ORDERING_SCRIPT, UNINDEX_SCRIPT, RedisOrdering
 from celery_guardrails.stores.redis_slots import RedisSlots
+from celery_guardrails.stores.redis_waiting import WAIT_NOTE_SCRIPT, RedisWaiting
 
 logger = logging.getLogger(__name__)
 
@@ -530,7 +531,9 @@ _INT_FIELDS = (
 )
 
 
-class RedisStore(RedisIdempotency, RedisRunLedger, RedisCheckpoints, RedisOrdering, RedisSlots, RedisActivity):
+class RedisStore(
+    RedisIdempotency, RedisRunLedger, RedisCheckpoints, RedisOrdering, RedisSlots, RedisActivity, RedisWaiting
+):
     """Store on a Redis server, a Redis Cluster or the master a Sentinel names, given by URL
     (``redis://127.0.0.1:6379/1``; see :mod:`~celery_guardrails.stores.redis_client`)."""
 
@@ -560,6 +563,7 @@ class RedisStore(RedisIdempotency, RedisRunLedger, RedisCheckpoints, RedisOrderi
         self._checkpoint_clear = self.client.register_script(CHECKPOINT_CLEAR_SCRIPT)
         self._ordering = self.client.register_script(ORDERING_SCRIPT)
         self._unindex = self.client.register_script(UNINDEX_SCRIPT)
+        self._wait_note = self.client.register_script(WAIT_NOTE_SCRIPT)
         # A cluster client routes each command to its slot's node: there is no one pool to make a lane from.
         self._lane = Lane(None if self._cluster else self.client.connection_pool)
         self._errors: tuple[type[BaseException], ...] = (redis.RedisError, redis.exceptions.RedisClusterException)

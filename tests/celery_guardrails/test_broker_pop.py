@@ -76,7 +76,12 @@ def test_a_worker_killed_while_a_message_is_handed_to_it_loses_nothing(
     name = f"gr-pop-{uuid.uuid4().hex[:8]}"
     worker = a_worker(queue_name, tmp_path, name, atomic=atomic).start()
     try:
-        assert ("atomic pop (broker_atomic_pop)" in worker.log) is atomic
+        # (the start-up summary line says which transport the worker uses, and that the extension chose it)
+        summary = next(line for line in worker.log.splitlines() if "guarded task(s); broker: " in line)
+        assert (
+            "kombu's Redis transport replaced by celery_guardrails.broker_pop:Transport (atomic pop" in summary
+        ) is atomic
+        assert ("broker: transport redis as set" in summary) is not atomic
         command = stop_while_blocked(worker, broker_client, name)
         assert command == ("blmove" if atomic else "brpop")
         # When a task is published to it, and the worker is SIGKILLed before it could read the server's reply

@@ -332,3 +332,27 @@ def test_label_values_lose_the_secrets_a_message_put_in_them(celery_app: Any) ->
     assert {"task": task.name, "outcome": "dead_lettered", "detail": "permanent [redacted]"} in labels
     assert any(label.get("queue", "").startswith("orders postgresql://app:[redacted]@") for label in labels), labels
     assert leaked(labels) == []
+
+
+def test_the_endpoint_names_every_family_before_any_task_and_prefork_says_how_to_set_the_directory(
+    celery_app: Any, queue_name: str, tmp_path: Path
+) -> None:
+    # Given a prefork worker with metrics on and its endpoint, started without PROMETHEUS_MULTIPROC_DIR
+    port = free_port()
+    with worker(tmp_path, queue_name, pool="prefork", concurrency=1, port=port, name="fresh") as started:
+        # When the endpoint is scraped before any task ran
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
+            text = response.read().decode()
+        log = started.log
+    # Then every family of the guardrails is there, with its HELP and TYPE lines and no sample yet
+    for name, (kind, doc) in metrics.FAMILIES.items():
+        assert f"# HELP {name} {doc}\n# TYPE {name} {kind}\n" in text, name
+    assert [line for line in text.splitlines() if line.startswith(metrics.PREFIX)] == []
+    # And the worker warned that the children's metrics are not seen, with the exact line that fixes it and
+    # that the directory must be empty at each start
+    (warning,) = [line for line in log.splitlines() if "prefork pool without PROMETHEUS_MULTIPROC_DIR" in line]
+    assert (
+        "rm -rf /tmp/celery-metrics && mkdir /tmp/celery-metrics && PROMETHEUS_MULTIPROC_DIR=/tmp/celery-metrics "
+        "celery -A proj worker" in warning
+    )
+    assert "an empty directory at each start of the whole worker" in warning

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import random
@@ -195,3 +196,41 @@ def test_a_source_that_cannot_be_read_is_reported_without_its_secrets() -> None:
     assert errors == {
         "store": "StoreUnavailableError: Redis store at redis://:[redacted]@cache:6379/0 unavailable: refused"
     }
+
+
+def test_a_dependencys_budget_reads_as_whole_retries_per_window(celery_app: Any) -> None:
+    # Given a status whose dependency has used 1.825 weighted retries of 3 allowed per 60 s (the store's sliding
+    # window weighs the previous window's count), and another exhausted
+    celery_app.conf.guardrails = {**celery_app.conf.guardrails, "schedules": {}}
+    read = dataclasses.replace(
+        status.gather(celery_app),
+        dependencies=[
+            status.DependencyStatus(
+                dependency="payments-api",
+                retries=1.825,
+                retries_allowed=3.0,
+                exhausted=False,
+                circuit="closed",
+                consecutive_failures=0,
+                window_seconds=60.0,
+            ),
+            status.DependencyStatus(
+                dependency="mail-api",
+                retries=2.2,
+                retries_allowed=3.4,
+                exhausted=True,
+                circuit="open",
+                consecutive_failures=5,
+                window_seconds=600.0,
+            ),
+        ],
+    )
+    # When the table is rendered
+    table = status.render(read)
+    # Then each budget reads as whole retries of whole retries allowed, with the window's unit: no fractions
+    assert "RETRY BUDGET" in table
+    rows = [line.split() for line in table.splitlines() if line.strip().startswith(("payments-api", "mail-api"))]
+    assert [" ".join(row) for row in rows] == [
+        "payments-api 2 of 3 retries per 60 s closed",
+        "mail-api 3 of 3 retries per 10 min exhausted open",
+    ]

@@ -362,11 +362,53 @@ LONGEST_REASONS = sorted(REASONS, key=len, reverse=True)[:6]
 LONG_OWNER = ("payments_platform_" + "settlement_reconciliation_and_chargebacks_" * 3)[:100]
 
 
+#: What a provider's client really raises: a long exception message with no place to break in its URL.
+LONG_ERROR = (
+    "HTTPSConnectionPool(host='api.payments-provider.example.com', port=443): Max retries exceeded with url: "
+    "/v1/settlements/batches/2026-12-02/reconcile?include=chargebacks,refunds,disputes,fees&page_size=500 "
+    "(Caused by NewConnectionError('<urllib3.connection.HTTPSConnection object at 0x7f3b2c1d9e50>: "
+    "Failed to establish a new connection: [Errno 111] Connection refused'))"
+)
+
+
+NO_SEALED_COPY = 'Sealed copy: no — a replay cannot send the original arguments (see "replay").'
+
+
+def long_history(now: Any) -> list[dict[str, Any]]:
+    """Ten attempts as the core records them (ISO times, a Kubernetes pod's host name, the whole error)."""
+    return [
+        {
+            "n": n,
+            "start": (now - timedelta(minutes=30 - n)).isoformat(),
+            "end": (now - timedelta(minutes=30 - n, seconds=-2)).isoformat(),
+            "host": "celery@payments-settlements-worker-eu-west-1a-7f9c8d6b5-x2x4q",
+            "class": "transient",
+            "rule": "transient_errors: requests.exceptions.ConnectionError",
+            "exc": f"requests.exceptions.ConnectionError: {LONG_ERROR}",
+            "delay": round(1.5**n, 3),
+            "note": "" if n < 10 else "attempts exhausted: max_attempts=10 (the task's option)",
+        }
+        for n in range(1, 11)
+    ]
+
+
+def deep_traceback() -> str:
+    """A 40-frame traceback with long paths and a long source line, as a real client library's."""
+    frame = (
+        '  File "/srv/app/.venv/lib/python3.12/site-packages/billing/integrations/payment_providers/settlements/'
+        'client_{n}.py", line {line}, in _send_with_retries_and_circuit_breaker_and_rate_limiting\n'
+        "    response = self._session.request(method, url, params=params, json=payload, timeout=(3.05, 27), "
+        "headers={{'Idempotency-Key': key, 'X-Correlation-Id': correlation_id}})\n"
+    )
+    frames = "".join(frame.format(n=n, line=100 + n) for n in range(40))
+    return f"Traceback (most recent call last):\n{frames}requests.exceptions.ConnectionError: {LONG_ERROR}"
+
+
 @pytest.fixture
 def longest_values() -> DeadLetter:
     """Open records of the six longest reasons in the last hour, one with a 100-character owner, a long task
-    name and a UUID task id (a long title on its page), and an admin user; written before the browser starts
-    (see ``schedules``)."""
+    name and a UUID task id (a long title on its page), a long tenant, a long error, a deep traceback and a
+    ten-attempt history, and an admin user; written before the browser starts (see ``schedules``)."""
     from django.utils import timezone
 
     now = timezone.now()
@@ -378,9 +420,15 @@ def longest_values() -> DeadLetter:
                 task_id=str(uuid.uuid4()),
                 reason=reason,
                 owner=LONG_OWNER,
-                tenant=f"tenant-{uuid.uuid4().hex}",
-                kwargs={"batch": n},
-                first_failed_at=now - timedelta(minutes=5),
+                tenant=f"acme-corporation-international-holdings-europe-{uuid.uuid4().hex}",
+                args=[4200 + n, 129900],
+                kwargs={"batch": n, "currency": "EUR", "api_token": "[redacted]"},
+                exc_type="requests.exceptions.ConnectionError",
+                exc_message=LONG_ERROR,
+                traceback=deep_traceback(),
+                history=long_history(now),
+                attempts=10,
+                first_failed_at=now - timedelta(minutes=30),
                 last_failed_at=now - timedelta(minutes=5),
             )
     User.objects.create_superuser("admin", "admin@example.com", "pw-for-tests")
@@ -407,6 +455,46 @@ def overlap(a: dict[str, float], b: dict[str, float]) -> bool:
     )
 
 
+#: Every element of ``root`` (a selector) that a person cannot read whole at this size: past the screen's right
+#: edge (unless inside a box that scrolls: what it holds is reached by scrolling it), or holding content wider
+#: than itself that it neither wraps nor scrolls (cut off by a hidden overflow, or spilling over its
+#: neighbours). A text cut with an ellipsis counts too, unless its whole text is on hover (a title).
+#: [{what, why, text}], empty when everything fits.
+UNREADABLE = """root => {
+  const screen = document.documentElement.clientWidth;
+  const scrolls = e => ['auto', 'scroll'].includes(getComputedStyle(e).overflowX);
+  const named = e => e.tagName.toLowerCase() + (e.id ? '#' + e.id : '')
+    + (typeof e.className === 'string' && e.className.trim() ? '.' + e.className.trim().split(/\\s+/).join('.') : '');
+  const found = [];
+  for (const e of document.querySelectorAll(`${root}, ${root} *`)) {
+    const style = getComputedStyle(e);
+    if (style.display === 'none' || style.visibility === 'hidden') continue;
+    const box = e.getBoundingClientRect();
+    if (!box.width && !box.height) continue;
+    let inScrollBox = false;
+    for (let up = e.parentElement; up; up = up.parentElement) if (scrolls(up)) { inScrollBox = true; break; }
+    const text = (e.textContent || '').trim().slice(0, 60);
+    if (!inScrollBox && box.right > screen + 0.5)
+      found.push({what: named(e), why: `right edge ${Math.round(box.right)} px past the screen's ${screen}`, text});
+    const ellipsis = style.textOverflow === 'ellipsis' && e.closest('[title]');
+    if (e.clientWidth && !scrolls(e) && !ellipsis && e.scrollWidth > e.clientWidth + 1) {
+      // (and which of its elements reaches furthest: what to fix)
+      const widest = [...e.querySelectorAll('*')].reduce(
+        (a, b) => (b.getBoundingClientRect().right > (a ? a.getBoundingClientRect().right : -1) ? b : a), null);
+      const why = `${e.scrollWidth} px in ${e.clientWidth} (overflow ${style.overflowX})`;
+      found.push({what: named(e), why: `${why}, widest ${widest ? named(widest) : 'text'}`, text});
+    }
+  }
+  return found;
+}"""
+
+
+def unreadable(page: Any, root: str = "#content") -> list[str]:
+    return [
+        f"{item['what']}: {item['why']} [{' '.join(item['text'].split())}]" for item in page.evaluate(UNREADABLE, root)
+    ]
+
+
 def test_long_real_values_keep_the_layout_at_1366_pixels(
     longest_values: DeadLetter, live_server: Any, browser: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -415,7 +503,8 @@ def test_long_real_values_keep_the_layout_at_1366_pixels(
     width = 1366
     page = browser.new_page(viewport={"width": width, "height": 768})
     log_in(page, live_server, "/admin/guardrails/deadletter/", "**/admin/guardrails/deadletter/")
-    # When the change list shows records with a 100-character owner and the longest reasons
+    # When the change list shows records with a 100-character owner, long tenants, long errors and the longest
+    # reasons
     page.wait_for_selector("#result_list")
     page.screenshot(path=str(ARTIFACTS / "1366-long-values-list.png"), full_page=True)
     # Then every column, the last one too, is inside the screen and inside the list's box (which would scroll)
@@ -424,6 +513,14 @@ def test_long_real_values_keep_the_layout_at_1366_pixels(
     columns = boxes(page, "#result_list thead th")
     outside = [c["text"].strip() for c in columns if c["x"] + c["width"] > edge + 0.5]
     assert outside == [], f"columns past {edge} px: {outside}"
+    # and nothing on the page is cut off or past the screen, and the list needs no sideways scrolling
+    assert unreadable(page) == []
+    assert page.evaluate("(e => e.scrollWidth - e.clientWidth)(document.querySelector('#changelist .results'))") <= 1
+    # and each row says which record it is: its id, its error, its arguments (the redacted one redacted)
+    row = page.locator(f"#result_list tr:has(a[href*='/deadletter/{longest_values.pk}/change/'])").inner_text()
+    assert f"#{longest_values.pk}" in row and longest_values.task_id[:8] in row
+    assert "ConnectionError: HTTPSConnectionPool(host=" in row
+    assert "4200, 129900, " in row and "api_token=[redacted]" in row
     # When the dashboard charts the six longest reasons
     page.goto(f"{live_server.url}/admin/guardrails/dashboard/")
     page.wait_for_selector("#dl-reasons-chart")
@@ -435,10 +532,11 @@ def test_long_real_values_keep_the_layout_at_1366_pixels(
     crossed = [(a["text"], b["text"]) for i, a in enumerate(legend) for b in legend[i + 1 :] if overlap(a, b)]
     assert crossed == [], f"legend names overlap: {crossed}"
     assert [item["text"] for item in legend if item["x"] + item["width"] > width + 0.5] == []
-    # and the owner's table stays on the screen
+    # and the owner's table stays on the screen, and nothing on the page is cut off
     owners = boxes(page, "table#open-dead-letters td")
     assert [cell["text"] for cell in owners if cell["x"] + cell["width"] > width + 0.5] == []
-    # When a record with a long task name and id is opened
+    assert unreadable(page) == []
+    # When a record with a long task name and id, a ten-attempt history and a deep traceback is opened
     page.goto(f"{live_server.url}/admin/guardrails/deadletter/{longest_values.pk}/change/")
     page.wait_for_selector("a.replay-link")
     page.screenshot(path=str(ARTIFACTS / "1366-long-values-record.png"), full_page=True)
@@ -447,4 +545,46 @@ def test_long_real_values_keep_the_layout_at_1366_pixels(
     buttons = boxes(page, ".object-tools li")
     assert [b["text"].strip() for b in buttons if overlap(title, b)] == []
     assert [b["text"].strip() for b in [title, *buttons] if b["x"] + b["width"] > width + 0.5] == []
+    # and all ten attempts and the whole traceback are there, none of it cut off or past the screen (the
+    # history's box would scroll, visibly, rather than hide a column)
+    assert page.locator("table.attempt-history tbody tr").count() == 10
+    page.locator("div.field-attempt_history").screenshot(path=str(ARTIFACTS / "1366-long-values-history.png"))
+    assert unreadable(page) == []
+    (history,) = boxes(page, "table.attempt-history")
+    (row,) = boxes(page, "div.form-row.field-attempt_history")
+    assert history["x"] + history["width"] <= row["x"] + row["width"] + 0.5
+    assert "Connection refused'))" in page.locator("div.field-traceback_text pre").inner_text()
+    # and the stored arguments are said in words, not a bare "no"
+    said = " ".join(page.locator("div.field-stored_arguments .stored-arguments").inner_text().split())
+    assert said == "As JSON, with secrets redacted. " + NO_SEALED_COPY
+    connection.close()  # the ORM's connection in Playwright's thread (see above)
+
+
+@pytest.fixture
+def admin_user() -> None:
+    """An admin user, written before the browser starts (see ``schedules``)."""
+    User.objects.create_superuser("admin", "admin@example.com", "pw-for-tests")
+
+
+def test_an_empty_chart_says_so_at_1366_pixels(
+    admin_user: None, live_server: Any, browser: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Given no dead letter at all
+    app = use_app(monkeypatch)
+    app.conf.guardrails = {**app.conf.guardrails, "activity": False}
+    page = browser.new_page(viewport={"width": 1366, "height": 768})
+    # When an operator opens the dashboard
+    log_in(page, live_server, "/admin/guardrails/dashboard/", "**/admin/guardrails/dashboard/")
+    page.wait_for_selector("#dl-reasons-chart")
+    page.screenshot(path=str(ARTIFACTS / "1366-empty-dashboard.png"), full_page=True)
+    # Then the chart says there is no data, in itself and under it, and names no tallest bar
+    figure = page.locator(".gr-figure:has(#dl-reasons-chart)")
+    assert figure.locator("svg text.gr-no-data").text_content() == "no data in this window"
+    assert figure.locator(".gr-legend").inner_text().strip() == "no data in this window"
+    assert "tallest bar" not in page.locator("#content").inner_text()
+    # and its text is inside the chart, and nothing on the page is cut off
+    (chart,) = boxes(page, "#dl-reasons-chart")
+    (said,) = boxes(page, "#dl-reasons-chart text.gr-no-data")
+    assert chart["x"] <= said["x"] and said["x"] + said["width"] <= chart["x"] + chart["width"]
+    assert unreadable(page) == []
     connection.close()  # the ORM's connection in Playwright's thread (see above)

@@ -144,7 +144,7 @@ def test_outcomes_per_task_and_queue_age_per_hour_from_the_activity(admin_client
         ("retried", "3"),
     ]
     # and the queue's oldest age per hour, an hour without a known age drawn as no bar
-    ages = chart_after(text, f"<h3>{queue} (up to 42.0 s)</h3>")
+    ages = chart_after(text, f"<h3>{queue} (up to 42 s)</h3>")
     assert re.findall(r'data-value="([\d.]+)"', ages) == ["42"]
     assert "no known age" in ages
 

@@ -119,7 +119,11 @@ def test_replay_refused_without_permission_and_for_unknown_tasks(celery_worker: 
     DeadLetter.objects.filter(pk=record.pk).update(task_name="tests.proj.tasks.gone")
     result = replay_dead_letters([record.pk])
     assert result.skipped == [
-        (record.pk, "task 'tests.proj.tasks.gone' is no longer registered; the record stays open")
+        (
+            record.pk,
+            "task 'tests.proj.tasks.gone' is not registered in this process (not found by autodiscover_tasks, "
+            "CELERY_IMPORTS or include); the record stays open",
+        )
     ]
     assert DeadLetter.objects.get(pk=record.pk).status == "open"
 
@@ -286,7 +290,7 @@ def test_many_refusals_are_one_message_and_internal_tables_are_read_only(
 ) -> None:
     from django_celery_guardrails.models import DependencyState, IdempotencyKey
 
-    # Given three open records of a task that is no longer registered
+    # Given three open records of a task that is not registered
     records = [dead_letter(Sink.of(f"{sink.key}:{i}"), oid + i) for i in range(3)]
     DeadLetter.objects.filter(pk__in=[r.pk for r in records]).update(task_name="tests.proj.tasks.gone")
     client = Client()
@@ -299,8 +303,8 @@ def test_many_refusals_are_one_message_and_internal_tables_are_read_only(
     texts = [str(m) for m in done.context["messages"]]
     ids = ", ".join(str(r.pk) for r in records)
     assert texts == [
-        f"3 dead letter(s) not replayed ({ids}): task 'tests.proj.tasks.gone' is no longer registered; the record "
-        "stays open"
+        f"3 dead letter(s) not replayed ({ids}): task 'tests.proj.tasks.gone' is not registered in this process (not "
+        "found by autodiscover_tasks, CELERY_IMPORTS or include); the record stays open"
     ]
     # And the internal tables offer no Add, the key list hides the guardrails' own keys
     IdempotencyKey.objects.create(key="guardrails:watchdog:abc", state="claimed")

@@ -8,6 +8,7 @@ change list's "replay" column, the record page's "replay" field and the command'
 
 from __future__ import annotations
 
+import html
 import json
 import re
 import uuid
@@ -124,11 +125,39 @@ def test_what_the_pages_and_the_command_say_is_what_the_replay_does(
     said = re.search(r'<span class="dl-replay [\w-]+" title="([^"]*)">(.*?)</span>', row.group(0), re.S)
     assert said is not None and said.group(2) == f"replay: {case.word}"
     assert said.group(1).replace("&#x27;", "'") == case.says
+    # and the row tells it from its neighbours: its id, its error, its arguments named as the call named them,
+    # the token redacted (a cut record shows the start of its stored text), the secret nowhere
+    cells = {
+        name: html.unescape(title)
+        for name, title in re.findall(r'<span class="dl-(error|arguments)" title="([^"]*)">', row.group(0))
+    }
+    assert f"#{record.pk} {record.task_id[:8]}" in unescaped(row.group(0))
+    assert cells["error"] == f"PermanentError: provider refused account {sink.key}"
+    if case.cut:
+        assert cells["arguments"] == f"as text: ['{sink.key}', '{sink.key}']"
+    else:  # (the keyword arguments in the order the database keeps them: jsonb sorts them)
+        assert cells["arguments"].startswith(f'account="{sink.key}", sink="{sink.key}", ')
+        assert sorted(cells["arguments"].split(", ")[2:]) == ["api_token=[redacted]", 'options={"region": "eu"}']
+    assert secret not in listing.content.decode()
     # And opens it: the replay field says the same, and nothing says a cut record cannot be replayed
     page = admin_client.get(reverse("admin:guardrails_deadletter_change", args=[record.pk])).content.decode()
     field = re.search(r'<span class="replay-outlook">(.*?)</span>', page, re.S)
     assert field is not None and unescaped(field.group(1)) == case.says
     assert "replay is not possible" not in page
+    # and the stored arguments are said in words (a bare "stored as text: no" read as "replay impossible"):
+    # what is shown, and whether a sealed copy holds the originals a replay sends
+    stored = re.search(r'<span class="stored-arguments">(.*?)</span>', page, re.S)
+    assert stored is not None
+    assert unescaped(stored.group(1)) == (
+        ("As text (they were not JSON, or too large): the values above are their repr. " if case.cut else "")
+        + ("" if case.cut else "As JSON, with secrets redacted. ")
+        + (
+            "Sealed copy: yes — a replay sends the original arguments."
+            if case.sealed
+            else 'Sealed copy: no — a replay cannot send the original arguments (see "replay").'
+        )
+    )
+    assert "stored as text" not in page
     # And the command says it too, in text and JSON
     out = StringIO()
     call_command("guardrails_deadletters", "show", str(record.pk), stdout=out)

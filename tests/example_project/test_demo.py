@@ -6,7 +6,13 @@ import os
 import re
 import subprocess
 import sys
+import time
+import uuid
 from pathlib import Path
+
+import pytest
+
+from tests.support.services import REDIS_URL, require
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -139,3 +145,38 @@ def check_output(out: str) -> None:
     assert re.search(r"attempt 3 of 3: dead letter #\d+ unpublishable, owner shop, tenant acme, arguments \[48\]", out)
     assert "outbox messages left: 0 (the row was deleted in the record's transaction" in out
     assert "== worker stopped (exit code 0)" in out
+
+
+def test_a_demo_wait_past_its_deadline_stops_the_demo_saying_what_it_waited_for() -> None:
+    from example_project import demo
+
+    # Given a wait for something that never comes, with a deadline of 0.3 s
+    started = time.monotonic()
+    # When the demo waits for it
+    with pytest.raises(SystemExit) as stopped:
+        demo.wait_for("the 8 reports on queue demo-x-reports", lambda: None, timeout=0.3, every=0.05)
+    # Then it stops at once past the deadline, with a message naming what it waited for (not a hang)
+    assert str(stopped.value) == "demo: gave up after 0.3s waiting for the 8 reports on queue demo-x-reports"
+    assert time.monotonic() - started < 5
+
+
+def test_a_task_result_past_its_deadline_stops_the_demo_naming_the_task(monkeypatch: pytest.MonkeyPatch) -> None:
+    require("redis")
+    from celery import Celery
+
+    from example_project import demo
+
+    # Given a real result backend and a task nobody runs (no worker consumes its queue)
+    monkeypatch.setenv("EXAMPLE_QUEUE", "demo-nobody")
+    app = Celery("demo-deadline", backend=REDIS_URL, broker=REDIS_URL, set_as_current=False)
+    result = app.AsyncResult(f"demo-never-{uuid.uuid4()}")
+    started = time.monotonic()
+    # When the demo waits for its result with a deadline of 0.5 s
+    with pytest.raises(SystemExit) as stopped:
+        demo.outcome(result, "the receipt of order 42", 0.5)
+    # Then the demo stops, naming what it waited for, the task id, its state and the queue to look at
+    assert str(stopped.value).startswith(
+        f"demo: gave up after 0.5s waiting for the receipt of order 42 (task {result.id}, state PENDING; is a "
+        "worker consuming queue demo-nobody?"
+    )
+    assert time.monotonic() - started < 10

@@ -189,6 +189,12 @@ def behave(self: GuardedTask, sink: str, script: list[str]) -> dict[str, Any]:
     return _behave(self, sink, script)
 
 
+@shared_task(base=GuardedTask, bind=True, idempotent=True)
+def behave_by_default(self: GuardedTask, sink: str, script: list[str]) -> dict[str, Any]:
+    """``behave`` with the documented backoff (no backoff option set): the first retry waits 1-2 s."""
+    return _behave(self, sink, script)
+
+
 @shared_task(base=GuardedTask, bind=True, backoff_base=0.05)
 def behave_not_idempotent(self: GuardedTask, sink: str, script: list[str]) -> dict[str, Any]:
     return _behave(self, sink, script)

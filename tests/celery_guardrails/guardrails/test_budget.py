@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import math
 import random
+import re
 import time
 import uuid
 from collections import Counter
@@ -256,3 +258,50 @@ def test_the_django_store_on_a_real_worker(celery_worker: Any, celery_app: Any, 
     )
     assert (row.first_current + row.first_previous, row.retries_current + row.retries_previous) == (1, 1)
     assert row.circuit == "closed"
+
+
+def test_budget_and_circuit_lines_read_as_times_and_whole_retries(
+    celery_worker: Any, celery_app: Any, sink: Sink, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Given a dependency with no retry to spare (policy "fail") whose circuit opens after 2 transient failures
+    celery_app.conf.guardrails = {
+        **celery_app.conf.guardrails,
+        "retry_budget_floor": 0,
+        "retry_budget_ratio": 0,
+        "retry_budget_policy": "fail",
+        "retry_budget_window": 60,
+        "circuit_threshold": 2,
+        "circuit_open_seconds": 240,
+    }
+    dependency = f"dep-{uuid.uuid4().hex[:8]}"
+    caplog.set_level(logging.INFO)
+    # When a task without a tenant fails transiently and its retry is refused, then a second run fails too
+    with pytest.raises(BudgetExhaustedError):
+        tasks.behave.apply_async((sink.key, ["transient", "ok"]), dependency=dependency).get(timeout=30)
+    with pytest.raises(Exception, match="failed"):
+        tasks.behave.apply_async((f"{sink.key}:2", ["transient"]), dependency=dependency, max_attempts=1).get(
+            timeout=30
+        )
+
+    # Then the worker's lines say when, in local ISO time and how far, with whole retries and units; no raw
+    # epoch, no fraction; and "-" for the missing tenant, as the admin shows it
+    # (the circuit's line follows the second result: Celery stores it before on_failure reports the outcome)
+    def ours() -> list[str]:
+        said = [r.getMessage() for r in caplog.records if r.name.startswith("celery_guardrails")]
+        return [line for line in said if dependency in line or "failed finally" in line]
+
+    wait_for("the circuit's line", lambda: any(line.startswith("Circuit of") for line in ours()))
+    lines = ours()
+    stamp = r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d[+-]\d\d:\d\d"
+    exhausted = [line for line in lines if line.startswith(f"Retry budget of {dependency}")]
+    assert len(exhausted) == 1 and re.fullmatch(
+        f"Retry budget of {dependency} exhausted until {stamp} \\((in [\\d.]+ s|now)\\): 0 of 0 retries per 60 s",
+        exhausted[0],
+    ), lines
+    opened = [line for line in lines if line.startswith(f"Circuit of {dependency}")]
+    assert len(opened) == 1 and re.fullmatch(
+        f"Circuit of {dependency} opened for 4 min \\(until {stamp} \\(in 4 min\\)\\)", opened[0]
+    ), lines
+    finals = [line for line in lines if "failed finally" in line]
+    assert [re.search(r"\(tenant (\S+), correlation id", line).group(1) for line in finals] == ["-", "-"]  # type: ignore[union-attr]
+    assert not [line for line in lines if re.search(r"\b1[0-9]{9}\b", line)]  # no raw epoch seconds

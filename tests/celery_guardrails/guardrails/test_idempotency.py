@@ -121,6 +121,30 @@ def test_permanent_failure_marks_the_key_failed_and_duplicates_are_ignored(
     assert effects(sink) == 1
 
 
+def test_a_duplicate_of_a_failed_key_logs_one_line_without_a_traceback(
+    celery_worker: Any, celery_app: Any, sink: Sink, oid: int, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Given a charge whose key failed for good (a permanent error)
+    with pytest.raises(PermanentError):
+        tasks.charge.delay(oid, sink.key, ["permanent"]).get(timeout=TIMEOUT)
+    store, key = get_store(celery_app), f"tests.proj.tasks.charge:-:charge:{oid}"
+    wait_for("the key failed", lambda: store.inspect(key)["state"] == "failed")  # type: ignore[index]
+    caplog.clear()
+    # When a duplicate of it is delivered to the worker
+    duplicate = tasks.charge.delay(oid, sink.key)
+    with pytest.raises(DuplicateOfFailureError):
+        duplicate.get(timeout=TIMEOUT)
+    # Then the worker's lines about it say so once at INFO (the guardrail's) and once as Celery's "raised
+    # expected", none above WARNING, none with a traceback
+    about = [r for r in caplog.records if duplicate.id in r.getMessage()]
+    assert [r.levelname for r in about if r.name != "celery.worker.strategy"] == ["INFO", "INFO"], [
+        (r.name, r.levelname, r.getMessage()) for r in about
+    ]
+    assert [r for r in about if r.exc_info or r.exc_text] == []
+    assert any("already failed; not running it again" in r.getMessage() for r in about)
+    assert any("raised expected: DuplicateOfFailureError" in r.getMessage() for r in about)
+
+
 def test_a_result_celery_cannot_store_leaves_the_key_completed(
     celery_worker: Any, celery_app: Any, sink: Sink, oid: int
 ) -> None:

@@ -42,9 +42,10 @@ def test_two_transient_failures_then_success_run_three_times_with_exact_delays(
         (2, 2, "acme"),
         (3, 3, "acme"),
     ]
-    # And the delays are full jitter over base 0.05 s for the whole sequence: r * 0.05 * 2**(n-1)
+    # And the delays are equal jitter (the default) over base 0.05 s for the whole sequence: half fixed, half
+    # random of 0.05 * 2**n
     expected_random = random.Random(7)
-    expected = [round(expected_random.random() * 0.05 * 2 ** (n - 1), 3) for n in (1, 2)]
+    expected = [round(0.05 * 2**n * (1 + expected_random.random()) / 2, 3) for n in (1, 2)]
     assert [round(s["delay"], 3) for s in scheduled] == expected
     assert [r["delay"] for r in final["history"]] == expected
     assert [(r["n"], r["class"], r["rule"], r["exc"]) for r in final["history"]] == [
@@ -54,6 +55,23 @@ def test_two_transient_failures_then_success_run_three_times_with_exact_delays(
     for record in final["history"]:
         assert record["host"] and record["msg"].startswith("run ")
         assert datetime.fromisoformat(record["start"]) <= datetime.fromisoformat(record["end"])
+
+
+def test_a_transient_error_is_first_retried_no_sooner_than_the_default_floor(
+    celery_worker: Any, sink: Sink, received: Any
+) -> None:
+    # Given a task with no backoff option at all (the documented defaults: equal jitter over 1 s)
+    scheduled = received(signals.retry_scheduled)
+    # When its first run fails transiently (a provider's 503, say) and the second succeeds
+    tasks.behave_by_default.delay(sink.key, ["transient", "ok"]).get(timeout=TIMEOUT)
+    # Then the retry was scheduled 1-2 s out (not 13 ms), and the second run really started 1 s or more after
+    # the first one failed
+    first, second = runs(sink)
+    assert (first["attempt"], second["attempt"]) == (1, 2)
+    assert [1.0 <= s["delay"] < 2.0 for s in scheduled] == [True]
+    failed_at = datetime.fromisoformat(second["history"][0]["end"])
+    assert (datetime.fromisoformat(second["started"]) - failed_at).total_seconds() >= 1.0
+    assert second["history"][0]["delay"] == round(scheduled[0]["delay"], 3)
 
 
 def test_decorrelated_jitter_sequence(celery_worker: Any, celery_app: Any, sink: Sink, received: Any) -> None:
@@ -78,8 +96,9 @@ def test_fifty_simultaneous_failures_retry_spread_out(celery_worker: Any, receiv
     # (at microseconds: 50 uniform draws over 50 ms into 500 bins of 0.1 ms collide ~2.5 times on average,
     # which made a ">= 45 distinct" bound at 4 decimals fail in about 2% of runs)
     assert len({round(d, 6) for d in delays}) >= 45
-    assert min(delays) < 0.0125 and max(delays) > 0.0375
-    assert statistics.pstdev(delays) > 0.008  # a uniform spread over [0, 0.05) has about 0.0144
+    # (equal jitter: uniform over [0.05, 0.1), never sooner than backoff_base)
+    assert 0.05 <= min(delays) < 0.0625 and 0.0875 < max(delays) < 0.1
+    assert statistics.pstdev(delays) > 0.004  # a uniform spread over [0.05, 0.1) has about 0.0072
 
 
 @pytest.mark.smoke
