@@ -205,7 +205,10 @@ class DeadLetter(models.Model):
     arguments_are_repr = models.BooleanField(
         _("arguments stored as text"),
         default=False,
-        help_text=_("The arguments could not be stored as JSON: args holds their repr; replay is not possible."),
+        help_text=_(
+            "The arguments could not be stored as JSON: args holds their repr. A replay sends the originals from the "
+            "sealed copy when there is one; without it the record cannot be replayed."
+        ),
     )
     tenant = models.CharField(_("tenant"), max_length=128, blank=True, help_text=_("Tenant id."))
     correlation_id = models.CharField(
