@@ -96,12 +96,13 @@ def test_the_summed_metrics_of_a_multiprocess_directory(
     # Given an empty multiprocess directory (as a web server's processes share it); When staff ask
     monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(tmp_path))
     response = admin_client.get(reverse(URL))
-    # Then 200: the sums of what is there (nothing recorded yet), beside the state gauges read at scrape time
+    # Then 200: the sums of what is there (nothing recorded yet: every family named, none with a sample),
+    # beside the state gauges read at scrape time
     assert response.status_code == 200
-    names = {family.name for family in text_string_to_metric_families(response.content.decode())}
-    assert names and all(
-        not name.startswith(("celery_guardrails_task_", "celery_guardrails_messages_")) for name in names
-    )
+    families = list(text_string_to_metric_families(response.content.decode()))
+    recorded = [f for f in families if f.name.startswith(("celery_guardrails_task_", "celery_guardrails_messages_"))]
+    assert recorded and all(not family.samples for family in recorded)
+    assert any(f.name == "celery_guardrails_collector_source_up" and f.samples for f in families)
 
 
 def test_the_exposition_carries_the_state_of_the_deployment(admin_client: Client) -> None:

@@ -135,7 +135,8 @@ def test_a_duplicate_of_a_failed_key_logs_one_line_without_a_traceback(
     with pytest.raises(DuplicateOfFailureError):
         duplicate.get(timeout=TIMEOUT)
     # Then the worker's lines about it say so once at INFO (the guardrail's) and once as Celery's "raised
-    # expected", none above WARNING, none with a traceback
+    # expected" (logged after the result is stored: waited for), none above WARNING, none with a traceback
+    wait_for("Celery's line", lambda: any(f"{duplicate.id}] raised expected" in r.getMessage() for r in caplog.records))
     about = [r for r in caplog.records if duplicate.id in r.getMessage()]
     assert [r.levelname for r in about if r.name != "celery.worker.strategy"] == ["INFO", "INFO"], [
         (r.name, r.levelname, r.getMessage()) for r in about
