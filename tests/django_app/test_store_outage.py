@@ -57,7 +57,8 @@ def writing_at_a_gate(sink: Sink) -> tuple[str, Any, str]:
     """A keyed atomic task that wrote its effect (uncommitted) and waits at a gate: (key, result, gate)."""
     key, gate = uuid.uuid4().hex, f"{sink.key}:gate"
     result = django_tasks.write_effect.delay(key, sink.key, gate=gate)
-    sink.wait(1)
+    # (Not sink.wait(1): the body is seen before its INSERT, and a cut in between failed the INSERT instead)
+    assert sink.client.blpop([f"{gate}:written"], timeout=TIMEOUT) is not None, "the effect was never written"
     return key, result, gate
 
 

@@ -24,6 +24,8 @@ def write_effect(self: GuardedTask, key: str, sink: str, hold: float = 0.0, gate
     Effect.objects.create(key=key)
     if hold and runs == 1:
         time.sleep(hold)
+    if gate and runs == 1:
+        client.rpush(f"{gate}:written", 1)  # the effect is written (uncommitted): the test may cut now
     if gate and runs == 1 and client.blpop([gate], timeout=120) is None:
         raise RuntimeError(f"gate {gate} never opened")
     return "written"
