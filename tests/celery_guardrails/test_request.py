@@ -80,8 +80,9 @@ def test_an_idempotent_task_killed_by_its_hard_time_limit_is_retried(worker: Wor
     # Given an idempotent task whose first run outlives its hard time limit, and whose second is quick
     result = tasks.behave.apply_async((sink.key, ["sleep:30", "ok"]), time_limit=3)
     # Then it is tried again, as its second attempt, and succeeds (the first run's FAILURE, stored by Celery
-    # as the pool killed it, is RETRY a moment later: waited for, not read at once)
-    wait_for("the retry's success", lambda: result.state == "SUCCESS")
+    # as the pool killed it, is RETRY a moment later: waited for, not read at once; and read afresh each time,
+    # since an AsyncResult that once read FAILURE, a ready state, keeps it cached)
+    wait_for("the retry's success", lambda: tasks.behave.AsyncResult(result.id).state == "SUCCESS")
     report = result.get(timeout=10)
     assert (report["run"], report["attempt"]) == (2, 2)
     assert [r["rule"] for r in report["history"]] == ["time_limit"]
