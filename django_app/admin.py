@@ -798,10 +798,15 @@ class ScheduledRunAdmin(CheckedChangeList, ScheduleScopedAdmin):
         return TemplateResponse(request, "admin/guardrails/scheduledrun/health.html", context)
 
 
-@admin.register(Dashboard)
-class DashboardAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
-    """The dashboard page (:mod:`.dashboard`) in place of a change list: listed on the admin index with the
-    app's models, shown to those who may view dead letters, changing nothing."""
+class _PageAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
+    """A page in place of a change list: listed on the admin index with the app's models, shown to those who
+    may view dead letters, changing nothing. A subclass names its ``title``, ``template`` and ``page_context``."""
+
+    title = ""
+    template = ""
+
+    def page_context(self, request: HttpRequest) -> dict[str, Any]:
+        raise NotImplementedError
 
     def has_view_permission(self, request: HttpRequest, obj: Any = None) -> bool:
         return bool(request.user.has_perm("guardrails.view_deadletter"))
@@ -820,40 +825,30 @@ class DashboardAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
             raise PermissionDenied
         context = {
             **self.admin_site.each_context(request),
-            "title": "Dashboard",
+            "title": self.title,
             "opts": self.model._meta,
-            **dashboard_context(health.celery_app(), user=request.user),
+            **self.page_context(request),
             **(extra_context or {}),
         }
-        return TemplateResponse(request, "admin/guardrails/dashboard/dashboard.html", context)
+        return TemplateResponse(request, self.template, context)
+
+
+@admin.register(Dashboard)
+class DashboardAdmin(_PageAdmin):
+    """The dashboard page (:mod:`.dashboard`)."""
+
+    title, template = "Dashboard", "admin/guardrails/dashboard/dashboard.html"
+
+    def page_context(self, request: HttpRequest) -> dict[str, Any]:
+        return dashboard_context(health.celery_app(), user=request.user)
 
 
 @admin.register(WaitingMessage)
-class WaitingAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
-    """The Waiting page (:mod:`.waiting`) in place of a change list: messages re-published with a countdown,
-    read from the configured store; shown to those who may view dead letters, scoped by tenant, changing
-    nothing."""
+class WaitingAdmin(_PageAdmin):
+    """The Waiting page (:mod:`.waiting`): messages re-published with a countdown, read from the configured
+    store, scoped by tenant."""
 
-    def has_view_permission(self, request: HttpRequest, obj: Any = None) -> bool:
-        return bool(request.user.has_perm("guardrails.view_deadletter"))
+    title, template = "Waiting", "admin/guardrails/waiting/waiting.html"
 
-    def has_add_permission(self, request: HttpRequest) -> bool:
-        return False
-
-    def has_change_permission(self, request: HttpRequest, obj: Any = None) -> bool:
-        return False
-
-    def has_delete_permission(self, request: HttpRequest, obj: Any = None) -> bool:
-        return False
-
-    def changelist_view(self, request: HttpRequest, extra_context: dict[str, Any] | None = None) -> HttpResponse:
-        if not self.has_view_permission(request):
-            raise PermissionDenied
-        context = {
-            **self.admin_site.each_context(request),
-            "title": "Waiting",
-            "opts": self.model._meta,
-            **waiting_context(request.user),
-            **(extra_context or {}),
-        }
-        return TemplateResponse(request, "admin/guardrails/waiting/waiting.html", context)
+    def page_context(self, request: HttpRequest) -> dict[str, Any]:
+        return waiting_context(request.user)
