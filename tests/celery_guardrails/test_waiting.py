@@ -9,6 +9,7 @@ The Django store and the admin page: tests/django_app/test_waiting.py.
 from __future__ import annotations
 
 import logging
+import re
 import time
 import uuid
 from pathlib import Path
@@ -74,7 +75,8 @@ def test_a_retry_then_a_budget_deferral_are_listed_while_they_wait_and_leave_onc
     assert retry.due_text.startswith("in ")
     text = status.render(status.gather(celery_app))
     assert "Waiting (re-published with a countdown" in text
-    assert f"tests.proj.tasks.behave  {result.id}" in text
+    # (a column: other tests' waits in the shared store may widen it)
+    assert re.search(rf"tests\.proj\.tasks\.behave +{result.id}", text)
     # And, its retry denied by the spent budget, it is listed as deferred by the budget, still for attempt 2
     deferred = wait_for(
         "the deferral listed", lambda: (r := listed(celery_app, result.id)) and r.reason == "budget" and r
