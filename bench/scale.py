@@ -12,7 +12,7 @@ days; the charge records with a sealed copy), SCALE_SCHEDULES guarded django-cel
 * a replay of SCALE_REPLAY open dead letters (default 10,000): ``replay_dead_letters``, the
   ``guardrails_replay`` command and the admin action (each on its own round of records, reopened between
   rounds; published to a private Redis started for the run);
-* one watchdog pass (``celery_guardrails.watchdog.check``) and the schedule-health list over every schedule;
+* one watchdog pass (``celery_guardrails.scheduling.watchdog.check``) and the schedule-health list over every schedule;
 * ``guardrails_prune`` (rounds of older and older records), with the longest transaction it held, read from
   ``pg_stat_activity`` by a second connection every 10 ms (a row lock is held until the end of its
   transaction, so that is the longest a concurrent writer could have waited).
@@ -298,7 +298,7 @@ def seal_charges() -> None:
     """Each charge record's sealed copy (its real card token), written with COPY."""
     from django.db import connection
 
-    from celery_guardrails.sealing import sealer_for
+    from celery_guardrails.foundation.sealing import sealer_for
 
     sealer = sealer_for(current_app())
     assert sealer is not None
@@ -519,7 +519,7 @@ def bench_replay(figures: list[Figure]) -> None:
 
 
 def bench_watchdog(figures: list[Figure], policies: dict[str, dict[str, Any]], now: float) -> None:
-    from celery_guardrails.watchdog import check
+    from celery_guardrails.scheduling.watchdog import check
     from django_celery_guardrails.health import schedule_health
 
     app = current_app()

@@ -5,14 +5,6 @@ Switch a task's base class to :class:`GuardedTask`; publish inside :func:`tenant
 call that acts on the world with :func:`effect` (``with self.effect():`` in a bound body).
 """
 
-from celery_guardrails import alerts  # noqa: F401  (connects the owners' alerts)
-from celery_guardrails.context import (
-    correlation_context,
-    current_correlation_id,
-    current_tenant,
-    tenant_context,
-)
-from celery_guardrails.effects import effect
 from celery_guardrails.exceptions import (
     BudgetExhaustedError,
     ConcurrencyKeyError,
@@ -29,11 +21,19 @@ from celery_guardrails.exceptions import (
     StoreUnavailableError,
     TransientError,
 )
-from celery_guardrails.faults import fault_point
+from celery_guardrails.foundation.context import (
+    correlation_context,
+    current_correlation_id,
+    current_tenant,
+    tenant_context,
+)
+from celery_guardrails.foundation.faults import fault_point
 from celery_guardrails.guardrails.budget import budget_status
 from celery_guardrails.guardrails.concurrency import concurrency_status
-from celery_guardrails.pipeline import Guardrail
-from celery_guardrails.task import GuardedTask
+from celery_guardrails.operations import alerts  # noqa: F401  (connects the owners' alerts)
+from celery_guardrails.runtime.effects import effect
+from celery_guardrails.runtime.pipeline import Guardrail
+from celery_guardrails.runtime.task import GuardedTask
 
 __version__ = "0.1.0.dev0"
 

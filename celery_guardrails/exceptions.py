@@ -127,7 +127,7 @@ class StoreUnavailableError(StoreError):
     """The guardrails store cannot be reached: connection refused or lost, a timeout, a locked database.
 
     An infrastructure fault: a delivery that meets it is published again later without spending an attempt
-    (see :func:`celery_guardrails.outcomes.store_unavailable`), never failed or acked away.
+    (see :func:`celery_guardrails.runtime.outcomes.store_unavailable`), never failed or acked away.
     """
 
 

@@ -25,7 +25,7 @@ sets up the worker's logging) puts a :class:`RedactingFilter` on
 * every logger of the extension (``celery_guardrails.*`` and ``django_celery_guardrails.*``).
 
 A record's message is redacted by the task's (else the app's) ``redact_keys`` and ``redact_patterns``
-(:mod:`celery_guardrails.redaction`): when something was redacted the record carries the redacted text
+(:mod:`celery_guardrails.foundation.redaction`): when something was redacted the record carries the redacted text
 (``msg``, with no ``args``), else it is left as it was (its template too, for grouping). A mapping of named
 arguments and Celery's ``data`` extra are redacted value by value. A traceback is formatted by the filter,
 redacted, put in ``exc_text``, and ``exc_info`` is dropped: no handler formats the raw exception again, and a
@@ -49,8 +49,8 @@ from typing import Any
 
 from celery._state import get_current_task
 
-from celery_guardrails.context import current_correlation_id, current_tenant
-from celery_guardrails.redaction import DEFAULT, WITHHELD, Redactor, for_app, for_task
+from celery_guardrails.foundation.context import current_correlation_id, current_tenant
+from celery_guardrails.foundation.redaction import DEFAULT, WITHHELD, Redactor, for_app, for_task
 
 MISSING = "-"
 #: Celery's loggers that write a task's exception, message and traceback.
@@ -173,7 +173,7 @@ def _withhold(record: logging.LogRecord) -> None:
 
 
 def _guarded(task: Any) -> bool:
-    from celery_guardrails.task import GuardedTask  # task.py imports this module (through install)
+    from celery_guardrails.runtime.task import GuardedTask  # task.py imports this module (through install)
 
     return isinstance(task, GuardedTask)
 

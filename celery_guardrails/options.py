@@ -13,7 +13,7 @@ This is the only module that reads settings. Every guardrail asks :func:`resolve
 
 Keys are lowercase, like Celery's own settings. An unknown key or a bad value raises
 :class:`~celery_guardrails.exceptions.ConfigurationError` naming the key, when the worker starts (see
-:mod:`celery_guardrails.install`), when a Django project runs its system checks, and on first use.
+:mod:`celery_guardrails.runtime.install`), when a Django project runs its system checks, and on first use.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 from celery.local import Proxy
 
 from celery_guardrails.exceptions import ConfigurationError
-from celery_guardrails.redaction import DEFAULT_REDACT_KEYS
+from celery_guardrails.foundation.redaction import DEFAULT_REDACT_KEYS
 
 logger = logging.getLogger(__name__)
 
@@ -374,7 +374,7 @@ def _redact_keys(value: Any) -> tuple[str, ...]:
     return tuple(items)
 
 
-#: The alert channels there are (celery_guardrails.alerts.send handles each).
+#: The alert channels there are (celery_guardrails.operations.alerts.send handles each).
 ALERT_CHANNELS = ("log", "mail", "webhook")
 
 
@@ -547,7 +547,7 @@ _POLICY_CHECKS: Mapping[str, Callable[[Any], Any]] = {
 
 
 def _tenant(value: Any) -> str:
-    from celery_guardrails.context import validate_tenant  # context reads no settings; no cycle at import
+    from celery_guardrails.foundation.context import validate_tenant  # context reads no settings; no cycle at import
 
     return validate_tenant(value)
 
@@ -607,7 +607,7 @@ OPTIONS: Mapping[str, Option] = {
             name="idempotent",
             default=False,
             doc="Declare the task safe to run twice: any transient or unknown error is then retried, whatever "
-            "the body did before it (see celery_guardrails.gate).",
+            "the body did before it (see celery_guardrails.runtime.gate).",
             check=_boolean,
             scopes=frozenset({TASK, APP}),
         ),
@@ -765,7 +765,7 @@ OPTIONS: Mapping[str, Option] = {
             name="unknown_errors",
             default="auto",
             doc="'auto': an unclassified error is transient, retried only where the retry gate finds a re-run "
-            "safe (celery_guardrails.gate); or 'transient' / 'permanent' for all tasks (the gate still applies "
+            "safe (celery_guardrails.runtime.gate); or 'transient' / 'permanent' for all tasks (the gate still applies "
             "to 'transient').",
             check=_choice("auto", "transient", "permanent"),
             scopes=frozenset({TASK, APP}),
@@ -989,7 +989,8 @@ OPTIONS: Mapping[str, Option] = {
             default=(),
             doc="Regular expressions of secrets recognised by their value, added to the built-in ones (URL "
             "credentials, bearer tokens, provider keys, JWTs, private key blocks, card numbers: see "
-            "celery_guardrails.redaction). In free text the match is redacted (only its group named 'secret', "
+            "celery_guardrails.foundation.redaction). In free text"
+            " the match is redacted (only its group named 'secret', "
             "when it has one); an argument holding a match is replaced whole. Keep them linear: no nested "
             "repetition.",
             check=_regexes,
@@ -1159,7 +1160,8 @@ OPTIONS: Mapping[str, Option] = {
             default=None,
             doc="Callable (or dotted path) returning the current time as epoch seconds, read by the schedule "
             "guardrails (beat, ledger, watchdog), retry budgets and circuit breakers, and alert throttles; leases "
-            "stay in real time. Default time.time. For demos, simulations and tests: see celery_guardrails.clock.",
+            "stay in real time. Default time.time. For demos, simulations and tests: see "
+            "celery_guardrails.foundation.clock.",
             check=_callable_or_path,
             scopes=frozenset({APP}),
         ),
@@ -1169,7 +1171,7 @@ OPTIONS: Mapping[str, Option] = {
             doc="Redis broker, Celery 5.7: a worker outlives a restart of the broker's Redis (else it stops with "
             "\"'NoneType' object has no attribute 'hostname'\"), and the messages it had prefetched are given "
             "back to their queues as it reconnects, not after the visibility_timeout. False: Celery's own "
-            "behaviour. See celery_guardrails.broker_restart.",
+            "behaviour. See celery_guardrails.broker.restart_guard.",
             check=_boolean,
             scopes=frozenset({APP}),
         ),
@@ -1178,7 +1180,7 @@ OPTIONS: Mapping[str, Option] = {
             default=True,
             doc="Redis broker (redis:// URL, no broker_transport set): the worker takes a message and records it "
             "as handed out in one step on the server, so a worker killed in between cannot lose it (kombu's BRPOP "
-            "does it in two: celery/kombu#305). False: kombu's pop. See celery_guardrails.broker_pop.",
+            "does it in two: celery/kombu#305). False: kombu's pop. See celery_guardrails.broker.atomic_pop.",
             check=_boolean,
             scopes=frozenset({APP}),
         ),
@@ -1189,7 +1191,7 @@ OPTIONS: Mapping[str, Option] = {
             "thread pushes its entry in kombu's unacked index forward, so a task longer than the visibility_timeout "
             "is not delivered again while it runs, and is redelivered the visibility_timeout (plus one kombu "
             "restore period) after its worker died. False: kombu's fixed visibility_timeout. See "
-            "celery_guardrails.broker_lease.",
+            "celery_guardrails.broker.lease.",
             check=_boolean,
             scopes=frozenset({APP}),
         ),
@@ -1215,7 +1217,8 @@ OPTIONS: Mapping[str, Option] = {
             name="metrics",
             default=False,
             doc="Record Prometheus metrics (task durations, outcomes, queue wait, published and completed "
-            "messages; see celery_guardrails.metrics) in workers and publishers. Needs prometheus-client (the "
+            "messages; see celery_guardrails.operations.metrics) in workers and publishers."
+            " Needs prometheus-client (the "
             "prometheus extra). False: nothing is recorded. A recording failure is logged, never the task's.",
             check=_boolean,
             scopes=frozenset({APP}),
@@ -1260,7 +1263,7 @@ OPTIONS: Mapping[str, Option] = {
             doc="Keep the last day of activity in the store: delivery outcomes per task, queue and minute (each "
             "worker process adds its counts every activity_flush_interval) and each queue's depth and oldest age "
             "once a minute (read by one worker's watchdog thread). The admin dashboard charts it and the status "
-            "command's rates come from it. False: nothing is kept. See celery_guardrails.activity.",
+            "command's rates come from it. False: nothing is kept. See celery_guardrails.operations.activity.",
             check=_boolean,
             scopes=frozenset({APP}),
         ),

@@ -25,7 +25,7 @@ retry_deferred
 
 final_failure
     A message will not be tried again. Argument: ``failure``, a
-    :class:`~celery_guardrails.outcomes.FinalFailure` with the reason and the whole attempt history.
+    :class:`~celery_guardrails.runtime.outcomes.FinalFailure` with the reason and the whole attempt history.
 
 dead_lettered
     A final failure was recorded as a new dead letter (sent once per message, after the record is durable).
@@ -75,7 +75,7 @@ ordering_gap_skipped
 
 delivery_ended
     A guarded delivery ended, told once per delivery with the outcome and detail of the metric
-    ``celery_guardrails_task_outcomes_total`` (see :mod:`celery_guardrails.metrics`: ``succeeded``,
+    ``celery_guardrails_task_outcomes_total`` (see :mod:`celery_guardrails.operations.metrics`: ``succeeded``,
     ``skipped``, ``retried``, ``retry_later``, ``deferred_budget``, ``deferred_circuit``, ``dead_lettered``,
     ``duplicate_skipped``, ``failed``), whether metrics are on or not. Sent on the worker, before the ack;
     also for a message the consumer refused before it ran (``dead_lettered``). Arguments: ``task_id``,

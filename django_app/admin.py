@@ -36,7 +36,7 @@ from django.utils.http import urlencode
 from django.utils.safestring import mark_safe
 
 from celery_guardrails.exceptions import ConfigurationError
-from celery_guardrails.outcomes import NOT_IDEMPOTENT
+from celery_guardrails.runtime.outcomes import NOT_IDEMPOTENT
 from celery_guardrails.stores import store_url
 
 from . import health

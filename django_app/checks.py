@@ -25,7 +25,7 @@ guardrails.W005  beat entries or periodic tasks with no policy that are not watc
                  ``celery.backend_cleanup``, the app's own ``django_celery_guardrails.prune`` and one-off rows
                  are left out on purpose.
 
-The deployment audit (:mod:`celery_guardrails.audit`) of the project's Celery app, as deployment checks
+The deployment audit (:mod:`celery_guardrails.operations.audit`) of the project's Celery app, as deployment checks
 (``manage.py check --deploy``; the audit reads every registered task, so it is not run before every command):
 one ``Warning`` per finding, its ``obj`` the task, setting or beat entry the finding names, with the finding's
 fix as the hint. Each finding code has its id, ``guardrails.W1`` + the code's axis digit + its number (GA0xx,
@@ -122,7 +122,7 @@ def check_tasks(app_configs: Any = None, **kwargs: Any) -> list[Error | Warning]
 
 def _guarded_tasks() -> list[Any]:
     """The guarded tasks of the project's Celery app; none when it cannot be loaded (a check never raises)."""
-    from celery_guardrails.task import GuardedTask
+    from celery_guardrails.runtime.task import GuardedTask
 
     from .health import celery_app
 
@@ -149,7 +149,7 @@ _importing = threading.local()
 def check_schedules(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]:
     """Name every beat entry watched with the default policy (I001) and every one not watched that could be
     (W005); a schedules setting beat would refuse is W004."""
-    from celery_guardrails.beat import Entry, watch_list
+    from celery_guardrails.scheduling.beat import Entry, watch_list
 
     from .health import celery_app
 
@@ -275,7 +275,7 @@ def check_admin_tenants(app_configs: Any = None, **kwargs: Any) -> list[Error]:
 @register(Tags.compatibility, deploy=True)
 def check_audit(app_configs: Any = None, **kwargs: Any) -> list[Warning]:
     try:
-        from celery_guardrails.audit import audit
+        from celery_guardrails.operations.audit import audit
 
         from .health import celery_app
 

@@ -1,15 +1,17 @@
 """The admin dashboard: the numbers of ``celery guardrails status`` and the last 24 hours of dead letters.
 
-The numbers are :func:`celery_guardrails.status.gather`'s (queues with depth and oldest age, open dead letters
+The numbers are :func:`celery_guardrails.operations.status.gather`'s (queues with depth and oldest age, open dead
+letters
 by owner, dependencies, schedule health), read when the page is shown; a source that cannot be read is named.
 The chart is dead letters per hour of their last failure over the last 24 hours, stacked by reason (the
 :data:`TOP_REASONS` most frequent, the rest as "other"), drawn server-side as SVG: one grouped query on an
 indexed column, whatever the number of records.
 
-Below it, from the activity the workers keep in the store (:mod:`celery_guardrails.activity`, the ``activity``
+Below it, from the activity the workers keep in the store (:mod:`celery_guardrails.operations.activity`, the
+``activity``
 option): for each of the :data:`TOP_SERIES` busiest tasks, its deliveries per hour stacked by outcome; for each
 of the :data:`TOP_SERIES` queues whose oldest message was oldest, the largest age sampled in each hour (an hour
-without a known age draws no bar: RabbitMQ gives no age, see :mod:`celery_guardrails.queues`). One read of the
+without a known age draws no bar: RabbitMQ gives no age, see :mod:`celery_guardrails.broker.queues`). One read of the
 store for the day. Every chart is drawn server-side as SVG: no script, no chart library.
 """
 
@@ -192,7 +194,7 @@ def stacked_chart(
     )
 
 
-#: Colours of the delivery outcomes (see celery_guardrails.metrics), in stacking order: good at the bottom.
+#: Colours of the delivery outcomes (see celery_guardrails.operations.metrics), in stacking order: good at the bottom.
 OUTCOME_COLOURS = {
     "succeeded": "#417690",
     "skipped": "#79aec8",
@@ -226,8 +228,9 @@ class ActivityCharts:
 
 def activity_charts(app: Any, *, now: datetime | None = None) -> ActivityCharts:
     """Outcomes per task and queue age per hour, from the activity the workers keep in the store."""
-    from celery_guardrails import activity, clock
-    from celery_guardrails.status import attempt
+    from celery_guardrails.foundation import clock
+    from celery_guardrails.operations import activity
+    from celery_guardrails.operations.status import attempt
 
     # The activity's minutes are on the app's clock (the clock option; time.time unless a demo or a test sets it)
     current = now.timestamp() if now is not None else clock.now(app)

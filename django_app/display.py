@@ -193,7 +193,8 @@ def time_column(name: str, description: str, *, relative: bool = False) -> Calla
 
 # One line that tells two records apart: their error and their arguments.
 
-#: What redaction writes in place of a value (celery_guardrails.redaction.REDACTED): shown bare, never quoted.
+#: What redaction writes in place of a value (celery_guardrails.foundation.redaction.REDACTED): shown bare, never
+# quoted.
 REDACTED_MARK = "[redacted]"
 
 

@@ -16,8 +16,8 @@ from django import forms
 from django.forms.fields import InvalidJSONInput
 from django.utils.translation import gettext_lazy as _
 
-from celery_guardrails.context import validate_tenant
 from celery_guardrails.exceptions import ContextError
+from celery_guardrails.foundation.context import validate_tenant
 
 from .display import escape
 

@@ -1,7 +1,8 @@
 """Schedule health: one line per guarded schedule, read from the run ledger (the ``guardrails.ScheduledRun`` table).
 
 :func:`schedule_health` lists every watched beat entry (with its policy in the ``schedules`` setting, or the
-default one: its policy reads "default", see :mod:`celery_guardrails.beat`), and every schedule the ledger has
+default one: its policy reads "default", see :mod:`celery_guardrails.scheduling.beat`), and every schedule the ledger
+has
 records of that is no longer watched. Each line says when the schedule last succeeded, what its
 newest record is, when it is due next, how many of its runs were missed, overdue or failed in a window
 (default the last 7 days; a run that was missed or overdue counts as such after it ran or finished: its
@@ -20,7 +21,7 @@ newest record is, when it is due next, how many of its runs were missed, overdue
 Reading it costs one query whatever the number of schedules or records (plus one for django-celery-beat's
 rows when a policy names a PeriodicTask): counts and newest periods are conditional aggregates grouped by
 schedule, the newest record's status a subquery evaluated once per schedule. The ledger keeps 90 days
-(:data:`celery_guardrails.ledger.RETENTION`, ``guardrails_prune``), which bounds the scan.
+(:data:`celery_guardrails.scheduling.ledger.RETENTION`, ``guardrails_prune``), which bounds the scan.
 
 The admin page (``ScheduledRunAdmin``, ``health/``) shows this list; :func:`celery_app` is the app it reads
 policies from.
@@ -34,9 +35,9 @@ from typing import Any
 
 from django.db.models import Count, Max, OuterRef, Q, Subquery
 
-from celery_guardrails.beat import Entry, all_configured_entries, owner_of_entry
-from celery_guardrails.clock import now as current_time
-from celery_guardrails.ledger import DISPATCHED, FAILED, MISSED, OK, OVERDUE, RUNNING
+from celery_guardrails.foundation.clock import now as current_time
+from celery_guardrails.scheduling.beat import Entry, all_configured_entries, owner_of_entry
+from celery_guardrails.scheduling.ledger import DISPATCHED, FAILED, MISSED, OK, OVERDUE, RUNNING
 
 from .models import ScheduledRun
 

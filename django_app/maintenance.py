@@ -9,8 +9,8 @@ from django.db import transaction
 from django.db.models import F, QuerySet
 from django.utils import timezone
 
-from celery_guardrails.ledger import RETENTION
 from celery_guardrails.options import OPTIONS, django_settings
+from celery_guardrails.scheduling.ledger import RETENTION
 
 from .models import (
     ActivityBatch,

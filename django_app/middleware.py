@@ -16,8 +16,8 @@ from typing import Any
 from asgiref.sync import iscoroutinefunction, markcoroutinefunction
 from django.http import HttpRequest, HttpResponseBase
 
-from celery_guardrails.context import correlation_context, tenant_context, validate_correlation_id
 from celery_guardrails.exceptions import ContextError
+from celery_guardrails.foundation.context import correlation_context, tenant_context, validate_correlation_id
 from celery_guardrails.options import OPTIONS, django_settings, load
 
 logger = logging.getLogger(__name__)

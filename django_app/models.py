@@ -7,7 +7,7 @@ from datetime import timedelta
 from django.db import models
 from django.utils.translation import gettext_lazy as _
 
-from celery_guardrails import ledger
+from celery_guardrails.scheduling import ledger
 
 from .querysets import (
     DeadLetterQuerySet,
@@ -292,7 +292,7 @@ class DeadLetter(models.Model):
 
 class SealedMessage(models.Model):
     """The original arguments and header of one dead letter, encrypted with ``seal_keys`` (see
-    :mod:`celery_guardrails.sealing`): only a replay opens it. Deleted with its record."""
+    :mod:`celery_guardrails.foundation.sealing`): only a replay opens it. Deleted with its record."""
 
     dead_letter = models.OneToOneField(
         DeadLetter,
@@ -368,7 +368,8 @@ class ScheduledRun(models.Model):
     """The run ledger (the Django store): one record per (schedule, period) of scheduled work.
 
     The unique constraint on the pair is what lets two beat processes, a manual re-run and a catch-up race to
-    dispatch a period and only one win; see :mod:`celery_guardrails.ledger` for the statuses and who sets them.
+    dispatch a period and only one win; see :mod:`celery_guardrails.scheduling.ledger` for the statuses and who sets
+    them.
     """
 
     class Status(models.TextChoices):
@@ -686,7 +687,9 @@ class ActivityCount(models.Model):
     outcome = models.CharField(
         _("outcome"),
         max_length=40,
-        help_text=_("How they ended: succeeded, retried, dead_lettered, ... (see celery_guardrails.metrics)."),
+        help_text=_(
+            "How they ended: succeeded, retried, dead_lettered, ... (see celery_guardrails.operations.metrics)."
+        ),
     )
     count = models.BigIntegerField(_("count"), default=0, help_text=_("How many deliveries."))
 
@@ -795,7 +798,7 @@ class OutboxMessage(models.Model):
 
 class WaitingMessage(models.Model):
     """A message the guardrails re-published with a countdown, until its next delivery starts (see
-    :mod:`celery_guardrails.waiting`): the Django store's table, and the admin's "Waiting" page (which reads
+    :mod:`celery_guardrails.guardrails.waiting`): the Django store's table, and the admin's "Waiting" page (which reads
     the configured store, this table or Redis)."""
 
     task_id = models.CharField(

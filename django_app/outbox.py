@@ -23,7 +23,7 @@ task's idempotency key keeps its effect single (give tasks you enqueue through t
 
 A row is deleted only once the broker took its message: on RabbitMQ the relay publishes with publisher confirms
 and ``mandatory`` on a connection of its own, whatever the app's ``broker_transport_options`` say (see
-:class:`celery_guardrails.outbox.RelayPublisher`), so that a refusal (an exchange that does not exist, a message
+:class:`celery_guardrails.runtime.outbox.RelayPublisher`), so that a refusal (an exchange that does not exist, a message
 no queue takes) raises in the publish of the row it is about, never in the next one's. On Redis a publish is a
 synchronous write: it raised, or the message is stored, when it returns.
 
@@ -42,7 +42,7 @@ importing the project's task modules as a worker does (``app.loader.import_defau
 ``autodiscover_tasks``), so that a relay outside a worker does not count a task it never imported.
 
 Where the relay runs: in every worker, a bootstep thread (``outbox_relay``, every ``outbox_relay_interval``
-seconds; see :mod:`celery_guardrails.outbox`), and as ``manage.py guardrails_outbox_relay``. On SQLite, FOR
+seconds; see :mod:`celery_guardrails.runtime.outbox`), and as ``manage.py guardrails_outbox_relay``. On SQLite, FOR
 UPDATE is not supported: run one relay, or set ``"transaction_mode": "IMMEDIATE"`` so relays take turns.
 """
 
@@ -60,15 +60,16 @@ from django.db import connection, transaction
 from django.utils import timezone
 from kombu.serialization import dumps, loads
 
-from celery_guardrails import headers, signals
+from celery_guardrails import signals
 from celery_guardrails.log import shown
 from celery_guardrails.options import OPTIONS, app_value
-from celery_guardrails.outbox import RelayPublisher
+from celery_guardrails.runtime import headers
+from celery_guardrails.runtime.outbox import RelayPublisher
 
 from .models import OutboxMessage
 
 if TYPE_CHECKING:
-    from celery_guardrails.outcomes import FinalFailure
+    from celery_guardrails.runtime.outcomes import FinalFailure
 
 logger = logging.getLogger(__name__)
 
@@ -312,15 +313,15 @@ class Unregistered:
 
 
 def _failure(task: Any, row: OutboxMessage, exc: Exception, *, moment: datetime) -> FinalFailure:
-    from celery_guardrails.dead_letters import TRACEBACK_LIMIT
-    from celery_guardrails.outcomes import (
+    from celery_guardrails.foundation.redaction import exception_name, exception_text
+    from celery_guardrails.runtime.dead_letters import TRACEBACK_LIMIT
+    from celery_guardrails.runtime.outcomes import (
         UNPUBLISHABLE,
         FinalFailure,
         formatted_traceback,
         kept_text,
         owner_of,
     )
-    from celery_guardrails.redaction import exception_name, exception_text
 
     try:
         args, kwargs = _arguments(row)
@@ -362,7 +363,7 @@ def _failure(task: Any, row: OutboxMessage, exc: Exception, *, moment: datetime)
 def _dead_letter(app: Any, row: OutboxMessage, exc: Exception, *, moment: datetime) -> bool:
     """Record ``row`` as a dead letter ``unpublishable`` and delete it, in one transaction; whether that was
     done. When it was not (a sink out of reach), the row stays, backed off, and is tried again."""
-    from celery_guardrails import dead_letters
+    from celery_guardrails.runtime import dead_letters
 
     task = app.tasks.get(row.task_name) or Unregistered(app=app, name=row.task_name)
     try:

@@ -7,7 +7,7 @@ from typing import Any
 
 from django.db import models
 
-from celery_guardrails.ledger import OPEN
+from celery_guardrails.scheduling.ledger import OPEN
 from celery_guardrails.stores.base import INTERNAL_KEY_PREFIX
 
 

@@ -5,7 +5,7 @@ each open record's task with its original arguments, tenant, correlation id, per
 key (a failed key is reopened deliberately), a fresh attempt count, and links the new task id to the record
 (status ``replayed``). ``replay_with_changes(pk, *, user=None, tenant=None, args=None, kwargs=None,
 allow_not_idempotent=False)`` replays one record with a fix (the admin's "edit and replay"). Arguments come
-from the record's sealed copy when it has one (:mod:`celery_guardrails.sealing`): a record whose secrets were
+from the record's sealed copy when it has one (:mod:`celery_guardrails.foundation.sealing`): a record whose secrets were
 redacted for display replays with the real values. :func:`plan` says, without publishing, what a replay would
 do (the command's ``--dry-run``); :func:`outlooks` says it for the pages and ``guardrails_deadletters show``.
 
@@ -41,12 +41,12 @@ from django.db.models import CharField, QuerySet
 from django.db.models.expressions import RawSQL
 from django.utils import timezone
 
-from celery_guardrails import headers
-from celery_guardrails.context import validate_tenant
 from celery_guardrails.exceptions import ContextError, SealError
-from celery_guardrails.outcomes import NOT_IDEMPOTENT, ORDERING_GAP_SKIPPED
-from celery_guardrails.redaction import REDACTED
-from celery_guardrails.sealing import restore_redacted, sealer_for
+from celery_guardrails.foundation.context import validate_tenant
+from celery_guardrails.foundation.redaction import REDACTED
+from celery_guardrails.foundation.sealing import restore_redacted, sealer_for
+from celery_guardrails.runtime import headers
+from celery_guardrails.runtime.outcomes import NOT_IDEMPOTENT, ORDERING_GAP_SKIPPED
 from celery_guardrails.stores import get_store
 
 from .discovery import NOT_REGISTERED, import_task_modules

@@ -1,7 +1,7 @@
 """django-celery-beat with the schedule guardrails.
 
 Run beat with ``-S django_celery_guardrails.schedulers:GuardedDatabaseScheduler``: ``PeriodicTask`` rows are
-dispatched through the run ledger (see :mod:`celery_guardrails.beat`), each with its policy in
+dispatched through the run ledger (see :mod:`celery_guardrails.scheduling.beat`), each with its policy in
 ``CELERY_GUARDRAILS["schedules"]`` or the default one; a row opted out (``{"name": None}``), one-off, or whose
 task is a plain Celery task is left to django-celery-beat as it is. A row's crontab time zone is used when its
 policy states none.
@@ -20,8 +20,8 @@ from django.utils import timezone
 from django_celery_beat.models import ClockedSchedule, CrontabSchedule, IntervalSchedule, PeriodicTask, SolarSchedule
 from django_celery_beat.schedulers import DatabaseScheduler
 
-from celery_guardrails.beat import Entry, GuardedSchedulerMixin, build_disabled_entries, build_entries
 from celery_guardrails.exceptions import ConfigurationError
+from celery_guardrails.scheduling.beat import Entry, GuardedSchedulerMixin, build_disabled_entries, build_entries
 
 logger = logging.getLogger(__name__)
 

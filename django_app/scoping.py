@@ -30,7 +30,8 @@ What a user who does not see every tenant gets (a "scoped" user):
   a Redis stream sink is not read for a scoped user). A replay's "failed again" link only to a record they see.
 * the run ledger and schedule health: the ledger keeps no tenant; a schedule's tenant is its beat entry's
   (``options={"tenant": ...}``, a django-celery-beat row's headers, else its policy's ``tenant``: see
-  :mod:`celery_guardrails.beat`), the tenant ``""`` when it has none. A schedule that no longer has a policy has
+  :mod:`celery_guardrails.scheduling.beat`), the tenant ``""`` when it has none. A schedule that no longer has a policy
+  has
   no known tenant: its records are seen only by users who see every tenant.
 * concurrency slots and outbox messages, by their tenant column.
 * nothing of what mixes every tenant or cannot be told apart by tenant: idempotency keys, dependency states
@@ -280,7 +281,7 @@ def visible_schedules(user: Any, app: Any) -> frozenset[str] | AllTenants:
     kept: tuple[Any, frozenset[str], frozenset[str]] | None = getattr(user, _SCHEDULES_CACHE, None)
     if kept is not None and kept[0] is app and kept[1] == visible:
         return kept[2]
-    from celery_guardrails.beat import all_configured_entries
+    from celery_guardrails.scheduling.beat import all_configured_entries
 
     try:
         entries, disabled = all_configured_entries(app, warned=_WARNED)
@@ -302,10 +303,11 @@ def schedules_seen(items: list[Any], user: Any, app: Any) -> list[Any]:
 
 
 def status_for(app: Any, user: Any) -> Any:
-    """:func:`celery_guardrails.status.gather` for a user who sees every tenant; for a scoped user, their open
+    """:func:`celery_guardrails.operations.status.gather` for a user who sees every tenant; for a scoped user, their
+    open
     dead letters (from the database) and their schedules, the figures of every tenant together left out and
     named in ``errors`` (:data:`HIDDEN`)."""
-    from celery_guardrails import status
+    from celery_guardrails.operations import status
 
     if sees_all(user):
         return status.gather(app)
@@ -320,7 +322,7 @@ def status_for(app: Any, user: Any) -> Any:
 
 
 def _open_dead_letters(user: Any) -> Any:
-    from celery_guardrails.status import DeadLetterCount, DeadLetters
+    from celery_guardrails.operations.status import DeadLetterCount, DeadLetters
 
     rows = scope(DeadLetter.objects.open(), user).order_by().values("owner", "task_name").annotate(n=Count("pk"))
     counts = [DeadLetterCount(owner=row["owner"] or "", task=row["task_name"], open=row["n"]) for row in rows]

@@ -23,7 +23,16 @@ from django.db.models.functions import Concat
 from django.utils import timezone
 
 from celery_guardrails.exceptions import StoreError, StoreUnavailableError
-from celery_guardrails.ledger import DISPATCHED, MISSED, OVERDUE, REASON_MAX_LENGTH, RUNNING, WAS_OVERDUE, Heads, Run
+from celery_guardrails.scheduling.ledger import (
+    DISPATCHED,
+    MISSED,
+    OVERDUE,
+    REASON_MAX_LENGTH,
+    RUNNING,
+    WAS_OVERDUE,
+    Heads,
+    Run,
+)
 from celery_guardrails.stores.base import (
     ACQUIRED,
     BUSY,
@@ -498,7 +507,7 @@ class DjangoStore:
         )
         return OrderWaits(count=waiting.count() if len(oldest) >= limit else len(oldest), oldest=oldest)
 
-    # Waiting messages (celery_guardrails.waiting): one row per task id. A note is one INSERT ... ON CONFLICT
+    # Waiting messages (celery_guardrails.guardrails.waiting): one row per task id. A note is one INSERT ... ON CONFLICT
     # UPDATE (no lock, no read first: concurrent notes of one task id end as the last one); expired rows are
     # deleted by the read.
 

@@ -1,8 +1,8 @@
 """Views of the guardrails app that are not admin pages.
 
-``metrics``: the Prometheus exposition (:func:`celery_guardrails.metrics.metrics_registry`: every process's
+``metrics``: the Prometheus exposition (:func:`celery_guardrails.operations.metrics.metrics_registry`: every process's
 metrics summed from ``PROMETHEUS_MULTIPROC_DIR`` when it is set, else this web process's own, plus the state
-of the deployment read at scrape time by :class:`celery_guardrails.collectors.StateCollector`: queues, open
+of the deployment read at scrape time by :class:`celery_guardrails.operations.collectors.StateCollector`: queues, open
 dead letters, dependencies, schedules; here and not on the workers' endpoints, which would each export the
 same cluster-wide numbers), for staff users
 or a scraper that sends ``Authorization: Bearer <metrics_token>``; 403 for anyone else (never a redirect to a
@@ -45,7 +45,7 @@ def _allowed(request: HttpRequest) -> bool:
 @functools.cache
 def _state_collector(app: Any) -> Any:
     """One per app and process: its error counter must count across scrapes."""
-    from celery_guardrails.collectors import StateCollector
+    from celery_guardrails.operations.collectors import StateCollector
 
     # The request's database connection is Django's to manage: the collector leaves it open.
     return StateCollector(app, close_database=False)
@@ -59,7 +59,7 @@ def metrics(request: HttpRequest) -> HttpResponse:
         return HttpResponseForbidden("Forbidden: staff, or Authorization: Bearer <metrics_token>\n")
     from celery import current_app
 
-    from celery_guardrails.metrics import exposition, metrics_registry
+    from celery_guardrails.operations.metrics import exposition, metrics_registry
 
     app = current_app._get_current_object()
     # The budget and circuit gauges come from the guarded tasks' dependencies: import the task modules as a

@@ -1,6 +1,6 @@
 """The admin's "Waiting" page: messages the guardrails re-published with a countdown, until they run again
 (retries waiting for their countdown, deliveries deferred by a retry budget or circuit, waiting for a concurrency
-slot, an ordering turn, a busy key, a store outage; see :mod:`celery_guardrails.waiting`).
+slot, an ordering turn, a busy key, a store outage; see :mod:`celery_guardrails.guardrails.waiting`).
 
 Read from the configured store (the Django store's table, or Redis), the soonest due first, with the counts per
 reason on top. Shown to those who may view dead letters; a scoped user (``admin_tenants``) sees the waits of the
@@ -13,8 +13,9 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from celery_guardrails import status, waiting
-from celery_guardrails.redaction import exception_text, for_app
+from celery_guardrails.foundation.redaction import exception_text, for_app
+from celery_guardrails.guardrails import waiting
+from celery_guardrails.operations import status
 
 from . import health
 from .scoping import ALL_TENANTS, visible_tenants
@@ -34,7 +35,8 @@ class Row:
 
 
 def waiting_context(user: Any) -> dict[str, Any]:
-    """The page's context: ``waiting`` (a :class:`celery_guardrails.status.Waiting`, None when it could not be
+    """The page's context: ``waiting`` (a :class:`celery_guardrails.operations.status.Waiting`, None when it could not
+    be
     read), ``rows`` and ``error`` (why it could not be read)."""
     app = health.celery_app()
     now = time.time()

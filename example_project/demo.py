@@ -49,7 +49,7 @@ def configure() -> str:
             # containers with the same pid) never consume each other's messages.
             "EXAMPLE_QUEUE": f"demo-{RUN}",
             "EXAMPLE_SQLITE_PATH": str(VAR / "db.sqlite3"),
-            # Scheduled work at 20x speed (a minute in 3 s; see celery_guardrails.beat.accelerated_clock),
+            # Scheduled work at 20x speed (a minute in 3 s; see celery_guardrails.scheduling.beat.accelerated_clock),
             # the watchdog looking every second.
             "GUARDRAILS_CLOCK": f"{time.time()}:{CLOCK_SPEED}",
             "EXAMPLE_WATCHDOG_INTERVAL": "1",
@@ -428,8 +428,8 @@ def status_table(app: Any) -> None:
     activity the workers kept in the store (what the admin dashboard charts)."""
     from collections import Counter
 
-    from celery_guardrails import activity
-    from celery_guardrails.clock import now
+    from celery_guardrails.foundation.clock import now
+    from celery_guardrails.operations import activity
 
     print("\n-- 11. the activity the workers kept (outcomes per task; the admin dashboard charts it per hour)")
 
@@ -595,9 +595,10 @@ def hostile_input(app: Any, worker_log: Path) -> None:
 def ordering_gap(app: Any, worker_log: Path) -> None:
     """Stock counts ordered per SKU, one of them handed its number and never published: the wait backs off, is
     seen in the status and the metrics, alerts the owner, and ends with the missing number recorded."""
-    from celery_guardrails import status, tenant_context
-    from celery_guardrails.collectors import StateCollector
+    from celery_guardrails import tenant_context
     from celery_guardrails.guardrails.idempotency import scoped_key
+    from celery_guardrails.operations import status
+    from celery_guardrails.operations.collectors import StateCollector
     from celery_guardrails.options import resolve
     from celery_guardrails.stores import get_store
     from django_celery_guardrails.models import DeadLetter
@@ -766,8 +767,8 @@ def killed_mid_handover(app: Any) -> None:
 
 
 def scheduled_work(app: Any, worker_log: Path) -> None:
-    from celery_guardrails.beat import moment
-    from celery_guardrails.ledger import MISSED, OK
+    from celery_guardrails.scheduling.beat import moment
+    from celery_guardrails.scheduling.ledger import MISSED, OK
     from celery_guardrails.stores import get_store
 
     name = "settle-payments"

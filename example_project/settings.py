@@ -131,9 +131,9 @@ else:
         finally:
             _draft.unlink()
     CELERY_GUARDRAILS["seal_keys"] = [_seal_key.read_text().strip()]
-# The demo runs a minute in a few seconds (see celery_guardrails.beat.accelerated_clock) and checks often.
+# The demo runs a minute in a few seconds (see celery_guardrails.scheduling.beat.accelerated_clock) and checks often.
 if os.environ.get("GUARDRAILS_CLOCK"):
-    CELERY_GUARDRAILS["clock"] = "celery_guardrails.beat.accelerated_clock"
+    CELERY_GUARDRAILS["clock"] = "celery_guardrails.scheduling.beat.accelerated_clock"
 if os.environ.get("EXAMPLE_WATCHDOG_INTERVAL"):
     CELERY_GUARDRAILS["watchdog_interval"] = float(os.environ["EXAMPLE_WATCHDOG_INTERVAL"])
 # The demo's workers add their activity counts every couple of seconds (default 30).

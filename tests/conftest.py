@@ -301,7 +301,7 @@ def proxy() -> Iterator[TcpProxy]:
 def broker_client(queue_name: str) -> Iterator[redis.Redis]:
     """The Redis broker; afterwards, what the test's messages left in kombu's keys (unacked records, the queue,
     items the atomic pop moved aside as malformed) is removed."""
-    from celery_guardrails.broker_pop import MALFORMED_KEY
+    from celery_guardrails.broker.atomic_pop import MALFORMED_KEY
 
     require("redis")
     client = redis.Redis.from_url(BROKER_URLS["redis"])

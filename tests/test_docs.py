@@ -242,7 +242,7 @@ def test_the_logging_settings_shown_format_a_record_with_its_context() -> None:
 def test_the_quorum_queue_settings_shown_make_countdowns_whole_seconds() -> None:
     from celery import Celery
 
-    from celery_guardrails.broker_delays import countdown_for
+    from celery_guardrails.broker.delays import countdown_for
 
     # Given the quorum-queue block of the brokers page, run against a Celery app on RabbitMQ
     (block,) = [block for block in PYTHON if "x-queue-type" in block.text]

@@ -19,10 +19,12 @@ def test_a_deprecation_raised_in_celery_kombu_or_django_is_an_error(module: str)
 @pytest.mark.parametrize("category", [CDeprecationWarning, RemovedInNextVersionWarning])
 def test_celerys_and_djangos_own_deprecations_are_errors_wherever_they_are_attributed(category: type) -> None:
     with pytest.raises(category):
-        warnings.warn_explicit("going away", category, "celery_guardrails/task.py", 1, module="celery_guardrails.task")
+        warnings.warn_explicit(
+            "going away", category, "celery_guardrails/runtime/task.py", 1, module="celery_guardrails.runtime.task"
+        )
 
 
 def test_a_deprecation_in_another_package_is_a_warning() -> None:
     # "celery_guardrails" starts with "celery": the filters match whole package names only
     with pytest.warns(DeprecationWarning):
-        warnings.warn_explicit("elsewhere", DeprecationWarning, "x.py", 1, module="celery_guardrails.task")
+        warnings.warn_explicit("elsewhere", DeprecationWarning, "x.py", 1, module="celery_guardrails.runtime.task")

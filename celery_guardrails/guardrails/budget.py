@@ -21,19 +21,27 @@ import random
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from celery_guardrails import clock, headers, signals
-from celery_guardrails.classification import Kind
-from celery_guardrails.delivery import delivery
+from celery_guardrails import signals
 from celery_guardrails.exceptions import BudgetExhaustedError
+from celery_guardrails.foundation import clock
 from celery_guardrails.log import duration, when
 from celery_guardrails.options import app_value, resolve
-from celery_guardrails.outcomes import CIRCUIT_OPEN, RETRY_BUDGET_EXHAUSTED, attempt_record, fail_finally, republish
-from celery_guardrails.pipeline import Guardrail
+from celery_guardrails.runtime import headers
+from celery_guardrails.runtime.classification import Kind
+from celery_guardrails.runtime.delivery import delivery
+from celery_guardrails.runtime.outcomes import (
+    CIRCUIT_OPEN,
+    RETRY_BUDGET_EXHAUSTED,
+    attempt_record,
+    fail_finally,
+    republish,
+)
+from celery_guardrails.runtime.pipeline import Guardrail
 from celery_guardrails.stores import get_store
 from celery_guardrails.stores.base import FAILURE, RELEASE, SUCCESS, Admission, BudgetPolicy
 
 if TYPE_CHECKING:
-    from celery_guardrails.task import GuardedTask
+    from celery_guardrails.runtime.task import GuardedTask
 
 logger = logging.getLogger(__name__)
 

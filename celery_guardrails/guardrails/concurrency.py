@@ -59,9 +59,7 @@ from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager
 from typing import TYPE_CHECKING, Any
 
-from celery_guardrails import headers, signals
-from celery_guardrails.context import current_tenant
-from celery_guardrails.delivery import ATTRIBUTE, Delivery, Grant, Hold, delivery
+from celery_guardrails import signals
 from celery_guardrails.exceptions import (
     ConcurrencyKeyError,
     ConfigurationError,
@@ -69,16 +67,19 @@ from celery_guardrails.exceptions import (
     SlotLostError,
     StoreError,
 )
+from celery_guardrails.foundation.context import current_tenant
 from celery_guardrails.guardrails.idempotency import HEARTBEATS, delivery_owner, render_key
 from celery_guardrails.guardrails.retries import retry_later
 from celery_guardrails.options import resolve
-from celery_guardrails.outcomes import PERMANENT, attempt_record, fail_finally
-from celery_guardrails.pipeline import Guardrail, Publication
+from celery_guardrails.runtime import headers
+from celery_guardrails.runtime.delivery import ATTRIBUTE, Delivery, Grant, Hold, delivery
+from celery_guardrails.runtime.outcomes import PERMANENT, attempt_record, fail_finally
+from celery_guardrails.runtime.pipeline import Guardrail, Publication
 from celery_guardrails.stores import get_store
 from celery_guardrails.stores.base import SlotHolder, Store
 
 if TYPE_CHECKING:
-    from celery_guardrails.task import GuardedTask
+    from celery_guardrails.runtime.task import GuardedTask
 
 logger = logging.getLogger(__name__)
 

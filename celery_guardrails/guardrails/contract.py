@@ -20,7 +20,7 @@ in the caller, before anything is sent or reserved:
   with :class:`~celery_guardrails.exceptions.PayloadTooDeepError`. A prefork worker hands the arguments to its
   child with pickle, which fails several hundred levels down and stops the worker's main process; on the worker
   such a message from another producer is dead-lettered ``malformed_message`` before it reaches the pool
-  (:mod:`celery_guardrails.request`).
+  (:mod:`celery_guardrails.runtime.request`).
 * **Version**: the message is stamped with the task's ``payload_version`` (header field ``pv``).
 
 A re-publish (``retry``, a guardrail's wait, a replay: the message carries ``pv`` already, or it is the
@@ -47,7 +47,6 @@ from typing import TYPE_CHECKING, Any, NoReturn
 
 from kombu.serialization import dumps
 
-from celery_guardrails import headers
 from celery_guardrails.exceptions import (
     EntityInPayloadError,
     PayloadContractError,
@@ -57,11 +56,12 @@ from celery_guardrails.exceptions import (
     UnknownPayloadVersionError,
 )
 from celery_guardrails.options import resolve
-from celery_guardrails.outcomes import MALFORMED_MESSAGE, UNKNOWN_PAYLOAD_VERSION, attempt_record, fail_finally
-from celery_guardrails.pipeline import Guardrail, Publication
+from celery_guardrails.runtime import headers
+from celery_guardrails.runtime.outcomes import MALFORMED_MESSAGE, UNKNOWN_PAYLOAD_VERSION, attempt_record, fail_finally
+from celery_guardrails.runtime.pipeline import Guardrail, Publication
 
 if TYPE_CHECKING:
-    from celery_guardrails.task import GuardedTask
+    from celery_guardrails.runtime.task import GuardedTask
 
 #: Nesting levels of lists and dicts looked into (deeper values are not inspected).
 MAX_DEPTH = 8

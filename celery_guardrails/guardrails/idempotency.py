@@ -7,7 +7,7 @@
   every redelivery, retry and replay carries the same key. ``dedupe_on_publish`` optionally skips publishing a
   key seen within ``dedupe_ttl`` (an optimisation: the claim below is the guarantee).
 * Run: the key, scoped by task name and tenant, is claimed in the store (the body reads an opaque key made from
-  it, ``self.request.idempotency_key``, to hand downstream: see :mod:`celery_guardrails.effects`):
+  it, ``self.request.idempotency_key``, to hand downstream: see :mod:`celery_guardrails.runtime.effects`):
 
   - acquired: the body runs; the claim's lease (``idempotency_lease``) is renewed by a heartbeat every third
     of it (the claim itself is the first beat); when the body returns, the key is completed with a short
@@ -28,7 +28,7 @@ that lost its lease rolls back). Otherwise (Redis, or effects outside the databa
 the effect and before the completion mark leaves a window: the next delivery takes over and runs the body
 again. Close it with a natural key on the effect or the provider's own idempotency key (pass it
 ``self.request.idempotency_key``): a body that hands its key on may also be retried after an ambiguous failure
-(:mod:`celery_guardrails.gate`); a keyed body that does not is retried only before its first effect.
+(:mod:`celery_guardrails.runtime.gate`); a keyed body that does not is retried only before its first effect.
 """
 
 from __future__ import annotations
@@ -49,21 +49,22 @@ from typing import TYPE_CHECKING, Any
 
 from celery.utils.saferepr import saferepr
 
-from celery_guardrails import headers, signals
-from celery_guardrails.context import current_tenant
-from celery_guardrails.delivery import Hold, delivery
+from celery_guardrails import signals
 from celery_guardrails.exceptions import DuplicateOfFailureError, IdempotencyKeyError, RetryLater, StoreError
+from celery_guardrails.foundation.context import current_tenant
+from celery_guardrails.foundation.redaction import redacted_error
 from celery_guardrails.guardrails.retries import retry_later
-from celery_guardrails.ledger import period_key
 from celery_guardrails.options import resolve
-from celery_guardrails.outcomes import BAD_IDEMPOTENCY_KEY, attempt_record, fail_finally
-from celery_guardrails.pipeline import Guardrail, Publication, SkipBody, SkipPublish
-from celery_guardrails.redaction import redacted_error
+from celery_guardrails.runtime import headers
+from celery_guardrails.runtime.delivery import Hold, delivery
+from celery_guardrails.runtime.outcomes import BAD_IDEMPOTENCY_KEY, attempt_record, fail_finally
+from celery_guardrails.runtime.pipeline import Guardrail, Publication, SkipBody, SkipPublish
+from celery_guardrails.scheduling.ledger import period_key
 from celery_guardrails.stores import get_store
 from celery_guardrails.stores.base import ACQUIRED, BUSY, COMPLETED, FAILED, Claim, Store
 
 if TYPE_CHECKING:
-    from celery_guardrails.task import GuardedTask
+    from celery_guardrails.runtime.task import GuardedTask
 
 logger = logging.getLogger(__name__)
 
@@ -429,7 +430,7 @@ class Idempotency(Guardrail):
                     raise pending from exc
                 raise
         scoped = scoped_key(task.name, current_tenant(), key)
-        delivery(task).key = scoped  # the body reads an opaque key made from it (celery_guardrails.effects)
+        delivery(task).key = scoped  # the body reads an opaque key made from it (celery_guardrails.runtime.effects)
         store = get_store(task.app)
         owner = delivery_owner(request)
         now = time.time()

@@ -48,7 +48,7 @@ A wait is visible while it lasts: the store indexes the keys that wait (one writ
 ends; a message that only looks again writes nothing), read by ``celery -A proj guardrails status`` (the
 "Ordering waits" table) and the metrics (``celery_guardrails_ordering_keys_waiting``,
 ``celery_guardrails_ordering_oldest_wait_seconds``); after ``ordering_gap_alert_after`` (5 minutes) the
-task's owner is alerted once per wait (:func:`celery_guardrails.alerts.ordering_wait`).
+task's owner is alerted once per wait (:func:`celery_guardrails.operations.alerts.ordering_wait`).
 
 What ordering is not:
 
@@ -78,14 +78,16 @@ import uuid
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, NoReturn
 
-from celery_guardrails import alerts, dead_letters, headers, signals
-from celery_guardrails.context import current_tenant
-from celery_guardrails.delivery import delivery
+from celery_guardrails import signals
 from celery_guardrails.exceptions import OrderingError, OrderingKeyError, RetryLater, StoreError
+from celery_guardrails.foundation.context import current_tenant
 from celery_guardrails.guardrails.idempotency import render_key, scoped_key, validate_key
 from celery_guardrails.guardrails.retries import retry_later
+from celery_guardrails.operations import alerts
 from celery_guardrails.options import resolve
-from celery_guardrails.outcomes import (
+from celery_guardrails.runtime import dead_letters, headers
+from celery_guardrails.runtime.delivery import delivery
+from celery_guardrails.runtime.outcomes import (
     MALFORMED_MESSAGE,
     ORDERING_GAP,
     ORDERING_GAP_SKIPPED,
@@ -95,12 +97,12 @@ from celery_guardrails.outcomes import (
     owner_of,
     timestamp,
 )
-from celery_guardrails.pipeline import Guardrail, Publication, SkipBody
+from celery_guardrails.runtime.pipeline import Guardrail, Publication, SkipBody
 from celery_guardrails.stores import get_store
 from celery_guardrails.stores.base import OrderState
 
 if TYPE_CHECKING:
-    from celery_guardrails.task import GuardedTask
+    from celery_guardrails.runtime.task import GuardedTask
 
 logger = logging.getLogger(__name__)
 

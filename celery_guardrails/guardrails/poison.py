@@ -27,18 +27,18 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any
 
-from celery_guardrails import headers
-from celery_guardrails.broker_delays import delivery_count
-from celery_guardrails.delivery import ATTRIBUTE, Delivery, delivery
+from celery_guardrails.broker.delays import delivery_count
 from celery_guardrails.exceptions import PoisonMessageError, StoreError
 from celery_guardrails.guardrails.idempotency import fail_abandoned
 from celery_guardrails.options import resolve
-from celery_guardrails.outcomes import POISON, attempt_record, fail_finally
-from celery_guardrails.pipeline import Guardrail, Publication
+from celery_guardrails.runtime import headers
+from celery_guardrails.runtime.delivery import ATTRIBUTE, Delivery, delivery
+from celery_guardrails.runtime.outcomes import POISON, attempt_record, fail_finally
+from celery_guardrails.runtime.pipeline import Guardrail, Publication
 from celery_guardrails.stores import get_store
 
 if TYPE_CHECKING:
-    from celery_guardrails.task import GuardedTask
+    from celery_guardrails.runtime.task import GuardedTask
 
 logger = logging.getLogger(__name__)
 

@@ -2,16 +2,16 @@
 
 * ``before_run``: reads the attempt counters and history from the message into ``self.request.attempt``
   (1 for the first run) and ``self.request.attempt_history`` (the earlier attempts, oldest first).
-* Around the body: a failure is classified (:mod:`celery_guardrails.classification`) and every re-run goes
-  through the retry gate (:mod:`celery_guardrails.gate`):
+* Around the body: a failure is classified (:mod:`celery_guardrails.runtime.classification`) and every re-run goes
+  through the retry gate (:mod:`celery_guardrails.runtime.gate`):
 
   - transient, safe to run again, attempts left (``max_attempts`` counts the first run): re-published after
-    the backoff delay (:mod:`celery_guardrails.backoff`), one attempt consumed, ``retry_scheduled`` sent;
+    the backoff delay (:mod:`celery_guardrails.runtime.backoff`), one attempt consumed, ``retry_scheduled`` sent;
   - ``RetryLater``: re-published after its delay with no attempt consumed, ``retry_later_max`` times at
     most; then a final failure ``retry_later_exhausted``;
   - permanent, transient but not safe to run again, or transient with no attempt left: a final failure
     (``permanent``, ``not_idempotent``, ``attempts_exhausted``) through
-    :func:`celery_guardrails.outcomes.fail_finally`, and the task fails with the original exception.
+    :func:`celery_guardrails.runtime.outcomes.fail_finally`, and the task fails with the original exception.
 
   Every outcome appends an attempt record to the history the next delivery (or the final failure) carries.
 * Celery's own retry paths come here too. ``autoretry_for`` on a GuardedTask is classified as
@@ -32,13 +32,14 @@ from typing import TYPE_CHECKING, Any
 
 from celery.exceptions import MaxRetriesExceededError, Retry
 
-from celery_guardrails import headers, signals
-from celery_guardrails.backoff import backoff_for
-from celery_guardrails.classification import Kind, Verdict, classify, gated
-from celery_guardrails.delivery import delivery
+from celery_guardrails import signals
 from celery_guardrails.exceptions import StoreError
 from celery_guardrails.options import resolve
-from celery_guardrails.outcomes import (
+from celery_guardrails.runtime import headers
+from celery_guardrails.runtime.backoff import backoff_for
+from celery_guardrails.runtime.classification import Kind, Verdict, classify, gated
+from celery_guardrails.runtime.delivery import delivery
+from celery_guardrails.runtime.outcomes import (
     ATTEMPTS_EXHAUSTED,
     NOT_IDEMPOTENT,
     PERMANENT,
@@ -47,10 +48,10 @@ from celery_guardrails.outcomes import (
     fail_finally,
     republish,
 )
-from celery_guardrails.pipeline import Guardrail
+from celery_guardrails.runtime.pipeline import Guardrail
 
 if TYPE_CHECKING:
-    from celery_guardrails.task import GuardedTask
+    from celery_guardrails.runtime.task import GuardedTask
 
 logger = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """Scheduled runs on the worker: the ledger record, the overlap policy and the horizon of one period.
 
 A message a guarded beat dispatched carries its schedule and period in the ``guardrails`` header (see
-:mod:`celery_guardrails.beat`) and the period key as its idempotency key, so the idempotency guardrail has
+:mod:`celery_guardrails.scheduling.beat`) and the period key as its idempotency key, so the idempotency guardrail has
 already skipped a period that ran before. Then, for the entry's policy:
 
 * overlap: ``skip`` and ``queue`` take the schedule's *run slot*, a claim in the store renewed by the same
@@ -26,22 +26,22 @@ import time
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any
 
-from celery_guardrails import headers
-from celery_guardrails.beat import moment
-from celery_guardrails.clock import now
-from celery_guardrails.delivery import Hold, delivery
 from celery_guardrails.exceptions import RetryLater
+from celery_guardrails.foundation.clock import now
+from celery_guardrails.foundation.redaction import redacted_error
 from celery_guardrails.guardrails.idempotency import delivery_owner, heartbeat, task_signature
 from celery_guardrails.guardrails.retries import retry_later
-from celery_guardrails.ledger import FAILED, OK, SKIPPED_OVERLAP, period_key
 from celery_guardrails.options import DEFAULT_POLICY, SchedulePolicy, app_value, resolve
-from celery_guardrails.pipeline import Guardrail, Publication, SkipBody
-from celery_guardrails.redaction import redacted_error
+from celery_guardrails.runtime import headers
+from celery_guardrails.runtime.delivery import Hold, delivery
+from celery_guardrails.runtime.pipeline import Guardrail, Publication, SkipBody
+from celery_guardrails.scheduling.beat import moment
+from celery_guardrails.scheduling.ledger import FAILED, OK, SKIPPED_OVERLAP, period_key
 from celery_guardrails.stores import get_store
 from celery_guardrails.stores.base import ACQUIRED
 
 if TYPE_CHECKING:
-    from celery_guardrails.task import GuardedTask
+    from celery_guardrails.runtime.task import GuardedTask
 
 logger = logging.getLogger(__name__)
 

@@ -18,15 +18,15 @@ from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any
 
 from celery_guardrails import signals
-from celery_guardrails.context import current_correlation_id, current_tenant
 from celery_guardrails.exceptions import MissingTenantError
-from celery_guardrails.headers import TENANT
+from celery_guardrails.foundation.context import current_correlation_id, current_tenant
 from celery_guardrails.options import load, resolve
-from celery_guardrails.outcomes import MISSING_TENANT, fail_finally
-from celery_guardrails.pipeline import Guardrail, Publication
+from celery_guardrails.runtime.headers import TENANT
+from celery_guardrails.runtime.outcomes import MISSING_TENANT, fail_finally
+from celery_guardrails.runtime.pipeline import Guardrail, Publication
 
 if TYPE_CHECKING:
-    from celery_guardrails.task import GuardedTask
+    from celery_guardrails.runtime.task import GuardedTask
 
 logger = logging.getLogger(__name__)
 

@@ -25,7 +25,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from celery_guardrails.ledger import RunLedger
+from celery_guardrails.scheduling.ledger import RunLedger
 
 CLOSED, OPEN, HALF_OPEN = "closed", "open", "half_open"
 #: Outcomes a run reports to its dependency's breaker.
@@ -190,7 +190,7 @@ class Claim:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class StoredCheckpoint:
-    """A long job's checkpoint as the store holds it (see :mod:`celery_guardrails.checkpoint`)."""
+    """A long job's checkpoint as the store holds it (see :mod:`celery_guardrails.runtime.checkpoint`)."""
 
     #: Items done: a resumed run skips this many.
     position: int = 0
@@ -251,13 +251,13 @@ class OrderWaits:
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Wait:
     """A message the guardrails re-published with a countdown, waiting to be delivered again (see
-    :mod:`celery_guardrails.waiting`). Times are epoch seconds; ``tenant`` "" when it has none."""
+    :mod:`celery_guardrails.guardrails.waiting`). Times are epoch seconds; ``tenant`` "" when it has none."""
 
     task_id: str
     task_name: str
     tenant: str = ""
     queue: str = ""
-    #: Why it waits: one of :data:`celery_guardrails.waiting.REASONS` ("retry", "budget", "circuit", ...).
+    #: Why it waits: one of :data:`celery_guardrails.guardrails.waiting.REASONS` ("retry", "budget", "circuit", ...).
     reason: str
     #: What it waits on: the error class of a retry, the dependency, the concurrency / ordering / idempotency key.
     detail: str = ""
@@ -350,7 +350,7 @@ class Store(RunLedger, Protocol):
 
     def reset(self, dependency: str) -> None: ...
 
-    # Checkpoints of long jobs (``self.checkpoint``, :mod:`celery_guardrails.checkpoint`): per key, the position
+    # Checkpoints of long jobs (``self.checkpoint``, :mod:`celery_guardrails.runtime.checkpoint`): per key, the position
     # reached (items done) and a small JSON state saved with it. ``save_checkpoint`` is a compare-and-set: it
     # writes only while the stored position is ``expected`` (0 when there is none), so two deliveries of one job
     # running at once cannot both move it (the second is told False). The Django store writes on the caller's
@@ -410,7 +410,8 @@ class Store(RunLedger, Protocol):
         from an index the wait's start writes once (a Redis sorted set; an indexed column), not from a scan."""
         ...
 
-    # Waiting messages (celery_guardrails.waiting): one row per task id, written as a message is re-published with
+    # Waiting messages (celery_guardrails.guardrails.waiting): one row per task id, written as a message is
+    # re-published with
     # a countdown, removed as its next delivery starts, forgotten after ``expires``.
 
     def wait_note(self, wait: Wait) -> None:
@@ -462,7 +463,8 @@ class Store(RunLedger, Protocol):
         """What :func:`celery_guardrails.concurrency_status` reports for ``key``."""
         ...
 
-    # Activity per minute (celery_guardrails.activity): delivery outcomes counted per (task, queue, outcome) and
+    # Activity per minute (celery_guardrails.operations.activity): delivery outcomes counted per (task, queue, outcome)
+    # and
     # queue samples, kept ``retention`` seconds for the admin dashboard's charts and the status rates.
 
     def activity_add(self, counts: Iterable[OutcomeCount], *, batch: str, retention: float) -> None:
@@ -482,7 +484,8 @@ class Store(RunLedger, Protocol):
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class OutcomeCount:
-    """Deliveries of ``task`` from ``queue`` that ended with ``outcome`` (see :mod:`celery_guardrails.metrics`)
+    """Deliveries of ``task`` from ``queue`` that ended with ``outcome`` (see
+    :mod:`celery_guardrails.operations.metrics`)
     in the minute starting at ``minute`` (epoch seconds, a multiple of 60)."""
 
     minute: float
@@ -495,7 +498,7 @@ class OutcomeCount:
 @dataclass(frozen=True, slots=True, kw_only=True)
 class QueueSample:
     """``queue`` as read once in the minute starting at ``minute``: its depth and the age of its oldest message
-    (None: unknown, see :class:`celery_guardrails.queues.QueueDepth`)."""
+    (None: unknown, see :class:`celery_guardrails.broker.queues.QueueDepth`)."""
 
     minute: float
     queue: str

@@ -1,9 +1,9 @@
-"""The run ledger on Redis (the :class:`~celery_guardrails.ledger.RunLedger` half of the Redis store).
+"""The run ledger on Redis (the :class:`~celery_guardrails.scheduling.ledger.RunLedger` half of the Redis store).
 
 Per schedule, one hash ``guardrails:{runs:<schedule>}`` maps a period (epoch seconds, as an integer string)
 to its record (a JSON object, times as strings), and one sorted set ``guardrails:{runs:<schedule>}:index``
 orders the periods. Every change is one Lua script, so "insert unless present" and "move from status A to B"
-are atomic across beat processes and workers. Records older than :data:`~celery_guardrails.ledger.RETENTION`
+are atomic across beat processes and workers. Records older than :data:`~celery_guardrails.scheduling.ledger.RETENTION`
 are dropped as new ones are written; both keys expire when a schedule has been quiet that long.
 
 The braces are a Redis Cluster hash tag: both keys of a schedule hash to one slot, so one script may change
@@ -21,7 +21,15 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from celery_guardrails.exceptions import StoreError
-from celery_guardrails.ledger import DISPATCHED, REASON_MAX_LENGTH, RETENTION, RUNNING, WAS_OVERDUE, Heads, Run
+from celery_guardrails.scheduling.ledger import (
+    DISPATCHED,
+    REASON_MAX_LENGTH,
+    RETENTION,
+    RUNNING,
+    WAS_OVERDUE,
+    Heads,
+    Run,
+)
 
 #: The names of releases before the hash tag (read on one server only, to adopt them: see the docstring).
 LEGACY_RUNS_PREFIX = "guardrails:runs:"

@@ -1,4 +1,5 @@
-"""Waiting messages on Redis (the waiting half of the Redis store, mixed in; see :mod:`celery_guardrails.waiting`).
+"""Waiting messages on Redis (the waiting half of the Redis store, mixed in; see
+:mod:`celery_guardrails.guardrails.waiting`).
 
 One hash, ``guardrails:{waiting}``: field the task id, value the wait as JSON. A note is one ``HSET`` (in a
 script that also pushes the hash's expiry out to the latest ``expires`` written: a hash nobody writes for that

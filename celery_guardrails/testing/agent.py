@@ -36,7 +36,8 @@ from typing import Any
 
 from celery.signals import celeryd_init, task_postrun, task_prerun, worker_ready
 
-from celery_guardrails import faults, signals
+from celery_guardrails import signals
+from celery_guardrails.foundation import faults
 from celery_guardrails.testing import events
 
 #: Seconds a delivery paused at a point waits for the test's go before it goes on by itself.

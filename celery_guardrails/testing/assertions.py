@@ -45,7 +45,7 @@ def assert_single_effect(effect: Any, *, expected: int = 1, kit: Kit | None = No
 
 def dead_letter_of(app: Any, task_id: str) -> dict[str, Any] | None:
     """The dead letter of ``task_id`` in ``app``'s sinks (the Django table, or the Redis stream), or None."""
-    from celery_guardrails.dead_letters import STREAM, RedisStreamSink, sinks_for
+    from celery_guardrails.runtime.dead_letters import STREAM, RedisStreamSink, sinks_for
 
     for sink in sinks_for(app):  # the sinks the workers record to, as they resolve them
         if isinstance(sink, RedisStreamSink):

@@ -26,7 +26,7 @@ from urllib.parse import urlsplit, urlunsplit
 
 from celery.signals import before_task_publish
 
-from celery_guardrails import headers
+from celery_guardrails.runtime import headers
 from celery_guardrails.testing import events
 from celery_guardrails.testing.proxy import TcpProxy
 from celery_guardrails.testing.worker import GuardedWorker

@@ -11,8 +11,8 @@ from typing import Any
 import pytest
 
 from celery_guardrails import correlation_context, tenant_context
+from celery_guardrails.foundation.redaction import WITHHELD
 from celery_guardrails.log import ContextFilter, install_filters
-from celery_guardrails.redaction import WITHHELD
 from tests.proj import tasks
 from tests.support import planted
 from tests.support.planted import leaked
@@ -74,7 +74,7 @@ def test_the_extensions_log_lines_and_tracebacks_are_redacted(celery_app: Any, g
     # Given the filters a guarded task's app installs, and a line of one of the extension's modules about a store
     # error (it names the store's URL, password included) with its traceback
     install_filters()
-    outcomes = logging.getLogger("celery_guardrails.outcomes")
+    outcomes = logging.getLogger("celery_guardrails.runtime.outcomes")
     try:
         raise ConnectionError(f"Redis store at {planted.REDIS_URL} unavailable; token {planted.GITHUB_TOKEN}")
     except ConnectionError as error:
@@ -82,7 +82,7 @@ def test_the_extensions_log_lines_and_tracebacks_are_redacted(celery_app: Any, g
     # Then the line and its traceback say everything but the secrets
     output = guardrails_output.getvalue()
     assert output.startswith(
-        "celery_guardrails.outcomes Task t[1]: the guardrails store is unavailable (Redis store at "
+        "celery_guardrails.runtime.outcomes Task t[1]: the guardrails store is unavailable (Redis store at "
         "redis://:[redacted]@cache:6379/0 unavailable; token [redacted])\nTraceback (most recent call last):"
     )
     assert leaked(output) == [] and "ConnectionError: Redis store at redis://:[redacted]@" in output
@@ -90,8 +90,10 @@ def test_the_extensions_log_lines_and_tracebacks_are_redacted(celery_app: Any, g
 
 def test_a_line_with_nothing_to_redact_keeps_its_template(celery_app: Any) -> None:
     install_filters()
-    record = logging.LogRecord("celery_guardrails.alerts", logging.INFO, __file__, 1, "sent %s to %s", ("a", "b"), None)
-    assert logging.getLogger("celery_guardrails.alerts").filter(record)
+    record = logging.LogRecord(
+        "celery_guardrails.operations.alerts", logging.INFO, __file__, 1, "sent %s to %s", ("a", "b"), None
+    )
+    assert logging.getLogger("celery_guardrails.operations.alerts").filter(record)
     assert (record.msg, record.args, record.getMessage()) == ("sent %s to %s", ("a", "b"), "sent a to b")
 
 
@@ -104,7 +106,7 @@ def test_the_filter_redacts_a_record_before_any_handler_reads_it() -> None:
         import sys
 
         exc_info = sys.exc_info()
-    for name in ("celery_guardrails.outcomes", "django_celery_guardrails.replay"):
+    for name in ("celery_guardrails.runtime.outcomes", "django_celery_guardrails.replay"):
         record = logging.LogRecord(name, logging.ERROR, __file__, 1, "failed: %s", (planted.PG_URL,), exc_info)
         record.data = dict(planted.ARGUMENTS)
         # When the logger's filters have run
@@ -120,7 +122,9 @@ def test_a_record_the_filter_cannot_read_is_withheld_not_written_raw() -> None:
         def __str__(self) -> str:
             raise RuntimeError("no")
 
-    record = logging.LogRecord("celery_guardrails.outcomes", logging.ERROR, __file__, 1, Unreadable(), None, None)
+    record = logging.LogRecord(
+        "celery_guardrails.runtime.outcomes", logging.ERROR, __file__, 1, Unreadable(), None, None
+    )
     # When the filter runs, Then the line says it was withheld (and the record is still written)
-    assert logging.getLogger("celery_guardrails.outcomes").filter(record)
-    assert record.getMessage() == f"{WITHHELD}: a log line of celery_guardrails.outcomes"
+    assert logging.getLogger("celery_guardrails.runtime.outcomes").filter(record)
+    assert record.getMessage() == f"{WITHHELD}: a log line of celery_guardrails.runtime.outcomes"

@@ -2,7 +2,8 @@
 expression uses.
 
 :func:`scrape` reads them from a real registry (the worker-side metrics of this process plus a
-:class:`~celery_guardrails.collectors.StateCollector` of the app), the way an exporter serves them, rather than
+:class:`~celery_guardrails.operations.collectors.StateCollector` of the app), the way an exporter serves them, rather
+than
 from a list kept by hand that could drift from the code.
 """
 
@@ -15,8 +16,8 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry
 
-from celery_guardrails import metrics
-from celery_guardrails.collectors import StateCollector
+from celery_guardrails.operations import metrics
+from celery_guardrails.operations.collectors import StateCollector
 
 #: The series names a family of each type exposes, by suffix (prometheus_client's family name has no
 #: ``_total``; a family without samples yet still says what its samples will be called).
@@ -48,7 +49,7 @@ class Scrape:
 
 
 def scrape(app: Any) -> Scrape:
-    """Scrape this process's metrics (:func:`celery_guardrails.metrics.metrics_registry`) and a
+    """Scrape this process's metrics (:func:`celery_guardrails.operations.metrics.metrics_registry`) and a
     :class:`StateCollector` of ``app``, as the worker endpoint and the Django view serve them."""
     registry = metrics.metrics_registry()
     collector_registry = CollectorRegistry(auto_describe=False)

@@ -15,7 +15,7 @@ import pytest
 from celery import Celery
 from django.db import connection, connections
 
-from celery_guardrails import activity
+from celery_guardrails.operations import activity
 
 pytestmark = pytest.mark.django_db(transaction=True)
 #: Keys (task, outcome) of one minute that both processes count: every row is written by both.

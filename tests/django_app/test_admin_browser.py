@@ -19,8 +19,9 @@ import redis
 from django.contrib.auth.models import User
 from django.db import connection
 
-from celery_guardrails import activity, tenant_context
-from celery_guardrails.outcomes import REASONS
+from celery_guardrails import tenant_context
+from celery_guardrails.operations import activity
+from celery_guardrails.runtime.outcomes import REASONS
 from django_celery_guardrails.models import DeadLetter
 from tests.conftest import Sink
 from tests.django_app.test_health import fill_ledger, use_app

@@ -16,8 +16,8 @@ from celery import group
 from django.core import mail
 from django.db import connection
 
-from celery_guardrails import alerts
-from celery_guardrails.alerts import flush_alert_summaries
+from celery_guardrails.operations import alerts
+from celery_guardrails.operations.alerts import flush_alert_summaries
 from celery_guardrails.stores.redis import ALERT_PENDING, ALERT_PREFIX
 from tests.proj import django_tasks
 from tests.support.services import REDIS_URL
@@ -137,7 +137,7 @@ def test_an_unreachable_channel_logs_one_warning_per_outage_then_says_it_is_back
     client.delete(ALERT_PREFIX + group_key)
     client.srem(ALERT_PENDING, group_key)
     monkeypatch.setattr(alerts, "RETRY_PAUSES", (0.05, 0.05))  # the three tries, quicker
-    caplog.set_level(logging.DEBUG, logger="celery_guardrails.alerts")
+    caplog.set_level(logging.DEBUG, logger="celery_guardrails.operations.alerts")
     # When a real worker dead-letters a message (its owner alerted), and three more alerts follow at once
     with pytest.raises(Exception, match="card refused"):
         django_tasks.fail_with.delay("permanent").get(timeout=30)
@@ -150,7 +150,7 @@ def test_an_unreachable_channel_logs_one_warning_per_outage_then_says_it_is_back
     assert alerts.SENDER.drain(10)
     # Then each channel logged ONE warning line, without a traceback: the channel, the error's class and
     # message, the time it is tried again; and the mail's line says what development setups use instead
-    said = [r for r in caplog.records if r.name == "celery_guardrails.alerts" and r.levelno >= logging.INFO]
+    said = [r for r in caplog.records if r.name == "celery_guardrails.operations.alerts" and r.levelno >= logging.INFO]
     assert [(r.levelname, r.exc_info, r.exc_text) for r in said] == [("WARNING", None, None)] * 2, [
         r.getMessage() for r in said
     ]
@@ -196,7 +196,9 @@ def test_an_unreachable_channel_logs_one_warning_per_outage_then_says_it_is_back
     # its second outage's one line
     assert len(posted) == 1
     said = [
-        r.getMessage() for r in caplog.records if r.name == "celery_guardrails.alerts" and r.levelno >= logging.INFO
+        r.getMessage()
+        for r in caplog.records
+        if r.name == "celery_guardrails.operations.alerts" and r.levelno >= logging.INFO
     ]
     assert sorted(line.split(" (")[0].split(";")[0] for line in said) == sorted(
         [

@@ -12,7 +12,8 @@ from cryptography.fernet import Fernet
 from django.core.checks import run_checks
 from django.test import override_settings
 
-from celery_guardrails import GuardedTask, audit
+from celery_guardrails import GuardedTask
+from celery_guardrails.operations import audit
 from django_celery_guardrails import checks
 from django_celery_guardrails.checks import AUDIT_IDS
 

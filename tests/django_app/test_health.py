@@ -13,7 +13,7 @@ from django.test import Client
 from django.test.utils import CaptureQueriesContext
 from django.urls import reverse
 
-from celery_guardrails.ledger import FAILED, MISSED, OK, OVERDUE, RUNNING
+from celery_guardrails.scheduling.ledger import FAILED, MISSED, OK, OVERDUE, RUNNING
 from django_celery_guardrails import health
 from django_celery_guardrails.health import LastRecord, ScheduleHealth, schedule_health
 from django_celery_guardrails.store import DjangoStore

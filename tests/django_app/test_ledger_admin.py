@@ -8,7 +8,7 @@ import pytest
 from django.test import Client
 from django.urls import reverse
 
-from celery_guardrails.ledger import MISSED, OK, RUNNING
+from celery_guardrails.scheduling.ledger import MISSED, OK, RUNNING
 from django_celery_guardrails.models import ScheduledRun
 from django_celery_guardrails.store import DjangoStore
 

@@ -12,7 +12,7 @@ from django.test import Client
 from django.urls import reverse
 from prometheus_client.parser import text_string_to_metric_families
 
-from celery_guardrails import metrics
+from celery_guardrails.operations import metrics
 from example_project.celery_app import app
 
 TOKEN = "a-scraper-token-of-some-length"

@@ -100,7 +100,7 @@ def test_a_gap_given_up_on_the_django_store_leaves_a_dead_letter_that_refuses_re
     from django.test import Client
     from django.urls import reverse
 
-    from celery_guardrails import status as status_module
+    from celery_guardrails.operations import status as status_module
     from celery_guardrails.stores import get_store
     from django_celery_guardrails.models import DeadLetter, OrderingSequence
     from django_celery_guardrails.replay import NEVER_CAME_REFUSAL, replay_dead_letters

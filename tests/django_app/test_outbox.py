@@ -24,9 +24,10 @@ from django.db import connection, transaction
 from django.utils import timezone
 from kombu import Connection
 
-from celery_guardrails import GuardedTask, headers, tenant_context
+from celery_guardrails import GuardedTask, tenant_context
 from celery_guardrails.exceptions import MissingTenantError, SensitivePayloadError
-from celery_guardrails.outbox import confirms_off
+from celery_guardrails.runtime import headers
+from celery_guardrails.runtime.outbox import confirms_off
 from django_celery_guardrails.models import DeadLetter, OutboxMessage, SealedMessage
 from django_celery_guardrails.outbox import BACKOFF_MAX, backlog, relay
 from django_celery_guardrails.replay import replay_dead_letters

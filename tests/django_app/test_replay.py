@@ -21,8 +21,8 @@ from django.test import Client
 from django.urls import reverse
 
 from celery_guardrails import tenant_context
-from celery_guardrails.effects import provider_key
-from celery_guardrails.outcomes import NOT_IDEMPOTENT
+from celery_guardrails.runtime.effects import provider_key
+from celery_guardrails.runtime.outcomes import NOT_IDEMPOTENT
 from django_celery_guardrails.models import DeadLetter
 from django_celery_guardrails.replay import (
     NOT_IDEMPOTENT_REFUSAL,

@@ -23,7 +23,7 @@ from django.test import Client
 from django.urls import reverse
 
 from celery_guardrails import tenant_context
-from celery_guardrails.dead_letters import ARGUMENTS_LIMIT
+from celery_guardrails.runtime.dead_letters import ARGUMENTS_LIMIT
 from django_celery_guardrails.models import DeadLetter, SealedMessage
 from django_celery_guardrails.replay import replay_dead_letters
 from tests.conftest import Sink

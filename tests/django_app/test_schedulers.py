@@ -14,7 +14,7 @@ from django.core.management import call_command
 from django.db import connection
 from django_celery_beat.models import CrontabSchedule, IntervalSchedule, PeriodicTask
 
-from celery_guardrails.ledger import MISSED, OK
+from celery_guardrails.scheduling.ledger import MISSED, OK
 from django_celery_guardrails.store import DjangoStore
 from tests.celery_guardrails.guardrails.test_scheduled_runs import Gated, overlap_skip_outlives_the_lease
 from tests.conftest import Sink
@@ -185,7 +185,7 @@ def test_a_schedule_disabled_for_ten_minutes_and_enabled_again_owes_nothing_for_
     from django.test import Client
     from django.urls import reverse
 
-    from celery_guardrails.ledger import SKIPPED_DISABLED
+    from celery_guardrails.scheduling.ledger import SKIPPED_DISABLED
 
     require("redis")
     url, posted = webhook
@@ -272,8 +272,8 @@ def test_a_row_carries_its_tenant_in_its_headers_and_a_policy_names_one_for_its_
 def test_a_bad_tenant_of_an_entry_is_refused_naming_it() -> None:
     from celery import Celery
 
-    from celery_guardrails.beat import build_entries
     from celery_guardrails.exceptions import ConfigurationError
+    from celery_guardrails.scheduling.beat import build_entries
 
     app = Celery("bad-tenant", set_as_current=False)
     app.conf.guardrails = {"schedules": {"nightly": {}}}
@@ -336,7 +336,7 @@ def test_a_settings_entry_and_a_row_without_a_policy_are_watched_and_their_misse
     import subprocess
     import sys
 
-    from celery_guardrails.beat import moment
+    from celery_guardrails.scheduling.beat import moment
 
     require("redis")
     uid = uuid.uuid4().hex[:6]

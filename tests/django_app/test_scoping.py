@@ -19,8 +19,8 @@ from django.urls import reverse
 from django.utils import timezone
 
 from celery_guardrails.exceptions import ConfigurationError, ContextError
-from celery_guardrails.ledger import OK
 from celery_guardrails.options import TASK, app_settings, validate
+from celery_guardrails.scheduling.ledger import OK
 from django_celery_guardrails.checks import check_admin_tenants, check_settings
 from django_celery_guardrails.maintenance import close_dead_letters
 from django_celery_guardrails.models import (

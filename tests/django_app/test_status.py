@@ -1,4 +1,5 @@
-"""Status and scrape-time gauges (celery_guardrails.status, .collectors) read from the Django app's tables."""
+"""Status and scrape-time gauges (celery_guardrails.operations.status, .collectors) read from the Django app's
+tables."""
 
 from __future__ import annotations
 
@@ -8,9 +9,9 @@ from typing import Any
 
 import pytest
 
-from celery_guardrails import status
-from celery_guardrails.collectors import StateCollector
-from celery_guardrails.ledger import MISSED, OK, OVERDUE
+from celery_guardrails.operations import status
+from celery_guardrails.operations.collectors import StateCollector
+from celery_guardrails.scheduling.ledger import MISSED, OK, OVERDUE
 from celery_guardrails.stores import get_store
 from django_celery_guardrails.models import DeadLetter
 

@@ -2,7 +2,7 @@
 and at the completion that commits with the effect (``atomic=True``). After the database comes back, each
 message has one committed effect; none was acked away, and the outage spent no attempt.
 
-(The Redis store is cut the same way in tests/celery_guardrails/test_store_outage.py.)
+(The Redis store is cut the same way in tests/celery_guardrails/runtime/test_store_outage.py.)
 """
 
 from __future__ import annotations
@@ -144,6 +144,6 @@ def test_database_cut_while_a_sealed_dead_letter_is_recorded_it_is_recorded_once
     sealed = SealedMessage.objects.get(dead_letter=record)
     assert secret not in sealed.token and secret not in repr(list(DeadLetter.objects.values()))
     # And the sealed copy holds the real token for a replay
-    from celery_guardrails.sealing import Sealer
+    from celery_guardrails.foundation.sealing import Sealer
 
     assert Sealer(keys=[SEAL_KEY]).open(sealed.token, record=record)["kwargs"]["api_token"] == secret

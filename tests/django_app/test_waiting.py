@@ -2,7 +2,7 @@
 worker and broker: a task deferred by an open circuit and one retrying after an error are listed with their
 reason, attempt and due time, scoped by tenant, and leave the page once they run.
 
-The Redis store and the status command: tests/celery_guardrails/test_waiting.py.
+The Redis store and the status command: tests/celery_guardrails/guardrails/test_waiting.py.
 """
 
 from __future__ import annotations

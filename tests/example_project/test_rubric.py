@@ -28,7 +28,7 @@ import pytest
 # Imported at collection, for the reason test_shop.py gives (shared tasks register through a finalizer).
 import example_project.shop.tasks  # noqa: F401
 from celery_guardrails import tenant_context
-from celery_guardrails.effects import provider_key
+from celery_guardrails.runtime.effects import provider_key
 from celery_guardrails.testing import (
     assert_dead_lettered,
     assert_no_loss,

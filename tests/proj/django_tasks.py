@@ -208,7 +208,7 @@ def limited_chunks(self: GuardedTask, job: str, count: int, thief: str) -> dict[
     a thread of its own: outside the chunk's transaction)."""
     import threading
 
-    from celery_guardrails.context import current_tenant
+    from celery_guardrails.foundation.context import current_tenant
     from celery_guardrails.stores import get_store
     from tests.testapp.models import ChunkItem
 

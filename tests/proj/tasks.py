@@ -25,7 +25,7 @@ from celery_guardrails import (
     current_correlation_id,
     current_tenant,
 )
-from celery_guardrails.delivery import delivery
+from celery_guardrails.runtime.delivery import delivery
 
 REDIS_URL = os.environ.get("GUARDRAILS_TEST_REDIS_URL", "redis://127.0.0.1:6379/9")
 
@@ -98,7 +98,7 @@ def log_line(self: GuardedTask, text: str) -> None:
 
 @shared_task(base=GuardedTask, bind=True, max_retries=1, idempotent=True)
 def header_echo(self: GuardedTask, sink: str) -> None:
-    from celery_guardrails.headers import from_request
+    from celery_guardrails.runtime.headers import from_request
 
     seen(self, sink, header=from_request(self.request))
     if self.request.retries == 0:
@@ -325,7 +325,7 @@ def ordered_append(self: GuardedTask, stream: str, n: int, sink: str, fail: str 
     """Message ``n`` of ``stream``, ordered per stream: appends its sequence number (and attempt, and outages
     met) to the list ``sink`` (durable, in Redis); ``fail="permanent"`` raises PermanentError instead,
     ``fail="first"`` on its first run only; ``fail="kill_first"`` SIGKILLs its worker process on its first run."""
-    from celery_guardrails import headers
+    from celery_guardrails.runtime import headers
 
     client = redis.Redis.from_url(REDIS_URL)
     first_run = fail in ("first", "kill_first") and client.incr(f"{sink}:runs:{n}") == 1
@@ -442,7 +442,7 @@ def legacy_log_in(self: GuardedTask, user_id: int, password: str, sink: str = ""
 @shared_task(base=GuardedTask, bind=True, idempotency_key="versioned:{sink}:{order_id}", backoff_base=0.05)
 def versioned(self: GuardedTask, sink: str, order_id: int, fail_first: bool = False) -> dict[str, Any]:
     """Reports the payload version it ran with; fails its first attempt transiently when asked."""
-    from celery_guardrails import headers
+    from celery_guardrails.runtime import headers
 
     report = seen(self, sink, order_id=order_id, pv=headers.from_request(self.request).get(headers.PAYLOAD_VERSION))
     if fail_first and self.request.attempt == 1:
@@ -450,7 +450,7 @@ def versioned(self: GuardedTask, sink: str, order_id: int, fail_first: bool = Fa
     return report
 
 
-# The retry gate (celery_guardrails.gate) on real workers: each effect is a POST to the test's fake provider,
+# The retry gate (celery_guardrails.runtime.gate) on real workers: each effect is a POST to the test's fake provider,
 # which counts it; ``provider`` is its URL.
 
 

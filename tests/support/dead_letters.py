@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from celery_guardrails.dead_letters import STREAM
+from celery_guardrails.runtime.dead_letters import STREAM
 from celery_guardrails.stores import get_store
 
 

@@ -1,6 +1,6 @@
 """A scheduled-work rig: real ``celery beat`` and ``celery worker`` processes on a clock the test moves.
 
-Beat, worker, watchdog and test read one clock, :func:`celery_guardrails.clock.file_clock`: it stands still
+Beat, worker, watchdog and test read one clock, :func:`celery_guardrails.foundation.clock.file_clock`: it stands still
 until the test moves it (:meth:`Rig.set_clock`, :meth:`Rig.advance`). A period is due when the test says so,
 and everything the processes do about it is waited for as a condition, never as a span of real time: a busy
 machine makes a test slower, not wrong.
@@ -15,8 +15,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
-from celery_guardrails.clock import CLOCK_FILE_ENV, set_file_clock
-from celery_guardrails.ledger import Run
+from celery_guardrails.foundation.clock import CLOCK_FILE_ENV, set_file_clock
+from celery_guardrails.scheduling.ledger import Run
 from celery_guardrails.stores.base import Store
 from celery_guardrails.stores.redis import RedisStore
 from tests.support.services import REDIS_URL
@@ -24,7 +24,7 @@ from tests.support.waiting import BOUND, wait_for
 from tests.support.workers import PROJ_APP, BeatProcess, CeleryProcess, WatchdogLoop, WorkerProcess, proj_env
 
 T = TypeVar("T")
-GUARDED_SCHEDULER = "celery_guardrails.beat:GuardedScheduler"
+GUARDED_SCHEDULER = "celery_guardrails.scheduling.beat:GuardedScheduler"
 MINUTE = 60.0
 
 
@@ -52,7 +52,7 @@ class Rig:
         self.set_clock(a_whole_minute() if start is None else start)
         guardrails = {
             "schedules": policies,
-            "clock": "celery_guardrails.clock.file_clock",
+            "clock": "celery_guardrails.foundation.clock.file_clock",
             "watchdog_interval": 0.5,
             **(settings or {}),
         }

@@ -18,7 +18,7 @@ if os.environ.get("DJANGO_SETTINGS_MODULE"):
 
     django.setup()
 
-from celery_guardrails.watchdog import check
+from celery_guardrails.scheduling.watchdog import check
 from tests.proj.app import app
 
 

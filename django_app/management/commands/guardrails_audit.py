@@ -1,4 +1,5 @@
-"""``manage.py guardrails_audit``: the deployment audit of the project's Celery app (see celery_guardrails.audit).
+"""``manage.py guardrails_audit``: the deployment audit of the project's Celery app (see
+celery_guardrails.operations.audit).
 
 Prints per axis of the rubric its score (0 to 5) and the findings, each naming the task, setting or file to
 change and how, then the average; ``--json`` prints the same as JSON. Exit status 1 when the report misses the
@@ -15,8 +16,8 @@ from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
-from celery_guardrails.audit import as_json, audit, render
 from celery_guardrails.exceptions import ConfigurationError
+from celery_guardrails.operations.audit import as_json, audit, render
 
 from ... import health
 from ...display import escape

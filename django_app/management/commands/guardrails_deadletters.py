@@ -21,8 +21,8 @@ from django.core.management.base import BaseCommand, CommandError, CommandParser
 from django.core.serializers.json import DjangoJSONEncoder
 
 from celery_guardrails.exceptions import SealError
-from celery_guardrails.outcomes import REASONS
-from celery_guardrails.sealing import sealer_for
+from celery_guardrails.foundation.sealing import sealer_for
+from celery_guardrails.runtime.outcomes import REASONS
 
 from ...display import escape
 from ...maintenance import close_dead_letters

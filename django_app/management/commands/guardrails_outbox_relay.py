@@ -15,7 +15,7 @@ from celery import current_app
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
 from celery_guardrails.options import app_value
-from celery_guardrails.outbox import RelayPublisher, relay_loop
+from celery_guardrails.runtime.outbox import RelayPublisher, relay_loop
 
 from ...outbox import relay
 from ..arguments import AGE_HELP, age, whole_number

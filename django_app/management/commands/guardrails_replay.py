@@ -10,9 +10,9 @@ from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
-from celery_guardrails.context import validate_tenant
 from celery_guardrails.exceptions import ContextError
-from celery_guardrails.outcomes import REASONS
+from celery_guardrails.foundation.context import validate_tenant
+from celery_guardrails.runtime.outcomes import REASONS
 
 from ...display import escape
 from ...models import DeadLetter

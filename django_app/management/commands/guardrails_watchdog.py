@@ -1,6 +1,6 @@
 """``manage.py guardrails_watchdog``: check scheduled runs against the ledger (cron, Kubernetes CronJob).
 
-The same check the workers' watchdog runs (see :mod:`celery_guardrails.watchdog`): periods not dispatched
+The same check the workers' watchdog runs (see :mod:`celery_guardrails.scheduling.watchdog`): periods not dispatched
 or not started within their grace are recorded missed, runs past max_runtime overdue, and each is alerted
 once. Safe to run next to the workers' watchdog: each finding is recorded (and alerted) once.
 """
@@ -13,8 +13,8 @@ from typing import Any
 from celery import current_app
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
-from celery_guardrails.beat import moment
-from celery_guardrails.watchdog import check
+from celery_guardrails.scheduling.beat import moment
+from celery_guardrails.scheduling.watchdog import check
 
 from ...display import escape
 from ..arguments import AGE_HELP, age

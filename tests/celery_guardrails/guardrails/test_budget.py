@@ -18,7 +18,7 @@ import pytest
 import redis
 
 from celery_guardrails import BudgetExhaustedError, PermanentError, budget_status, signals
-from celery_guardrails.clock import set_file_clock
+from celery_guardrails.foundation.clock import set_file_clock
 from tests.conftest import Sink
 from tests.proj import tasks
 from tests.support.services import REDIS_URL
@@ -218,7 +218,7 @@ def test_a_probe_killed_with_its_worker_is_given_up_after_the_probe_timeout(
     env = proj_env(
         queue=queue_name,
         GUARDRAILS_CLOCK_FILE=str(clock_file),
-        GUARDRAILS_TEST_GUARDRAILS=json.dumps({**settings, "clock": "celery_guardrails.clock.file_clock"}),
+        GUARDRAILS_TEST_GUARDRAILS=json.dumps({**settings, "clock": "celery_guardrails.foundation.clock.file_clock"}),
     )
     celery_app.conf.guardrails = {**celery_app.conf.guardrails, **settings, "clock": file_clock_of(clock_file)}
     dependency = f"dep-{uuid.uuid4().hex[:8]}"

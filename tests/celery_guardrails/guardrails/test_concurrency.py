@@ -343,8 +343,8 @@ def test_a_malformed_key_template_is_a_clear_error_at_publish(celery_app: Any) -
 def test_the_reaper_on_the_watchdog_timer_reaps_a_dead_holder_once(celery_app: Any, received: Any) -> None:
     # Given a holder of a key whose heartbeat stopped long past its ceiling (its worker died), and one that beats
     require("redis")
+    from celery_guardrails.scheduling.watchdog import WatchdogStep
     from celery_guardrails.stores import get_store
-    from celery_guardrails.watchdog import WatchdogStep
 
     key = f"tenant:timer-{uuid.uuid4().hex[:8]}"
     store = get_store(celery_app)

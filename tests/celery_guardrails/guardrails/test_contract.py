@@ -12,7 +12,6 @@ import pytest
 import redis
 from celery import chain, chord, group
 
-from celery_guardrails import headers
 from celery_guardrails.exceptions import (
     EntityInPayloadError,
     PayloadTooDeepError,
@@ -21,6 +20,7 @@ from celery_guardrails.exceptions import (
 )
 from celery_guardrails.guardrails.contract import matches
 from celery_guardrails.options import SENSITIVE_KEYS
+from celery_guardrails.runtime import headers
 from tests.conftest import Sink
 from tests.proj import tasks
 from tests.support.dead_letters import dead_letter_of, has_dead_letter

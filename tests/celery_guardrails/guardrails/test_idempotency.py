@@ -12,8 +12,8 @@ from typing import Any
 import pytest
 
 from celery_guardrails import DuplicateOfFailureError, IdempotencyKeyError, PermanentError, signals, tenant_context
-from celery_guardrails.effects import provider_key
 from celery_guardrails.guardrails.idempotency import Heartbeats
+from celery_guardrails.runtime.effects import provider_key
 from celery_guardrails.stores import get_store
 from tests.conftest import Sink, waiting_messages
 from tests.proj import tasks

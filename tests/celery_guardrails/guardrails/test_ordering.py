@@ -20,8 +20,8 @@ from typing import Any
 import pytest
 
 from celery_guardrails import StoreUnavailableError, signals
-from celery_guardrails import status as status_module
-from celery_guardrails.collectors import StateCollector
+from celery_guardrails.operations import status as status_module
+from celery_guardrails.operations.collectors import StateCollector
 from celery_guardrails.stores import get_store
 from celery_guardrails.stores.redis_ordering import order_key
 from tests.conftest import Sink, waiting_messages
@@ -185,7 +185,7 @@ def test_a_malformed_ordering_header_is_dead_lettered(
 
 def gap_records(app: Any, stream: str) -> list[dict[str, Any]]:
     """The records of sequence numbers of ``stream``'s key given up as lost, in the dead-letter stream."""
-    from celery_guardrails.dead_letters import STREAM
+    from celery_guardrails.runtime.dead_letters import STREAM
 
     client = get_store(app).client  # type: ignore[attr-defined]
     records = [json.loads(entry[b"record"]) for _, entry in client.xrange(STREAM)]

@@ -11,9 +11,9 @@ from typing import Any
 
 import pytest
 
-from celery_guardrails.effects import provider_key
 from celery_guardrails.guardrails.scheduled_runs import slot_key
-from celery_guardrails.ledger import DISPATCHED, OK, RUNNING, SKIPPED_OVERLAP, period_key
+from celery_guardrails.runtime.effects import provider_key
+from celery_guardrails.scheduling.ledger import DISPATCHED, OK, RUNNING, SKIPPED_OVERLAP, period_key
 from tests.conftest import Sink
 from tests.support.scheduling import Rig
 from tests.support.workers import proj_env

@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from celery_guardrails.ledger import (
+from celery_guardrails.scheduling.ledger import (
     DISPATCHED,
     FAILED,
     MISSED,

@@ -12,8 +12,8 @@ import uuid
 
 import pytest
 
-from celery_guardrails.dead_letters import MARKER, STREAM, RedisStreamSink
 from celery_guardrails.exceptions import StoreUnavailableError
+from celery_guardrails.runtime.dead_letters import MARKER, STREAM, RedisStreamSink
 from celery_guardrails.stores.base import FAILURE, SUCCESS, BudgetPolicy
 from celery_guardrails.stores.redis import (
     ALERT_PENDING,

@@ -1,4 +1,4 @@
-"""Both real stores keep waiting messages the same way (see celery_guardrails.waiting): one row per task id,
+"""Both real stores keep waiting messages the same way (see celery_guardrails.guardrails.waiting): one row per task id,
 removed by the next delivery, forgotten once expired, read per tenant with counts per reason.
 
 Each scenario runs against Redis, the local Redis Cluster and the Django database. Times are real (the stores

@@ -1,0 +1,298 @@
+"""Error classification: is a failure worth another attempt?
+
+:func:`classify` applies these rules, in order, and the first that matches decides:
+
+1. Celery's own control flow (``Retry``, ``Ignore``, ``Reject``) passes through untouched.
+2. ``RetryLater`` -> retry later (no attempt consumed); ``TransientError`` -> transient;
+   ``PermanentError`` -> permanent. ``SlotLostError`` (the delivery's concurrency slot was reaped while it
+   ran) -> retry later under the limit, through the gate below (unless the body never started).
+3. The task's ``permanent_errors``.
+4. ``deterministic_errors`` (``ValueError``, ``TypeError``, ``KeyError``, validation errors, ...): no retry
+   can fix them, so they are permanent, unless a class of ``transient_errors`` (or ``autoretry_for``) at least
+   as specific names the error (``transient_errors=(KeyError,)`` wins; ``autoretry_for=(Exception,)`` does not).
+5. The task's ``transient_errors``, and Celery's ``autoretry_for`` less ``dont_autoretry_for``
+   (``isinstance``).
+6. HTTP errors of requests, httpx, urllib3 or the standard library's urllib, by status: 408, 425, 429 and
+   5xx are transient, any other 4xx is permanent; their transport errors (timeouts, refused connections)
+   are transient. The libraries are recognised by the exception's module, never imported here.
+7. ``error_patterns``: regular expressions matched against ``str(exc)``, for errors that crossed an RPC
+   boundary as plain text (a remote "404 Not Found" must still be recognised).
+8. ``unknown_errors``: ``"auto"`` (default) makes an unknown error transient (and the gate decides), or all
+   ``"transient"`` / ``"permanent"``.
+
+Then one gate, **retry safety by construction** (:mod:`celery_guardrails.runtime.gate`): a transient verdict stands
+only when running the body again cannot repeat an effect (declared ``idempotent=True`` or ``retry_unsafe=True``,
+a key handed downstream, an atomic key, or a failure before the body's first marked effect), or when the task's
+own code raised ``TransientError`` (its author's word). Otherwise it becomes permanent with a rule ending in
+``:not_idempotent`` and a note saying what would make it retryable.
+
+:func:`sent_nothing` tells whether a failure proves the request never reached the other side; an ``effect()``
+block left by such a failure counts no effect (:mod:`celery_guardrails.runtime.effects`).
+"""
+
+from __future__ import annotations
+
+import enum
+import errno
+import socket
+import sys
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from email.utils import parsedate_to_datetime
+from typing import Any
+
+from celery.exceptions import Ignore, Reject, Retry
+
+from celery_guardrails.exceptions import PermanentError, RetryLater, SlotLostError, TransientError
+from celery_guardrails.options import DETERMINISTIC_ERRORS, DETERMINISTIC_MODULES, resolve
+
+#: Statuses worth retrying: request timeout, too early, too many requests (and every 5xx).
+TRANSIENT_STATUSES = frozenset({408, 425, 429})
+#: Statuses that say the server did not act on the request (so any task may send it again).
+UNPROCESSED_STATUSES = TRANSIENT_STATUSES
+#: Failures of those libraries to connect at all: nothing was sent.
+CONNECT_FAILURES = frozenset(
+    {
+        "ConnectTimeout",  # requests, httpx
+        "ConnectError",  # httpx (refused, DNS, TLS handshake)
+        "NewConnectionError",
+        "NameResolutionError",
+        "ConnectTimeoutError",  # urllib3
+    }
+)
+#: Socket errors of a connection that was never made.
+CONNECT_ERRNOS = frozenset({errno.ECONNREFUSED, errno.ENETUNREACH, errno.EHOSTUNREACH})
+#: Rules that are the task author's own word that trying again is safe.
+OWN_WORD = frozenset({"TransientError"})
+#: The rule of a delivery stopped because its concurrency slot was reaped (SlotLostError).
+SLOT_LOST = "concurrency:slot_lost"
+HTTP_LIBRARIES = frozenset({"requests", "httpx", "urllib3", "urllib"})
+# Transport-level failures of those libraries (no response at all): always worth another try.
+TRANSPORT_ERRORS = frozenset(
+    {
+        "ConnectionError",
+        "Timeout",
+        "ConnectTimeout",
+        "ReadTimeout",  # requests
+        "TransportError",
+        "TimeoutException",
+        "NetworkError",
+        "RemoteProtocolError",  # httpx
+        "ProtocolError",
+        "NewConnectionError",
+        "ConnectTimeoutError",
+        "ReadTimeoutError",
+        "MaxRetryError",  # urllib3
+        "URLError",  # urllib (an HTTPError, which carries a status, is classified by it first)
+    }
+)
+
+
+class Kind(enum.Enum):
+    TRANSIENT = "transient"
+    PERMANENT = "permanent"
+    RETRY_LATER = "retry_later"
+    CONTROL = "control"
+
+
+@dataclass(frozen=True, slots=True)
+class Verdict:
+    """What to do about one failure, and which rule said so (for logs and the attempt history)."""
+
+    kind: Kind
+    rule: str
+    retry_after: float | None = None
+    #: Why a transient failure was not retried, and what would make it retryable (the gate's note).
+    note: str | None = None
+
+
+def classify(exc: BaseException, task: Any, call: Mapping[str, Any], state: Any = None) -> Verdict:
+    """Classify ``exc`` raised by ``task`` (per-call options ``call``) in the delivery ``state`` (the running
+    one when None): the rules, then the retry gate."""
+    verdict = _rules(exc, task, call)
+    return gated(verdict, task, call, state)
+
+
+def gated(verdict: Verdict, task: Any, call: Mapping[str, Any], state: Any = None) -> Verdict:
+    """``verdict`` through the retry gate: a transient one stands only where a re-run is safe."""
+    slot_lost = verdict.rule == SLOT_LOST
+    if (verdict.kind is not Kind.TRANSIENT or verdict.rule in OWN_WORD) and not slot_lost:
+        return verdict
+    from celery_guardrails.runtime import gate
+    from celery_guardrails.runtime.delivery import delivery
+
+    state = state if state is not None else delivery(task)
+    if slot_lost and not state.body_ran:  # stopped before its body: nothing of it ran
+        return verdict
+    safety = gate.judge(task, call, state)
+    if safety.safe:
+        return verdict
+    return Verdict(Kind.PERMANENT, f"{verdict.rule}:not_idempotent", note=safety.note)
+
+
+def _rules(exc: BaseException, task: Any, call: Mapping[str, Any]) -> Verdict:
+    if isinstance(exc, Retry | Ignore | Reject):
+        return Verdict(Kind.CONTROL, "celery")
+    if isinstance(exc, RetryLater):
+        return Verdict(Kind.RETRY_LATER, "RetryLater", exc.delay)
+    if isinstance(exc, SlotLostError):  # not the message's fault: no attempt spent, when a re-run is safe
+        return Verdict(Kind.RETRY_LATER, SLOT_LOST)
+    if isinstance(exc, TransientError):
+        return Verdict(Kind.TRANSIENT, "TransientError", exc.retry_after)
+    if isinstance(exc, PermanentError):
+        return Verdict(Kind.PERMANENT, "PermanentError")
+    if isinstance(exc, resolve(task, "permanent_errors", call)):
+        return Verdict(Kind.PERMANENT, "permanent_errors")
+    transient, rule = _transient_class(exc, task, call)
+    deterministic = _deterministic_class(exc, task, call)
+    if (
+        deterministic is not None
+        and not (transient is not None and issubclass(transient, deterministic))
+        and not _transport_failure(exc)  # urllib3's ResponseNotChunked is a ProtocolError and a ValueError
+    ):
+        return Verdict(Kind.PERMANENT, "deterministic_errors")
+    if transient is not None:
+        return Verdict(Kind.TRANSIENT, rule, retry_after_of(exc))
+    http = _http_verdict(exc)
+    if http is not None:
+        return http
+    patterns = resolve(task, "error_patterns", call)
+    message = _text(exc) if patterns else ""
+    for pattern, kind in patterns:
+        if pattern.search(message):
+            return Verdict(Kind(kind), f"error_patterns:{pattern.pattern}")
+    unknown = resolve(task, "unknown_errors", call)
+    return Verdict(Kind(unknown if unknown != "auto" else "transient"), f"unknown_errors:{unknown}")
+
+
+def _text(exc: BaseException) -> str:
+    """``str(exc)``, or "" for an exception whose ``__str__`` itself fails (it is still classified)."""
+    try:
+        return str(exc)
+    except Exception:
+        return ""
+
+
+def _transient_class(exc: BaseException, task: Any, call: Mapping[str, Any]) -> tuple[type | None, str]:
+    """The most specific class of ``transient_errors`` (or Celery's ``autoretry_for``) ``exc`` is, and its rule."""
+    matches = [(k, "transient_errors") for k in resolve(task, "transient_errors", call) if isinstance(exc, k)]
+    autoretry = tuple(getattr(task, "autoretry_for", None) or ())
+    if (
+        autoretry
+        and isinstance(exc, autoretry)
+        and not isinstance(exc, tuple(getattr(task, "dont_autoretry_for", None) or ()))
+    ):
+        matches += [(k, "autoretry_for") for k in autoretry if isinstance(exc, k)]
+    if not matches:
+        return None, ""
+    # The nearest in the error's own class hierarchy: (KeyError,) over (Exception,).
+    order = type(exc).__mro__
+    return min(matches, key=lambda match: order.index(match[0]) if match[0] in order else len(order))
+
+
+def _deterministic_class(exc: BaseException, task: Any, call: Mapping[str, Any]) -> type | None:
+    """The most specific ``deterministic_errors`` class ``exc`` is (the default's optional validation errors
+    included, once their module is imported), or None."""
+    classes = resolve(task, "deterministic_errors", call)
+    if classes is DETERMINISTIC_ERRORS:
+        classes = (*classes, *_imported_validation_errors())
+    order = type(exc).__mro__
+    found = [klass for klass in classes if klass in order]
+    return min(found, key=order.index) if found else None
+
+
+def _imported_validation_errors() -> tuple[type, ...]:
+    found = []
+    for module_name, name in DETERMINISTIC_MODULES:
+        module = sys.modules.get(module_name)
+        klass = getattr(module, name, None) if module is not None else None
+        if isinstance(klass, type) and issubclass(klass, BaseException):
+            found.append(klass)
+    return tuple(found)
+
+
+def sent_nothing(exc: BaseException) -> bool:
+    """Whether the failure proves the request never reached the dependency.
+
+    Looks through the exception and what it wraps (``__cause__``, ``__context__``, ``reason``, exception
+    arguments: requests wraps urllib3, urllib wraps the socket error): a refused connection, a name that
+    does not resolve, an unreachable network, an HTTP library's connect failure or connect timeout, or a
+    status saying the request was not processed (408, 425, 429).
+    """
+    pending: list[BaseException] = [exc]
+    seen: set[int] = set()
+    while pending and len(seen) < 32:
+        error = pending.pop()
+        if id(error) in seen:
+            continue
+        seen.add(id(error))
+        if isinstance(error, ConnectionRefusedError | socket.gaierror):
+            return True
+        if isinstance(error, OSError) and error.errno in CONNECT_ERRNOS:
+            return True
+        if _http_library(error) and (
+            {klass.__name__ for klass in type(error).__mro__} & CONNECT_FAILURES
+            or status_of(error) in UNPROCESSED_STATUSES
+        ):
+            return True
+        wrapped = (error.__cause__, error.__context__, getattr(error, "reason", None), *error.args)
+        pending.extend(item for item in wrapped if isinstance(item, BaseException))
+    return False
+
+
+def _transport_failure(exc: BaseException) -> bool:
+    """A failure of an HTTP library to get an answer at all (its own transport error classes)."""
+    names = {klass.__name__ for klass in type(exc).__mro__}
+    return bool(names & (TRANSPORT_ERRORS | CONNECT_FAILURES)) and _http_library(exc)
+
+
+def _http_library(exc: BaseException) -> bool:
+    return any(klass.__module__.partition(".")[0] in HTTP_LIBRARIES for klass in type(exc).__mro__)
+
+
+def _http_verdict(exc: BaseException) -> Verdict | None:
+    if not _http_library(exc):
+        return None
+    status = status_of(exc)
+    if status is None:
+        names = {klass.__name__ for klass in type(exc).__mro__}
+        return Verdict(Kind.TRANSIENT, "http:transport") if names & TRANSPORT_ERRORS else None
+    if status in TRANSIENT_STATUSES or 500 <= status <= 599:
+        return Verdict(Kind.TRANSIENT, f"http:{status}", retry_after_of(exc))
+    if 400 <= status <= 499:
+        return Verdict(Kind.PERMANENT, f"http:{status}")
+    return None
+
+
+def status_of(exc: BaseException) -> int | None:
+    """The HTTP status an exception carries (requests/httpx ``response.status_code``, urllib3 ``status``,
+    urllib ``code``)."""
+    response = getattr(exc, "response", None)
+    for holder, attribute in ((response, "status_code"), (response, "status"), (exc, "status"), (exc, "code")):
+        value = getattr(holder, attribute, None) if holder is not None else None
+        if isinstance(value, int):
+            return value
+    return None
+
+
+def retry_after_of(exc: BaseException) -> float | None:
+    """Seconds asked for by a ``Retry-After`` header on the exception's response (seconds or HTTP date)."""
+    explicit = getattr(exc, "retry_after", None)
+    if isinstance(explicit, int | float) and not isinstance(explicit, bool):
+        return max(0.0, float(explicit))
+    headers = getattr(getattr(exc, "response", None), "headers", None) or getattr(exc, "headers", None)
+    value = headers.get("Retry-After") if headers is not None and hasattr(headers, "get") else None
+    return parse_retry_after(value) if isinstance(value, str) else None
+
+
+def parse_retry_after(value: str, *, now: float | None = None) -> float | None:
+    """``Retry-After: 7`` -> 7.0; ``Retry-After: Wed, 21 Oct 2015 07:28:00 GMT`` -> seconds until then."""
+    value = value.strip()
+    if value.isdigit():
+        return float(value)
+    try:
+        when = parsedate_to_datetime(value)
+    except (TypeError, ValueError, IndexError):
+        return None
+    return max(0.0, when.timestamp() - (time.time() if now is None else now))

@@ -1,0 +1,153 @@
+"""One delivery's guardrail state: what the hooks of one run of one message hold and hand to each other.
+
+``GuardedTask`` starts it as a delivery starts; every hook reads it with :func:`delivery`. It lives on
+Celery's request (one request per delivery), typed and in one place, so that the hook that ends a
+delivery (an after-hook, a re-publish, a final failure) can see everything the earlier hooks took: a claim
+to complete or release, a run slot, a dependency admission to report.
+
+What a task may read stays on ``self.request`` and is documented there: ``attempt``, ``attempt_history``,
+``idempotency_key`` (the opaque key to hand downstream; reading it is recorded here, see
+:mod:`celery_guardrails.runtime.effects`), ``schedule_name``, ``period``, ``period_key``, ``since``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+#: The request attribute holding the state.
+ATTRIBUTE = "guardrails_delivery"
+
+
+@dataclass(frozen=True, slots=True)
+class Hold:
+    """Something a delivery holds in the store (a claim, a run slot), and how to let it go."""
+
+    owner: str
+    release: Callable[[], Any]
+
+
+@dataclass(slots=True, kw_only=True)
+class Grant:
+    """A concurrency slot a delivery holds, and what its holder knows of it (see
+    :mod:`celery_guardrails.guardrails.concurrency`). Its own: the heartbeat thread and the body's thread update it.
+    """
+
+    key: str
+    holder: str
+    #: The ceiling the slot was taken under (seconds): silent longer than this, the holder may be reaped.
+    reap_after: float
+    #: Monotonic time at which the last step that found the slot held (the acquire, a beat, a check) began.
+    confirmed: float
+    #: A beat or a check found the slot gone: it was reaped (every boundary now refuses, no round trip).
+    lost: bool = False
+
+
+@dataclass(slots=True, kw_only=True)
+class Delivery:
+    """The guardrails' state of one delivery."""
+
+    #: When the delivery started (epoch seconds, real time): attempt records say when an attempt began.
+    started: float = field(default_factory=time.time)
+    #: When the delivery started on the monotonic clock: the duration metric (celery_guardrails.operations.metrics).
+    monotonic_started: float = field(default_factory=time.perf_counter)
+    #: The metrics counted this delivery's outcome already, from a signal (a retry, a dead letter, a duplicate):
+    #: the after-hook counts it as succeeded or failed only when nothing more telling was counted.
+    outcome_counted: bool = False
+    #: How the body's failure was classified (:class:`celery_guardrails.runtime.classification.Verdict`), if it failed.
+    verdict: Any = None
+    #: Poison protection counted this start of a redelivered message (clear the count when the run ends).
+    counted: bool = False
+    #: The dependency whose budget admitted this run, when the run was admitted (its outcome is reported).
+    dependency: str | None = None
+    #: The guardrails' clock when the run was admitted.
+    admitted: float | None = None
+    #: The admission was a half-open circuit's probe: its outcome must be reported, whatever it is.
+    probe: bool = False
+    #: The idempotency claim held: (scoped key, owner).
+    claim: tuple[str, str] | None = None
+    #: The completion sent as the body returned: (key, read its answer).
+    completion: tuple[str, Callable[[], bool]] | None = None
+    #: The schedule's run slot held: (key, owner, lease).
+    slot: tuple[str, str, float] | None = None
+    #: The scheduled period this delivery runs: (schedule, period).
+    period: tuple[str, int] | None = None
+    #: Ordering: the (scoped key, sequence number) whose turn this delivery ends (its outcome moves the key on).
+    ordering: tuple[str, int] | None = None
+    #: Ordering looked at this delivery (else an earlier guardrail ended it first: its outcome still counts).
+    ordering_checked: bool = False
+    #: The concurrency slots held, in the order taken.
+    concurrency: list[Grant] = field(default_factory=list)
+    #: What to give up before this delivery's message is published again (claims, run slots).
+    holds: list[Hold] = field(default_factory=list)
+    #: A guardrail is publishing the message again (so it is not taken for the body's own ``self.retry()``).
+    republishing: bool = False
+    #: Poison guard on a quorum queue: the starts the broker counted for this run (its ``x-delivery-count``, plus
+    #: the count carried over a wait before the body ran); None where the store counts them.
+    broker_starts: int | None = None
+    #: How this delivery was settled so far: ``"recorded"`` (its dead letter is durably written) or
+    #: ``"republished"`` (a retry or a wait is published). An exception that leaves ``GuardedTask`` with neither
+    #: set was recorded by nothing: the task records it then (see ``GuardedTask.__call__``).
+    ended: str | None = None
+    #: The body ran (returned or raised): its effects may have happened.
+    body_ran: bool = False
+    #: What the body itself raised (a store error from the task's own code is the task's, not the guardrails').
+    body_error: BaseException | None = None
+    #: A store error the concurrency fence met inside the body (the guardrails' own outage, not the body's).
+    fence_error: BaseException | None = None
+    #: What the body returned.
+    retval: Any = None
+    #: The body is running: a ``self.retry()`` made now is the body's, and goes through the retry gate.
+    in_body: bool = False
+    #: The scoped idempotency key of this delivery (``task:tenant:key``), for the guardrails' own records; the
+    #: body is handed an opaque key made from it (``self.request.idempotency_key``).
+    key: str | None = None
+    #: How many effect blocks had completed when the body first read ``self.request.idempotency_key`` (None:
+    #: never read). Read before any effect, the key went downstream with them (a provider, a unique row): a
+    #: run after a failure presents the same key, and the effect cannot land twice.
+    key_read_at: int | None = None
+    #: Effect blocks (``effect()``) that completed, or ended in an error that may have acted: a failure after
+    #: one of them is not retried automatically (see celery_guardrails.runtime.effects).
+    effects: int = 0
+
+    def forget(self, owner: str) -> None:
+        """The hold of ``owner`` is settled another way (its key completed or failed): nothing to release."""
+        self.holds = [hold for hold in self.holds if hold.owner != owner]
+
+    def give_up(self, task_id: str | None) -> list[str]:
+        """Release every hold, each on its own; the owners of those that could not be released (the store may
+        be what failed): the next delivery is told, and takes them over instead of waiting out their lease."""
+        holds, self.holds = self.holds, []
+        kept = []
+        for hold in holds:
+            try:
+                hold.release()
+            except Exception:
+                logger.warning("Task %s: %s could not release its hold", task_id, hold.owner, exc_info=True)
+                kept.append(hold.owner)
+        return kept
+
+
+def begin(request: Any) -> Delivery:
+    """A fresh state for the delivery ``request`` stands for."""
+    state = Delivery()
+    setattr(request, ATTRIBUTE, state)
+    return state
+
+
+def delivery(task: Any) -> Delivery:
+    """The state of the delivery ``task`` is running (made when a hook runs without one: a request Celery
+    made on its own, e.g. for a worker that was lost)."""
+    request = task.request
+    state: Delivery | None = getattr(request, ATTRIBUTE, None)
+    if state is None:
+        state = begin(request)
+    return state
+
+
+__all__ = ["Delivery", "Hold", "begin", "delivery"]

@@ -1,0 +1,163 @@
+"""RabbitMQ quorum queues, on a real worker: guarded retries and waits go through Celery's native delayed
+delivery (topic exchange) or are held by the worker (direct exchange), and none loops, none is lost.
+
+Each case runs on a quorum queue of the test's own (``tests.support.quorum``), in one worker subprocess per
+exchange type; the jobs of a case run side by side. Countdowns are rounded up to what native delayed delivery
+takes (whole seconds, at least 1; :mod:`celery_guardrails.broker.delays`), RabbitMQ's own headers are not
+copied into a re-publish, and the poison guard counts with the broker's ``x-delivery-count``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import random
+import uuid
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+from celery import Celery
+
+from celery_guardrails.stores.redis import DELIVERIES_PREFIX
+from tests.support.dead_letters import dead_letter_of
+from tests.support.quorum import delete_queue, quorum_app
+from tests.support.services import REDIS_URL, require
+from tests.support.waiting import wait_for
+from tests.support.workers import PROJ_APP, WorkerProcess, proj_env
+
+#: What each job does, run by run (tests.proj.tasks.behave: backoff_base 0.05 s, so its retries wait < 1 s), and
+#: what each run must see: (step, attempt, the classes of the attempt records its message carries).
+SCRIPTS = {
+    # Transient failures whose backoff is under a second: Celery refused them on native delayed delivery
+    # ("countdown must be a positive number") and the refusal was given back to the broker: a requeue loop, the
+    # body run again at once with no attempt spent.
+    "transient": ["transient", "transient", "ok"],
+    # A RetryLater of 0.2 s (a busy key, an ordering or a concurrency wait): the same refusal, the same loop.
+    "short_wait": ["later:0.2", "ok"],
+    # Waits of 1 s (celery_delayed_0) then 3 s (celery_delayed_1, then _0): the second trip through the delay
+    # queues carried the first trip's x-death, and RabbitMQ, seeing a dead-letter cycle into celery_delayed_0,
+    # dropped it: never run again.
+    "two_waits": ["later:1", "later:3", "ok"],
+}
+EXPECTED = {
+    "transient": [("transient", 1, []), ("transient", 2, ["transient"]), ("ok", 3, ["transient", "transient"])],
+    "short_wait": [("later:0.2", 1, []), ("ok", 1, ["retry_later"])],
+    "two_waits": [("later:1", 1, []), ("later:3", 1, ["retry_later"]), ("ok", 1, ["retry_later", "retry_later"])],
+}
+
+
+@pytest.fixture
+def quorum_name() -> Any:
+    require("rabbitmq")
+    require("redis")
+    name = f"gr-quorum-{uuid.uuid4().hex[:12]}"
+    yield name
+    delete_queue(name)
+
+
+def run_scripts(app: Celery, sink: str) -> dict[str, Any]:
+    """Publish one ``behave`` job per script; their results by name."""
+    return {
+        name: app.send_task("tests.proj.tasks.behave", kwargs={"sink": f"{sink}:{name}", "script": script})
+        for name, script in SCRIPTS.items()
+    }
+
+
+def runs_of(client: redis.Redis, sink: str) -> dict[str, list[tuple[str, int, list[str]]]]:
+    """Each job's runs, in order: (step, attempt, classes of its attempt records)."""
+    runs = {}
+    for name in SCRIPTS:
+        reports = [json.loads(raw) for raw in client.lrange(f"{sink}:{name}", 0, -1)]
+        runs[name] = [(r["step"], r["attempt"], [record["class"] for record in r["history"]]) for r in reports]
+    return runs
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("exchange_type", ["topic", "direct"])
+def test_retries_and_waits_on_a_quorum_queue_run_once_each_never_loop_and_never_get_lost(
+    quorum_name: str, exchange_type: str, tmp_path: Path
+) -> None:
+    # Given a guarded worker on a quorum queue bound to a topic exchange (native delayed delivery) or a direct
+    # one (the worker holds ETA messages), and jobs that retry after 0.05 s, wait 0.2 s, wait 1 s then 3 s
+    app = quorum_app(quorum_name, exchange_type)
+    client = redis.Redis.from_url(REDIS_URL)
+    sink = f"gr-test-quorum-{uuid.uuid4().hex}"
+    env = proj_env(queue=quorum_name, broker="amqp", GUARDRAILS_TEST_QUORUM=exchange_type)
+    worker = WorkerProcess(app=PROJ_APP, queue=quorum_name, log_path=tmp_path / "worker.log", env=env, concurrency=3)
+    try:
+        with worker:
+            # When they run
+            results = run_scripts(app, sink)
+            # Then each job succeeds, having run each step of its script exactly once, each retry spending an
+            # attempt and each wait recorded (no run again at once, no attempt spent)
+            with contextlib.suppress(AssertionError):  # one that never ends shows in the comparison below
+                wait_for("every job ended", lambda: all(r.ready() for r in results.values()), timeout=40)
+            assert (runs_of(client, sink), {name: r.state for name, r in results.items()}) == (
+                EXPECTED,
+                dict.fromkeys(SCRIPTS, "SUCCESS"),
+            )
+            # And nothing was refused, looped or dead-lettered
+            assert "countdown must be a positive number" not in worker.log
+            assert "given back to the broker" not in worker.log and "poison" not in worker.log
+    finally:
+        client.delete(*[f"{sink}:{name}" for name in SCRIPTS], *[f"{sink}:{name}:runs" for name in SCRIPTS])
+        app.close()
+
+
+@pytest.mark.timeout(120)
+def test_a_poison_message_on_a_quorum_queue_is_counted_by_the_broker(quorum_name: str, tmp_path: Path) -> None:
+    # Given a keyed message that SIGKILLs its worker's process every time it runs, on a quorum queue, with
+    # max_deliveries 1
+    app = quorum_app(quorum_name, "topic")
+    client = redis.Redis.from_url(REDIS_URL)
+    marker = f"gr-test-quorum-pids-{uuid.uuid4().hex}"
+    guardrails = json.dumps({"max_deliveries": 1})
+    env = proj_env(
+        queue=quorum_name, broker="amqp", GUARDRAILS_TEST_QUORUM="topic", GUARDRAILS_TEST_GUARDRAILS=guardrails
+    )
+    worker = WorkerProcess(app=PROJ_APP, queue=quorum_name, log_path=tmp_path / "worker.log", env=env)
+    try:
+        with worker:
+            # When it runs, kills its process, is redelivered (x-delivery-count 1) and kills it again
+            poison = app.send_task("tests.proj.tasks.kill_my_worker_keyed", args=(random.randrange(10**9), marker))
+            wait_for("the poison message failed", lambda: poison.state == "FAILURE", timeout=60)
+            # Then it ran twice, and its third delivery (x-delivery-count 2 > 1) was dead-lettered unrun as poison
+            assert client.llen(marker) == 2
+            record = dead_letter_of(app, poison.id)
+            assert (record["reason"], record["exc_message"]) == (
+                "poison",
+                f"tests.proj.tasks.kill_my_worker_keyed[{poison.id}] redelivered 2 times without finishing: poison",
+            )
+            # And the store kept no count of its starts: the broker counted them
+            assert not client.exists(DELIVERIES_PREFIX + poison.id)
+    finally:
+        client.delete(marker)
+        app.close()
+
+
+def test_the_countdown_and_headers_of_a_republish_are_what_rabbitmq_takes() -> None:
+    from celery_guardrails.broker.delays import countdown_for, republishable_headers
+
+    # Given an app with a quorum queue on RabbitMQ, one with classic queues, and one on Redis
+    quorum = quorum_app("gr-quorum-rule", "topic")
+    classic = Celery("classic", broker="amqp://guest:guest@127.0.0.1:5672//", set_as_current=False)
+    on_redis = Celery("redis", broker="sentinel://127.0.0.1:26379", set_as_current=False)
+    on_redis.conf.broker_transport_options = {"visibility_timeout": 100}
+    waits = [0.0, 0.05, 0.999, 1.0, 1.5, 2.0, 500.0]
+    # Then native delayed delivery gets whole seconds of at least 1 (0 stays 0: published at once), rounded up
+    assert [countdown_for(quorum, w) for w in waits] == [0.0, 1.0, 1.0, 1.0, 2.0, 2.0, 500.0]
+    # And classic queues keep the countdown; Redis (a sentinel:// URL too) caps it at 9/10 of its visibility
+    assert [countdown_for(classic, w) for w in waits] == waits
+    assert [countdown_for(on_redis, w) for w in waits] == [0.0, 0.05, 0.999, 1.0, 1.5, 2.0, 90.0]
+    # And RabbitMQ's own headers are never copied into a re-publish; the application's own x- headers are
+    raw = {
+        "x-death": [{"queue": "celery_delayed_0"}],
+        "x-first-death-queue": "celery_delayed_0",
+        "x-last-death-reason": "expired",
+        "X-Delivery-Count": 2,
+        "x-request-id": "abc",
+        "guardrails": {"v": 1},
+    }
+    assert republishable_headers(raw) == {"x-request-id": "abc", "guardrails": {"v": 1}}
