@@ -205,6 +205,8 @@ def test_counts_outlive_the_children_and_the_main_process_records_a_time_limit(
                 (s := scrape(port))
                 and value(s, metrics.MESSAGES_COMPLETED, task=tasks.observe.name, queue=queue_name) == 4
                 and outcomes(s, tasks.behave_not_idempotent.name)
+                # (the completion is counted just after the outcome: wait for both, or a scrape between reads 0)
+                and value(s, metrics.MESSAGES_COMPLETED, task=tasks.behave_not_idempotent.name, queue=queue_name)
                 and s
             ),
         )
