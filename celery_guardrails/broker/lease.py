@@ -178,9 +178,9 @@ def _redis_channel(connection: Any) -> Any:
     """The connection's default channel when the broker is Redis with kombu's ack emulation, else None."""
     from kombu.transport.redis import QoS
 
-    from celery_guardrails.broker.atomic_pop import is_redis
+    from celery_guardrails.broker.kind import is_redis_connection
 
-    if not is_redis(connection):
+    if not is_redis_connection(connection):
         return None
     channel = connection.default_channel
     return channel if isinstance(channel.qos, QoS) else None
