@@ -127,12 +127,17 @@ def _work_out(app: Any) -> DelayRule:
     from celery_guardrails.broker.kind import broker_kind
 
     if broker_kind(app, write=True).redis:
-        options = app.conf.broker_transport_options or {}
-        visibility = float(options.get("visibility_timeout", DEFAULT_VISIBILITY) or DEFAULT_VISIBILITY)
-        return DelayRule(longest=VISIBILITY_SHARE * visibility)
+        return DelayRule(longest=VISIBILITY_SHARE * visibility_timeout(app))
     driver = str(getattr(transport_class(app), "driver_type", "") or "")
     # The same test Celery's send_task makes before it routes a countdown through celery_delayed_27.
     return DelayRule(whole_seconds=bool(detect_quorum_queues(app, driver)[0]))
+
+
+def visibility_timeout(app: Any) -> float:
+    """Seconds of the Redis transport's ``visibility_timeout`` (``broker_transport_options``; unset or 0: kombu's
+    default): the cap of a countdown here, the threshold of the audit's GA501 and the worker's start-up warning."""
+    options = app.conf.broker_transport_options or {}
+    return float(options.get("visibility_timeout", DEFAULT_VISIBILITY) or DEFAULT_VISIBILITY)
 
 
 def countdown_for(app: Any, countdown: float) -> float:

@@ -8,14 +8,19 @@ retry far longer than the transport's ``visibility_timeout``.
 
 from __future__ import annotations
 
+import logging
+import time
 from typing import Any
 
 import pytest
 from celery import Celery
+from celery.contrib.testing.worker import start_worker
+from celery.signals import before_task_publish
 from kombu import Connection
 
+from celery_guardrails import GuardedTask, RetryLater
 from celery_guardrails.broker import atomic_pop
-from celery_guardrails.broker.delays import countdown_for
+from celery_guardrails.broker.delays import VISIBILITY_SHARE, countdown_for
 from celery_guardrails.broker.kind import (
     BrokerKind,
     broker_kind,
@@ -25,6 +30,11 @@ from celery_guardrails.broker.kind import (
     is_sentinel,
     kind_of_url,
 )
+from celery_guardrails.operations.audit import audit, startup_rules
+from celery_guardrails.runtime.install import warn_about
+from tests.support.redis_sentinel import MASTER_NAME, Sentinel
+from tests.support.services import REDIS_URL, require
+from tests.support.waiting import BOUND, wait_for
 
 
 @pytest.mark.parametrize(
@@ -117,3 +127,122 @@ def test_the_atomic_pop_is_not_chosen_for_a_sentinel_broker() -> None:
     app = Celery(set_as_current=False)
     app.conf.broker_url = ["redis://a:6379/0", "redis://b:6379/0"]
     assert atomic_pop.configure(app) is True
+
+
+class Caught(logging.Handler):
+    """The records of the logger it is added to."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+
+VISIBILITY = 4.0
+
+
+def sentinel_app(setup: Sentinel, queue_name: str) -> Celery:
+    app = Celery(f"sentinel-{queue_name}", set_as_current=False)
+    app.conf.update(
+        broker_url=f"sentinel://127.0.0.1:{setup.sentinel}",
+        broker_transport_options={"master_name": MASTER_NAME, "visibility_timeout": VISIBILITY},
+        result_backend=REDIS_URL,
+        task_default_queue=queue_name,
+        broker_connection_retry_on_startup=False,
+        worker_hijack_root_logger=False,
+        guardrails={
+            "store": setup.url,
+            "dead_letter_sinks": ["redis"],
+            "activity": False,
+            "outbox_relay": False,
+            "watchdog": False,
+            "owners": {"*": "platform"},
+        },
+    )
+    return app
+
+
+def test_a_long_retry_on_a_sentinel_broker_is_capped_below_the_visibility_timeout_and_runs_once(
+    redis_sentinel: Sentinel, queue_name: str
+) -> None:
+    require("redis")  # the results
+    # Given a worker on a real Sentinel (its own master, replica and Sentinel), a 4 s visibility timeout, and a
+    # task that asks to be run again in 60 s (backoff_max 600 s by default: the task's own ask is kept)
+    app = sentinel_app(redis_sentinel, queue_name)
+    master = redis_sentinel.node(redis_sentinel.master_port())
+    runs = f"runs:{queue_name}"
+
+    @app.task(shared=False, name=f"tests.sentinel.{queue_name}", base=GuardedTask, bind=True, idempotent=True)
+    def later(self: Any) -> str:
+        if master.incr(runs) == 1:
+            raise RetryLater("not yet", delay=60.0)
+        return "done"
+
+    etas: list[float] = []
+
+    def published(sender: Any = None, headers: Any = None, **_: Any) -> None:
+        if sender == later.name and (headers or {}).get("eta"):
+            from datetime import datetime
+
+            etas.append(datetime.fromisoformat(headers["eta"]).timestamp() - time.time())
+
+    before_task_publish.connect(published, weak=False)
+    caught = Caught()
+    logger = logging.getLogger("celery_guardrails.runtime.install")
+    level, logger.level = logger.level, logging.INFO
+    logger.addHandler(caught)
+    try:
+        with start_worker(app, pool="solo", perform_ping_check=False, shutdown_timeout=BOUND):
+            # When it runs, and is retried
+            result = later.delay()
+            assert result.get(timeout=BOUND) == "done"
+            # And the retried delivery is acked: nothing is left on the master that kombu could give back
+            wait_for("the delivery acked", lambda: master.hlen("unacked") == 0)
+    finally:
+        before_task_publish.disconnect(published)
+        logger.removeHandler(caught)
+        logger.setLevel(level)
+    # Then the retry was published with a countdown capped at 9/10 of the visibility timeout, not 60 s
+    (countdown,) = etas
+    assert countdown <= VISIBILITY_SHARE * VISIBILITY
+    # And the task ran twice: its first attempt and the retry, once (no second delivery of the retry)
+    assert int(master.get(runs) or 0) == 2
+    assert master.llen(queue_name) == 0 and master.zcard("unacked_index") == 0
+    # And the worker warned at start-up, as the audit grades it: the 600 s backoff_max and the retry_later waits
+    # are not shorter than the Sentinel broker's visibility timeout (GA501)
+    logged = [record.getMessage() for record in caught.records]
+    assert any(f"GA501 {later.name}: backoff_max 600 s" in line for line in logged), logged
+
+
+def test_a_sentinel_broker_gets_the_visibility_finding_in_the_audit_and_at_start_up(tmp_path: Any) -> None:
+    # Given the same task on a redis:// broker, a sentinel:// one, and RabbitMQ, with a 300 s visibility timeout
+    found = {}
+    for url in ("redis://127.0.0.1:6379/0", "sentinel://127.0.0.1:26379", "amqp://guest@127.0.0.1//"):
+        app = Celery(set_as_current=False, broker=url)
+        app.conf.broker_transport_options = {"master_name": "m", "visibility_timeout": 300}
+        app.conf.guardrails = {"store": "redis://127.0.0.1:6379/0"}
+
+        @app.task(shared=False, name="kind.slow", base=GuardedTask, bind=True, idempotency_key="s:{n}")
+        def slow(self: Any, n: int) -> None: ...
+
+        report = audit(app, source=tmp_path)
+        at_start = startup_rules(app)
+        caught = Caught()
+        logger = logging.getLogger("celery_guardrails.runtime.install")
+        logger.addHandler(caught)
+        try:
+            warn_about(app, [slow])
+        finally:
+            logger.removeHandler(caught)
+        found[url.split(":")[0]] = (
+            [f.message for f in report.findings if (f.code, f.subject) == ("GA501", "kind.slow")],
+            [f.message for f in at_start if (f.code, f.subject) == ("GA501", "kind.slow")],
+            [r.getMessage() for r in caught.records if "GA501 kind.slow:" in r.getMessage()],
+        )
+    # Then Sentinel is graded as plain Redis is, at start-up as in the audit, and RabbitMQ is not
+    message = "backoff_max 600 s: not shorter than the Redis visibility_timeout 300 s: the message is delivered twice"
+    assert found["redis"][:2] == found["sentinel"][:2] == ([message], [message])
+    assert found["sentinel"][2] == found["redis"][2] and len(found["redis"][2]) == 1
+    assert found["amqp"] == ([], [], [])

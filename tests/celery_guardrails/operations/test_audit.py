@@ -460,6 +460,60 @@ def test_the_worker_logs_the_audit_s_retry_rules_as_it_starts() -> None:
     }
 
 
+def startup_lines(app: Celery) -> list[str]:
+    """What a worker logs about ``app`` as it starts: the bootstep's warnings and its read of the beat entries
+    (caught on the extension's loggers, as in the test above)."""
+    from celery_guardrails.scheduling.beat import configured_entries
+
+    caught = Caught()
+    loggers = [logging.getLogger(f"celery_guardrails.{name}") for name in ("runtime.install", "scheduling.beat")]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.setLevel(logging.INFO)
+        logger.addHandler(caught)
+    try:
+        warn_about(app, [task for task in app.tasks.values() if isinstance(task, GuardedTask)])
+        configured_entries(app, every_row=False)
+    finally:
+        for logger, level in zip(loggers, levels, strict=True):
+            logger.removeHandler(caught)
+            logger.setLevel(level)
+    return [record.getMessage() for record in caught.records]
+
+
+#: Each rule a worker warns about at start-up and the audit grades: (code, the unsafe change to the good app,
+#: its subject, the start-up line's words). The safe configuration is the good app itself.
+ONE_RULE = [
+    ("GA401", {"guardrails": {"owners": {}}}, "good.charge", "can dead-letter with no owner to alert"),
+    ("GA501", {"broker_transport_options": {"visibility_timeout": 300}}, "good.charge", "GA501 good.charge:"),
+    (
+        "GA501",
+        {"broker_url": "sentinel://127.0.0.1:26379", "broker_transport_options": {"visibility_timeout": 300}},
+        "good.charge",
+        "GA501 good.charge:",
+    ),
+    ("GA106", {"guardrails": {"redact_keys": []}}, "redact_keys", "GA106 redact_keys:"),
+    ("GA602", {"guardrails": {"schedules": {"settle": {"owner": "shop"}}}}, "settle", "'settle' is a crontab without"),
+]
+
+
+@pytest.mark.parametrize(("code", "change", "subject", "words"), ONE_RULE)
+def test_the_start_up_warning_and_the_audit_finding_are_one_rule(
+    tmp_path: Path, code: str, change: dict[str, Any], subject: str, words: str
+) -> None:
+    for unsafe in (True, False):
+        # Given the good app, and the same app with one setting made unsafe
+        app = good_app()
+        if unsafe:
+            for key, value in change.items():
+                app.conf[key] = {**app.conf[key], **value} if key == "guardrails" else value
+        # When a worker starts with it and it is audited
+        logged = [line for line in startup_lines(app) if words in line and (code == "GA602" or subject in line)]
+        found = [f for f in audit(app, source=good_tree(tmp_path)).findings if (f.code, f.subject) == (code, subject)]
+        # Then both say it on the unsafe configuration, and neither on the safe one
+        assert (bool(logged), bool(found)) == (unsafe, unsafe), (unsafe, logged, found)
+
+
 def test_placement_findings_from_a_source_tree(tmp_path: Path) -> None:
     # Given a project that runs its tasks eagerly, publishes inside transactions and waits on results in views
     write_tree(tmp_path, PLACEMENT_TREE)
