@@ -82,6 +82,8 @@ ordering and concurrency
     GA502 warning  ``worker_prefetch_multiplier`` above 1 with tasks whose ``time_limit`` is unset or over 60 s:
                    messages wait behind a long task in a worker that holds them
     GA503 warning  ``ordering_key`` without ``idempotency_key``: a redelivered message of a key runs twice
+    GA504 warning  RabbitMQ broker: a guarded task whose ``time_limit`` is unset or longer than the consumer
+                   timeout the app declares (``rabbitmq_consumer_timeout``, a queue's ``x-consumer-timeout``)
 scheduled work
     GA601 warning  a beat entry (``beat_schedule``, or a django-celery-beat row) that is not watched: its task is
                    a plain Celery task, or its schedule cannot be read (solar, clocked): no run ledger, no
@@ -112,7 +114,8 @@ with many call sites costs its axis once.
 
 A worker logs the audit's own findings as it starts (:func:`celery_guardrails.runtime.install.warn_about`): the
 retry rules (GA201, GA202, GA3xx: :func:`retry_rules`), the visibility rule (GA501: :func:`visibility_rules`),
-the redaction rule (GA106: :func:`redaction_rules`) and the owner rule (GA401: :func:`owner_rules`), so what a
+the redaction rule (GA106: :func:`redaction_rules`), the owner rule (GA401: :func:`owner_rules`) and, from its
+consumer, the RabbitMQ consumer-timeout rule (GA504: :func:`consumer_timeout_rules`), so what a
 worker warns about and what the audit grades is one rule, written once, with one threshold.
 """
 
@@ -1009,6 +1012,29 @@ def visibility_rules(app: Any, tasks: list[Any]) -> list[Finding]:
     return found
 
 
+def consumer_timeout_rules(app: Any, guarded: list[Any]) -> list[Finding]:
+    """GA504, RabbitMQ: a guarded task whose ``time_limit`` is unset or longer than the consumer timeout the app
+    declares. The rule of :func:`celery_guardrails.broker.lease.long_holders`, which the worker logs at start-up
+    (one line naming them all)."""
+    from celery_guardrails.broker.lease import long_holders
+
+    found = long_holders(app, guarded)
+    if found is None:
+        return []
+    return [
+        _finding(
+            "GA504",
+            WARNING,
+            name,
+            f"its time_limit is unset or longer than RabbitMQ's consumer_timeout ({found.timeout:g} s): RabbitMQ "
+            "closes the channel of a delivery held longer and delivers its messages again",
+            "set time_limit below it, or raise consumer_timeout (rabbitmq.conf, or the queue argument "
+            "x-consumer-timeout) and rabbitmq_consumer_timeout with it",
+        )
+        for name in found.tasks
+    ]
+
+
 def startup_rules(app: Any) -> list[Finding]:
     """The audit's rules a worker logs as it starts (:func:`celery_guardrails.runtime.install.warn_about`), for
     the app's graded tasks: the retry rules (GA201, GA202, GA3xx), the visibility rule (GA501) and the redaction
@@ -1048,6 +1074,7 @@ def _ordering_concurrency(app: Any, tasks: list[Any], guarded: list[Any]) -> lis
                     "set idempotency_key as well",
                 )
             )
+    found += consumer_timeout_rules(app, guarded)
     return found
 
 
