@@ -1479,17 +1479,44 @@ def check_key_templates(task: Any) -> None:
                     )
 
 
-def warnings_about(settings: Mapping[str, Any], tasks: Iterable[Any] = ()) -> list[str]:
-    """Settings that are allowed but make a guardrail weaker than it looks, one sentence each (the worker logs
-    them at start-up, ``manage.py check`` shows them): an empty ``redact_keys`` (app or task)."""
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Weakness:
+    """A setting that is allowed but makes a guardrail weaker than it looks: ``subject`` (the setting, or the
+    task's name) and one sentence saying what is lost."""
+
+    subject: str
+    message: str
+
+
+def weak_settings(settings: Mapping[str, Any], tasks: Iterable[Any] = ()) -> list[Weakness]:
+    """The one rule for an empty ``redact_keys`` (app or task): the worker's start-up warning and the audit's
+    GA106 (:func:`celery_guardrails.operations.audit.redaction_rules`), ``manage.py check``'s guardrails.W003
+    (:func:`warnings_about`)."""
     found = []
     if "redact_keys" in settings and not settings["redact_keys"]:
-        found.append("redact_keys is empty: no value is redacted by its key name in dead letters and logs")
+        found.append(
+            Weakness(
+                subject="redact_keys",
+                message="redact_keys is empty: no value is redacted by its key name in dead letters and logs",
+            )
+        )
     for task in tasks:
         value = task_attribute(task, "redact_keys")
         if value is not None and not value:
-            found.append(f"redact_keys is empty on task {task.name!r}: nothing of its dead letters is redacted by name")
+            found.append(
+                Weakness(
+                    subject=task.name,
+                    message=f"redact_keys is empty on task {task.name!r}: nothing of its dead letters is redacted "
+                    "by name",
+                )
+            )
     return found
+
+
+def warnings_about(settings: Mapping[str, Any], tasks: Iterable[Any] = ()) -> list[str]:
+    """Settings that are allowed but make a guardrail weaker than it looks, one sentence each (``manage.py
+    check`` shows them; the worker logs them at start-up as the audit's GA106): see :func:`weak_settings`."""
+    return [weakness.message for weakness in weak_settings(settings, tasks)]
 
 
 def import_paths(app: Any, tasks: list[Any]) -> None:

@@ -45,6 +45,7 @@ placement, is W10x; GA8xx, tests, W18x):
     GA104 W114  no sensitive_keys           GA602 W162  crontab policy without timezone
     GA105 W115  accepts_versions without    GA603 W163  schedule without owner
                 its payload_version         GA604 W164  policy for a missing entry
+    GA106 -     redact_keys empty: W003
     GA201 W121  retried without a key       GA605 W165  policy for a plain task's entry
     GA202 W122  key never reaches effect    GA606 W166  watchdog off
     GA301 W131  retry_unsafe (zero rule)    GA701 W171  metrics off
@@ -59,6 +60,7 @@ placement, is W10x; GA8xx, tests, W18x):
     GA307 W137  retried on any error
     GA308 W138  more than 10 retries
     GA309 W139  never retried automatically
+    GA504 W154  RabbitMQ: time_limit unset or over the consumer_timeout
 
 The audit check never raises: an app that cannot be loaded or audited gives no audit warnings (an invalid
 ``CELERY_GUARDRAILS`` is E001).
@@ -81,6 +83,8 @@ from celery_guardrails.options import OPTIONS, django_settings, validate_task, w
 AUDIT_IDS: dict[str, str | None] = {
     **{f"GA{axis}0{number}": f"guardrails.W1{axis}{number}" for axis in range(9) for number in range(1, 10)},
     "GA405": None,
+    # An empty redact_keys is W003 in plain `check` (the same rule: celery_guardrails.options.weak_settings).
+    "GA106": None,
     # Plain `check` names the entries watched with the default policy (I001); an opted-out entry is a choice.
     "GA607": None,
     "GA608": None,

@@ -276,20 +276,19 @@ class Transport(kombu_redis.Transport):  # type: ignore[misc]
     Channel = Channel
 
 
-def is_redis(connection: Any) -> bool:
-    """Whether a kombu connection's transport is kombu's Redis one (this module's included)."""
-    return isinstance(getattr(connection, "_transport", None), kombu_redis.Transport)
-
-
 def configure(app: Any) -> bool:
     """Worker start-up: select :class:`Transport` when ``broker_atomic_pop`` is on, the broker (the read
     broker, if set) is a ``redis://`` URL and ``broker_transport`` is unset. True when it did."""
+    from celery_guardrails.broker.kind import kind_of_url
     from celery_guardrails.options import app_value
 
     if not app_value(app, "broker_atomic_pop") or app.conf.broker_transport:
         return False
-    url = str(app.conf.broker_read_url or app.conf.broker_url or "")
-    if not all(part.strip().startswith("redis://") for part in url.split(";")):
+    # Plain redis:// only, every URL of a failover list: the channel connects as kombu's Redis channel does, so
+    # not through Sentinel (a sentinel:// broker keeps kombu's SentinelTransport, whose channel asks the
+    # Sentinels for the master: this module's Transport would talk to a Sentinel as if it were the master).
+    kind = kind_of_url(app.conf.broker_read_url or app.conf.broker_url)
+    if not kind.urls or kind.scheme != "redis" or not kind.uniform:
         return False
     app.conf.broker_transport = TRANSPORT
     return True

@@ -20,9 +20,10 @@ Countdowns:
   delivered to another one as well: kombu takes it for lost).
 * A countdown of 0 stays 0: Celery publishes it at once, with no delay exchange.
 
-The rule is decided once per app and broker configuration (:func:`delay_rule`): the transport's driver type
-(``amqp``, ``redis``; kombu's, so ``sentinel://``, ``rediss://`` and the guardrails' own Redis transport count
-as Redis) and the app's declared queues; no broker round trip.
+The rule is decided once per app and broker configuration (:func:`delay_rule`): whether the broker is Redis
+(:func:`celery_guardrails.broker.kind.broker_kind`: ``redis://``, ``rediss://``, ``sentinel://``,
+``redis+socket://`` and the guardrails' own Redis transport count) and the app's declared queues; no broker
+round trip.
 
 Headers: RabbitMQ adds its own to a message it dead-letters or redelivers (``x-death``,
 ``x-first-death-*``, ``x-last-death-*``, quorum queues' ``x-delivery-count``, and a shovel's or federation's
@@ -108,12 +109,12 @@ def transport_class(app: Any) -> Any:
     """
     from kombu.transport import resolve_transport
 
+    from celery_guardrails.broker.kind import kind_of_url
+
     conf = app.conf
-    url = conf.broker_write_url or conf.broker_url or ""
-    if isinstance(url, list | tuple):
-        url = url[0] if url else ""
-    url = str(url).split(";", 1)[0].strip()
-    name = conf.broker_transport or (url.split("://", 1)[0] if "://" in url else url) or "amqp"
+    # The first URL of a failover list, its scheme before a "+" as kombu reads it ("redis+socket" is "redis").
+    scheme = kind_of_url(conf.broker_write_url or conf.broker_url).scheme.partition("+")[0]
+    name = conf.broker_transport or scheme or "amqp"
     try:
         return resolve_transport(name)
     except (KeyError, ImportError, AttributeError, ValueError):
@@ -123,13 +124,20 @@ def transport_class(app: Any) -> Any:
 def _work_out(app: Any) -> DelayRule:
     from celery.utils.quorum_queues import detect_quorum_queues
 
+    from celery_guardrails.broker.kind import broker_kind
+
+    if broker_kind(app, write=True).redis:
+        return DelayRule(longest=VISIBILITY_SHARE * visibility_timeout(app))
     driver = str(getattr(transport_class(app), "driver_type", "") or "")
-    if driver == "redis":
-        options = app.conf.broker_transport_options or {}
-        visibility = float(options.get("visibility_timeout", DEFAULT_VISIBILITY) or DEFAULT_VISIBILITY)
-        return DelayRule(longest=VISIBILITY_SHARE * visibility)
     # The same test Celery's send_task makes before it routes a countdown through celery_delayed_27.
     return DelayRule(whole_seconds=bool(detect_quorum_queues(app, driver)[0]))
+
+
+def visibility_timeout(app: Any) -> float:
+    """Seconds of the Redis transport's ``visibility_timeout`` (``broker_transport_options``; unset or 0: kombu's
+    default): the cap of a countdown here, the threshold of the audit's GA501 and the worker's start-up warning."""
+    options = app.conf.broker_transport_options or {}
+    return float(options.get("visibility_timeout", DEFAULT_VISIBILITY) or DEFAULT_VISIBILITY)
 
 
 def countdown_for(app: Any, countdown: float) -> float:

@@ -47,7 +47,7 @@ RabbitMQ acks for real, but closes the channel of a consumer that keeps a delive
 the tasks of that channel are then delivered again. It cannot be read over AMQP, so
 :func:`check_consumer_timeout` warns at start-up about each guarded task whose ``time_limit`` is unset or longer
 than the timeout the app declares (``rabbitmq_consumer_timeout``, and any ``x-consumer-timeout`` of
-``task_queues``).
+``task_queues``); the audit grades the same rule (:func:`long_holders`) as GA504.
 """
 
 from __future__ import annotations
@@ -57,6 +57,7 @@ import logging
 import threading
 import time
 from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Any
 
 from celery import bootsteps
@@ -178,9 +179,9 @@ def _redis_channel(connection: Any) -> Any:
     """The connection's default channel when the broker is Redis with kombu's ack emulation, else None."""
     from kombu.transport.redis import QoS
 
-    from celery_guardrails.broker.atomic_pop import is_redis
+    from celery_guardrails.broker.kind import is_redis_connection
 
-    if not is_redis(connection):
+    if not is_redis_connection(connection):
         return None
     channel = connection.default_channel
     return channel if isinstance(channel.qos, QoS) else None
@@ -235,17 +236,26 @@ class BrokerLeaseStep(bootsteps.StartStopStep):  # type: ignore[misc]
             self.lease.drain()
 
 
-def check_consumer_timeout(app: Any) -> list[str]:
-    """RabbitMQ: warn about each guarded task that may hold a delivery longer than the consumer timeout.
+@dataclass(frozen=True, slots=True, kw_only=True)
+class LongHolders:
+    """RabbitMQ: the consumer timeout the app declares (seconds) and the guarded tasks that may hold a delivery
+    longer (their names, sorted)."""
+
+    timeout: float
+    tasks: tuple[str, ...]
+
+
+def long_holders(app: Any, tasks: Iterable[Any]) -> LongHolders | None:
+    """The one rule for a task that may hold a delivery longer than RabbitMQ's consumer timeout: the worker's
+    start-up warning (:func:`check_consumer_timeout`) and the audit's GA504. None off RabbitMQ.
 
     Checkable here: the task's ``time_limit`` (else the app's ``task_time_limit``) against the smallest of the
     app option ``rabbitmq_consumer_timeout`` and the ``x-consumer-timeout`` arguments (milliseconds) of the
     app's ``task_queues``. Not checkable: the server's real setting (not readable over AMQP), and how long a
-    prefetched or ETA message waits in the worker before it runs (its time counts too). Returns the names
-    warned about.
+    prefetched or ETA message waits in the worker before it runs (its time counts too).
     """
     if not str(app.conf.broker_url or "").startswith(AMQP_SCHEMES):
-        return []
+        return None
     from celery_guardrails.runtime.task import GuardedTask
 
     timeout = float(app_value(app, "rabbitmq_consumer_timeout"))
@@ -255,15 +265,23 @@ def check_consumer_timeout(app: Any) -> list[str]:
             timeout = min(timeout, declared / 1000)
     names = sorted(
         task.name
-        for task in app.tasks.values()
+        for task in tasks
         if isinstance(task, GuardedTask) and not 0 < float(task.time_limit or app.conf.task_time_limit or 0) <= timeout
     )
-    if names:
-        logger.warning(
-            "celery-guardrails: %s may run longer than RabbitMQ's consumer_timeout (%.0fs): RabbitMQ then closes "
-            "the channel and delivers its messages again. Set time_limit below it, or raise consumer_timeout "
-            "(rabbitmq.conf, or the queue argument x-consumer-timeout) and rabbitmq_consumer_timeout with it",
-            ", ".join(names),
-            timeout,
-        )
-    return names
+    return LongHolders(timeout=timeout, tasks=tuple(names))
+
+
+def check_consumer_timeout(app: Any) -> list[str]:
+    """RabbitMQ: warn at start-up about each guarded task that may hold a delivery longer than the consumer
+    timeout (:func:`long_holders`, one line naming them all). Returns the names warned about."""
+    found = long_holders(app, app.tasks.values())
+    if found is None or not found.tasks:
+        return []
+    logger.warning(
+        "celery-guardrails: %s may run longer than RabbitMQ's consumer_timeout (%.0fs): RabbitMQ then closes "
+        "the channel and delivers its messages again. Set time_limit below it, or raise consumer_timeout "
+        "(rabbitmq.conf, or the queue argument x-consumer-timeout) and rabbitmq_consumer_timeout with it",
+        ", ".join(found.tasks),
+        found.timeout,
+    )
+    return list(found.tasks)

@@ -34,7 +34,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from celery_guardrails.broker.atomic_pop import is_redis
+from celery_guardrails.broker.kind import is_redis_connection
 from celery_guardrails.runtime.headers import HEADER, published_at
 
 logger = logging.getLogger(__name__)
@@ -97,7 +97,7 @@ def read_queues(app: Any, names: Iterable[str] = (), *, now: float | None = None
         connection.ensure_connection(max_retries=1)
         channel = connection.default_channel
         current = time.time() if now is None else now
-        if is_redis(connection):
+        if is_redis_connection(connection):
             return [_read_redis(channel, name, current) for name in queues]
         return [_read_passive(connection, name) for name in queues]
 

@@ -51,7 +51,7 @@ import kombu
 from celery import bootsteps
 from celery.worker.state import active_requests
 
-from celery_guardrails.broker.atomic_pop import is_redis
+from celery_guardrails.broker.kind import is_redis_connection
 from celery_guardrails.options import app_value
 
 logger = logging.getLogger(__name__)
@@ -89,7 +89,7 @@ class BrokerRestartGuard(bootsteps.StartStopStep):  # type: ignore[misc]
 
     def on_connection_lost(self, c: Any, original: Callable[[Any], None], exc: Any) -> None:
         connection = c.connection
-        if connection is not None and is_redis(connection):
+        if connection is not None and is_redis_connection(connection):
             channel = connection._default_channel
             collect = connection.collect
 

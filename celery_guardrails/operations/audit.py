@@ -42,6 +42,8 @@ message design
     GA104 warning  ``sensitive_keys`` is empty (app or task): secrets are not refused at publish
     GA105 error    a task's ``accepts_versions`` leaves out its own ``payload_version``: its workers dead-letter
                    every message its publishers send
+    GA106 warning  ``redact_keys`` is empty (app or task): nothing is redacted by its key name in dead letters
+                   and logs
 idempotency enforced
     GA201 warning  a task retried on unknown and ambiguous errors (``idempotent=True`` or ``retry_unsafe``) with
                    no ``idempotency_key``: nothing stops two deliveries from both acting
@@ -73,12 +75,15 @@ dead-letter ownership
                    ``owner_emails`` entry and no ``ADMINS``
     GA405 warning  no ``seal_keys``: a dead letter whose arguments had a secret redacted cannot be replayed
 ordering and concurrency
-    GA501 warning  Redis broker: a task's ``backoff_max``, ``retry_later_delay * retry_later_max``, or (with
-                   ``broker_lease`` off) ``time_limit`` is not shorter than the ``visibility_timeout``
-                   (``broker_transport_options``, default 3600 s): the message is delivered twice
+    GA501 warning  Redis broker (``sentinel://`` too): a task's ``backoff_max``, ``retry_later_delay *
+                   retry_later_max``, or (with ``broker_lease`` off) ``time_limit`` is not shorter than the
+                   ``visibility_timeout`` (``broker_transport_options``, default 3600 s): the message is
+                   delivered twice
     GA502 warning  ``worker_prefetch_multiplier`` above 1 with tasks whose ``time_limit`` is unset or over 60 s:
                    messages wait behind a long task in a worker that holds them
     GA503 warning  ``ordering_key`` without ``idempotency_key``: a redelivered message of a key runs twice
+    GA504 warning  RabbitMQ broker: a guarded task whose ``time_limit`` is unset or longer than the consumer
+                   timeout the app declares (``rabbitmq_consumer_timeout``, a queue's ``x-consumer-timeout``)
 scheduled work
     GA601 warning  a beat entry (``beat_schedule``, or a django-celery-beat row) that is not watched: its task is
                    a plain Celery task, or its schedule cannot be read (solar, clocked): no run ledger, no
@@ -107,8 +112,11 @@ be read; when it cannot (not migrated), policies that name a row are assumed to 
 (GA002-GA004) names the file, relative to the source folder, and its lines: one finding per file, so that a file
 with many call sites costs its axis once.
 
-The retry rules (GA201, GA202, GA3xx: :func:`retry_rules`) are also what a worker logs as it starts
-(:func:`celery_guardrails.runtime.install.warn_about`): one rule, written once.
+A worker logs the audit's own findings as it starts (:func:`celery_guardrails.runtime.install.warn_about`): the
+retry rules (GA201, GA202, GA3xx: :func:`retry_rules`), the visibility rule (GA501: :func:`visibility_rules`),
+the redaction rule (GA106: :func:`redaction_rules`), the owner rule (GA401: :func:`owner_rules`) and, from its
+consumer, the RabbitMQ consumer-timeout rule (GA504: :func:`consumer_timeout_rules`), so what a
+worker warns about and what the audit grades is one rule, written once, with one threshold.
 """
 
 from __future__ import annotations
@@ -125,8 +133,6 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from types import CodeType, FunctionType
 from typing import Any
-
-from celery.schedules import crontab
 
 from celery_guardrails.operations import audit_source
 from celery_guardrails.options import (
@@ -172,8 +178,6 @@ ZERO_RULE = frozenset({"GA301", "GA305"})
 SKIPPED_PREFIXES = ("celery.", "django_celery_guardrails.")
 #: Seconds above which a task counts as long for the prefetch finding (GA502).
 LONG_TASK = 60.0
-#: Kombu's Redis transport default visibility_timeout, seconds.
-DEFAULT_VISIBILITY = 3600.0
 #: Retries above which a policy counts as very high (GA308); a guarded task's max_attempts counts one run more.
 MAX_RETRIES = 10
 #: Celery's Task.default_retry_delay, seconds: the wait of a retry that names none.
@@ -517,7 +521,24 @@ def _message_design(app: Any, tasks: list[Any], guarded: list[Any]) -> list[Find
                     f"add {version} to accepts_versions",
                 )
             )
-    return found
+    return found + redaction_rules(app, guarded)
+
+
+def redaction_rules(app: Any, guarded: list[Any]) -> list[Finding]:
+    """GA106, an empty ``redact_keys`` (app or task): the rule of :func:`celery_guardrails.options.weak_settings`,
+    which the worker logs at start-up and ``manage.py check`` shows as guardrails.W003."""
+    from celery_guardrails.options import app_settings, weak_settings
+
+    return [
+        _finding(
+            "GA106",
+            WARNING,
+            weakness.subject,
+            weakness.message,
+            "leave redact_keys unset for the defaults, or list the key-name fragments to redact",
+        )
+        for weakness in weak_settings(app_settings(app), guarded)
+    ]
 
 
 def _time_limit(app: Any, task: Any) -> float | None:
@@ -885,10 +906,12 @@ def _mail_recipients_missing(app: Any, guarded: list[Any]) -> str | None:
     return f"no ADMINS, and no owner_emails for {', '.join(missing)}"
 
 
-def _dead_letters(app: Any, guarded: list[Any]) -> list[Finding]:
+def owner_rules(guarded: list[Any]) -> list[Finding]:
+    """GA401, a guarded task with no owner: the audit's finding, and the worker's start-up warning
+    (:func:`celery_guardrails.runtime.install.warn_about` names them all on one line)."""
     from celery_guardrails.runtime.outcomes import owner_of
 
-    found = [
+    return [
         _finding(
             "GA401",
             WARNING,
@@ -900,6 +923,10 @@ def _dead_letters(app: Any, guarded: list[Any]) -> list[Finding]:
         for task in guarded
         if owner_of(task) is None
     ]
+
+
+def _dead_letters(app: Any, guarded: list[Any]) -> list[Finding]:
+    found = owner_rules(guarded)
     channels = tuple(app_value(app, "alert_channels"))
     if not set(channels) - {"log"}:
         found.append(
@@ -946,38 +973,81 @@ def _dead_letters(app: Any, guarded: list[Any]) -> list[Finding]:
     return found
 
 
-def _is_redis(url: str) -> bool:
-    return url.startswith(("redis://", "rediss://", "redis+socket://", "unix://"))
+def visibility_rules(app: Any, tasks: list[Any]) -> list[Finding]:
+    """GA501, on a Redis broker (any URL form, Sentinel's too: :func:`celery_guardrails.broker.kind.broker_kind`):
+    a guarded task's ``backoff_max`` or ``retry_later_delay * retry_later_max``, or (``acks_late``, no
+    ``broker_lease``) a task's ``time_limit``, not shorter than the transport's ``visibility_timeout``. The audit's
+    finding, and the worker's start-up warning (:func:`celery_guardrails.runtime.install.warn_about`)."""
+    from celery_guardrails.broker.delays import visibility_timeout
+    from celery_guardrails.broker.kind import broker_kind
+    from celery_guardrails.runtime.task import GuardedTask
+
+    if not broker_kind(app).redis:
+        return []
+    found = []
+    visibility = visibility_timeout(app)
+    lease = app_value(app, "broker_lease")
+    for task in tasks:
+        longer = []
+        if isinstance(task, GuardedTask):
+            longer.append(("backoff_max", float(resolve(task, "backoff_max", {}))))
+            later = float(resolve(task, "retry_later_delay", {})) * resolve(task, "retry_later_max", {})
+            longer.append(("retry_later_delay * retry_later_max", later))
+        limit = _time_limit(app, task)
+        if limit and task.acks_late and not lease:
+            longer.append(("time_limit", limit))
+        over = [f"{name} {value:g} s" for name, value in longer if value >= visibility]
+        if over:
+            found.append(
+                _finding(
+                    "GA501",
+                    WARNING,
+                    task.name,
+                    f"{', '.join(over)}: not shorter than the Redis visibility_timeout {visibility:g} s: the "
+                    "message is delivered twice",
+                    "lower them below broker_transport_options['visibility_timeout'] (or raise it; keep "
+                    "broker_lease on)",
+                )
+            )
+    return found
+
+
+def consumer_timeout_rules(app: Any, guarded: list[Any]) -> list[Finding]:
+    """GA504, RabbitMQ: a guarded task whose ``time_limit`` is unset or longer than the consumer timeout the app
+    declares. The rule of :func:`celery_guardrails.broker.lease.long_holders`, which the worker logs at start-up
+    (one line naming them all)."""
+    from celery_guardrails.broker.lease import long_holders
+
+    found = long_holders(app, guarded)
+    if found is None:
+        return []
+    return [
+        _finding(
+            "GA504",
+            WARNING,
+            name,
+            f"its time_limit is unset or longer than RabbitMQ's consumer_timeout ({found.timeout:g} s): RabbitMQ "
+            "closes the channel of a delivery held longer and delivers its messages again",
+            "set time_limit below it, or raise consumer_timeout (rabbitmq.conf, or the queue argument "
+            "x-consumer-timeout) and rabbitmq_consumer_timeout with it",
+        )
+        for name in found.tasks
+    ]
+
+
+def startup_rules(app: Any) -> list[Finding]:
+    """The audit's rules a worker logs as it starts (:func:`celery_guardrails.runtime.install.warn_about`), for
+    the app's graded tasks: the retry rules (GA201, GA202, GA3xx), the visibility rule (GA501) and the redaction
+    rule (GA106). The owner rule (GA401) is logged there too, as one line naming every task."""
+    tasks = graded_tasks(app)
+    from celery_guardrails.runtime.task import GuardedTask
+
+    guarded = [task for task in tasks if isinstance(task, GuardedTask)]
+    return retry_rules(app, tasks) + visibility_rules(app, tasks) + redaction_rules(app, guarded)
 
 
 def _ordering_concurrency(app: Any, tasks: list[Any], guarded: list[Any]) -> list[Finding]:
-    found = []
-    broker = str(app.conf.broker_url or "")
-    if _is_redis(broker):
-        visibility = float((app.conf.broker_transport_options or {}).get("visibility_timeout", DEFAULT_VISIBILITY))
-        lease = app_value(app, "broker_lease")
-        for task in tasks:
-            longer = []
-            if task in guarded:
-                longer.append(("backoff_max", float(resolve(task, "backoff_max", {}))))
-                later = float(resolve(task, "retry_later_delay", {})) * resolve(task, "retry_later_max", {})
-                longer.append(("retry_later_delay * retry_later_max", later))
-            limit = _time_limit(app, task)
-            if limit and task.acks_late and not lease:
-                longer.append(("time_limit", limit))
-            over = [f"{name} {value:g} s" for name, value in longer if value >= visibility]
-            if over:
-                found.append(
-                    _finding(
-                        "GA501",
-                        WARNING,
-                        task.name,
-                        f"{', '.join(over)}: not shorter than the Redis visibility_timeout {visibility:g} s: the "
-                        "message is delivered twice",
-                        "lower them below broker_transport_options['visibility_timeout'] (or raise it; keep "
-                        "broker_lease on)",
-                    )
-                )
+    found = visibility_rules(app, tasks)
     prefetch = app.conf.worker_prefetch_multiplier
     if prefetch is not None and prefetch > 1:
         long_tasks = [task.name for task in tasks if (_time_limit(app, task) or float("inf")) > LONG_TASK]
@@ -1004,6 +1074,7 @@ def _ordering_concurrency(app: Any, tasks: list[Any], guarded: list[Any]) -> lis
                     "set idempotency_key as well",
                 )
             )
+    found += consumer_timeout_rules(app, guarded)
     return found
 
 
@@ -1040,7 +1111,7 @@ def _beat_rows(app: Any) -> dict[str, Any] | None:
 def _scheduled_work(app: Any) -> list[Finding]:
     from celery_guardrails.exceptions import ConfigurationError
     from celery_guardrails.runtime.outcomes import owner_of
-    from celery_guardrails.scheduling.beat import Entry, read_entry
+    from celery_guardrails.scheduling.beat import Entry, read_entry, states_no_timezone
 
     found = []
     entries = dict(app.conf.beat_schedule or {})
@@ -1093,8 +1164,7 @@ def _scheduled_work(app: Any) -> list[Finding]:
                     "or None to opt out",
                 )
             )
-        own_zone = getattr(schedule, "__dict__", {}).get("tz")
-        if not policy.default and policy.timezone is None and own_zone is None and isinstance(schedule, crontab | str):
+        if states_no_timezone(schedule, policy):
             found.append(
                 _finding(
                     "GA602",

@@ -82,6 +82,7 @@ class GuardrailsBootstep(bootsteps.Step):  # type: ignore[misc]
 def broker_changes(app: Any, *, atomic: bool) -> list[str]:
     """What the extension changes in this worker's broker handling, as the start-up summary says it."""
     from celery_guardrails.broker.atomic_pop import TRANSPORT
+    from celery_guardrails.broker.kind import broker_kind
     from celery_guardrails.broker.restart_guard import affected
 
     said = []
@@ -92,37 +93,32 @@ def broker_changes(app: Any, *, atomic: bool) -> list[str]:
         )
     else:
         said.append(f"transport {app.conf.broker_transport or str(app.conf.broker_url or '').split('://')[0]} as set")
-    redis = str(app.conf.broker_url or "").startswith(("redis://", "rediss://"))
-    if redis and options.app_value(app, "broker_restart_guard") and affected():
+    if broker_kind(app).redis and options.app_value(app, "broker_restart_guard") and affected():
         said.append("consumer patched to outlive a Redis restart (broker_restart_guard)")
     return said
 
 
 def warn_about(app: Any, guarded: list[Any]) -> None:
-    """Start-up warnings: settings that make a guardrail weaker than it looks (the retry rules are the audit's:
-    :func:`celery_guardrails.operations.audit.retry_rules`)."""
-    from celery_guardrails.runtime.outcomes import owner_of
+    """Start-up warnings: the audit's own rules (:func:`celery_guardrails.operations.audit.startup_rules` and
+    :func:`~celery_guardrails.operations.audit.owner_rules`), so a worker says at start what the audit grades,
+    with the same thresholds; an error (the zero rule) as an error, a warning as a warning, the information too
+    (a task the gate never retries: worth knowing at the first start after an upgrade to the gate)."""
+    from celery_guardrails.operations.audit import ERROR, WARNING, owner_rules, startup_rules
 
-    for warning in options.warnings_about(options.app_settings(app), guarded):
-        logger.warning("celery-guardrails: %s", warning)
-    unowned = sorted(task.name for task in guarded if owner_of(task) is None)
+    unowned = [finding.subject for finding in owner_rules(guarded)]
     if unowned:
+        # One line for all (GA401 each in the audit): a project with many unowned tasks gets no wall of lines.
         logger.warning(
             "celery-guardrails: %d task(s) can dead-letter with no owner to alert (set owner= or the "
             "owners setting): %s",
             len(unowned),
-            ", ".join(unowned),
+            ", ".join(sorted(unowned)),
         )
-    # The retry rules are the audit's (GA201, GA202, GA3xx), so a worker says at start what the audit grades,
-    # one line a finding: an error (the zero rule) as an error, a warning as a warning; the information too (a
-    # task the gate never retries: worth knowing at the first start after an upgrade to the gate).
-    from celery_guardrails.operations.audit import ERROR, WARNING, graded_tasks, retry_rules
-
     levels = {ERROR: logging.ERROR, WARNING: logging.WARNING}
     try:
-        findings = retry_rules(app, graded_tasks(app))
+        findings = startup_rules(app)
     except Exception as exc:  # a start-up warning never stops a worker: say it could not be read, and go on
-        logger.warning("celery-guardrails: the retry rules could not be read: %r", exc)
+        logger.warning("celery-guardrails: the audit's rules could not be read: %r", exc)
         findings = []
     for finding in findings:
         logger.log(
@@ -133,17 +129,6 @@ def warn_about(app: Any, guarded: list[Any]) -> None:
             finding.message,
             finding.fix,
         )
-    broker = str(app.conf.broker_url or "")
-    if broker.startswith(("redis://", "rediss://")):
-        visibility = float((app.conf.broker_transport_options or {}).get("visibility_timeout", 3600))
-        longest = max([options.resolve(task, "backoff_max", {}) for task in guarded] or [0.0])
-        if longest >= visibility:
-            logger.warning(
-                "celery-guardrails: backoff_max %.0fs is not below the Redis visibility_timeout %.0fs: a "
-                "retry waiting that long is delivered twice (kombu hands it to another worker)",
-                longest,
-                visibility,
-            )
 
 
 def install(app: Any) -> None:

@@ -158,15 +158,31 @@ def watched_by_default(app: Any, task_name: str) -> bool:
     return task is None or hasattr(task, "guardrails")
 
 
+def own_zone(schedule: Any) -> Any:
+    """The zone a schedule states itself, or None: a django-celery-beat crontab row's (an instance attribute; on
+    a plain Celery crontab, ``tz`` is a property that answers the app's zone, which says nothing about the
+    entry)."""
+    return getattr(schedule, "__dict__", {}).get("tz")
+
+
+def states_no_timezone(schedule: Any, policy: SchedulePolicy) -> bool:
+    """A crontab entry whose written policy states no timezone, nor its crontab: read in the app's zone. The one
+    rule for beat's start-up warning (:func:`_zone`) and the audit's GA602."""
+    return (
+        not policy.default
+        and policy.timezone is None
+        and own_zone(schedule) is None
+        and isinstance(schedule, crontab | str)
+    )
+
+
 def _zone(app: Any, name: str, schedule: Any, policy: SchedulePolicy, warned: set[str]) -> ZoneInfo:
     if policy.timezone is not None:
         return policy.timezone
-    # A django-celery-beat crontab row states its zone (an instance attribute; on a plain Celery crontab,
-    # ``tz`` is a property that answers the app's zone, which says nothing about the entry).
-    own = getattr(schedule, "__dict__", {}).get("tz")
+    own = own_zone(schedule)
     if own is not None:
         return ZoneInfo(str(own))
-    if isinstance(schedule, crontab | str) and not policy.default and name not in warned:
+    if states_no_timezone(schedule, policy) and name not in warned:
         # A policy written without a timezone is warned about; an entry with none is read as Celery reads it.
         warned.add(name)
         logger.warning(

@@ -32,11 +32,16 @@ def store_url(app: Any) -> str:
         return str(configured)
     if django_apps_installed():
         return "django"
-    broker = str(app.conf.broker_url or "")
-    if broker.startswith(("redis://", "rediss://")):
+    from celery_guardrails.broker.kind import kind_of_url
+
+    kind = kind_of_url(app.conf.broker_url)
+    broker = ";".join(kind.urls)
+    # A Redis broker whose URL the store's client reads as it is (redis-py's grammar): not kombu's redis+socket://
+    # (set the store to its unix:// form), and Sentinel only with the master's name, below.
+    if kind.scheme in ("redis", "rediss"):
         return broker
     master = (app.conf.broker_transport_options or {}).get("master_name")
-    if broker.startswith("sentinel://") and master:
+    if kind.sentinel and master:
         # Celery takes the master's name from the transport options; the store's URL carries it.
         joiner = "&" if "?" in broker else "?"
         return broker if "master_name=" in broker else f"{broker}{joiner}master_name={quote(master, safe='')}"

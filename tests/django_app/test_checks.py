@@ -50,7 +50,8 @@ def test_every_audit_code_has_its_system_check_id_and_is_in_the_table() -> None:
     assert len(codes) == len(set(codes)) and {code[2] for code in codes} == set("012345678")
     # Then each has its id by the rule, guardrails.W1 + axis digit + number (GA0xx -> W10x, GA8xx -> W18x), but
     # GA405, which W002 says already, GA607, which the plain check's I001 says, and GA608 (an opt-out, a choice)
-    quiet = ("GA405", "GA607", "GA608")
+    # (and GA106, which W003 says)
+    quiet = ("GA106", "GA405", "GA607", "GA608")
     expected = {code: None if code in quiet else f"guardrails.W1{code[2]}{code[4]}" for code in codes}
     assert {code: AUDIT_IDS[code] for code in codes} == expected
     # And the checks' docstring table lists every code with that id
@@ -77,6 +78,23 @@ def test_the_deploy_check_grades_the_project_s_source(settings, tmp_path: Path) 
 
 def settings_with(settings: Any, **changes: Any) -> None:
     settings.CELERY_GUARDRAILS = {**settings.CELERY_GUARDRAILS, **changes}
+
+
+def test_an_empty_redact_keys_is_the_audit_s_rule_in_its_words(settings: Any, tmp_path: Path) -> None:
+    from celery import Celery
+
+    for redact_keys in ([], ["token"]):
+        # Given settings with an empty redact_keys, and the same with one fragment; and an app configured alike
+        settings_with(settings, redact_keys=redact_keys)
+        app = Celery("redaction", set_as_current=False, broker="redis://127.0.0.1:6379/15")
+        app.conf.guardrails = {"store": "redis://127.0.0.1:6379/15", "redact_keys": redact_keys}
+        # When manage.py check runs, and the app is audited
+        said = [(m.id, m.msg) for m in run_checks() if "redact_keys" in m.msg]
+        found = [f.message for f in audit.audit(app, source=tmp_path).findings if f.code == "GA106"]
+        # Then the empty one is W003 in the words of the audit's GA106 (which check --deploy does not repeat),
+        # and the other is neither
+        assert said == [("guardrails.W003", message) for message in found]
+        assert len(found) == (0 if redact_keys else 1)
 
 
 def test_seal_keys_given_as_a_set_or_a_dict_are_an_error_that_shows_no_piece_of_them(settings: Any) -> None:

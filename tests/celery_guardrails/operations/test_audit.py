@@ -460,6 +460,72 @@ def test_the_worker_logs_the_audit_s_retry_rules_as_it_starts() -> None:
     }
 
 
+def startup_lines(app: Celery) -> list[str]:
+    """What a worker logs about ``app`` as it starts: the bootstep's warnings, its read of the beat entries and
+    its consumer's RabbitMQ check (caught on the extension's loggers, as in the test above)."""
+    from celery_guardrails.broker.lease import check_consumer_timeout
+    from celery_guardrails.scheduling.beat import configured_entries
+
+    caught = Caught()
+    names = ("runtime.install", "scheduling.beat", "broker.lease")
+    loggers = [logging.getLogger(f"celery_guardrails.{name}") for name in names]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.setLevel(logging.INFO)
+        logger.addHandler(caught)
+    try:
+        warn_about(app, [task for task in app.tasks.values() if isinstance(task, GuardedTask)])
+        configured_entries(app, every_row=False)
+        check_consumer_timeout(app)
+    finally:
+        for logger, level in zip(loggers, levels, strict=True):
+            logger.removeHandler(caught)
+            logger.setLevel(level)
+    return [record.getMessage() for record in caught.records]
+
+
+SENTINEL = "sentinel://127.0.0.1:26379"
+RABBITMQ = "amqp://guest:guest@127.0.0.1:5672//"
+#: Each rule a worker warns about at start-up and the audit grades: (code, the unsafe change to the good app, the
+#: safe one, the finding's subject, the start-up line's words).
+ONE_RULE = [
+    ("GA401", {"guardrails": {"owners": {}}}, {}, "good.charge", "can dead-letter with no owner to alert"),
+    ("GA501", {"broker_transport_options": {"visibility_timeout": 300}}, {}, "good.charge", "GA501 good.charge:"),
+    (
+        "GA501",
+        {"broker_url": SENTINEL, "broker_transport_options": {"visibility_timeout": 300}},
+        {"broker_url": SENTINEL, "broker_transport_options": {"visibility_timeout": 3000}},
+        "good.charge",
+        "GA501 good.charge:",
+    ),
+    ("GA106", {"guardrails": {"redact_keys": []}}, {}, "redact_keys", "GA106 redact_keys:"),
+    ("GA602", {"guardrails": {"schedules": {"settle": {"owner": "shop"}}}}, {}, "settle", "'settle' is a crontab"),
+    (
+        "GA504",
+        {"broker_url": RABBITMQ},
+        {"broker_url": RABBITMQ, "task_time_limit": 60},
+        "good.charge",
+        "may run longer than RabbitMQ's consumer_timeout (1800s)",
+    ),
+]
+
+
+@pytest.mark.parametrize(("code", "unsafe", "safe", "subject", "words"), ONE_RULE)
+def test_the_start_up_warning_and_the_audit_finding_are_one_rule(
+    tmp_path: Path, code: str, unsafe: dict[str, Any], safe: dict[str, Any], subject: str, words: str
+) -> None:
+    for change, fires in ((unsafe, True), (safe, False)):
+        # Given the good app with one setting made unsafe, and the same setting safe
+        app = good_app()
+        for key, value in change.items():
+            app.conf[key] = {**app.conf[key], **value} if key == "guardrails" else value
+        # When a worker starts with it and it is audited
+        logged = [line for line in startup_lines(app) if words in line and (code == "GA602" or subject in line)]
+        found = [f for f in audit(app, source=good_tree(tmp_path)).findings if (f.code, f.subject) == (code, subject)]
+        # Then both say it on the unsafe configuration, and neither on the safe one
+        assert (bool(logged), bool(found)) == (fires, fires), (change, logged, found)
+
+
 def test_placement_findings_from_a_source_tree(tmp_path: Path) -> None:
     # Given a project that runs its tasks eagerly, publishes inside transactions and waits on results in views
     write_tree(tmp_path, PLACEMENT_TREE)
