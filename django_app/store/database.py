@@ -1,0 +1,56 @@
+"""What every part of the Django store shares: database errors raised as the store's own, and times.
+
+A database error becomes :class:`~celery_guardrails.exceptions.StoreUnavailableError` when the database cannot
+be reached or used now, :class:`~celery_guardrails.exceptions.StoreError` when it refuses the data; the store
+keeps epoch seconds (floats) where the tables keep aware datetimes. It mirrors ``failure()`` in
+``celery_guardrails/stores/redis.py`` and the connection helpers of ``celery_guardrails/stores/redis_client.py``.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from datetime import UTC, datetime
+from typing import ParamSpec, TypeVar
+
+from django.db import DatabaseError, InterfaceError, OperationalError
+
+from celery_guardrails.exceptions import StoreError, StoreUnavailableError
+
+T = TypeVar("T")
+P = ParamSpec("P")
+
+
+def failure(what: str, exc: DatabaseError) -> StoreError:
+    """The store's error for a database error: unavailable when the database cannot be reached or used now
+    (a lost or refused connection, a locked SQLite file: OperationalError, InterfaceError), refused for an
+    error about the data (DataError, IntegrityError, ProgrammingError)."""
+    if isinstance(exc, OperationalError | InterfaceError):
+        return StoreUnavailableError(f"Django store could not {what}: {exc}")
+    return StoreError(f"Django store refused to {what}: {exc}")
+
+
+def translated(what: str) -> Callable[[Callable[P, T]], Callable[P, T]]:
+    """Every database error of the decorated operation raised as the store's own (see :func:`failure`)."""
+
+    def decorate(operation: Callable[P, T]) -> Callable[P, T]:
+        @functools.wraps(operation)
+        def run(*args: P.args, **kwargs: P.kwargs) -> T:
+            try:
+                return operation(*args, **kwargs)
+            except DatabaseError as exc:
+                raise failure(what, exc) from exc
+
+        return run
+
+    return decorate
+
+
+def to_datetime(seconds: float) -> datetime:
+    """The aware (UTC) datetime of epoch ``seconds``, as the tables keep times."""
+    return datetime.fromtimestamp(seconds, UTC)
+
+
+def to_seconds(moment: datetime | None) -> float | None:
+    """Epoch seconds of a table's time (None stays None)."""
+    return None if moment is None else moment.timestamp()
