@@ -42,12 +42,14 @@ from __future__ import annotations
 import functools
 import inspect
 import re
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
+from string import Formatter
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from kombu.serialization import dumps
 
 from celery_guardrails.exceptions import (
+    ConfigurationError,
     EntityInPayloadError,
     PayloadContractError,
     PayloadTooDeepError,
@@ -55,7 +57,7 @@ from celery_guardrails.exceptions import (
     SensitivePayloadError,
     UnknownPayloadVersionError,
 )
-from celery_guardrails.options import resolve
+from celery_guardrails.options import APP, CALL, TASK, Option, checks, declare, resolve, task_attribute, task_check
 from celery_guardrails.runtime import headers
 from celery_guardrails.runtime.outcomes import MALFORMED_MESSAGE, UNKNOWN_PAYLOAD_VERSION, attempt_record, fail_finally
 from celery_guardrails.runtime.pipeline import Guardrail, Publication
@@ -67,6 +69,136 @@ if TYPE_CHECKING:
 MAX_DEPTH = 8
 #: Values looked at per publish at most (a huge list is the size check's business, not a reason to walk it).
 MAX_VALUES = 10_000
+
+
+#: Names refused as arguments or keys by default (sensitive_keys): secrets and payment data.
+SENSITIVE_KEYS = (
+    "password",
+    "passwd",
+    "secret",
+    "api_key",
+    "apikey",
+    "private_key",
+    "access_token",
+    "refresh_token",
+    "auth_token",
+    "ssn",
+    "cvv",
+    "cvc",
+    "card_number",
+    "credit_card",
+)
+
+
+#: Default max_payload_depth: levels of lists and dicts in a task's arguments.
+MAX_PAYLOAD_DEPTH = 100
+
+
+#: The deepest max_payload_depth may be: well inside what pickle (prefork's hand-over to its child), the JSON
+#: codecs and the record's walks take under Python's default recursion limit of 1,000.
+DEPTH_CEILING = 400
+
+
+def _versions(value: Any) -> tuple[int, ...] | None:
+    if value is None:
+        return None
+    if isinstance(value, int) and not isinstance(value, bool):
+        value = (value,)
+    if isinstance(value, str | bytes) or not isinstance(value, Iterable):
+        raise ValueError(f"must be payload versions (whole numbers of at least 1), got {value!r:.80}")
+    found = tuple(checks.positive_int(item) for item in value)
+    if not found:
+        raise ValueError("must name at least one payload version")
+    return found
+
+
+def _bytes_or_off(value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or (value != 0 and not 256 <= value <= checks.COUNT_MAX):
+        raise ValueError(f"must be a number of bytes of at least 256, or 0 to turn the limit off, got {value!r:.80}")
+    return value
+
+
+def _depth(value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= DEPTH_CEILING:
+        raise ValueError(f"must be a whole number of levels from 1 to {DEPTH_CEILING}, got {value!r:.80}")
+    return value
+
+
+def _key_names(value: Any) -> tuple[str, ...]:
+    if isinstance(value, str | bytes | Mapping) or not isinstance(value, Iterable):
+        raise ValueError(f"must be a list of argument or key names, got {value!r:.80}")
+    value = list(value)
+    if not all(isinstance(name, str) for name in value):  # str(None) was the name "none"
+        raise ValueError(f"names are strings, got {value!r:.120}")
+    names = tuple(name.strip().lower().replace("-", "_") for name in value)
+    if not all(re.fullmatch(r"[a-z0-9_]+", name) for name in names):
+        raise ValueError(f"names are letters, digits and underscores, got {list(value)!r:.120}")
+    return names
+
+
+def _reason_or_none(value: Any) -> str | None:
+    if value is None:
+        return None
+    if not isinstance(value, str) or len(value.strip()) < 10:
+        raise ValueError(f"must say why, in a sentence (10 characters at least), got {value!r:.80}")
+    return value.strip()
+
+
+#: The options the payload contract reads, declared into the one schema (celery_guardrails.options).
+DECLARED = declare(
+    Option(
+        name="payload_version",
+        default=1,
+        doc="The version of the payload shape this task's publishers send (the header field pv). Raise it when "
+        "the arguments change shape; workers that do not accept it dead-letter the message "
+        "(unknown_payload_version) instead of running it wrongly.",
+        check=checks.positive_int,
+        scopes=frozenset({TASK, APP}),
+    ),
+    Option(
+        name="accepts_versions",
+        default=None,
+        doc="The payload versions this task's workers run (a message without pv is version 1). None: only "
+        "payload_version. During a rollout, a new worker accepts (1, 2) while old publishers still send 1.",
+        check=_versions,
+        scopes=frozenset({TASK, APP}),
+    ),
+    Option(
+        name="max_payload_bytes",
+        default=65536,
+        doc="Largest serialised arguments a publish may send; larger is refused at publish "
+        "(PayloadTooLargeError, naming the size): send a storage reference instead. 0: no limit.",
+        check=_bytes_or_off,
+        scopes=frozenset({CALL, TASK, APP}),
+    ),
+    Option(
+        name="max_payload_depth",
+        default=MAX_PAYLOAD_DEPTH,
+        doc="Deepest nesting of lists and dicts the arguments may have (an argument that is a list of numbers "
+        "is 1 level): deeper is refused at publish (PayloadTooDeepError) and, from another producer, "
+        "dead-lettered malformed_message on delivery, never run. At most 400: a prefork worker hands the "
+        "arguments to its child with pickle, which fails several hundred levels down.",
+        check=_depth,
+        scopes=frozenset({TASK, APP}),
+    ),
+    Option(
+        name="sensitive_keys",
+        default=SENSITIVE_KEYS,
+        doc="Argument names and dict keys (at any depth) refused at publish as secrets or personal data "
+        "(SensitivePayloadError): a name matches when its words (split at _) contain the entry's words. Add "
+        "your own (email, phone, date_of_birth).",
+        check=_key_names,
+        scopes=frozenset({TASK, APP}),
+    ),
+    Option(
+        name="allow_sensitive_payload",
+        default=None,
+        doc="A task that must carry a sensitive value says why here (a sentence); the guard then lets it "
+        "through, and guardrails_audit lists the task and the reason.",
+        check=_reason_or_none,
+        scopes=frozenset({TASK}),
+    ),
+)
 
 
 def words(name: str) -> tuple[str, ...]:
@@ -346,3 +478,58 @@ class PayloadContract(Guardrail):
         earlier = headers.history(headers.from_request(task.request))
         pending = fail_finally(task, error, reason=reason, history=[*earlier, record])
         raise pending or error
+
+
+#: Task options whose str.format template makes a key that is stored in clear (key tables, the dead letter's
+#: idempotency_key, slot holders, the admin): a field that names a secret would put the secret there.
+KEY_TEMPLATES = ("idempotency_key", "concurrency_key", "exclusive_key", "ordering_key")
+
+
+def template_fields(template: str) -> list[str]:
+    """Every field a str.format template names, with the nested ones of its format specs (``{n:{width}}``)."""
+    found = []
+    for _, field, spec, _ in Formatter().parse(template):
+        if field is not None:
+            found.append(field)
+        if spec:
+            found += template_fields(spec)
+    return found
+
+
+def field_parts(field: str) -> list[str]:
+    """The names a template field reads: ``order.api_token`` -> order, api_token; ``creds[secret]`` -> creds,
+    secret (str.format's own grammar: attributes after dots, keys between brackets)."""
+    return [part for part in re.split(r"[.\[\]]+", field) if part]
+
+
+@task_check
+def check_key_templates(task: Any) -> None:
+    """Refuse a key template (:data:`KEY_TEMPLATES`, set on the task) one of whose fields, or any part of one
+    (``{order.api_token}``, ``{creds[secret]}``), is matched by the task's ``redact_keys`` (a fragment
+    anywhere in the name) or ``sensitive_keys`` (its words): ConfigurationError naming task, option and field.
+
+    A callable key cannot be read: it must not return a secret (see the README). A per-call key is a value, not
+    a template: not checked here."""
+    templates = {name: task_attribute(task, name) for name in KEY_TEMPLATES}
+    templates = {name: value for name, value in templates.items() if isinstance(value, str)}
+    if not templates:
+        return
+    redact = [fragment.lower() for fragment in resolve(task, "redact_keys", {})]
+    sensitive = tuple(resolve(task, "sensitive_keys", {}))
+    for option, template in templates.items():
+        try:
+            fields = template_fields(template)
+        except ValueError:
+            continue  # a template str.format cannot parse: refused as a bad key at its first publish
+        for field in fields:
+            for part in field_parts(field):
+                fragment = next((f for f in redact if f in part.lower()), None)
+                entry = None if fragment else matches(part, sensitive)
+                if fragment or entry:
+                    why = f"redact_keys entry {fragment!r}" if fragment else f"sensitive_keys entry {entry!r}"
+                    raise ConfigurationError(
+                        option,
+                        f"on task {task.name!r}: field {{{field}}} names {part!r}, a secret ({why}); the key would "
+                        "keep it in clear in the key tables and the dead letter. Make the key from an id instead "
+                        "(or a digest the task computes, with a callable key)",
+                    )
