@@ -25,12 +25,15 @@ def module_name(path: Path) -> str:
 
 
 def declaring_modules() -> set[str]:
-    """The core's modules that call ``declare(...)`` at module level, read from their source."""
+    """The core's modules that call ``declare(...)`` or register a ``@task_check`` at module level, read from
+    their source."""
     found = set()
     for path in PACKAGE.rglob("*.py"):
         for node in ast.parse(path.read_text()).body:
             value = node.value if isinstance(node, ast.Assign | ast.AnnAssign | ast.Expr) else None
-            if isinstance(value, ast.Call) and getattr(value.func, "id", None) == "declare":
+            declares = isinstance(value, ast.Call) and getattr(value.func, "id", None) == "declare"
+            decorators = node.decorator_list if isinstance(node, ast.FunctionDef) else []
+            if declares or any(getattr(d, "id", None) == "task_check" for d in decorators):
                 found.add(module_name(path))
     return found
 
@@ -44,8 +47,8 @@ def test_importing_the_package_completes_the_schema_with_every_declaring_module(
     # When it lists the declared options and the modules it imported
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True, cwd=ROOT)
     loaded = json.loads(result.stdout)
-    # Then every module that declares options was imported, and the schema is the one this process sees, which
-    # is the settings page's table (tests/test_docs.py)
+    # Then every module that declares options (or a task check) was imported, and the schema is the one this
+    # process sees, which is the settings page's table (tests/test_docs.py)
     owners = declaring_modules()
     assert len(owners) >= 20
     assert owners - set(loaded["modules"]) == set()
