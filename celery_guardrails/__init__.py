@@ -5,6 +5,10 @@ Switch a task's base class to :class:`GuardedTask`; publish inside :func:`tenant
 call that acts on the world with :func:`effect` (``with self.effect():`` in a bound body).
 """
 
+# The option schema is declared by the modules that own the options (celery_guardrails.options.schema): most are
+# imported through GuardedTask; broker, gate, outbox and watchdog are not, and are imported here so that the schema
+# is complete once the package is.
+from celery_guardrails import broker  # noqa: F401
 from celery_guardrails.exceptions import (
     BudgetExhaustedError,
     ConcurrencyKeyError,
@@ -31,9 +35,11 @@ from celery_guardrails.foundation.faults import fault_point
 from celery_guardrails.guardrails.budget import budget_status
 from celery_guardrails.guardrails.concurrency import concurrency_status
 from celery_guardrails.operations import alerts  # noqa: F401  (connects the owners' alerts)
+from celery_guardrails.runtime import gate, outbox  # noqa: F401
 from celery_guardrails.runtime.effects import effect
 from celery_guardrails.runtime.pipeline import Guardrail
 from celery_guardrails.runtime.task import GuardedTask
+from celery_guardrails.scheduling import watchdog  # noqa: F401
 
 __version__ = "0.1.0.dev0"
 

@@ -134,7 +134,5 @@ def test_no_module_imports_its_way_back_to_itself() -> None:
 
 
 def test_no_module_is_over_500_lines_except_declared_tables() -> None:
-    long = {
-        name: n for name, path in modules().items() if (n := len(path.read_text().splitlines())) > MAX_LINES
-    }
+    long = {name: n for name, path in modules().items() if (n := len(path.read_text().splitlines())) > MAX_LINES}
     assert {name: n for name, n in long.items() if name not in TABLES} == {}

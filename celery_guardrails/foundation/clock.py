@@ -23,12 +23,27 @@ import time
 from pathlib import Path
 from typing import Any
 
-from celery_guardrails.options import app_value, load
+from celery_guardrails.options import APP, Option, app_value, checks, declare, load
 
 #: The environment variable of :func:`accelerated_clock`.
 CLOCK_ENV = "GUARDRAILS_CLOCK"
 #: The environment variable of :func:`file_clock`.
 CLOCK_FILE_ENV = "GUARDRAILS_CLOCK_FILE"
+
+
+#: The options the clock reads, declared into the one schema (celery_guardrails.options).
+DECLARED = declare(
+    Option(
+        name="clock",
+        default=None,
+        doc="Callable (or dotted path) returning the current time as epoch seconds, read by the schedule "
+        "guardrails (beat, ledger, watchdog), retry budgets and circuit breakers, and alert throttles; leases "
+        "stay in real time. Default time.time. For demos, simulations and tests: see "
+        "celery_guardrails.foundation.clock.",
+        check=checks.callable_or_path,
+        scopes=frozenset({APP}),
+    ),
+)
 
 
 def now(app: Any) -> float:

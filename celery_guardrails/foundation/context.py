@@ -17,8 +17,10 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar, Token
 from dataclasses import dataclass
+from typing import Any
 
 from celery_guardrails.exceptions import ContextError
+from celery_guardrails.options import APP, Option, checks, declare
 
 #: Longest tenant id accepted, in characters.
 TENANT_MAX_LENGTH = 128
@@ -32,6 +34,57 @@ _CORRELATION_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:+/=-]*")
 
 _tenant: ContextVar[str | None] = ContextVar("celery_guardrails.tenant", default=None)
 _correlation_id: ContextVar[str | None] = ContextVar("celery_guardrails.correlation_id", default=None)
+
+
+#: A header name is an RFC 9110 token.
+_TOKEN = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")
+
+
+def _header_names(value: Any) -> tuple[str, ...]:
+    items = value if isinstance(value, list | tuple) else None
+    if items is None or not all(isinstance(v, str) and _TOKEN.fullmatch(v) for v in items):
+        raise ValueError(f"must be a list of HTTP header names, got {value!r:.80}")
+    return tuple(items)
+
+
+def _admin_tenants(value: Any) -> Any:
+    if value is None or value == "permissions" or callable(value) or (isinstance(value, str) and "." in value):
+        return value
+    raise ValueError(
+        "must be a callable from a user to the tenants they may see, a dotted path 'package.module.name' to one, "
+        f"or 'permissions' (a Django permission per tenant), got {value!r:.80}"
+    )
+
+
+#: The options the Django app reads to find and scope a request's context, declared into the one schema
+#: (celery_guardrails.options) here, in the core, so that a worker validating CELERY_GUARDRAILS knows them without
+#: importing Django.
+DECLARED = declare(
+    Option(
+        name="tenant_resolver",
+        default=None,
+        doc="Django: callable (or dotted path) taking the HttpRequest and returning its tenant id or None.",
+        check=checks.callable_or_path,
+        scopes=frozenset({APP}),
+    ),
+    Option(
+        name="request_id_headers",
+        default=("X-Request-ID", "X-Correlation-ID"),
+        doc="Django: request headers read, in order, for the correlation id of a request.",
+        check=_header_names,
+        scopes=frozenset({APP}),
+    ),
+    Option(
+        name="admin_tenants",
+        default=None,
+        doc="Django admin: which dead letters, ledger records and figures a user sees. A callable (or dotted "
+        "path) user -> iterable of tenant ids, or ALL_TENANTS (django_celery_guardrails.scoping); or "
+        "'permissions': a permission guardrails.view_tenant_<tenant> per tenant, guardrails.view_all_tenants "
+        "for every one. A user the callable fails for sees nothing. None: every user sees every tenant.",
+        check=_admin_tenants,
+        scopes=frozenset({APP}),
+    ),
+)
 
 
 def validate_tenant(value: object) -> str:

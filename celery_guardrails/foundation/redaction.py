@@ -55,6 +55,8 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from celery_guardrails.options import APP, TASK, Option, app_value, declare, resolve
+
 logger = logging.getLogger(__name__)
 
 REDACTED = "[redacted]"
@@ -96,6 +98,60 @@ DEFAULT_REDACT_KEYS = (
 )
 
 Span = tuple[int, int]
+
+
+def _redact_keys(value: Any) -> tuple[str, ...]:
+    items = value if isinstance(value, list | tuple | set | frozenset) else None
+    if items is None:
+        raise ValueError(f"must be a list of key-name fragments (matched anywhere in a name), got {value!r:.80}")
+    for item in items:
+        if not isinstance(item, str) or not item.strip():
+            raise ValueError(f"fragments are non-empty strings, got {item!r:.80}")
+    return tuple(items)
+
+
+def _regexes(value: Any) -> tuple[re.Pattern[str], ...]:
+    items = [value] if isinstance(value, str | re.Pattern) else value
+    if not isinstance(items, list | tuple):
+        raise ValueError(f"must be a list of regular expressions, got {type(value).__name__}")
+    compiled = []
+    for number, item in enumerate(items, start=1):
+        # Never echo a pattern: it may spell out the secret it is there to hide; its place in the list names it.
+        try:
+            pattern = item if isinstance(item, re.Pattern) else re.compile(item)
+        except (TypeError, re.error) as exc:
+            raise ValueError(f"pattern {number} is not a regular expression: {exc}") from None
+        if not isinstance(pattern.pattern, str):
+            raise ValueError(f"pattern {number} is a bytes pattern; text is searched")
+        if pattern.search("") is not None:
+            raise ValueError(f"pattern {number} matches the empty string (every argument would be redacted)")
+        compiled.append(pattern)
+    return tuple(compiled)
+
+
+#: The options redaction reads, declared into the one schema (celery_guardrails.options).
+DECLARED = declare(
+    Option(
+        name="redact_keys",
+        default=DEFAULT_REDACT_KEYS,
+        doc="Key-name fragments (case-insensitive) whose values are replaced before a dead letter is stored. "
+        "Empty is allowed, with a warning at start-up and in manage.py check: nothing is then redacted by name.",
+        check=_redact_keys,
+        scopes=frozenset({TASK, APP}),
+    ),
+    Option(
+        name="redact_patterns",
+        default=(),
+        doc="Regular expressions of secrets recognised by their value, added to the built-in ones (URL "
+        "credentials, bearer tokens, provider keys, JWTs, private key blocks, card numbers: see "
+        "celery_guardrails.foundation.redaction). In free text"
+        " the match is redacted (only its group named 'secret', "
+        "when it has one); an argument holding a match is replaced whole. Keep them linear: no nested "
+        "repetition.",
+        check=_regexes,
+        scopes=frozenset({TASK, APP}),
+    ),
+)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True, eq=False)
@@ -668,8 +724,6 @@ DEFAULT = redactor()
 def for_task(task: Any) -> Redactor:
     """The redactor of ``task``'s ``redact_keys`` and ``redact_patterns`` (task, then app, then default). Never
     raises: a setting that cannot be read gives the defaults (a failure is never lost over its redaction)."""
-    from celery_guardrails.options import resolve
-
     try:
         # No per-call values: a message cannot turn its own redaction off (neither option is per call).
         return redactor(tuple(resolve(task, "redact_keys", {})), tuple(resolve(task, "redact_patterns", {})))
@@ -680,8 +734,6 @@ def for_task(task: Any) -> Redactor:
 
 def for_app(app: Any) -> Redactor:
     """The redactor of ``app``'s ``redact_keys`` and ``redact_patterns``; the defaults when they cannot be read."""
-    from celery_guardrails.options import app_value
-
     try:
         return redactor(tuple(app_value(app, "redact_keys")), tuple(app_value(app, "redact_patterns")))
     except Exception:

@@ -39,7 +39,7 @@ from dataclasses import asdict, dataclass
 from typing import Any, Protocol
 
 from celery_guardrails.exceptions import SealError
-from celery_guardrails.options import app_value
+from celery_guardrails.options import APP, Option, app_value, checks, declare
 
 logger = logging.getLogger(__name__)
 
@@ -54,6 +54,47 @@ _ELSEWHERE = "the sealed copy belongs to another record"
 #: Characters of each identity field a record keeps: the widths of the Django sink's columns (DeadLetter),
 #: where a longer value is cut; a copy is bound to the value as stored.
 IDENTITY_WIDTHS = {"task_id": 255, "task_name": 200, "tenant": 128}
+
+
+def _fernet_keys(value: Any) -> tuple[str, ...]:
+    import base64
+    import binascii
+
+    # Never echo a key, nor any part of a value that may hold one: messages name the place only.
+    keys = [value] if isinstance(value, str | bytes) else value
+    if not isinstance(keys, list | tuple):  # a set has no first key to seal with; a dict is not a list
+        raise ValueError(
+            f"must be a list of Fernet keys (the first seals, every one opens), got {checks.kind(value)} (not shown)"
+        )
+    checked = []
+    for number, key in enumerate(keys, start=1):
+        try:  # bytes, as Fernet.generate_key() returns them, are the same key: kept as text
+            text = key.decode("ascii") if isinstance(key, bytes) else key
+            valid = isinstance(text, str) and len(base64.urlsafe_b64decode(text.encode("ascii"))) == 32
+        except (binascii.Error, ValueError):
+            valid = False
+        if not valid:
+            raise ValueError(
+                f"key {number} is not a Fernet key (32 url-safe base64-encoded bytes; make one with "
+                "cryptography.fernet.Fernet.generate_key()); the key is not shown"
+            )
+        checked.append(text)
+    return tuple(checked)
+
+
+#: The options sealing reads, declared into the one schema (celery_guardrails.options).
+DECLARED = declare(
+    Option(
+        name="seal_keys",
+        default=(),
+        doc="Fernet keys that seal the original arguments and header of each dead letter for replay (the "
+        "record itself shows them redacted). The first seals, every one opens: to rotate, put a new key first, "
+        "run `manage.py guardrails_deadletters reseal`, then drop the old one. Empty: no sealed copies, and a "
+        "record with redacted arguments cannot be replayed. Needs the cryptography package.",
+        check=_fernet_keys,
+        scopes=frozenset({APP}),
+    ),
+)
 
 
 class Identified(Protocol):

@@ -25,7 +25,7 @@ from celery_guardrails import signals
 from celery_guardrails.exceptions import BudgetExhaustedError
 from celery_guardrails.foundation import clock
 from celery_guardrails.log import duration, when
-from celery_guardrails.options import app_value, resolve
+from celery_guardrails.options import APP, CALL, TASK, Option, app_value, checks, declare, resolve
 from celery_guardrails.runtime import headers
 from celery_guardrails.runtime.classification import Kind
 from celery_guardrails.runtime.delivery import delivery
@@ -44,6 +44,89 @@ if TYPE_CHECKING:
     from celery_guardrails.runtime.task import GuardedTask
 
 logger = logging.getLogger(__name__)
+
+
+def _ratio(value: Any) -> float:
+    if not checks.finite(value) or not 0 <= value <= 10:
+        raise ValueError(f"must be a number from 0 to 10 (retries per first attempt), got {value!r:.80}")
+    return float(value)
+
+
+#: The options the retry budget and circuit breaker read, declared into the one schema (celery_guardrails.options).
+DECLARED = declare(
+    Option(
+        name="dependency",
+        default=None,
+        doc="Name of the provider the task depends on: tasks sharing it share a retry budget and a "
+        "circuit breaker across all workers.",
+        check=checks.name,
+        scopes=frozenset({CALL, TASK}),
+    ),
+    Option(
+        name="retry_budget_ratio",
+        default=0.2,
+        doc="Retries allowed per first attempt of the dependency within the sliding window.",
+        check=_ratio,
+        scopes=frozenset({TASK, APP}),
+    ),
+    Option(
+        name="retry_budget_floor",
+        default=3,
+        doc="Retries always allowed per window, whatever the first attempts.",
+        check=checks.non_negative_int,
+        scopes=frozenset({TASK, APP}),
+    ),
+    Option(
+        name="retry_budget_window",
+        default=60.0,
+        doc="Seconds: the sliding window of the retry budget.",
+        check=checks.seconds,
+        scopes=frozenset({TASK, APP}),
+    ),
+    Option(
+        name="retry_budget_policy",
+        default="defer",
+        doc="When the budget is spent: 'defer' the retry to the next window (retry_budget_max_deferrals "
+        "times at most) or 'fail' it finally (retry_budget_exhausted).",
+        check=checks.choice("defer", "fail"),
+        scopes=frozenset({TASK, APP}),
+    ),
+    Option(
+        name="retry_budget_max_deferrals",
+        default=10,
+        doc="Budget or circuit deferrals of one message at most; one more is a final failure (retry_budget_exhausted).",
+        check=checks.positive_int,
+        scopes=frozenset({TASK, APP}),
+    ),
+    Option(
+        name="circuit_threshold",
+        default=5,
+        doc="Consecutive transient failures of a dependency that open its circuit (0: no breaker).",
+        check=checks.non_negative_int,
+        scopes=frozenset({TASK, APP}),
+    ),
+    Option(
+        name="circuit_open_seconds",
+        default=30.0,
+        doc="Seconds an open circuit delays new first attempts before letting probes through.",
+        check=checks.seconds,
+        scopes=frozenset({TASK, APP}),
+    ),
+    Option(
+        name="circuit_half_open_probes",
+        default=1,
+        doc="First attempts let through while the circuit is half-open.",
+        check=checks.positive_int,
+        scopes=frozenset({TASK, APP}),
+    ),
+    Option(
+        name="circuit_probe_timeout",
+        default=60.0,
+        doc="Seconds a half-open probe may run without reporting (its worker killed) before another is let through.",
+        check=checks.seconds,
+        scopes=frozenset({TASK, APP}),
+    ),
+)
 
 
 def policy_from(lookup: Callable[[str], Any]) -> BudgetPolicy:

@@ -70,7 +70,7 @@ from celery_guardrails.exceptions import (
 from celery_guardrails.foundation.context import current_tenant
 from celery_guardrails.guardrails.idempotency import HEARTBEATS, delivery_owner, render_key
 from celery_guardrails.guardrails.retries import retry_later
-from celery_guardrails.options import resolve
+from celery_guardrails.options import APP, TASK, Option, checks, declare, resolve
 from celery_guardrails.runtime import headers
 from celery_guardrails.runtime.delivery import ATTRIBUTE, Delivery, Grant, Hold, delivery
 from celery_guardrails.runtime.outcomes import PERMANENT, attempt_record, fail_finally
@@ -93,6 +93,54 @@ TRUSTED = 0.5
 WAIT_DOUBLINGS = 4
 #: The store key's namespace of each option (a concurrency key and an exclusive key never share slots).
 NAMESPACES = (("concurrency_key", "limit"), ("exclusive_key", "exclusive"))
+
+
+#: The options concurrency limits read, declared into the one schema (celery_guardrails.options).
+DECLARED = declare(
+    Option(
+        name="concurrency_key",
+        default=None,
+        doc="Tasks whose key renders the same share concurrency_limit slots across all workers: a str.format "
+        "template over the task's bound arguments and {tenant} (the message's tenant), e.g. 'tenant:{tenant}' "
+        "or a dependency name, or a callable taking the task's arguments. Not scoped by task name.",
+        check=checks.key_spec,
+        scopes=frozenset({TASK}),
+    ),
+    Option(
+        name="concurrency_limit",
+        default=None,
+        doc="Deliveries of one concurrency_key that may run at once, across all workers (required with it). A "
+        "delivery that finds them all taken comes back later (RetryLater), no attempt spent.",
+        check=checks.positive_int,
+        scopes=frozenset({TASK}),
+    ),
+    Option(
+        name="exclusive_key",
+        default=None,
+        doc="Like concurrency_key with a limit of one: two tasks acting on one entity ('invoice:{invoice_id}') "
+        "never run at once. Both may be set on one task (two slots, the concurrency slot taken first).",
+        check=checks.key_spec,
+        scopes=frozenset({TASK}),
+    ),
+    Option(
+        name="concurrency_reap_after",
+        default=300.0,
+        doc="Seconds without a heartbeat after which a slot's holder is reaped (its worker died, or stalled): "
+        "recorded as failed with reason 'lost', holder_reaped sent. A running holder beats every quarter of it "
+        "(at most every 10 s). Reaping runs in every capacity check and on the watchdog's timer. A stalled "
+        "holder that resumes is fenced at its next boundary (SlotLostError, holder_fenced).",
+        check=checks.seconds,
+        scopes=frozenset({TASK, APP}),
+    ),
+    Option(
+        name="concurrency_max_waits",
+        default=100,
+        doc="Waits for a slot that spend neither an attempt nor retry_later_max; past them each further wait "
+        "counts toward retry_later_max (then a final failure retry_later_exhausted).",
+        check=checks.positive_int,
+        scopes=frozenset({TASK, APP}),
+    ),
+)
 
 
 def store_key(namespace: str, key: str) -> str:

@@ -42,7 +42,7 @@ from __future__ import annotations
 import functools
 import inspect
 import re
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from kombu.serialization import dumps
@@ -55,7 +55,8 @@ from celery_guardrails.exceptions import (
     SensitivePayloadError,
     UnknownPayloadVersionError,
 )
-from celery_guardrails.options import resolve
+from celery_guardrails.guardrails.sensitive import SENSITIVE_KEYS, matches
+from celery_guardrails.options import APP, CALL, TASK, Option, checks, declare, resolve
 from celery_guardrails.runtime import headers
 from celery_guardrails.runtime.outcomes import MALFORMED_MESSAGE, UNKNOWN_PAYLOAD_VERSION, attempt_record, fail_finally
 from celery_guardrails.runtime.pipeline import Guardrail, Publication
@@ -69,21 +70,115 @@ MAX_DEPTH = 8
 MAX_VALUES = 10_000
 
 
-def words(name: str) -> tuple[str, ...]:
-    """A name's words: lower case, split at underscores, hyphens, dots, spaces and camelCase humps."""
-    spaced = re.sub(r"([a-z0-9])([A-Z])", r"\1_\2", name)
-    return tuple(word for word in re.split(r"[_\-.\s]+", spaced.lower()) if word)
+#: Default max_payload_depth: levels of lists and dicts in a task's arguments.
+MAX_PAYLOAD_DEPTH = 100
 
 
-def matches(name: str, entries: tuple[str, ...]) -> str | None:
-    """The first entry of ``entries`` whose words appear in ``name``'s, in a row; None when none does."""
-    found = words(name)
-    for entry in entries:
-        wanted = words(entry)
-        for start in range(len(found) - len(wanted) + 1):
-            if found[start : start + len(wanted)] == wanted:
-                return entry
-    return None
+#: The deepest max_payload_depth may be: well inside what pickle (prefork's hand-over to its child), the JSON
+#: codecs and the record's walks take under Python's default recursion limit of 1,000.
+DEPTH_CEILING = 400
+
+
+def _versions(value: Any) -> tuple[int, ...] | None:
+    if value is None:
+        return None
+    if isinstance(value, int) and not isinstance(value, bool):
+        value = (value,)
+    if isinstance(value, str | bytes) or not isinstance(value, Iterable):
+        raise ValueError(f"must be payload versions (whole numbers of at least 1), got {value!r:.80}")
+    found = tuple(checks.positive_int(item) for item in value)
+    if not found:
+        raise ValueError("must name at least one payload version")
+    return found
+
+
+def _bytes_or_off(value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or (value != 0 and not 256 <= value <= checks.COUNT_MAX):
+        raise ValueError(f"must be a number of bytes of at least 256, or 0 to turn the limit off, got {value!r:.80}")
+    return value
+
+
+def _depth(value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= DEPTH_CEILING:
+        raise ValueError(f"must be a whole number of levels from 1 to {DEPTH_CEILING}, got {value!r:.80}")
+    return value
+
+
+def _key_names(value: Any) -> tuple[str, ...]:
+    if isinstance(value, str | bytes | Mapping) or not isinstance(value, Iterable):
+        raise ValueError(f"must be a list of argument or key names, got {value!r:.80}")
+    value = list(value)
+    if not all(isinstance(name, str) for name in value):  # str(None) was the name "none"
+        raise ValueError(f"names are strings, got {value!r:.120}")
+    names = tuple(name.strip().lower().replace("-", "_") for name in value)
+    if not all(re.fullmatch(r"[a-z0-9_]+", name) for name in names):
+        raise ValueError(f"names are letters, digits and underscores, got {list(value)!r:.120}")
+    return names
+
+
+def _reason_or_none(value: Any) -> str | None:
+    if value is None:
+        return None
+    if not isinstance(value, str) or len(value.strip()) < 10:
+        raise ValueError(f"must say why, in a sentence (10 characters at least), got {value!r:.80}")
+    return value.strip()
+
+
+#: The options the payload contract reads, declared into the one schema (celery_guardrails.options).
+DECLARED = declare(
+    Option(
+        name="payload_version",
+        default=1,
+        doc="The version of the payload shape this task's publishers send (the header field pv). Raise it when "
+        "the arguments change shape; workers that do not accept it dead-letter the message "
+        "(unknown_payload_version) instead of running it wrongly.",
+        check=checks.positive_int,
+        scopes=frozenset({TASK, APP}),
+    ),
+    Option(
+        name="accepts_versions",
+        default=None,
+        doc="The payload versions this task's workers run (a message without pv is version 1). None: only "
+        "payload_version. During a rollout, a new worker accepts (1, 2) while old publishers still send 1.",
+        check=_versions,
+        scopes=frozenset({TASK, APP}),
+    ),
+    Option(
+        name="max_payload_bytes",
+        default=65536,
+        doc="Largest serialised arguments a publish may send; larger is refused at publish "
+        "(PayloadTooLargeError, naming the size): send a storage reference instead. 0: no limit.",
+        check=_bytes_or_off,
+        scopes=frozenset({CALL, TASK, APP}),
+    ),
+    Option(
+        name="max_payload_depth",
+        default=MAX_PAYLOAD_DEPTH,
+        doc="Deepest nesting of lists and dicts the arguments may have (an argument that is a list of numbers "
+        "is 1 level): deeper is refused at publish (PayloadTooDeepError) and, from another producer, "
+        "dead-lettered malformed_message on delivery, never run. At most 400: a prefork worker hands the "
+        "arguments to its child with pickle, which fails several hundred levels down.",
+        check=_depth,
+        scopes=frozenset({TASK, APP}),
+    ),
+    Option(
+        name="sensitive_keys",
+        default=SENSITIVE_KEYS,
+        doc="Argument names and dict keys (at any depth) refused at publish as secrets or personal data "
+        "(SensitivePayloadError): a name matches when its words (split at _) contain the entry's words. Add "
+        "your own (email, phone, date_of_birth).",
+        check=_key_names,
+        scopes=frozenset({TASK, APP}),
+    ),
+    Option(
+        name="allow_sensitive_payload",
+        default=None,
+        doc="A task that must carry a sensitive value says why here (a sentence); the guard then lets it "
+        "through, and guardrails_audit lists the task and the reason.",
+        check=_reason_or_none,
+        scopes=frozenset({TASK}),
+    ),
+)
 
 
 @functools.cache

@@ -54,7 +54,7 @@ from celery_guardrails.exceptions import DuplicateOfFailureError, IdempotencyKey
 from celery_guardrails.foundation.context import current_tenant
 from celery_guardrails.foundation.redaction import redacted_error
 from celery_guardrails.guardrails.retries import retry_later
-from celery_guardrails.options import resolve
+from celery_guardrails.options import APP, CALL, TASK, Option, checks, declare, resolve
 from celery_guardrails.runtime import headers
 from celery_guardrails.runtime.delivery import Hold, delivery
 from celery_guardrails.runtime.outcomes import BAD_IDEMPOTENCY_KEY, attempt_record, fail_finally
@@ -73,6 +73,57 @@ KEY_MAX_LENGTH = 200
 #: Longest scoped key stored as it is; a longer one is stored as a prefix and a SHA-256.
 STORED_MAX_LENGTH = 255
 SUMMARY_MAX_LENGTH = 200
+
+
+#: The options idempotency reads, declared into the one schema (celery_guardrails.options).
+DECLARED = declare(
+    Option(
+        name="idempotency_key",
+        default=None,
+        doc="str.format template over the task's bound arguments ('charge:{order_id}'), or a callable "
+        "taking the task's arguments; per call, the key itself. Scoped by task name and tenant.",
+        check=checks.key_spec,
+        scopes=frozenset({CALL, TASK}),
+    ),
+    Option(
+        name="idempotency_lease",
+        default=60.0,
+        doc="Seconds a claim lives without a heartbeat; a running task renews it every third of it. A "
+        "delivery whose worker died is taken over this long after its last heartbeat.",
+        check=checks.seconds,
+        scopes=frozenset({TASK, APP}),
+    ),
+    Option(
+        name="idempotency_retention",
+        default=7 * 24 * 3600.0,
+        doc="Seconds a completed or failed key is kept (7 days): duplicates within it are skipped.",
+        check=checks.seconds,
+        scopes=frozenset({TASK, APP}),
+    ),
+    Option(
+        name="atomic",
+        default=False,
+        doc="Django store: run the body in transaction.atomic() and commit the completion mark in the "
+        "same transaction as the effect (exactly once for database effects).",
+        check=checks.boolean,
+        scopes=frozenset({TASK, APP}),
+    ),
+    Option(
+        name="dedupe_on_publish",
+        default=False,
+        doc="An optimisation, not the guarantee: do not publish a message whose key was published within "
+        "dedupe_ttl; return the first one's AsyncResult instead.",
+        check=checks.boolean,
+        scopes=frozenset({CALL, TASK}),
+    ),
+    Option(
+        name="dedupe_ttl",
+        default=3600.0,
+        doc="Seconds dedupe_on_publish remembers a published key.",
+        check=checks.seconds,
+        scopes=frozenset({TASK, APP}),
+    ),
+)
 
 
 def render_key(

@@ -84,7 +84,7 @@ from celery_guardrails.foundation.context import current_tenant
 from celery_guardrails.guardrails.idempotency import render_key, scoped_key, validate_key
 from celery_guardrails.guardrails.retries import retry_later
 from celery_guardrails.operations import alerts
-from celery_guardrails.options import resolve
+from celery_guardrails.options import APP, CALL, TASK, Option, checks, declare, resolve
 from celery_guardrails.runtime import dead_letters, headers
 from celery_guardrails.runtime.delivery import delivery
 from celery_guardrails.runtime.outcomes import (
@@ -116,6 +116,55 @@ GAP_LAST = "ord_seq_last"
 #: Pauses (seconds) between tries at moving a key on when the store does not answer after a run; then the
 #: key's successors wait until ``ordering_gap_timeout`` gives the turn up.
 ADVANCE_PAUSES = (0.1, 0.5, 1.0)
+
+
+#: The options ordering reads, declared into the one schema (celery_guardrails.options).
+DECLARED = declare(
+    Option(
+        name="ordering_key",
+        default=None,
+        doc="Opt-in ordering per key: str.format template over the task's bound arguments ('account:{id}'), "
+        "or a callable taking the task's arguments; per call, the key itself. Scoped by task name and tenant. "
+        "Messages of one key run in the order they were published; different keys are not ordered.",
+        check=checks.key_spec,
+        scopes=frozenset({CALL, TASK}),
+    ),
+    Option(
+        name="ordering_gap_timeout",
+        default=3600.0,
+        doc="Seconds the messages of an ordering key wait for a missing earlier one (lost before it was "
+        "published, or gone where it could not say so) before the key moves past it; one that turns up later "
+        "is dead-lettered (ordering_gap). Keep it above the longest run plus retries of one message.",
+        check=checks.seconds,
+        scopes=frozenset({TASK, APP}),
+    ),
+    Option(
+        name="ordering_gap_alert_after",
+        default=300.0,
+        doc="Seconds an ordering key may wait for a missing earlier message before its owner is alerted (once "
+        "per wait, then throttled like dead letters): time to find the message before ordering_gap_timeout "
+        "gives it up. 0: no alert.",
+        check=checks.seconds_or_off,
+        scopes=frozenset({TASK, APP}),
+    ),
+    Option(
+        name="ordering_wait_max",
+        default=30.0,
+        doc="Seconds a message waiting for an earlier one of its key stays away at most: its looks back start "
+        "at retry_later_delay and double while the key does not move. Also how late the key may resume once "
+        "a long wait ends.",
+        check=checks.seconds,
+        scopes=frozenset({TASK, APP}),
+    ),
+    Option(
+        name="ordering_retention",
+        default=30 * 24 * 3600.0,
+        doc="Seconds an ordering key's counters are kept after its last message was published or done (30 "
+        "days); a key idle for longer starts again at 1.",
+        check=checks.seconds,
+        scopes=frozenset({TASK, APP}),
+    ),
+)
 
 
 class SequenceStamp(Guardrail):

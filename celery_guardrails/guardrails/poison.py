@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 from celery_guardrails.broker.delays import delivery_count
 from celery_guardrails.exceptions import PoisonMessageError, StoreError
 from celery_guardrails.guardrails.idempotency import fail_abandoned
-from celery_guardrails.options import resolve
+from celery_guardrails.options import APP, TASK, Option, checks, declare, resolve
 from celery_guardrails.runtime import headers
 from celery_guardrails.runtime.delivery import ATTRIBUTE, Delivery, delivery
 from celery_guardrails.runtime.outcomes import POISON, attempt_record, fail_finally
@@ -44,6 +44,19 @@ logger = logging.getLogger(__name__)
 
 #: Seconds a start count is kept (a message not seen again for a day starts counting afresh).
 COUNT_TTL = 24 * 3600
+
+
+#: The options poison-message protection reads, declared into the one schema (celery_guardrails.options).
+DECLARED = declare(
+    Option(
+        name="max_deliveries",
+        default=3,
+        doc="Redeliveries of a message that started and never finished (its worker died) before it is "
+        "dead-lettered as poison instead of run again.",
+        check=checks.positive_int,
+        scopes=frozenset({TASK, APP}),
+    ),
+)
 
 
 class PoisonMessages(Guardrail):

@@ -34,7 +34,7 @@ from celery.exceptions import MaxRetriesExceededError, Retry
 
 from celery_guardrails import signals
 from celery_guardrails.exceptions import StoreError
-from celery_guardrails.options import resolve
+from celery_guardrails.options import APP, CALL, TASK, Option, checks, declare, resolve
 from celery_guardrails.runtime import headers
 from celery_guardrails.runtime.backoff import backoff_for
 from celery_guardrails.runtime.classification import Kind, Verdict, classify, gated
@@ -58,6 +58,34 @@ logger = logging.getLogger(__name__)
 #: The rule and record class of a retry the body asked for with ``self.retry()``.
 SELF_RETRY = "self.retry"
 MANUAL = "manual"
+
+
+#: The options retries reads, declared into the one schema (celery_guardrails.options).
+DECLARED = declare(
+    Option(
+        name="max_attempts",
+        default=5,
+        doc="Runs at most, the first one included, however the retries come (classified failures, "
+        "autoretry_for, self.retry()). Unset on a task that sets Celery's max_retries (or retry_kwargs="
+        "{'max_retries': n}): that plus one.",
+        check=checks.positive_int,
+        scopes=frozenset({CALL, TASK, APP}),
+    ),
+    Option(
+        name="retry_later_delay",
+        default=5.0,
+        doc="Seconds before a RetryLater without its own delay is delivered again.",
+        check=checks.seconds,
+        scopes=frozenset({TASK, APP}),
+    ),
+    Option(
+        name="retry_later_max",
+        default=10,
+        doc="RetryLater deliveries at most; one more is a final failure (retry_later_exhausted).",
+        check=checks.positive_int,
+        scopes=frozenset({CALL, TASK, APP}),
+    ),
+)
 
 
 class RetryRequested(Retry):  # type: ignore[misc]

@@ -31,12 +31,13 @@ from celery_guardrails.foundation.clock import now
 from celery_guardrails.foundation.redaction import redacted_error
 from celery_guardrails.guardrails.idempotency import delivery_owner, heartbeat, task_signature
 from celery_guardrails.guardrails.retries import retry_later
-from celery_guardrails.options import DEFAULT_POLICY, SchedulePolicy, app_value, resolve
+from celery_guardrails.options import app_value, resolve
 from celery_guardrails.runtime import headers
 from celery_guardrails.runtime.delivery import Hold, delivery
 from celery_guardrails.runtime.pipeline import Guardrail, Publication, SkipBody
 from celery_guardrails.scheduling.beat import moment
 from celery_guardrails.scheduling.ledger import FAILED, OK, SKIPPED_OVERLAP, period_key
+from celery_guardrails.scheduling.policy import DEFAULT_POLICY, SchedulePolicy
 from celery_guardrails.stores import get_store
 from celery_guardrails.stores.base import ACQUIRED
 

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 from celery_guardrails import signals
 from celery_guardrails.exceptions import MissingTenantError
 from celery_guardrails.foundation.context import current_correlation_id, current_tenant
-from celery_guardrails.options import load, resolve
+from celery_guardrails.options import APP, CALL, TASK, Option, checks, declare, load, resolve
 from celery_guardrails.runtime.headers import TENANT
 from celery_guardrails.runtime.outcomes import MISSING_TENANT, fail_finally
 from celery_guardrails.runtime.pipeline import Guardrail, Publication
@@ -29,6 +29,26 @@ if TYPE_CHECKING:
     from celery_guardrails.runtime.task import GuardedTask
 
 logger = logging.getLogger(__name__)
+
+
+#: The options the tenant guard reads, declared into the one schema (celery_guardrails.options).
+DECLARED = declare(
+    Option(
+        name="tenant_required",
+        default=False,
+        doc="Refuse to publish or run the task without a tenant.",
+        check=checks.boolean,
+        scopes=frozenset({CALL, TASK, APP}),
+    ),
+    Option(
+        name="tenant_activator",
+        default=None,
+        doc="Callable (or dotted path) taking a tenant id and returning a context manager entered "
+        "around the task body, e.g. to switch a django-tenants schema. Not called without a tenant.",
+        check=checks.callable_or_path,
+        scopes=frozenset({TASK, APP}),
+    ),
+)
 
 
 class TenantGuard(Guardrail):

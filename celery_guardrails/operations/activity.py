@@ -41,7 +41,7 @@ from celery.signals import worker_process_shutdown, worker_shutdown
 
 from celery_guardrails.foundation.clock import now
 from celery_guardrails.foundation.forks import quiet
-from celery_guardrails.options import app_value
+from celery_guardrails.options import APP, Option, app_value, checks, declare
 from celery_guardrails.stores import get_store
 from celery_guardrails.stores.base import ACQUIRED, Activity, OutcomeCount, QueueSample
 
@@ -52,6 +52,36 @@ HOUR = 3600
 #: The claim that lets one worker sample the queues, and its lease (seconds): about one sample a minute.
 SAMPLE_KEY = "guardrails:activity-sample"
 SAMPLE_LEASE = 54.0
+
+
+#: The options the activity record reads, declared into the one schema (celery_guardrails.options).
+DECLARED = declare(
+    Option(
+        name="activity",
+        default=True,
+        doc="Keep the last day of activity in the store: delivery outcomes per task, queue and minute (each "
+        "worker process adds its counts every activity_flush_interval) and each queue's depth and oldest age "
+        "once a minute (read by one worker's watchdog thread). The admin dashboard charts it and the status "
+        "command's rates come from it. False: nothing is kept. See celery_guardrails.operations.activity.",
+        check=checks.boolean,
+        scopes=frozenset({APP}),
+    ),
+    Option(
+        name="activity_flush_interval",
+        default=30.0,
+        doc="Seconds between two additions of a worker process's outcome counts to the store (and at its "
+        "exit). A process SIGKILLed loses at most this long of its counts.",
+        check=checks.seconds,
+        scopes=frozenset({APP}),
+    ),
+    Option(
+        name="activity_retention",
+        default=2 * 24 * 3600.0,
+        doc="Seconds the activity is kept (Redis: expiry; Django: guardrails_prune). The charts show 24 hours.",
+        check=checks.seconds,
+        scopes=frozenset({APP}),
+    ),
+)
 
 
 def minute_of(moment: float) -> float:

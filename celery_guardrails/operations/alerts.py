@@ -48,10 +48,11 @@ import json
 import logging
 import os
 import queue
+import re
 import threading
 import time
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
@@ -61,11 +62,105 @@ from celery.signals import worker_process_shutdown, worker_shutdown
 from celery_guardrails import signals
 from celery_guardrails.foundation import clock
 from celery_guardrails.foundation.redaction import Redactor, for_app, for_task, safe_repr
-from celery_guardrails.options import app_value, resolve
+from celery_guardrails.options import APP, Option, app_value, checks, declare, resolve
 from celery_guardrails.runtime.outcomes import FinalFailure, owner_of
 from celery_guardrails.stores import get_store
 
 logger = logging.getLogger(__name__)
+
+
+#: The alert channels there are (celery_guardrails.operations.alerts.send handles each).
+ALERT_CHANNELS = ("log", "mail", "webhook")
+
+
+def _channels(value: Any) -> tuple[str, ...]:
+    items = value if isinstance(value, list | tuple) else None
+    if items is None:
+        raise ValueError(f"must be a list of channels (known: {', '.join(ALERT_CHANNELS)}), got {value!r:.80}")
+    for item in items:
+        if item not in ALERT_CHANNELS:
+            raise ValueError(f"unknown channel {item!r:.80}; known: {', '.join(ALERT_CHANNELS)}")
+    return tuple(items)
+
+
+def _webhooks(value: Any) -> tuple[str, ...]:
+    urls = [value] if isinstance(value, str) else value
+    if not isinstance(urls, list | tuple):
+        raise ValueError(f"must be a list of http:// or https:// URLs, got {checks.kind(value)}")
+    for number, url in enumerate(urls, start=1):
+        # Not shown: a webhook URL is often its own secret (a Slack or Teams URL is the credential).
+        if not isinstance(url, str) or not re.fullmatch(r"https?://[^\s/?#]+[^\s]*", url):
+            raise ValueError(f"webhook {number} is not an http:// or https:// URL (not shown: it may hold a secret)")
+    return tuple(urls)
+
+
+def _owner_emails(value: Any) -> dict[str, tuple[str, ...]]:
+    if not isinstance(value, Mapping):
+        raise ValueError(f"must map owner names to lists of mail addresses, got {checks.kind(value)}")
+    checked = {}
+    for owner, addresses in value.items():
+        try:
+            checks.name(owner)
+        except ValueError as exc:
+            raise ValueError(f"the owner {exc}") from None
+        items = [addresses] if isinstance(addresses, str) else addresses  # one address (a str was spelled out)
+        if not isinstance(items, list | tuple) or not all(
+            isinstance(a, str) and re.fullmatch(r"[^@\s]+@[^@\s]+", a) for a in items
+        ):
+            raise ValueError(f"owner {owner!r}: must be a mail address or a list of them")
+        checked[owner] = tuple(items)
+    return checked
+
+
+#: The options the alerts read, declared into the one schema (celery_guardrails.options).
+DECLARED = declare(
+    Option(
+        name="alert_channels",
+        default=("log", "mail"),
+        doc="How owners hear of dead letters: 'log', 'mail' (Django), 'webhook' (alert_webhooks); another "
+        "name is an error.",
+        check=_channels,
+        scopes=frozenset({APP}),
+    ),
+    Option(
+        name="alert_webhooks",
+        default=(),
+        doc="http:// or https:// URLs that receive each alert as a JSON POST (an error never shows them).",
+        check=_webhooks,
+        scopes=frozenset({APP}),
+    ),
+    Option(
+        name="alert_timeout",
+        default=5.0,
+        doc="Seconds a webhook may take.",
+        check=checks.seconds,
+        scopes=frozenset({APP}),
+    ),
+    Option(
+        name="alert_throttle",
+        default=300.0,
+        doc="Seconds of a throttle window per (owner, task, reason): one alert, then one summary. Also how "
+        "long a process leaves an unreachable alert channel alone after its one warning line.",
+        check=checks.seconds,
+        scopes=frozenset({APP}),
+    ),
+    Option(
+        name="run_alert_throttle",
+        default=300.0,
+        doc="Seconds: missed and overdue runs of one schedule alert its owner once, then are counted while "
+        "they go on (each pushes the window's end this far, up to 12 windows after the alert) and summed up in "
+        "one summary when they stop. 0: an alert for every period.",
+        check=checks.seconds_or_off,
+        scopes=frozenset({APP}),
+    ),
+    Option(
+        name="owner_emails",
+        default={},
+        doc="Mail addresses per owner: {'payments': ['pay-oncall@example.com']} (else ADMINS).",
+        check=_owner_emails,
+        scopes=frozenset({APP}),
+    ),
+)
 
 
 def group_of(failure: FinalFailure) -> str:

@@ -136,7 +136,6 @@ from typing import Any
 
 from celery_guardrails.operations import audit_source
 from celery_guardrails.options import (
-    DEFAULT_POLICY,
     app_value,
     celery_option,
     celery_option_set,
@@ -144,6 +143,7 @@ from celery_guardrails.options import (
     task_attribute,
 )
 from celery_guardrails.runtime.outbox import confirms_off
+from celery_guardrails.scheduling.policy import DEFAULT_POLICY
 
 ERROR = "error"
 WARNING = "warning"

@@ -58,6 +58,7 @@ the whole worker, as prometheus_client asks); a child that exits is marked dead.
 from __future__ import annotations
 
 import functools
+import itertools
 import logging
 import os
 import threading
@@ -74,7 +75,7 @@ from celery_guardrails import signals
 from celery_guardrails.exceptions import ConfigurationError
 from celery_guardrails.foundation.redaction import Redactor, for_app
 from celery_guardrails.operations import activity
-from celery_guardrails.options import app_value
+from celery_guardrails.options import APP, Option, app_value, checks, declare
 from celery_guardrails.runtime import headers
 from celery_guardrails.runtime.delivery import delivery
 from celery_guardrails.runtime.outcomes import TIME_LIMIT
@@ -139,6 +140,72 @@ FAMILIES: dict[str, tuple[str, str]] = {
 
 #: The environment variable that switches prometheus_client to multiprocess mode (read as it is imported).
 MULTIPROC_DIR = "PROMETHEUS_MULTIPROC_DIR"
+
+
+#: Default histogram buckets in seconds: 5 ms to 5 minutes (task runs and queue waits alike).
+DEFAULT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+
+
+def _port(value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 < value < 65536:
+        raise ValueError(f"must be a TCP port from 1 to 65535, got {value!r:.80}")
+    return value
+
+
+def _buckets(value: Any) -> tuple[float, ...]:
+    items = tuple(value) if isinstance(value, list | tuple) else ()
+    if not items or any(
+        isinstance(v, bool) or not isinstance(v, int | float) or not 0 < v < float("inf") for v in items
+    ):
+        raise ValueError(f"must be a list of positive finite numbers of seconds, got {value!r:.80}")
+    if any(a >= b for a, b in itertools.pairwise(items)):
+        raise ValueError(f"must be increasing, got {value!r:.80}")
+    return tuple(float(v) for v in items)
+
+
+def _token(value: Any) -> str:
+    if not isinstance(value, str) or len(value) < 16 or value != value.strip():
+        raise ValueError("must be a string of at least 16 characters, no spaces around it")  # never echo a secret
+    return value
+
+
+#: The options the metrics read, declared into the one schema (celery_guardrails.options).
+DECLARED = declare(
+    Option(
+        name="metrics",
+        default=False,
+        doc="Record Prometheus metrics (task durations, outcomes, queue wait, published and completed "
+        "messages; see celery_guardrails.operations.metrics) in workers and publishers."
+        " Needs prometheus-client (the "
+        "prometheus extra). False: nothing is recorded. A recording failure is logged, never the task's.",
+        check=checks.boolean,
+        scopes=frozenset({APP}),
+    ),
+    Option(
+        name="metrics_port",
+        default=None,
+        doc="TCP port of the worker's HTTP metrics endpoint (all addresses), served by the main process only "
+        "with every pool child's metrics summed when PROMETHEUS_MULTIPROC_DIR is set. None: no endpoint.",
+        check=checks.optional(_port),
+        scopes=frozenset({APP}),
+    ),
+    Option(
+        name="metrics_buckets",
+        default=DEFAULT_BUCKETS,
+        doc="Upper bounds in seconds of the duration and queue-wait histogram buckets, increasing (+Inf is "
+        "added). Read once per process, when the first metric is recorded.",
+        check=_buckets,
+        scopes=frozenset({APP}),
+    ),
+    Option(
+        name="metrics_token",
+        default=None,
+        doc="Django: a bearer token that may read the metrics view (Authorization: Bearer <token>) besides "
+        "staff users; None: staff only.",
+        check=checks.optional(_token),
+        scopes=frozenset({APP}),
+    ),
+)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -24,7 +24,45 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from celery_guardrails.options import load, resolve
+from celery_guardrails.options import APP, CALL, TASK, Option, checks, declare, load, resolve
+
+#: The options backoff reads, declared into the one schema (celery_guardrails.options).
+DECLARED = declare(
+    Option(
+        name="backoff",
+        default="equal_jitter",
+        doc="After the n-th failed attempt, 'equal_jitter': half fixed, half random of min(backoff_max, "
+        "backoff_base * 2**n), so the first retry waits backoff_base to twice that (1-2 s, then 2-4 s, 4-8 s, "
+        "...); 'full_jitter': random(0, min(backoff_max, backoff_base * 2**(n-1))), which may retry at once; "
+        "'decorrelated_jitter': min(backoff_max, random(backoff_base, 3 * previous delay)).",
+        check=checks.choice("equal_jitter", "full_jitter", "decorrelated_jitter"),
+        scopes=frozenset({TASK, APP}),
+    ),
+    Option(
+        name="backoff_base",
+        default=1.0,
+        doc="Seconds: the scale of the first retry delay (with equal_jitter, its floor: the first retry "
+        "waits backoff_base to twice that). Unset on a task with Celery's retry_backoff: that (True: 1).",
+        check=checks.seconds,
+        scopes=frozenset({CALL, TASK, APP}),
+    ),
+    Option(
+        name="backoff_max",
+        default=600.0,
+        doc="Seconds: no retry delay (Retry-After included) is longer. Keep it below the Redis "
+        "visibility_timeout (1 hour by default). Unset on a task with Celery's retry_backoff_max: that.",
+        check=checks.seconds,
+        scopes=frozenset({CALL, TASK, APP}),
+    ),
+    Option(
+        name="backoff_random",
+        default=None,
+        doc="Callable (or dotted path) returning a float in [0, 1); default random.random. Inject a "
+        "seeded one to test exact delays.",
+        check=checks.callable_or_path,
+        scopes=frozenset({TASK, APP}),
+    ),
+)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import enum
 import errno
+import re
 import socket
 import sys
 import time
@@ -45,7 +46,7 @@ from typing import Any
 from celery.exceptions import Ignore, Reject, Retry
 
 from celery_guardrails.exceptions import PermanentError, RetryLater, SlotLostError, TransientError
-from celery_guardrails.options import DETERMINISTIC_ERRORS, DETERMINISTIC_MODULES, resolve
+from celery_guardrails.options import APP, TASK, Option, checks, declare, resolve
 
 #: Statuses worth retrying: request timeout, too early, too many requests (and every 5xx).
 TRANSIENT_STATUSES = frozenset({408, 425, 429})
@@ -86,6 +87,82 @@ TRANSPORT_ERRORS = frozenset(
         "MaxRetryError",  # urllib3
         "URLError",  # urllib (an HTTPError, which carries a status, is classified by it first)
     }
+)
+
+
+def _patterns(value: Any) -> tuple[tuple[re.Pattern[str], str], ...]:
+    pairs = value.items() if isinstance(value, Mapping) else value
+    try:
+        checked = tuple((re.compile(pattern), checks.choice("transient", "permanent")(kind)) for pattern, kind in pairs)
+    except (TypeError, ValueError, re.error) as exc:
+        raise ValueError(f"must map regular expressions to 'transient' or 'permanent': {exc}") from None
+    return checked
+
+
+#: Errors no retry can fix (a bug, bad input): permanent at their first failure (deterministic_errors). Also
+#: Django's and pydantic's ValidationError, once their module is imported (see DETERMINISTIC_MODULES).
+DETERMINISTIC_ERRORS: tuple[type[BaseException], ...] = (
+    ValueError,
+    TypeError,
+    KeyError,
+    AttributeError,
+    LookupError,
+    NotImplementedError,
+    UnicodeError,
+)
+#: (module, class) of validation errors that are deterministic too, checked only when their module is imported:
+#: an error of a module nobody imported cannot be raised, and nothing is imported for them.
+DETERMINISTIC_MODULES = (
+    ("django.core.exceptions", "ValidationError"),
+    ("pydantic", "ValidationError"),
+    ("pydantic_core", "ValidationError"),
+)
+
+#: The options error classification reads, declared into the one schema (celery_guardrails.options).
+DECLARED = declare(
+    Option(
+        name="transient_errors",
+        default=(),
+        doc="Exception classes (or dotted paths) retried with backoff, where the retry gate finds a re-run "
+        "safe. Celery's autoretry_for (less dont_autoretry_for) on a GuardedTask counts as these.",
+        check=checks.exception_types,
+        scopes=frozenset({TASK, APP}),
+    ),
+    Option(
+        name="permanent_errors",
+        default=(),
+        doc="Exception classes (or dotted paths) never retried; checked before transient_errors.",
+        check=checks.exception_types,
+        scopes=frozenset({TASK, APP}),
+    ),
+    Option(
+        name="deterministic_errors",
+        default=DETERMINISTIC_ERRORS,
+        doc="Exception classes (or dotted paths) no retry can fix: permanent at their first failure, even "
+        "when a broader transient_errors or autoretry_for class (Exception) matches; a class of "
+        "transient_errors at least as specific wins. Default: ValueError, TypeError, KeyError, "
+        "AttributeError, LookupError, NotImplementedError, UnicodeError, and Django's and pydantic's "
+        "ValidationError; () turns it off.",
+        check=checks.exception_types,
+        scopes=frozenset({TASK, APP}),
+    ),
+    Option(
+        name="error_patterns",
+        default=(),
+        doc="Ordered {regex: 'transient'|'permanent'} matched against the error message, for errors "
+        "that crossed an RPC boundary as text.",
+        check=_patterns,
+        scopes=frozenset({TASK, APP}),
+    ),
+    Option(
+        name="unknown_errors",
+        default="auto",
+        doc="'auto': an unclassified error is transient, retried only where the retry gate finds a re-run "
+        "safe (celery_guardrails.runtime.gate); or 'transient' / 'permanent' for all tasks (the gate still applies "
+        "to 'transient').",
+        check=checks.choice("auto", "transient", "permanent"),
+        scopes=frozenset({TASK, APP}),
+    ),
 )
 
 

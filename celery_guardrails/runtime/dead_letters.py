@@ -20,14 +20,16 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Mapping
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any, Protocol
 
 from celery_guardrails.exceptions import StoreError, StoreUnavailableError
 from celery_guardrails.foundation.redaction import DEFAULT, exception_name, exception_text, for_task, safe_repr
 from celery_guardrails.foundation.sealing import sealer_for
-from celery_guardrails.options import app_value
-from celery_guardrails.stores import django_apps_installed, store_url
+from celery_guardrails.options import APP, TASK, Option, app_value, checks, declare
+from celery_guardrails.stores import django_apps_installed, redis_url, store_url
+from celery_guardrails.stores.redis_client import SCHEMES
 
 if TYPE_CHECKING:
     from celery_guardrails.runtime.outcomes import FinalFailure
@@ -65,6 +67,74 @@ TRACEBACK_LIMIT = 20_000
 STORABLE_DEPTH = 100
 #: What stands for a value nested deeper than a record keeps.
 CUT_DEEP = "[cut: nested too deep to keep]"
+
+
+def _owners(value: Any) -> dict[str, str]:
+    if not isinstance(value, Mapping):
+        raise ValueError(f"must map task-name patterns to owner names, got {value!r:.80}")
+    for pattern, owner in value.items():
+        if not isinstance(pattern, str) or not pattern.strip():
+            raise ValueError(f"task-name patterns are non-empty strings, got {pattern!r:.80}")
+        try:  # the rule of the task-level owner: one rule for every owner name
+            checks.name(owner)
+        except ValueError as exc:
+            raise ValueError(f"pattern {pattern!r:.80}: the owner {exc}") from None
+    return dict(value)
+
+
+def _sinks(value: Any) -> list[str] | None:
+    if value is None:
+        return None
+    names = [value] if isinstance(value, str) else value
+    if isinstance(names, Mapping) or not isinstance(names, list | tuple):
+        raise ValueError(f"must be a list of sinks ('django', 'redis' or Redis URLs), got {checks.kind(value)}")
+    if not names:  # no sink: a final failure would be acked with nothing recorded
+        raise ValueError("must name at least one sink: with none, a final failure would be recorded nowhere")
+    for number, name in enumerate(names, start=1):
+        if name in ("django", "redis"):
+            continue
+        if not isinstance(name, str) or not name.startswith(SCHEMES):
+            shown = f"{checks.masked(name)!r:.80}" if isinstance(name, str) else checks.kind(name)
+            raise ValueError(f"sink {number}: sinks are 'django', 'redis' or Redis URLs, got {shown}")
+        try:
+            redis_url(name)
+        except ValueError as exc:
+            raise ValueError(f"sink {number}: {exc}") from None
+    return list(names)
+
+
+#: The options dead-letter recording reads, declared into the one schema (celery_guardrails.options).
+DECLARED = declare(
+    Option(
+        name="owner",
+        default=None,
+        doc="Who owns the task's dead letters and is alerted about them (a team or person name).",
+        check=checks.name,
+        scopes=frozenset({TASK}),
+    ),
+    Option(
+        name="owners",
+        default={},
+        doc="App-wide owners by task-name pattern: {'payments.*': 'payments'} (fnmatch, first match).",
+        check=_owners,
+        scopes=frozenset({APP}),
+    ),
+    Option(
+        name="dead_letter_sinks",
+        default=None,
+        doc="Where dead letters are recorded: 'django', 'redis' (the store's Redis stream) or Redis URLs. "
+        "Default: ['django'] with the Django app, else ['redis'].",
+        check=_sinks,
+        scopes=frozenset({APP}),
+    ),
+    Option(
+        name="dead_letter_retention",
+        default=90 * 24 * 3600.0,
+        doc="Seconds a discarded or resolved dead letter is kept (90 days); open ones are never pruned.",
+        check=checks.seconds,
+        scopes=frozenset({APP}),
+    ),
+)
 
 
 def storable(value: Any, depth: int = 0) -> Any:

@@ -44,6 +44,7 @@ from celery import current_task
 from celery.app.task import Context
 from celery.local import Proxy
 
+from celery_guardrails.options import TASK, Option, checks, declare, resolve
 from celery_guardrails.runtime.classification import sent_nothing
 from celery_guardrails.runtime.delivery import ATTRIBUTE, Delivery
 
@@ -53,6 +54,20 @@ logger = logging.getLogger(__name__)
 KEY_NAMESPACE = uuid.UUID("6f3c1d52-8a0e-5b7e-9c41-2d8f0b6a9e13")
 #: How deep the body's own module functions are followed when looking for effect blocks.
 FOLLOW_DEPTH = 3
+
+
+#: The options effect marks read, declared into the one schema (celery_guardrails.options).
+DECLARED = declare(
+    Option(
+        name="marks_effects",
+        default=None,
+        doc="Whether the body marks its effects with effect() (then a failure before the first one is "
+        "retried); None: told from the task function's own code. Set True when the blocks are in code the "
+        "body calls from another module.",
+        check=checks.boolean,
+        scopes=frozenset({TASK}),
+    ),
+)
 
 
 def provider_key(scoped: str) -> str:
@@ -191,8 +206,6 @@ def _uses_effect(function: Any, seen: set[int], depth: int) -> bool:
 
 def marks_effects(task: Any, call: Any = None) -> bool:
     """Whether the task's body marks its effects: ``marks_effects`` when set, else what its code shows."""
-    from celery_guardrails.options import resolve
-
     declared = resolve(task, "marks_effects", call or {})
     if declared is not None:
         return bool(declared)

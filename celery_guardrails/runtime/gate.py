@@ -27,7 +27,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from celery_guardrails.options import resolve
+from celery_guardrails.options import APP, TASK, Option, checks, declare, resolve
 from celery_guardrails.runtime.delivery import Delivery
 from celery_guardrails.runtime.effects import marks_effects
 
@@ -49,6 +49,27 @@ FIX_KEY_KEPT = (
 )
 #: Every fix, for documentation and tests.
 FIX = FIX_UNMARKED
+
+
+#: The options the retry gate reads, declared into the one schema (celery_guardrails.options).
+DECLARED = declare(
+    Option(
+        name="idempotent",
+        default=False,
+        doc="Declare the task safe to run twice: any transient or unknown error is then retried, whatever "
+        "the body did before it (see celery_guardrails.runtime.gate).",
+        check=checks.boolean,
+        scopes=frozenset({TASK, APP}),
+    ),
+    Option(
+        name="retry_unsafe",
+        default=False,
+        doc="Let a task that is not idempotent be retried on ambiguous failures too (a read timeout, a 5xx, "
+        "an error after an effect): it may then act twice. The audit scores it 0; warned about at start-up.",
+        check=checks.boolean,
+        scopes=frozenset({TASK, APP}),
+    ),
+)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -31,7 +31,7 @@ from typing import Any
 from celery import bootsteps
 
 from celery_guardrails.foundation.forks import quiet
-from celery_guardrails.options import app_value
+from celery_guardrails.options import APP, Option, app_value, checks, declare
 from celery_guardrails.stores import django_apps_installed
 
 logger = logging.getLogger(__name__)
@@ -40,6 +40,54 @@ logger = logging.getLogger(__name__)
 #: the broker (the row is kept, no attempt spent): it may have been stored all the same, so the row may be
 #: published twice (at least once, as ever).
 CONFIRM_TIMEOUT = 30.0
+
+
+#: The options the outbox relay reads, declared into the one schema (celery_guardrails.options).
+DECLARED = declare(
+    Option(
+        name="outbox_relay",
+        default=True,
+        doc="Django: each worker runs the transactional outbox's relay in a thread, publishing the messages "
+        "enqueued with enqueue_in_transaction / outbox=True once their transaction committed. False: run "
+        "manage.py guardrails_outbox_relay instead.",
+        check=checks.boolean,
+        scopes=frozenset({APP}),
+    ),
+    Option(
+        name="outbox_relay_interval",
+        default=1.0,
+        doc="Seconds between two relay passes when the outbox is empty (a full batch is followed by the next "
+        "at once): the relay's lag when idle.",
+        check=checks.seconds,
+        scopes=frozenset({APP}),
+    ),
+    Option(
+        name="outbox_relay_lease",
+        default=60.0,
+        doc="Seconds a relay's claimed outbox messages stay hidden from other relays while it publishes them; "
+        "a relay that dies mid-batch leaves them to be published again after this (at least once).",
+        check=checks.seconds,
+        scopes=frozenset({APP}),
+    ),
+    Option(
+        name="outbox_batch",
+        default=100,
+        doc="Outbox messages a relay pass claims and publishes at most.",
+        check=checks.positive_int,
+        scopes=frozenset({APP}),
+    ),
+    Option(
+        name="outbox_max_attempts",
+        default=12,
+        doc="Publishes of one outbox message that may fail (an unknown task, a refused publish, arguments "
+        "that do not encode) before it becomes a dead letter unpublishable, removed with the record's "
+        "transaction. The waits between them double from 1 s to 5 minutes: 12 spans about 18 minutes, longer "
+        "than a rolling deployment in which an older worker's relay may not know a new task yet. A broker "
+        "that cannot be reached spends none.",
+        check=checks.positive_int,
+        scopes=frozenset({APP}),
+    ),
+)
 
 
 def confirms_apply(app: Any) -> bool:

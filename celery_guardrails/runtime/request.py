@@ -150,7 +150,8 @@ def _note_serializer(request: Any) -> None:
 
 
 def _depth_limit(task: Any) -> int:
-    from celery_guardrails.options import DEPTH_CEILING, resolve
+    from celery_guardrails.guardrails.contract import DEPTH_CEILING
+    from celery_guardrails.options import resolve
 
     try:
         return int(resolve(task, "max_payload_depth", {}))

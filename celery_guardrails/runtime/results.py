@@ -26,11 +26,26 @@ import logging
 from typing import Any
 
 from celery_guardrails.foundation.redaction import Redactor, exception_name, exception_text, for_task
+from celery_guardrails.options import APP, TASK, Option, checks, declare, resolve
 
 logger = logging.getLogger(__name__)
 
 #: Characters of an exception's message kept in the fallback exception.
 FALLBACK_LIMIT = 2000
+
+
+#: The options the redacting result backend reads, declared into the one schema (celery_guardrails.options).
+DECLARED = declare(
+    Option(
+        name="redact_results",
+        default=True,
+        doc="The result backend stores a guarded task's failure redacted: the exception (its type, with its "
+        "arguments and plain attributes redacted; other attributes dropped) and the traceback text. False: "
+        "Celery stores them as raised.",
+        check=checks.boolean,
+        scopes=frozenset({TASK, APP}),
+    ),
+)
 
 
 def redacted_exception(exc: BaseException, redactor: Redactor) -> BaseException:
@@ -85,8 +100,6 @@ class RedactingBackend:
         return self._backend.mark_as_retry(task_id, exc, traceback, *a, **kw)
 
     def _redacted(self, exc: Any, traceback: str | None) -> tuple[Any, str | None]:
-        from celery_guardrails.options import resolve
-
         task = self._task
         try:
             if not resolve(task, "redact_results", {}):

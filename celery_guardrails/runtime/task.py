@@ -35,7 +35,7 @@ from celery_guardrails.guardrails.scheduled_runs import ScheduledRuns
 from celery_guardrails.guardrails.tenancy import TenantGuard
 from celery_guardrails.guardrails.waiting import Waiting
 from celery_guardrails.operations.metrics import Metrics
-from celery_guardrails.options import OPTIONS, check_call_options, settings_snapshot
+from celery_guardrails.options import OPTIONS, check_call_options, resolve, settings_snapshot
 from celery_guardrails.runtime import headers
 from celery_guardrails.runtime.checkpoint import Checkpoint, Checkpoints, checkpoint_of
 from celery_guardrails.runtime.delivery import Delivery, begin, delivery
@@ -118,7 +118,9 @@ class GuardedTask(Task):  # type: ignore[misc]
     #: The worker's strategy: a body that cannot be decoded is dead-lettered, not logged and acked.
     Strategy = "celery_guardrails.runtime.request:strategy"
 
-    # Guardrail options as task attributes; None means "not set here", so the app config applies.
+    # Guardrail options as task attributes, one per option a task may set (TASK scope; a test checks the set against
+    # the schema): typed here for the type checker and the reader. None means "not set here", so the app config
+    # applies.
     tenant_required: bool | None = None
     tenant_activator: Any = None
     owner: str | None = None
@@ -159,6 +161,8 @@ class GuardedTask(Task):  # type: ignore[misc]
     circuit_probe_timeout: float | None = None
     ordering_key: Any = None
     ordering_gap_timeout: float | None = None
+    ordering_gap_alert_after: float | None = None
+    ordering_wait_max: float | None = None
     ordering_retention: float | None = None
     concurrency_key: Any = None
     concurrency_limit: int | None = None
@@ -287,7 +291,6 @@ class GuardedTask(Task):  # type: ignore[misc]
         from celery_guardrails.exceptions import MissingTenantError
         from celery_guardrails.foundation.context import current_correlation_id, current_tenant
         from celery_guardrails.guardrails.contract import check_payload
-        from celery_guardrails.options import resolve
 
         with settings_snapshot(self.app):
             for name, value in (("tenant", current_tenant()), ("correlation_id", current_correlation_id())):

@@ -6,8 +6,8 @@ Run beat with a guarded scheduler::
     celery -A proj beat -S django_celery_guardrails.schedulers:GuardedDatabaseScheduler
 
 Every entry of ``CELERY_BEAT_SCHEDULE`` and every django-celery-beat ``PeriodicTask`` is *watched*: the entry's
-policy in ``CELERY_GUARDRAILS["schedules"]`` (see :class:`~celery_guardrails.options.SchedulePolicy`), else the
-default policy (:data:`~celery_guardrails.options.DEFAULT_POLICY`: grace 60 s, or half the entry's period when
+policy in ``CELERY_GUARDRAILS["schedules"]`` (see :class:`~.policy.SchedulePolicy`), else the
+default policy (:data:`~.policy.DEFAULT_POLICY`: grace 60 s, or half the entry's period when
 that is shorter). These are left to Celery as they are (:func:`watched_by_default` says why):
 
 * an entry whose policy is ``None`` (``schedules = {"cleanup": None}``: opted out);
@@ -63,9 +63,10 @@ from celery_guardrails.exceptions import ConfigurationError, ContextError
 # accelerated_clock stays importable from here: settings name it as celery_guardrails.scheduling.beat.accelerated_clock.
 from celery_guardrails.foundation.clock import accelerated_clock, now
 from celery_guardrails.foundation.context import validate_tenant
-from celery_guardrails.options import DEFAULT_POLICY, SchedulePolicy, app_value
+from celery_guardrails.options import app_value
 from celery_guardrails.runtime import headers
 from celery_guardrails.scheduling.ledger import DISPATCHED, MISSED, SKIPPED_DISABLED, Heads, period_key
+from celery_guardrails.scheduling.policy import DEFAULT_POLICY, SchedulePolicy
 from celery_guardrails.scheduling.schedules import Every, parse_crontab, periods_between, timetable
 from celery_guardrails.stores import django_apps_installed, get_store
 

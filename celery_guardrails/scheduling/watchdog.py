@@ -43,7 +43,7 @@ from celery import bootsteps
 from celery_guardrails.foundation.clock import now
 from celery_guardrails.foundation.forks import quiet
 from celery_guardrails.operations import activity
-from celery_guardrails.options import app_value
+from celery_guardrails.options import APP, Option, app_value, checks, declare
 from celery_guardrails.scheduling.beat import Entry, all_configured_entries, moment, report, skip_disabled
 from celery_guardrails.scheduling.ledger import DISPATCHED, MISSED, OVERDUE, RUNNING, Heads
 from celery_guardrails.stores import django_apps_installed, get_store
@@ -52,6 +52,27 @@ from celery_guardrails.stores.base import ACQUIRED
 logger = logging.getLogger(__name__)
 
 LOCK_KEY = "guardrails:watchdog"
+
+
+#: The options the watchdog reads, declared into the one schema (celery_guardrails.options).
+DECLARED = declare(
+    Option(
+        name="watchdog",
+        default=True,
+        doc="Workers check the scheduled runs against the ledger (one worker at a time, see "
+        "watchdog_interval); turn off when a cron job or Kubernetes CronJob runs guardrails_watchdog.",
+        check=checks.boolean,
+        scopes=frozenset({APP}),
+    ),
+    Option(
+        name="watchdog_interval",
+        default=30.0,
+        doc="Seconds between two watchdog checks in the cluster (a run is reported missed at most "
+        "grace plus this late).",
+        check=checks.seconds,
+        scopes=frozenset({APP}),
+    ),
+)
 
 
 @dataclass(slots=True)

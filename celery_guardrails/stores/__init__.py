@@ -12,8 +12,49 @@ from typing import Any
 from urllib.parse import quote
 
 from celery_guardrails.exceptions import ConfigurationError
-from celery_guardrails.options import app_settings, app_value
+from celery_guardrails.options import APP, Option, app_settings, app_value, checks, declare
 from celery_guardrails.stores.base import Store
+from celery_guardrails.stores.redis_client import SCHEMES, check_url
+
+
+def redis_url(value: str) -> str:
+    """``value`` if the store can connect with it; the errors show it masked (it may hold a password)."""
+    try:
+        check_url(checks.masked(value))  # the same shape with the secrets out: what is wrong is said the same way
+    except ValueError as exc:
+        raise ValueError(str(exc)) from None
+    return value
+
+
+def _store(value: Any) -> str:
+    if value == "django" or (isinstance(value, str) and value.startswith(SCHEMES)):
+        return value if value == "django" else redis_url(value)
+    shown = f"{checks.masked(value)!r:.80}" if isinstance(value, str) else checks.kind(value)
+    raise ValueError(f"must be 'django' or a Redis URL such as 'redis://127.0.0.1:6379/1', got {shown}")
+
+
+#: The options the stores read, declared into the one schema (celery_guardrails.options).
+DECLARED = declare(
+    Option(
+        name="store_timeout",
+        default=5.0,
+        doc="Seconds a Redis store connection may take to connect or answer before the store counts as "
+        "unavailable (a half-open connection would stall heartbeats). For the Django store, set the "
+        "database's own connect and statement timeouts.",
+        check=checks.seconds,
+        scopes=frozenset({APP}),
+    ),
+    Option(
+        name="store",
+        default=None,
+        doc="Where budgets and circuit states live: 'django' (the Django app's tables) or a Redis URL: one "
+        "server (redis://, rediss://, unix://), a Redis Cluster (redis+cluster://host:7000) or Sentinel "
+        "(sentinel://host:26379/1?master_name=mymaster). Default: 'django' when the Django app is "
+        "installed, else the broker's Redis (a sentinel:// broker with its master_name transport option).",
+        check=_store,
+        scopes=frozenset({APP}),
+    ),
+)
 
 
 def django_apps_installed(*names: str) -> bool:

@@ -174,7 +174,7 @@ def test_worker_start_warns_about_tasks_without_an_owner_and_tasks_retried_unsaf
 
 def numeric_options() -> list[str]:
     """Every option (and schedule policy key) that takes a number: its check takes 1."""
-    from celery_guardrails.options import _POLICY_CHECKS
+    from celery_guardrails.scheduling.policy import POLICY_CHECKS
 
     found = []
     for name, option in OPTIONS.items():
@@ -183,7 +183,7 @@ def numeric_options() -> list[str]:
         except (TypeError, ValueError):
             continue
         found.append(name)
-    for name, check in _POLICY_CHECKS.items():
+    for name, check in POLICY_CHECKS.items():
         try:
             check(1)
         except (TypeError, ValueError):

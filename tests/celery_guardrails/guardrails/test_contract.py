@@ -18,8 +18,7 @@ from celery_guardrails.exceptions import (
     PayloadTooLargeError,
     SensitivePayloadError,
 )
-from celery_guardrails.guardrails.contract import matches
-from celery_guardrails.options import SENSITIVE_KEYS
+from celery_guardrails.guardrails.sensitive import SENSITIVE_KEYS, matches
 from celery_guardrails.runtime import headers
 from tests.conftest import Sink
 from tests.proj import tasks

@@ -12,9 +12,9 @@ from typing import Any
 
 import pytest
 
-from celery_guardrails.options import SchedulePolicy
 from celery_guardrails.scheduling.beat import Entry, plan
 from celery_guardrails.scheduling.ledger import MISSED, OK, Run
+from celery_guardrails.scheduling.policy import SchedulePolicy
 from tests.conftest import Sink
 from tests.support.proxy import TcpProxy
 from tests.support.scheduling import Rig, a_whole_minute
@@ -85,7 +85,7 @@ def test_plan_with_every_period_late_catches_up_the_newest(
 def test_the_default_grace_is_a_minute_or_half_the_period(schedule: Any, grace: float) -> None:
     from zoneinfo import ZoneInfo
 
-    from celery_guardrails.options import DEFAULT_POLICY
+    from celery_guardrails.scheduling.policy import DEFAULT_POLICY
 
     # Given an entry with no policy written (the default one), and one whose policy sets grace
     # When its grace is read

@@ -13,9 +13,9 @@ import pytest
 from celery import Celery
 
 from celery_guardrails import signals
-from celery_guardrails.options import SchedulePolicy
 from celery_guardrails.scheduling.beat import Entry
 from celery_guardrails.scheduling.ledger import DISPATCHED, MISSED, OK, OVERDUE, RUNNING
+from celery_guardrails.scheduling.policy import SchedulePolicy
 from celery_guardrails.scheduling.watchdog import check, check_if_my_turn, lock_key
 from tests.support.scheduling import Rig, a_whole_minute
 from tests.support.services import REDIS_URL, require
