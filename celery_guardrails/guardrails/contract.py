@@ -62,7 +62,7 @@ from celery_guardrails.runtime.outcomes import MALFORMED_MESSAGE, UNKNOWN_PAYLOA
 from celery_guardrails.runtime.pipeline import Guardrail, Publication
 
 if TYPE_CHECKING:
-    from celery_guardrails.runtime.task import GuardedTask
+    from celery_guardrails.runtime.pipeline import Task as GuardedTask
 
 #: Nesting levels of lists and dicts looked into (deeper values are not inspected).
 MAX_DEPTH = 8

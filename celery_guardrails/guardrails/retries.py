@@ -51,7 +51,7 @@ from celery_guardrails.runtime.outcomes import (
 from celery_guardrails.runtime.pipeline import Guardrail
 
 if TYPE_CHECKING:
-    from celery_guardrails.runtime.task import GuardedTask
+    from celery_guardrails.runtime.pipeline import Task as GuardedTask
 
 logger = logging.getLogger(__name__)
 

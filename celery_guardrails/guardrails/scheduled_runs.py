@@ -42,7 +42,7 @@ from celery_guardrails.stores import get_store
 from celery_guardrails.stores.base import ACQUIRED
 
 if TYPE_CHECKING:
-    from celery_guardrails.runtime.task import GuardedTask
+    from celery_guardrails.runtime.pipeline import Task as GuardedTask
 
 logger = logging.getLogger(__name__)
 

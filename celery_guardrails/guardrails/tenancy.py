@@ -26,7 +26,7 @@ from celery_guardrails.runtime.outcomes import MISSING_TENANT, fail_finally
 from celery_guardrails.runtime.pipeline import Guardrail, Publication
 
 if TYPE_CHECKING:
-    from celery_guardrails.runtime.task import GuardedTask
+    from celery_guardrails.runtime.pipeline import Task as GuardedTask
 
 logger = logging.getLogger(__name__)
 

@@ -88,7 +88,7 @@ except ImportError:  # the prometheus extra is not installed: metrics cannot be 
     prometheus_client = None  # type: ignore[assignment]
 
 if TYPE_CHECKING:
-    from celery_guardrails.runtime.task import GuardedTask
+    from celery_guardrails.runtime.pipeline import Task as GuardedTask
 
 logger = logging.getLogger(__name__)
 

@@ -56,7 +56,7 @@ from celery_guardrails.runtime.pipeline import Guardrail
 from celery_guardrails.stores import get_store, store_url
 
 if TYPE_CHECKING:
-    from celery_guardrails.runtime.task import GuardedTask
+    from celery_guardrails.runtime.pipeline import Task as GuardedTask
 
 logger = logging.getLogger(__name__)
 

@@ -18,12 +18,28 @@ A ``before_run`` hook refuses a message by raising; the body then does not run.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, ClassVar, Protocol
 
-if TYPE_CHECKING:
-    from celery_guardrails.runtime.task import GuardedTask
+
+class Task(Protocol):
+    """What a guardrail needs of the task it guards: the guardrails import this, not
+    :class:`~celery_guardrails.runtime.task.GuardedTask`, which composes them (no import runs back up to it)."""
+
+    name: str
+    #: Celery's serializer of the task's messages (None: the app's).
+    serializer: Any
+    guardrails: ClassVar[tuple[Guardrail, ...]]
+
+    @property
+    def app(self) -> Any: ...
+
+    @property
+    def request(self) -> Any: ...
+
+    def call_options(self) -> Mapping[str, Any]: ...
 
 
 @dataclass(slots=True, kw_only=True)
@@ -50,23 +66,23 @@ class Publication:
 class Guardrail:
     """Base class of every guardrail: all hooks do nothing."""
 
-    def on_publish(self, task: GuardedTask, publication: Publication) -> None:
+    def on_publish(self, task: Task, publication: Publication) -> None:
         """Called in the publisher before the message is sent (delay, apply_async, retry, signatures)."""
 
-    def before_run(self, task: GuardedTask, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    def before_run(self, task: Task, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         """Called on the worker before the body; raise to refuse the message."""
 
-    def body_context(self, task: GuardedTask) -> AbstractContextManager[Any] | None:
+    def body_context(self, task: Task) -> AbstractContextManager[Any] | None:
         """A context manager entered around the task body (after every ``before_run``); None: nothing."""
         return None
 
-    def on_success(self, task: GuardedTask, retval: Any) -> None:
+    def on_success(self, task: Task, retval: Any) -> None:
         """Called on the worker after the body returned."""
 
-    def on_failure(self, task: GuardedTask, exc: BaseException, einfo: Any) -> None:
+    def on_failure(self, task: Task, exc: BaseException, einfo: Any) -> None:
         """Called on the worker after the task failed for good (Celery's ``on_failure``)."""
 
-    def on_retry(self, task: GuardedTask, exc: BaseException, einfo: Any) -> None:
+    def on_retry(self, task: Task, exc: BaseException, einfo: Any) -> None:
         """Called on the worker after a retry was published (Celery's ``on_retry``)."""
 
 
