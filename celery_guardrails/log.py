@@ -51,6 +51,7 @@ from celery._state import get_current_task
 
 from celery_guardrails.foundation.context import current_correlation_id, current_tenant
 from celery_guardrails.foundation.redaction import DEFAULT, WITHHELD, Redactor, for_app, for_task
+from celery_guardrails.runtime.pipeline import is_guarded
 
 MISSING = "-"
 #: Celery's loggers that write a task's exception, message and traceback.
@@ -173,9 +174,7 @@ def _withhold(record: logging.LogRecord) -> None:
 
 
 def _guarded(task: Any) -> bool:
-    from celery_guardrails.runtime.task import GuardedTask  # task.py imports this module (through install)
-
-    return isinstance(task, GuardedTask)
+    return is_guarded(task)
 
 
 def _current_app() -> Any:

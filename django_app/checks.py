@@ -126,7 +126,7 @@ def check_tasks(app_configs: Any = None, **kwargs: Any) -> list[Error | Warning]
 
 def _guarded_tasks() -> list[Any]:
     """The guarded tasks of the project's Celery app; none when it cannot be loaded (a check never raises)."""
-    from celery_guardrails.runtime.task import GuardedTask
+    from celery_guardrails.runtime.pipeline import is_guarded
 
     from .health import celery_app
 
@@ -141,7 +141,7 @@ def _guarded_tasks() -> list[Any]:
                     app.loader.import_default_modules()
             finally:
                 _importing.on = False
-        return [task for _, task in sorted(app.tasks.items()) if isinstance(task, GuardedTask)]
+        return [task for _, task in sorted(app.tasks.items()) if is_guarded(task)]
     except Exception:
         return []
 

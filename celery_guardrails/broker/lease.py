@@ -256,7 +256,7 @@ def long_holders(app: Any, tasks: Iterable[Any]) -> LongHolders | None:
     """
     if not str(app.conf.broker_url or "").startswith(AMQP_SCHEMES):
         return None
-    from celery_guardrails.runtime.task import GuardedTask
+    from celery_guardrails.runtime.pipeline import is_guarded
 
     timeout = float(app_value(app, "rabbitmq_consumer_timeout"))
     for queue in app.conf.task_queues or ():
@@ -266,7 +266,7 @@ def long_holders(app: Any, tasks: Iterable[Any]) -> LongHolders | None:
     names = sorted(
         task.name
         for task in tasks
-        if isinstance(task, GuardedTask) and not 0 < float(task.time_limit or app.conf.task_time_limit or 0) <= timeout
+        if is_guarded(task) and not 0 < float(task.time_limit or app.conf.task_time_limit or 0) <= timeout
     )
     return LongHolders(timeout=timeout, tasks=tuple(names))
 

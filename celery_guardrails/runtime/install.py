@@ -40,7 +40,7 @@ class GuardrailsBootstep(bootsteps.Step):  # type: ignore[misc]
     label = "Guardrails"
 
     def __init__(self, parent: Any, **kwargs: Any) -> None:
-        from celery_guardrails.runtime.task import GuardedTask
+        from celery_guardrails.runtime.pipeline import is_guarded
 
         app = parent.app
         settings = options.app_settings(app)
@@ -48,7 +48,7 @@ class GuardrailsBootstep(bootsteps.Step):  # type: ignore[misc]
         from celery_guardrails.stores import store_url
 
         store_url(app)
-        guarded = [task for task in app.tasks.values() if isinstance(task, GuardedTask)]
+        guarded = [task for task in app.tasks.values() if is_guarded(task)]
         for task in guarded:
             options.validate_task(task)
         options.import_paths(app, guarded)

@@ -63,6 +63,17 @@ class Publication:
     later: tuple[Any, ...] = ()
 
 
+#: The class attribute that marks a task class as guarded (GuardedTask sets it).
+GUARDED = "guardrails_composed"
+
+
+def is_guarded(task: Any) -> bool:
+    """Whether ``task`` is a guarded task (``GuardedTask`` or a subclass), asked without importing
+    :mod:`celery_guardrails.runtime.task`: the modules below it (the log filters, the broker lease, the wiring)
+    must not import their way back up to it."""
+    return getattr(task, GUARDED, False) is True
+
+
 class Guardrail:
     """Base class of every guardrail: all hooks do nothing."""
 

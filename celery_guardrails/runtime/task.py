@@ -111,6 +111,8 @@ class GuardedTask(Task):  # type: ignore[misc]
     #: The ack is sacred: a message is acked only after the task finished, its retry was published or its
     #: final failure was handed over; a worker that dies mid-task leaves it to be delivered again.
     acks_late = True
+    #: Marks the class guarded for :func:`~celery_guardrails.runtime.pipeline.is_guarded`.
+    guardrails_composed: ClassVar[bool] = True
     #: A child process that dies mid-task gives its message back (poison protection bounds the loop).
     reject_on_worker_lost = True
     #: The worker's request: a malformed envelope and a hard time limit end in a record, not an ack alone.
