@@ -40,6 +40,9 @@ that are not JSON (bytes, sets, objects, NaN, dict keys that are not strings) ar
 and flagged; a repr that raises is named by its type. Every pattern is anchored on a literal or a word
 boundary and bounded, so that redacting text takes linear time whatever it holds (tested with a megabyte of
 each pattern's near-miss).
+
+The value patterns are in :mod:`.redaction_patterns`, the bounded walk over values in :mod:`.redaction_walk`;
+their names stay importable from here.
 """
 
 from __future__ import annotations
@@ -48,34 +51,32 @@ import functools
 import inspect
 import itertools
 import logging
-import math
 import re
-import reprlib
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from celery_guardrails.foundation.redaction_patterns import VALUE_PATTERNS, Span, ValuePattern, user_patterns
+from celery_guardrails.foundation.redaction_walk import (
+    CUT_DEEP,
+    CUT_KEY,
+    CUT_LONG,
+    CUT_MANY,
+    CUT_UNREADABLE,
+    MAX_CHARACTERS,
+    MAX_DEPTH,
+    MAX_VALUES,
+    REDACTED,
+    Walk,
+    Walked,
+    safe_repr,
+)
 from celery_guardrails.options import APP, TASK, Option, app_value, declare, resolve
 
 logger = logging.getLogger(__name__)
 
-REDACTED = "[redacted]"
-
-#: Levels of nesting a walk goes into; a value deeper is replaced by :data:`CUT_DEEP` (documented in the README).
-MAX_DEPTH = 64
-#: Values (containers and the values in them) a walk visits at most; the rest is replaced by :data:`CUT_MANY`.
-MAX_VALUES = 20_000
-#: Characters of strings a walk searches at most (4 Mi); a string past that is replaced by :data:`CUT_LONG`.
-MAX_CHARACTERS = 4 * 1024 * 1024
-#: Markers of a cut walk: each holds REDACTED, so a replay with no sealed copy refuses the value.
-CUT_DEEP = f"{REDACTED} (cut: nested deeper than {MAX_DEPTH} levels)"
-CUT_MANY = f"{REDACTED} (cut: more than {MAX_VALUES} values)"
-CUT_LONG = f"{REDACTED} (cut: past {MAX_CHARACTERS} characters of text)"
-CUT_UNREADABLE = f"{REDACTED} (cut: a value that could not be read)"
 #: What is kept of a text whose redaction failed (it never does; this is the last guard).
 WITHHELD = f"{REDACTED} (withheld: the redaction failed)"
-#: The key a cut mapping gets for what was left out.
-CUT_KEY = f"{REDACTED} (cut)"
 #: Characters searched past the part of a text that is kept (see :meth:`Redactor.text`): a secret cut in two
 #: by the cut is still recognised whole when it is shorter than this.
 MARGIN = 8192
@@ -96,8 +97,6 @@ DEFAULT_REDACT_KEYS = (
     "credential",
     "private_key",
 )
-
-Span = tuple[int, int]
 
 
 def _redact_keys(value: Any) -> tuple[str, ...]:
@@ -154,200 +153,6 @@ DECLARED = declare(
 )
 
 
-@dataclass(frozen=True, slots=True, kw_only=True, eq=False)
-class ValuePattern:
-    """A secret recognised by its shape: ``regex`` finds it; the group named ``secret`` (when the regex has
-    one) is the part free text loses, else the whole match; ``accept``, when given, must also say yes to that
-    part (a card number's Luhn check). ``hints``: strings one of which every match holds (``folded``: in lower
-    case), checked first (:meth:`Redactor.text`), so that most texts are never searched by the regex at all.
-    Subclasses with a search of their own override :meth:`spans`."""
-
-    name: str
-    regex: re.Pattern[str]
-    example: str = ""
-    accept: Callable[[str], bool] | None = None
-    hints: tuple[str, ...] = ()
-    folded: bool = False
-
-    def spans(self, text: str) -> Iterator[Span]:
-        """(start, end) of each secret part in ``text`` (empty ones are skipped by the caller)."""
-        secret = "secret" in self.regex.groupindex
-        for match in self.regex.finditer(text):
-            start, end = match.span("secret") if secret else match.span()
-            if self.accept is None or self.accept(text[start:end]):
-                yield start, end
-
-
-_AWS_ID = re.compile(r"(?<![A-Z0-9])(?:AKIA|ASIA)[A-Z0-9]{16}(?![A-Z0-9])")
-_AWS_SECRET = re.compile(r"(?<![A-Za-z0-9/+=])[A-Za-z0-9/+]{40}(?![A-Za-z0-9/+=])")
-#: Characters around an access key id searched for its secret.
-_AWS_NEAR = 200
-
-
-class _AccessKey(ValuePattern):
-    """An AWS access key id, and a 40-character secret within :data:`_AWS_NEAR` characters of one. The windows
-    around the ids are merged first, so every character is searched once however many ids there are."""
-
-    def spans(self, text: str) -> Iterator[Span]:
-        window: list[int] | None = None
-        for match in self.regex.finditer(text):
-            yield match.span()
-            start, end = max(0, match.start() - _AWS_NEAR), match.end() + _AWS_NEAR
-            if window is not None and start <= window[1]:
-                window[1] = end
-                continue
-            if window is not None:
-                yield from self._secrets(text, *window)
-            window = [start, end]
-        if window is not None:
-            yield from self._secrets(text, *window)
-
-    @staticmethod
-    def _secrets(text: str, start: int, end: int) -> Iterator[Span]:
-        for found in _AWS_SECRET.finditer(text, start, min(end, len(text))):
-            yield found.span()
-
-
-_PEM_BEGIN = re.compile(r"-----BEGIN [A-Z0-9 ]{0,40}PRIVATE KEY-----")
-_PEM_END = re.compile(r"-----END [A-Z0-9 ]{0,40}PRIVATE KEY-----")
-#: Characters of a private key block at most (a 16 kbit RSA key is about 12,000).
-_PEM_LONGEST = 16_384
-#: The body of a block whose END line is missing (a cut traceback): base64 lines and their headers.
-_PEM_BODY = re.compile(rf"[A-Za-z0-9+/=\s:,.-]{{0,{_PEM_LONGEST}}}")
-
-
-class _PrivateKey(ValuePattern):
-    """A PEM private key block, BEGIN to END; without its END line (cut short), BEGIN and the base64 after it.
-
-    Linear: the END line is searched for once per stretch of text (not once per BEGIN line), and a BEGIN line
-    inside a block already found is skipped (a megabyte of BEGIN lines is searched once, not a million times)."""
-
-    def spans(self, text: str) -> Iterator[Span]:
-        covered = 0
-        end: re.Match[str] | None = None
-        searched = -1  # END lines were searched for from here on (None found: none after it)
-        for begin in self.regex.finditer(text):
-            if begin.start() < covered:
-                continue
-            if end is None or end.start() < begin.end():
-                if searched >= 0 and end is None and begin.end() >= searched:
-                    found = None  # no END line after an earlier BEGIN: none after this one either
-                else:
-                    found = _PEM_END.search(text, begin.end())
-                    searched = begin.end()
-                end = found
-            if end is not None and end.start() - begin.end() <= _PEM_LONGEST:
-                covered = end.end()
-            else:
-                body = _PEM_BODY.match(text, begin.end())
-                covered = body.end() if body else begin.end()
-            yield begin.start(), covered
-
-
-def _luhn(digits: str) -> bool:
-    total = 0
-    for i, char in enumerate(reversed(digits)):
-        value = int(char) * (2 if i % 2 else 1)
-        total += value - 9 if value > 9 else value
-    return total % 10 == 0
-
-
-def _card(candidate: str) -> bool:
-    digits = re.sub(r"[ -]", "", candidate)
-    return 13 <= len(digits) <= 19 and _luhn(digits)
-
-
-def _credential_like(candidate: str) -> bool:
-    """A word after ``Bearer``/``Basic``/``Token`` that looks like a credential, not English ("a basic example",
-    "token expired"): a digit, a symbol, or upper case after its first letter."""
-    return (
-        any(c.isdigit() or c in "._~+/=-" for c in candidate)
-        or (any(c.isupper() for c in candidate[1:]) and any(c.islower() for c in candidate))
-        or len(candidate) >= 24
-    )
-
-
-_CREDENTIALS = re.compile(
-    r"(?<![A-Za-z0-9_])(?:Bearer|Basic|Token)\s+(?P<secret>[A-Za-z0-9._~+/=-]{6,})", re.IGNORECASE
-)
-
-
-#: The built-in value patterns, in the order of the module docstring's table.
-VALUE_PATTERNS: tuple[ValuePattern, ...] = (
-    ValuePattern(
-        name="url_credentials",
-        # The scheme starts where a word starts (a lookbehind, not a scan from every letter); user and password
-        # stop at what ends a URL's authority. The password is greedy up to the last "@" before the host.
-        regex=re.compile(r"(?<![\w+.-])[A-Za-z][\w+.-]{0,30}://[^\s:/?#@]{0,256}:(?P<secret>[^\s/?#]{1,1024})@"),
-        example="postgresql://app:Sup3rS3cret@db/shop",
-        hints=("://",),
-    ),
-    ValuePattern(
-        name="bearer_credentials",
-        regex=_CREDENTIALS,
-        example="Authorization: Bearer 9f8e7d6c5b4a",
-        accept=_credential_like,
-        hints=("bearer", "basic", "token"),
-        folded=True,
-    ),
-    ValuePattern(
-        name="stripe_key",
-        regex=re.compile(r"(?<![A-Za-z0-9_])(?:(?:sk|rk)_(?:live|test)_[0-9A-Za-z]{10,}|whsec_[0-9A-Za-z+/=]{16,})"),
-        example="sk_live_4eC39HqLyjWDarjtT1zdp7dc",
-        hints=("sk_", "rk_", "whsec_"),
-    ),
-    _AccessKey(
-        name="aws_access_key",
-        regex=_AWS_ID,
-        example="AKIAIOSFODNN7EXAMPLE wJalrXUtnFEMI/K7MDENG/bPxRfiCYEXAMPLEKEY",
-        hints=("AKIA", "ASIA"),
-    ),
-    ValuePattern(
-        name="github_token",
-        regex=re.compile(r"(?<![A-Za-z0-9_])(?:gh[pousr]_[A-Za-z0-9]{30,}|github_pat_[A-Za-z0-9_]{30,})"),
-        example="ghp_16C7e42F292c6912E7710c838347Ae178B4a",
-        hints=("ghp_", "gho_", "ghu_", "ghs_", "ghr_", "github_pat_"),
-    ),
-    ValuePattern(
-        name="slack_token",
-        regex=re.compile(r"(?<![A-Za-z0-9_])xox[abposr]-[A-Za-z0-9-]{10,}"),
-        example="xoxb-2048-1337-AbCdEfGhIjKlMnOp",
-        hints=("xox",),
-    ),
-    ValuePattern(
-        name="google_api_key",
-        regex=re.compile(r"(?<![A-Za-z0-9_-])AIza[0-9A-Za-z_-]{35}(?![0-9A-Za-z_-])"),
-        example="AIzaSyDaGmWKa4JsXZ-HjGw7ISLn_3namBGewQe",
-        hints=("AIza",),
-    ),
-    ValuePattern(
-        name="jwt",
-        # Header and payload are base64url JSON objects (they start "eyJ", '{"'); the signature may be empty.
-        regex=re.compile(r"(?<![A-Za-z0-9_-])eyJ[A-Za-z0-9_-]{5,}\.eyJ[A-Za-z0-9_-]{5,}\.[A-Za-z0-9_-]*"),
-        example="eyJhbGciOiJIUzI1NiJ9.eyJzdWIiOiIxIn0.c2lnbmF0dXJl",
-        hints=("eyJ",),
-    ),
-    _PrivateKey(
-        name="private_key",
-        regex=_PEM_BEGIN,
-        example="-----BEGIN RSA PRIVATE KEY-----\nMIIEow...\n-----END RSA PRIVATE KEY-----",
-        hints=("PRIVATE KEY-----",),
-    ),
-    ValuePattern(
-        name="card_number",
-        regex=re.compile(r"(?<![\d-])(?:\d[ -]?){12,18}\d(?![\d-])"),
-        example="4111 1111 1111 1111",
-        accept=_card,
-        hints=tuple("0123456789"),
-    ),
-)
-
-
-def user_patterns(regexes: Iterable[re.Pattern[str]]) -> tuple[ValuePattern, ...]:
-    """The ``redact_patterns`` option's regular expressions as value patterns (named by their place)."""
-    return tuple(ValuePattern(name=f"redact_patterns[{n}]", regex=r) for n, r in enumerate(regexes))
-
-
 def _fragment(key: str) -> str:
     # "api_key" also matches "Api-Key", "apikey" and "api key": header names and settings spell it every way.
     return "[-_ ]?".join(re.escape(part) for part in re.split(r"[-_ ]+", key.strip()) if part)
@@ -373,16 +178,6 @@ _LISTED = re.compile(
 
 
 @dataclass(frozen=True, slots=True, kw_only=True, eq=False)
-class Walked:
-    """What a walk made of a value: JSON-ready; ``not_json`` when something was kept as its repr, ``cut`` when
-    something was left out (too deep, too many values, too long)."""
-
-    value: Any
-    not_json: bool = False
-    cut: bool = False
-
-
-@dataclass(frozen=True, slots=True, kw_only=True, eq=False)
 class RedactedArguments:
     """A task call's arguments as a record keeps them: redacted and JSON-ready.
 
@@ -398,32 +193,6 @@ class RedactedArguments:
 
     def __iter__(self) -> Iterator[Any]:
         return iter((self.args, self.kwargs, self.as_repr or self.cut))
-
-
-class _Shown(str):
-    """A value that is not JSON, kept as its redacted repr: a string in JSON, its text unquoted in a repr."""
-
-    __slots__ = ()
-
-    def __repr__(self) -> str:
-        return str.__str__(self)
-
-
-_REPR = reprlib.Repr()
-_REPR.maxlevel, _REPR.maxstring, _REPR.maxother = 4, 4096, 4096
-_REPR.maxlist = _REPR.maxtuple = _REPR.maxset = _REPR.maxfrozenset = _REPR.maxdict = _REPR.maxdeque = 100
-
-
-def safe_repr(value: Any) -> str:
-    """``repr(value)``, bounded; never raises (a repr that does is named by the value's type)."""
-    try:
-        return str(_REPR.repr(value))
-    except Exception:
-        try:
-            name = type(value).__qualname__
-        except Exception:
-            name = "object"
-        return f"<{name} object: repr() failed>"
 
 
 def exception_name(exc: BaseException) -> str:
@@ -517,12 +286,12 @@ class Redactor:
     def value(self, value: Any) -> Walked:
         """``value`` as an argument or a header is kept (see the module docstring: strings with a secret are
         replaced whole)."""
-        return _Walk(self, whole=True).walked(value)
+        return Walk(self, whole=True).walked(value)
 
     def shown(self, value: Any) -> Walked:
         """``value`` as it may be shown (an alert, a log record's data, an exception's arguments): strings
         lose their secret parts only."""
-        return _Walk(self, whole=False).walked(value)
+        return Walk(self, whole=False).walked(value)
 
     def arguments(self, run: Any, args: Any, kwargs: Any) -> RedactedArguments:
         """A task call's arguments as a record keeps them (positional ones matched by parameter name too)."""
@@ -547,7 +316,7 @@ class Redactor:
         )
         args = [] if args is None else args if isinstance(args, list | tuple) else [args]
         kwargs = {} if kwargs is None else kwargs if isinstance(kwargs, Mapping) else {"kwargs": kwargs}
-        walk = _Walk(self, whole=True)
+        walk = Walk(self, whole=True)
         clean_args: list[Any] = []
         for index, arg in enumerate(args):
             if walk.exhausted():
@@ -582,132 +351,6 @@ def _replaced(text: str, spans: list[Span]) -> str:
         start, end = next_start, next_end
     parts.append(text[position:])
     return "".join(parts)
-
-
-class _Walk:
-    """One bounded, iterative walk (no recursion: a value nested 5,000 levels deep is cut at MAX_DEPTH)."""
-
-    def __init__(self, redactor: Redactor, *, whole: bool) -> None:
-        self.redactor = redactor
-        self.whole = whole
-        self.values = 0
-        self.characters = 0
-        self.not_json = False
-        self.cut = False
-
-    def exhausted(self) -> bool:
-        return self.values >= MAX_VALUES
-
-    def walked(self, value: Any) -> Walked:
-        """The walk of ``value``: its copy and what the walk met so far."""
-        copy = self.copy(value)
-        return Walked(value=copy, not_json=self.not_json, cut=self.cut)
-
-    def copy(self, value: Any) -> Any:
-        """The walked copy of ``value`` (its limits shared with the other values of this walk)."""
-        box: list[Any] = [None]
-        # Work: (value, depth, container, slot); the result of ``value`` goes to container[slot].
-        work: list[tuple[Any, int, Any, Any]] = [(value, 0, box, 0)]
-        while work:
-            item, depth, container, slot = work.pop()
-            try:
-                container[slot] = self._visit(item, depth, work)
-            except Exception:  # a mapping whose items() raises, a __len__ that lies: that value only is lost
-                self.cut = True
-                container[slot] = CUT_UNREADABLE
-        return box[0]
-
-    def _visit(self, value: Any, depth: int, work: list[tuple[Any, int, Any, Any]]) -> Any:
-        self.values += 1
-        if self.values > MAX_VALUES:
-            self.cut = True
-            return CUT_MANY
-        if value is None or isinstance(value, bool):
-            return value
-        if isinstance(value, str):
-            return self._string(value)
-        if isinstance(value, int):
-            if value.bit_length() > 10_000:  # Python refuses to print an int of more than 4,300 digits
-                self.not_json = True
-                return _Shown(f"<int of {value.bit_length()} bits>")
-            return int(value)
-        if isinstance(value, float):
-            if math.isfinite(value):
-                return float(value)
-            self.not_json = True  # NaN and infinity are not JSON (PostgreSQL refuses them in jsonb)
-            return _Shown(repr(float(value)))
-        if isinstance(value, Mapping | list | tuple):
-            if depth >= MAX_DEPTH:
-                self.cut = True
-                return CUT_DEEP
-            if isinstance(value, Mapping):
-                return self._mapping(value, depth, work)
-            return self._sequence(value, depth, work)
-        self.not_json = True
-        shown = safe_repr(value)
-        self.characters += len(shown)
-        return _Shown(self.redactor.text(shown) if self.characters <= MAX_CHARACTERS else CUT_LONG)
-
-    def _string(self, value: str) -> Any:
-        text = str.__str__(value)
-        self.characters += len(text)
-        if self.characters > MAX_CHARACTERS:
-            self.cut = True
-            return CUT_LONG
-        if self.whole:
-            return REDACTED if self.redactor.changes(text) else text
-        return self.redactor.text(text)
-
-    def _mapping(self, value: Mapping[Any, Any], depth: int, work: list[tuple[Any, int, Any, Any]]) -> Any:
-        out: dict[Any, Any] = {}
-        room = MAX_VALUES - self.values
-        for key, item in itertools.islice(value.items(), room + 1):
-            if len(out) >= room:
-                self.cut = True
-                out[CUT_KEY] = CUT_MANY
-                break
-            name = self._key(key, out)
-            if isinstance(key, str) and self.redactor.matcher.search(key):
-                out[name] = REDACTED
-            else:
-                out[name] = None
-                work.append((item, depth + 1, out, name))
-        return out
-
-    def _key(self, key: Any, taken: Mapping[Any, Any]) -> Any:
-        if isinstance(key, str):
-            self.characters += len(key)
-            if self.characters > MAX_CHARACTERS:
-                self.cut = True
-                name: Any = CUT_LONG
-            else:
-                name = self.redactor.text(str.__str__(key))
-        elif key is None or isinstance(key, bool | int) or (isinstance(key, float) and math.isfinite(key)):
-            return key if not isinstance(key, int) or key.bit_length() <= 10_000 else _Shown("<int key>")
-        else:  # JSON keys are strings: a tuple, an object, NaN as a key is kept as its repr
-            self.not_json = True
-            name = _Shown(self.redactor.text(safe_repr(key)))
-        number = 1
-        unique = name
-        while unique in taken:  # two keys that redact alike must not overwrite each other
-            number += 1
-            unique = type(name)(f"{name} #{number}")
-        return unique
-
-    def _sequence(self, value: list[Any] | tuple[Any, ...], depth: int, work: list[tuple[Any, int, Any, Any]]) -> Any:
-        room = MAX_VALUES - self.values
-        items = list(itertools.islice(value, room + 1))
-        out: list[Any] = [None] * min(len(items), room)
-        if len(items) > room:
-            self.cut = True
-            out.append(CUT_MANY)
-        pair = len(value) == 2 and isinstance(items[0], str) and bool(self.redactor.matcher.search(items[0]))
-        for index in range(len(out) - (1 if len(items) > room else 0)):
-            if pair and index == 1:  # ("Authorization", "Bearer ..."): a header given as a pair
-                out[index] = REDACTED
-            else:
-                work.append((items[index], depth + 1, out, index))
-        return out
 
 
 @functools.lru_cache(maxsize=64)
@@ -766,3 +409,37 @@ def redact_arguments(
 ) -> RedactedArguments:
     """Redacted, JSON-ready arguments of a task call (unpacks as ``args, kwargs, not_whole``)."""
     return redactor(tuple(keys), tuple(patterns)).arguments(run, args, kwargs)
+
+
+# The names other modules read from here (their code is in the modules named in the docstring).
+__all__ = [
+    "CUT_DEEP",
+    "CUT_KEY",
+    "CUT_LONG",
+    "CUT_MANY",
+    "CUT_UNREADABLE",
+    "DEFAULT",
+    "DEFAULT_REDACT_KEYS",
+    "MARGIN",
+    "MAX_CHARACTERS",
+    "MAX_DEPTH",
+    "MAX_VALUES",
+    "REDACTED",
+    "VALUE_PATTERNS",
+    "WITHHELD",
+    "RedactedArguments",
+    "Redactor",
+    "ValuePattern",
+    "Walked",
+    "exception_name",
+    "exception_text",
+    "for_app",
+    "for_task",
+    "redact",
+    "redact_arguments",
+    "redact_text",
+    "redacted_error",
+    "redactor",
+    "safe_repr",
+    "user_patterns",
+]

@@ -467,7 +467,7 @@ def startup_lines(app: Celery) -> list[str]:
     from celery_guardrails.scheduling.beat import configured_entries
 
     caught = Caught()
-    names = ("runtime.install", "scheduling.beat", "broker.lease")
+    names = ("runtime.install", "scheduling.beat", "scheduling.entries", "broker.lease")
     loggers = [logging.getLogger(f"celery_guardrails.{name}") for name in names]
     levels = [logger.level for logger in loggers]
     for logger in loggers:

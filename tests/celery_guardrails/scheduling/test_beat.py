@@ -304,7 +304,7 @@ def test_a_crontab_entry_without_a_timezone_is_named_in_a_warning(caplog: pytest
     }
     # When the entries are read (beat and worker start-up); the level is stated here rather than left to what
     # earlier tests did to logging (this assertion saw no record once, in a run after other tests)
-    with caplog.at_level(logging.WARNING, logger="celery_guardrails.scheduling.beat"):
+    with caplog.at_level(logging.WARNING, logger="celery_guardrails.scheduling.entries"):
         entries = build_entries(app, raw)
     # Then the crontab without a zone is read in the app's zone, with a warning that names it; the entry
     # with a zone and the interval entry are not warned about
