@@ -420,15 +420,12 @@ class Idempotency(Guardrail):
             try:
                 key = render_key(task, spec, args, kwargs)
             except IdempotencyKeyError as exc:
-                pending = fail_finally(
+                fail_finally(
                     task,
                     exc,
                     reason=BAD_IDEMPOTENCY_KEY,
                     history=[attempt_record(task, kind="permanent", rule="idempotency_key", exc=exc)],
                 )
-                if pending is not None:
-                    raise pending from exc
-                raise
         scoped = scoped_key(task.name, current_tenant(), key)
         delivery(task).key = scoped  # the body reads an opaque key made from it (celery_guardrails.runtime.effects)
         store = get_store(task.app)
@@ -467,7 +464,7 @@ class Idempotency(Guardrail):
         wait = RetryLater(f"idempotency key {scoped} is held by another delivery ({claim.owner})")
         soon = resolve(task, "retry_later_delay", call) * 2 ** min(headers.counter(header, headers.BUSY), 16)
         delay = max(0.1, min(soon, claim.lease_until - now + 0.5))
-        raise retry_later(task, wait, delay=delay, rule="idempotency:busy", counter=headers.BUSY) or wait
+        retry_later(task, wait, delay=delay, rule="idempotency:busy", counter=headers.BUSY)
 
     def body_context(self, task: GuardedTask) -> AbstractContextManager[Any] | None:
         claim = delivery(task).claim

@@ -87,11 +87,11 @@ from celery_guardrails.operations import alerts
 from celery_guardrails.options import resolve
 from celery_guardrails.runtime import dead_letters, headers
 from celery_guardrails.runtime.delivery import delivery
+from celery_guardrails.runtime.final_failure import FinalFailure
 from celery_guardrails.runtime.outcomes import (
     MALFORMED_MESSAGE,
     ORDERING_GAP,
     ORDERING_GAP_SKIPPED,
-    FinalFailure,
     attempt_record,
     fail_finally,
     owner_of,
@@ -238,15 +238,12 @@ class Ordering(Guardrail):
         if alert and store.order_alert(scoped, since=since, now=now, retention=retention):
             alerts.ordering_wait(task, key=scoped, waiting_for=done + 1, lowest=found_state.waiting, since=since)
         wait = RetryLater(f"ordering key {scoped}: sequence {sequence} waits for {done + 1}")
-        raise (
-            retry_later(
-                task,
-                wait,
-                delay=self._wait(task, call, sequence - done - 1, waited),
-                rule="ordering:wait",
-                counter=headers.ORDERING_WAITS,
-            )
-            or wait
+        retry_later(
+            task,
+            wait,
+            delay=self._wait(task, call, sequence - done - 1, waited),
+            rule="ordering:wait",
+            counter=headers.ORDERING_WAITS,
         )
 
     @staticmethod
@@ -296,8 +293,7 @@ class Ordering(Guardrail):
         """Dead-letter the message (its turn does not move the key); raise what fails the task."""
         delivery(task).ordering = None
         record = attempt_record(task, kind="permanent", rule="ordering", exc=error)
-        pending = fail_finally(task, error, reason=reason, history=[*task.request.attempt_history, record])
-        raise pending or error
+        fail_finally(task, error, reason=reason, history=[*task.request.attempt_history, record])
 
     def _advance(self, task: GuardedTask) -> None:
         """This delivery's turn is over: move its key on (compare and set: only from ``seq - 1``)."""

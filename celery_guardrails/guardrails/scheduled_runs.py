@@ -109,7 +109,7 @@ class ScheduledRuns(Guardrail):
         delay = max(0.5, min(until - time.time() + 0.5, resolve(task, "retry_later_delay", task.call_options())))
         # A wait behind a live run slot, like one behind a held key: bounded by that run's lease, not by
         # retry_later_max.
-        raise retry_later(task, wait, delay=delay, rule="schedule:overlap", counter=headers.BUSY) or wait
+        retry_later(task, wait, delay=delay, rule="schedule:overlap", counter=headers.BUSY)
 
     def body_context(self, task: GuardedTask) -> AbstractContextManager[Any] | None:
         state = delivery(task)

@@ -21,16 +21,14 @@ from __future__ import annotations
 import json
 import logging
 from datetime import UTC, datetime
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 from celery_guardrails.exceptions import StoreError, StoreUnavailableError
 from celery_guardrails.foundation.redaction import DEFAULT, exception_name, exception_text, for_task, safe_repr
 from celery_guardrails.foundation.sealing import sealer_for
 from celery_guardrails.options import app_value
+from celery_guardrails.runtime.final_failure import FinalFailure
 from celery_guardrails.stores import django_apps_installed, store_url
-
-if TYPE_CHECKING:
-    from celery_guardrails.runtime.outcomes import FinalFailure
 
 logger = logging.getLogger(__name__)
 
