@@ -21,7 +21,8 @@ task hook, and what ``GuardedTask`` makes of them.
   (not for a chord's part or a task with errbacks: Celery's handling of the kill still runs and would report
   the failure to them). Where no sink can record the dead letter, the message is published again carrying it
   (as any final failure is) and the result says RETRY until it is recorded; where even that fails, the message
-  is given back to the broker unacked.
+  is given back to the broker unacked. Celery's own report of the kill (the request's ``on_failure``, which
+  billiard calls before ``on_timeout``, and which would store FAILURE and ack at once) waits for that decision.
   The claim the killed process held is taken over at once by the next delivery on this host (its process is
   gone), and a breaker probe it held is given up after ``circuit_probe_timeout``.
 
@@ -45,6 +46,7 @@ import time
 from datetime import datetime
 from typing import Any, NoReturn
 
+from billiard.einfo import ExceptionWithTraceback
 from celery.exceptions import InvalidTaskError, Reject, Retry, TaskRevokedError, TimeLimitExceeded
 from celery.worker import state
 from celery.worker.request import Request
@@ -84,6 +86,19 @@ class GuardedRequest(Request):  # type: ignore[misc]
         hand_over = cls.__dict__.get("execute_using_pool")
         if hand_over is not None and not getattr(hand_over, "guarded", False):
             cls.execute_using_pool = _guarded_hand_over(hand_over)
+
+    def on_failure(self, exc_info: Any, send_failed_event: bool = True, return_ok: bool = False) -> None:
+        exc = getattr(exc_info, "exception", None)
+        if isinstance(exc, ExceptionWithTraceback):
+            exc = exc.exc
+        if isinstance(exc, TimeLimitExceeded) and not return_ok and not state.should_terminate:
+            # The pool's report of a hard time limit: billiard calls this error callback first, then on_timeout
+            # (TimeoutHandler.on_hard_timeout: job._set, then job.handle_timeout). Here Celery would store FAILURE
+            # and ack the message before on_timeout hands the failure over: a pending dead letter would read
+            # FAILURE with nothing recorded, and a message to give back would be acked away already. on_timeout
+            # stores and acks (or gives the message back) once the guardrails have decided.
+            return
+        super().on_failure(exc_info, send_failed_event=send_failed_event, return_ok=return_ok)
 
     def on_timeout(self, soft: bool, timeout: float) -> None:
         retried = False
