@@ -86,7 +86,7 @@ from celery_guardrails.guardrails.retries import retry_later
 from celery_guardrails.operations import alerts
 from celery_guardrails.options import resolve
 from celery_guardrails.runtime import dead_letters, headers
-from celery_guardrails.runtime.delivery import delivery
+from celery_guardrails.runtime.delivery import OrderingTurn, delivery
 from celery_guardrails.runtime.final_failure import FinalFailure
 from celery_guardrails.runtime.outcomes import (
     MALFORMED_MESSAGE,
@@ -202,7 +202,7 @@ class Ordering(Guardrail):
             )
             signals.stale_skipped.send(sender=task, task_id=request.id, key=scoped, sequence=sequence, done=done)
             raise SkipBody(None)
-        state.ordering = (scoped, sequence)
+        state.ordering = OrderingTurn(key=scoped, sequence=sequence)
         if sequence == done + 1:
             return
         since = found_state.gap_since or now  # (set by the check: never 0 here)
@@ -307,11 +307,11 @@ class Ordering(Guardrail):
             except ValueError:
                 found = None
             if found is not None:
-                turn = (scoped_key(task.name, current_tenant(), found[0]), found[1])
+                turn = OrderingTurn(key=scoped_key(task.name, current_tenant(), found[0]), sequence=found[1])
         state.ordering = None
         if turn is None:
             return
-        key, sequence = turn
+        key, sequence = turn.key, turn.sequence
         retention = resolve(task, "ordering_retention", task.call_options())
         store = get_store(task.app)
         for pause in (*ADVANCE_PAUSES, None):
