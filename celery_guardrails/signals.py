@@ -25,7 +25,7 @@ retry_deferred
 
 final_failure
     A message will not be tried again. Argument: ``failure``, a
-    :class:`~celery_guardrails.runtime.outcomes.FinalFailure` with the reason and the whole attempt history.
+    :class:`~celery_guardrails.runtime.final_failure.FinalFailure` with the reason and the whole attempt history.
 
 dead_lettered
     A final failure was recorded as a new dead letter (sent once per message, after the record is durable).

@@ -69,7 +69,7 @@ from celery_guardrails.runtime.outbox import RelayPublisher
 from .models import OutboxMessage
 
 if TYPE_CHECKING:
-    from celery_guardrails.runtime.outcomes import FinalFailure
+    from celery_guardrails.runtime.final_failure import FinalFailure
 
 logger = logging.getLogger(__name__)
 
@@ -315,13 +315,8 @@ class Unregistered:
 def _failure(task: Any, row: OutboxMessage, exc: Exception, *, moment: datetime) -> FinalFailure:
     from celery_guardrails.foundation.redaction import exception_name, exception_text
     from celery_guardrails.runtime.dead_letters import TRACEBACK_LIMIT
-    from celery_guardrails.runtime.outcomes import (
-        UNPUBLISHABLE,
-        FinalFailure,
-        formatted_traceback,
-        kept_text,
-        owner_of,
-    )
+    from celery_guardrails.runtime.final_failure import FinalFailure
+    from celery_guardrails.runtime.outcomes import UNPUBLISHABLE, formatted_traceback, kept_text, owner_of
 
     try:
         args, kwargs = _arguments(row)

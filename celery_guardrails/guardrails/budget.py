@@ -19,7 +19,7 @@ import logging
 import math
 import random
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from celery_guardrails import signals
 from celery_guardrails.exceptions import BudgetExhaustedError
@@ -170,14 +170,16 @@ class RetryBudget(Guardrail):
                 sender=task, dependency=dependency, window_end=admission.retry_at, status=status
             )
         if not admission.allowed:
-            raise self._refuse(task, dependency, admission, policy, now, call)  # nothing ran: no outcome
+            self._refuse(task, dependency, admission, policy, now, call)  # nothing ran: no outcome
         state = delivery(task)
         state.dependency, state.admitted = dependency, now  # the instant the store counted this run
         state.probe = admission.probe
 
     def _refuse(
         self, task: GuardedTask, dependency: str, admission: Admission, policy: BudgetPolicy, now: float, call: Any
-    ) -> BaseException:
+    ) -> NoReturn:
+        """Defer the run (raises Celery's Retry), or, past ``retry_budget_max_deferrals`` (or with the ``fail``
+        policy), end it as a final failure (raises: see :func:`fail_finally`)."""
         request = task.request
         header = headers.from_request(request)
         deferred = headers.counter(header, headers.DEFERRED) + 1
@@ -189,8 +191,7 @@ class RetryBudget(Guardrail):
         )
         if give_up:
             record = attempt_record(task, kind=kind, rule=reason, exc=error)
-            pending = fail_finally(task, error, reason=reason, history=[*request.attempt_history, record])
-            return pending or error
+            fail_finally(task, error, reason=reason, history=[*request.attempt_history, record])
         wait = max(0.0, admission.retry_at - now)
         jitter = random.random() * 0.1 * (policy.window if admission.reason == "budget" else policy.open_seconds)
         # Never longer than backoff_max (kept below the broker's visibility timeout: see the start-up warning);
@@ -209,7 +210,7 @@ class RetryBudget(Guardrail):
         signals.retry_deferred.send(
             sender=task, task_id=request.id, dependency=dependency, reason=admission.reason, delay=delay
         )
-        return republish(task, countdown=delay, header=headers.with_record(header, record, deferred=deferred))
+        republish(task, countdown=delay, header=headers.with_record(header, record, deferred=deferred))
 
     def _record(self, task: GuardedTask, outcome: str) -> None:
         state = delivery(task)

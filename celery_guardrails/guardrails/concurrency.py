@@ -57,7 +57,7 @@ import random
 import time
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from celery_guardrails import signals
 from celery_guardrails.exceptions import (
@@ -310,7 +310,7 @@ class ConcurrencyLimit(Guardrail):
             wanted = wanted_slots(task, call, args, kwargs, current_tenant())
         except ConcurrencyKeyError as exc:  # published without the extension, or the task changed since
             record = attempt_record(task, kind="permanent", rule="concurrency_key", exc=exc)
-            raise fail_finally(task, exc, reason=PERMANENT, history=[*request.attempt_history, record]) or exc from exc
+            fail_finally(task, exc, reason=PERMANENT, history=[*request.attempt_history, record])
         if not wanted:
             return
         store = get_store(task.app)
@@ -332,14 +332,15 @@ class ConcurrencyLimit(Guardrail):
             report_reaped(task, answer.reaped)
             if not answer.acquired:
                 self._release(task)  # a slot taken before this one: not held while waiting
-                raise self._wait(task, key, limit, answer.retry_at)
+                self._wait(task, key, limit, answer.retry_at)
             grant = Grant(key=key, holder=holder, reap_after=reap_after, confirmed=started)
             state.concurrency.append(grant)
             state.holds.append(Hold(holder, functools.partial(_let_go, store, state, grant)))
             beat = functools.partial(_beat, store, grant)
             HEARTBEATS.add(store, key, holder, lease=reap_after, beat=beat, every=beat_interval(reap_after))
 
-    def _wait(self, task: GuardedTask, key: str, limit: int, retry_at: float) -> BaseException:
+    def _wait(self, task: GuardedTask, key: str, limit: int, retry_at: float) -> NoReturn:
+        """Come back when a slot may be free (raises Celery's Retry: see :func:`retry_later`)."""
         call = task.call_options()
         header = headers.from_request(task.request)
         waits = headers.counter(header, headers.SLOT_WAIT)
@@ -349,7 +350,7 @@ class ConcurrencyLimit(Guardrail):
             soon = min(soon, max(0.1, retry_at - time.time() + 0.1))
         delay = max(0.05, soon * (0.5 + random.random() / 2))  # spread: the waiters of one key do not come back at once
         counter = headers.SLOT_WAIT if waits < resolve(task, "concurrency_max_waits", call) else headers.LATER
-        return retry_later(task, wait, delay=delay, rule="concurrency:full", counter=counter) or wait
+        retry_later(task, wait, delay=delay, rule="concurrency:full", counter=counter)
 
     def body_context(self, task: GuardedTask) -> AbstractContextManager[Any] | None:
         if not delivery(task).concurrency:

@@ -439,5 +439,4 @@ class PayloadContract(Guardrail):
         record = attempt_record(task, kind="permanent", rule="payload_contract", exc=error)
         # Before Retries read the history onto the request: from the header.
         earlier = headers.history(headers.from_request(task.request))
-        pending = fail_finally(task, error, reason=reason, history=[*earlier, record])
-        raise pending or error
+        fail_finally(task, error, reason=reason, history=[*earlier, record])

@@ -44,6 +44,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
+from dataclasses import dataclass, replace
 from string import Formatter
 from typing import TYPE_CHECKING, Any
 
@@ -56,7 +57,7 @@ from celery_guardrails.foundation.redaction import redacted_error
 from celery_guardrails.guardrails.retries import retry_later
 from celery_guardrails.options import APP, CALL, TASK, Option, checks, declare, resolve
 from celery_guardrails.runtime import headers
-from celery_guardrails.runtime.delivery import Hold, delivery
+from celery_guardrails.runtime.delivery import Completion, HeldKey, Hold, delivery
 from celery_guardrails.runtime.outcomes import BAD_IDEMPOTENCY_KEY, attempt_record, fail_finally
 from celery_guardrails.runtime.pipeline import Guardrail, Publication, SkipBody, SkipPublish
 from celery_guardrails.scheduling.ledger import period_key
@@ -227,6 +228,21 @@ def delivery_owner(request: Any) -> str:
 Beat = Callable[[float], bool]
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Renewal:
+    """What the heartbeat thread renews for one (key, owner), and when next."""
+
+    store: Store
+    #: Seconds the lease runs from each renewal.
+    lease: float
+    #: Seconds between two beats.
+    interval: float
+    #: Monotonic time of the next beat.
+    due: float
+    #: The beat of a hold that is not a claim (None: the claim's own renewal, ``store.extend``).
+    beat: Beat | None = None
+
+
 class Heartbeats:
     """One thread per worker process renews the leases of every claim running in it (and beats for the other
     holds of its deliveries: concurrency slots, see :mod:`celery_guardrails.guardrails.concurrency`).
@@ -238,8 +254,7 @@ class Heartbeats:
 
     def __init__(self) -> None:
         self.lock = threading.Condition()
-        # (key, owner) -> store, lease, interval, due, beat (None: the claim's own, ``store.extend``)
-        self.claims: dict[tuple[str, str], tuple[Store, float, float, float, Beat | None]] = {}
+        self.claims: dict[tuple[str, str], Renewal] = {}
         self.pid = 0
         self.wakes_at = 0.0  # monotonic time the thread wakes up next (0: it is not waiting)
         self.idle = 60.0  # how long the thread sleeps holding no claim: the shortest beat interval seen
@@ -260,7 +275,7 @@ class Heartbeats:
         with self.lock:
             self._ensure_thread()
             due = time.monotonic() + interval
-            self.claims[(key, owner)] = (store, lease, interval, due, beat)
+            self.claims[(key, owner)] = Renewal(store=store, lease=lease, interval=interval, due=due, beat=beat)
             # Wake the thread only when this beat is due before it would wake anyway. Holding no claim, it
             # sleeps the shortest beat interval seen, so with one lease for all tasks a new claim never wakes
             # it: a thread switch per task cost a solo worker more than its guardrails' Python.
@@ -280,21 +295,22 @@ class Heartbeats:
         while True:
             with self.lock:
                 now = time.monotonic()
-                due = [(k, v) for k, v in self.claims.items() if v[3] <= now]
-                for (key, owner), (store, lease, interval, _, beat) in due:
-                    self.claims[(key, owner)] = (store, lease, interval, now + interval, beat)
-                upcoming = min((v[3] for v in self.claims.values()), default=now + self.idle)
+                due = [(k, v) for k, v in self.claims.items() if v.due <= now]
+                for pair, renewal in due:
+                    self.claims[pair] = replace(renewal, due=now + renewal.interval)
+                upcoming = min((v.due for v in self.claims.values()), default=now + self.idle)
                 if not due:
                     self.wakes_at = upcoming
                     self.lock.wait(max(0.01, upcoming - now))
                     self.wakes_at = 0.0
                     continue
-            for (key, owner), (store, lease, _, _, beat) in due:
+            for (key, owner), renewal in due:
+                beat = renewal.beat
                 try:
                     if beat is not None:
                         held = beat(time.time())
                     else:
-                        held = store.extend(key, owner=owner, now=time.time(), lease=lease)
+                        held = renewal.store.extend(key, owner=owner, now=time.time(), lease=renewal.lease)
                     if not held and self.holds(key, owner):
                         # (Not when the task finished meanwhile: a completed key has no lease to renew.)
                         logger.warning("%s %s: lease lost by %s", "Hold" if beat else "Idempotency key", key, owner)
@@ -302,7 +318,7 @@ class Heartbeats:
                 except Exception:  # a heartbeat must never take the worker down; the lease may lapse
                     logger.exception("%s %s: heartbeat failed", "Hold" if beat else "Idempotency key", key)
             # Beats are rare (a third of a lease): do not keep a database connection open between them.
-            stores = {id(store): store for _, (store, *_) in due}
+            stores = {id(renewal.store): renewal.store for _, renewal in due}
             for store in stores.values():
                 close = getattr(store, "close_thread", None)
                 if close is not None:
@@ -471,15 +487,12 @@ class Idempotency(Guardrail):
             try:
                 key = render_key(task, spec, args, kwargs)
             except IdempotencyKeyError as exc:
-                pending = fail_finally(
+                fail_finally(
                     task,
                     exc,
                     reason=BAD_IDEMPOTENCY_KEY,
                     history=[attempt_record(task, kind="permanent", rule="idempotency_key", exc=exc)],
                 )
-                if pending is not None:
-                    raise pending from exc
-                raise
         scoped = scoped_key(task.name, current_tenant(), key)
         delivery(task).key = scoped  # the body reads an opaque key made from it (celery_guardrails.runtime.effects)
         store = get_store(task.app)
@@ -496,7 +509,7 @@ class Idempotency(Guardrail):
                     "that is over (it gave up, or its process is gone)" if gone else "whose lease ran out",
                 )
             state = delivery(task)
-            state.claim = (scoped, owner)
+            state.claim = HeldKey(key=scoped, owner=owner)
             state.holds.append(Hold(owner, lambda: store.release(scoped, owner=owner)))
             return
         if claim.state in (COMPLETED, FAILED):
@@ -518,13 +531,13 @@ class Idempotency(Guardrail):
         wait = RetryLater(f"idempotency key {scoped} is held by another delivery ({claim.owner})")
         soon = resolve(task, "retry_later_delay", call) * 2 ** min(headers.counter(header, headers.BUSY), 16)
         delay = max(0.1, min(soon, claim.lease_until - now + 0.5))
-        raise retry_later(task, wait, delay=delay, rule="idempotency:busy", counter=headers.BUSY) or wait
+        retry_later(task, wait, delay=delay, rule="idempotency:busy", counter=headers.BUSY)
 
     def body_context(self, task: GuardedTask) -> AbstractContextManager[Any] | None:
         claim = delivery(task).claim
         if claim is None:
             return None
-        return self._claimed(task, *claim)
+        return self._claimed(task, claim.key, claim.owner)
 
     @contextmanager
     def _claimed(self, task: GuardedTask, key: str, owner: str) -> Iterator[None]:
@@ -544,7 +557,7 @@ class Idempotency(Guardrail):
                 wait = store.begin_complete(key, owner=owner, now=time.time(), summary=summary, retention=retention)
             except StoreError as exc:
                 wait = functools.partial(_raise, exc)
-            state.completion = (key, wait)
+            state.completion = Completion(key=key, answer=wait)
             state.forget(owner)  # the key is being completed: a later re-publish must not release it
             return
         with heartbeat(store, key, owner, lease=lease):
@@ -584,15 +597,14 @@ class Idempotency(Guardrail):
         if pending is None:
             return False
         state.completion = None
-        key, wait = pending
-        owner = state.claim[1] if state.claim else ""
+        owner = state.claim.owner if state.claim else ""
         state.claim = None
         try:
-            done: bool | None = wait()
+            done: bool | None = pending.answer()
         except StoreError as exc:
-            done = self._complete_when_back(task, key, owner, exc)
+            done = self._complete_when_back(task, pending.key, owner, exc)
         if done is False:
-            _taken_over(task, key)
+            _taken_over(task, pending.key)
         return True
 
     def _complete_when_back(self, task: GuardedTask, key: str, owner: str, error: StoreError) -> bool | None:
@@ -644,7 +656,7 @@ class Idempotency(Guardrail):
         state = delivery(task)
         claim, state.claim = state.claim, None
         if claim is not None:
-            key, owner = claim
+            key, owner = claim.key, claim.owner
             state.forget(owner)
             get_store(task.app).fail(
                 key,

@@ -86,12 +86,12 @@ from celery_guardrails.guardrails.retries import retry_later
 from celery_guardrails.operations import alerts
 from celery_guardrails.options import APP, CALL, TASK, Option, checks, declare, resolve
 from celery_guardrails.runtime import dead_letters, headers
-from celery_guardrails.runtime.delivery import delivery
+from celery_guardrails.runtime.delivery import OrderingTurn, delivery
+from celery_guardrails.runtime.final_failure import FinalFailure
 from celery_guardrails.runtime.outcomes import (
     MALFORMED_MESSAGE,
     ORDERING_GAP,
     ORDERING_GAP_SKIPPED,
-    FinalFailure,
     attempt_record,
     fail_finally,
     owner_of,
@@ -251,7 +251,7 @@ class Ordering(Guardrail):
             )
             signals.stale_skipped.send(sender=task, task_id=request.id, key=scoped, sequence=sequence, done=done)
             raise SkipBody(None)
-        state.ordering = (scoped, sequence)
+        state.ordering = OrderingTurn(key=scoped, sequence=sequence)
         if sequence == done + 1:
             return
         since = found_state.gap_since or now  # (set by the check: never 0 here)
@@ -287,15 +287,12 @@ class Ordering(Guardrail):
         if alert and store.order_alert(scoped, since=since, now=now, retention=retention):
             alerts.ordering_wait(task, key=scoped, waiting_for=done + 1, lowest=found_state.waiting, since=since)
         wait = RetryLater(f"ordering key {scoped}: sequence {sequence} waits for {done + 1}")
-        raise (
-            retry_later(
-                task,
-                wait,
-                delay=self._wait(task, call, sequence - done - 1, waited),
-                rule="ordering:wait",
-                counter=headers.ORDERING_WAITS,
-            )
-            or wait
+        retry_later(
+            task,
+            wait,
+            delay=self._wait(task, call, sequence - done - 1, waited),
+            rule="ordering:wait",
+            counter=headers.ORDERING_WAITS,
         )
 
     @staticmethod
@@ -345,8 +342,7 @@ class Ordering(Guardrail):
         """Dead-letter the message (its turn does not move the key); raise what fails the task."""
         delivery(task).ordering = None
         record = attempt_record(task, kind="permanent", rule="ordering", exc=error)
-        pending = fail_finally(task, error, reason=reason, history=[*task.request.attempt_history, record])
-        raise pending or error
+        fail_finally(task, error, reason=reason, history=[*task.request.attempt_history, record])
 
     def _advance(self, task: GuardedTask) -> None:
         """This delivery's turn is over: move its key on (compare and set: only from ``seq - 1``)."""
@@ -360,11 +356,11 @@ class Ordering(Guardrail):
             except ValueError:
                 found = None
             if found is not None:
-                turn = (scoped_key(task.name, current_tenant(), found[0]), found[1])
+                turn = OrderingTurn(key=scoped_key(task.name, current_tenant(), found[0]), sequence=found[1])
         state.ordering = None
         if turn is None:
             return
-        key, sequence = turn
+        key, sequence = turn.key, turn.sequence
         retention = resolve(task, "ordering_retention", task.call_options())
         store = get_store(task.app)
         for pause in (*ADVANCE_PAUSES, None):

@@ -33,11 +33,11 @@ from celery_guardrails.foundation.context import current_correlation_id, validat
 from celery_guardrails.foundation.redaction import for_task
 from celery_guardrails.runtime import headers
 from celery_guardrails.runtime.dead_letters import TRACEBACK_LIMIT, storable
+from celery_guardrails.runtime.final_failure import FinalFailure
 from celery_guardrails.runtime.outcomes import (
     MALFORMED_MESSAGE,
     PENDING_DEAD_LETTER,
     REASONS,
-    FinalFailure,
     hand_over,
     owner_of,
     timestamp,
@@ -62,8 +62,7 @@ class PendingDeadLetters(Guardrail):
             return
         failure = pending_failure(task, header[PENDING_DEAD_LETTER], header, args, kwargs)
         error = DeadLetteredError(failure.reason, failure.exc_type, failure.exc_message)
-        again = hand_over(task, failure, error)
-        raise again or error
+        hand_over(task, failure, error)  # raises error once recorded (else the Retry or Reject that ends it)
 
 
 def pending_failure(

@@ -84,15 +84,18 @@ class PoisonMessages(Guardrail):
             state.counted = False
             error = PoisonMessageError(task.name, request.id, starts)
             record = attempt_record(task, kind="permanent", rule="max_deliveries", exc=error)
-            pending = fail_finally(task, error, reason=POISON, history=[record])
-            if pending is None:  # recorded: the key its dead deliveries left claimed is failed, not left held
+            try:
+                fail_finally(task, error, reason=POISON, history=[record])
+            except PoisonMessageError:
+                # fail_finally raises the error itself once the dead letter is recorded (a Retry or a Reject
+                # otherwise): the key its dead deliveries left claimed is failed, not left held
                 try:
                     fail_abandoned(task, args, kwargs, reason=f"{POISON}: {error}")
                 except StoreError as exc:  # the record stands; the claim's lease runs out on its own
                     logger.warning(
                         "Task %s[%s]: key of a poison message not marked failed: %s", task.name, request.id, exc
                     )
-            raise pending or error
+                raise
 
     def on_publish(self, task: GuardedTask, publication: Publication) -> None:
         # Only a re-publish of the running delivery (a retry, a wait) carries or drops the broker's count.

@@ -28,7 +28,7 @@ import logging
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager
 from datetime import datetime
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from celery.exceptions import MaxRetriesExceededError, Retry
 
@@ -170,16 +170,18 @@ class Retries(Guardrail):
             # code, say) is classified like any error: retried only when that is safe.
             if isinstance(exc, StoreError) and exc is not delivery(task).body_error:
                 raise
-            retry = self.handle(task, exc)
-            if retry is not None:
-                raise retry from exc
+            self.handle(task, exc)  # raises what ends the delivery, unless exc is Celery's own control flow
             if isinstance(exc, RetryRequested):
                 # Never let it reach Celery, which would mark the task RETRY (and ack) with no retry published.
                 raise exc.failure(task) from exc
             raise
 
-    def handle(self, task: GuardedTask, exc: Exception) -> BaseException | None:
-        """Decide about ``exc``: return Celery's Retry to raise, or None to let ``exc`` fail the task."""
+    def handle(self, task: GuardedTask, exc: Exception) -> None:
+        """Decide about ``exc`` and end the delivery accordingly, raising what ends it: Celery's Retry (a retry or
+        a wait published, or a final failure whose dead letter is pending), the exception the task fails with once
+        its dead letter is recorded (``exc``; for a refused ``self.retry()``, its cause), or a Reject that gives
+        the message back. Returns (None) only for Celery's own control-flow exceptions (``Kind.CONTROL``: nothing
+        to decide), which the caller lets through as they are."""
         call = task.call_options()
         state = delivery(task)
         requested = exc if isinstance(exc, RetryRequested) else None
@@ -191,10 +193,10 @@ class Retries(Guardrail):
         request = task.request
         state.verdict = verdict
         if verdict.kind is Kind.CONTROL:
-            return None
+            return
         header = headers.from_request(request)
         if verdict.kind is Kind.RETRY_LATER:
-            return retry_later(task, exc, delay=verdict.retry_after, rule=verdict.rule)
+            retry_later(task, exc, delay=verdict.retry_after, rule=verdict.rule)
         attempt = request.attempt
         limit = resolve(task, "max_attempts", call)
         if requested is not None and requested.max_retries is not None:
@@ -230,7 +232,7 @@ class Retries(Guardrail):
                 rule=verdict.rule,
                 exc=error,
             )
-            return republish(
+            republish(
                 task,
                 countdown=delay,
                 exc=error,
@@ -243,16 +245,17 @@ class Retries(Guardrail):
         if verdict.note:
             record["note"] = verdict.note
             logger.warning("Task %s[%s] %s", task.name, request.id, verdict.note)
-        # None: recorded, the exception fails the task; else the Retry carrying the pending dead letter.
-        return fail_finally(task, error, reason=_reason(verdict), history=[*request.attempt_history, record])
+        # Raises error once recorded (the task fails with it), else the Retry carrying the pending dead letter.
+        fail_finally(task, error, reason=_reason(verdict), history=[*request.attempt_history, record])
 
 
 def retry_later(
     task: GuardedTask, exc: Exception, *, delay: float | None, rule: str, counter: str = headers.LATER
-) -> BaseException | None:
+) -> NoReturn:
     """Deliver the running message again after ``delay`` (``retry_later_delay`` when None) without consuming
-    an attempt; return Celery's Retry to raise, or None once ``retry_later_max`` is spent (then the final
-    failure ``retry_later_exhausted`` has been handed over and the caller lets ``exc`` fail the task).
+    an attempt: raise Celery's Retry (from ``exc``). Once ``retry_later_max`` is spent, end it as the final
+    failure ``retry_later_exhausted`` instead (:func:`celery_guardrails.runtime.outcomes.fail_finally`: the task
+    fails with ``exc`` once its dead letter is recorded).
 
     ``counter``: the header counter of this kind of wait; only ``later`` (the task's own ``RetryLater`` and
     the guardrails' "not yet") is bounded by ``retry_later_max``; ``busy`` (a wait behind another delivery's
@@ -265,7 +268,7 @@ def retry_later(
     kind = Kind.RETRY_LATER.value
     if counter == headers.LATER and later > resolve(task, "retry_later_max", call):
         record = attempt_record(task, kind=kind, rule=rule, exc=exc)
-        return fail_finally(task, exc, reason=RETRY_LATER_EXHAUSTED, history=[*request.attempt_history, record])
+        fail_finally(task, exc, reason=RETRY_LATER_EXHAUSTED, history=[*request.attempt_history, record])
     asked = delay if delay is not None else resolve(task, "retry_later_delay", call)
     delay = min(asked, resolve(task, "backoff_max", call))
     record = attempt_record(task, kind=kind, rule=rule, exc=exc, delay=delay)
@@ -282,7 +285,7 @@ def retry_later(
         sender=task, task_id=request.id, attempt=request.attempt, delay=delay, kind=kind, rule=rule, exc=exc
     )
     # No attempt consumed: the attempt counter is left as it is.
-    return republish(task, countdown=delay, exc=exc, header=headers.with_record(header, record, **{counter: later}))
+    republish(task, countdown=delay, exc=exc, header=headers.with_record(header, record, **{counter: later}))
 
 
 def _reason(verdict: Verdict) -> str:

@@ -33,7 +33,7 @@ from celery_guardrails.guardrails.idempotency import delivery_owner, heartbeat, 
 from celery_guardrails.guardrails.retries import retry_later
 from celery_guardrails.options import app_value, resolve
 from celery_guardrails.runtime import headers
-from celery_guardrails.runtime.delivery import Hold, delivery
+from celery_guardrails.runtime.delivery import Hold, RunSlot, ScheduledPeriod, delivery
 from celery_guardrails.runtime.pipeline import Guardrail, Publication, SkipBody
 from celery_guardrails.scheduling.beat import moment
 from celery_guardrails.scheduling.ledger import FAILED, OK, SKIPPED_OVERLAP, period_key
@@ -87,10 +87,10 @@ class ScheduledRuns(Guardrail):
             if claim.state != ACQUIRED:
                 behind_catch_up = not catch_up and claim.owner.endswith(CATCH_UP_OWNER)
                 self._overlapping(task, name, period, policy, claim.lease_until, behind_catch_up=behind_catch_up)
-            state.slot = (slot_key(name), owner, lease)
+            state.slot = RunSlot(key=slot_key(name), owner=owner, lease=lease)
             state.holds.append(Hold(owner, lambda: store.release(slot_key(name), owner=owner)))
         store.run_start(name, period, task_id=request.id, now=now(task.app))
-        state.period = (name, period)
+        state.period = ScheduledPeriod(schedule=name, period=period)
         if policy.since:
             last = store.run_list(name, statuses=(OK,), before=period, limit=1)
             request.since = moment(last[0].period) if last else None
@@ -110,15 +110,14 @@ class ScheduledRuns(Guardrail):
         delay = max(0.5, min(until - time.time() + 0.5, resolve(task, "retry_later_delay", task.call_options())))
         # A wait behind a live run slot, like one behind a held key: bounded by that run's lease, not by
         # retry_later_max.
-        raise retry_later(task, wait, delay=delay, rule="schedule:overlap", counter=headers.BUSY) or wait
+        retry_later(task, wait, delay=delay, rule="schedule:overlap", counter=headers.BUSY)
 
     def body_context(self, task: GuardedTask) -> AbstractContextManager[Any] | None:
         state = delivery(task)
         slot = state.slot
         if slot is None or state.period is None:
             return None
-        key, owner, lease = slot
-        return heartbeat(get_store(task.app), key, owner, lease=lease)
+        return heartbeat(get_store(task.app), slot.key, slot.owner, lease=slot.lease)
 
     def _finish(self, task: GuardedTask, status: str, reason: str = "") -> None:
         state = delivery(task)
@@ -127,12 +126,12 @@ class ScheduledRuns(Guardrail):
             return
         store = get_store(task.app)
         try:
-            store.run_finish(*period, status=status, now=now(task.app), reason=reason)
+            store.run_finish(period.schedule, period.period, status=status, now=now(task.app), reason=reason)
         finally:  # the slot is freed whatever became of the ledger record (else it lapses with its lease)
             if slot is not None:
                 state.slot = None
-                state.forget(slot[1])
-                store.release(slot[0], owner=slot[1])
+                state.forget(slot.owner)
+                store.release(slot.key, owner=slot.owner)
 
     def on_success(self, task: GuardedTask, retval: Any) -> None:
         self._finish(task, OK)

@@ -70,8 +70,7 @@ class TenantGuard(Guardrail):
             correlation_id=current_correlation_id(),
         )
         # The final-failure path logs at ERROR with ids and records the dead letter before the ack.
-        pending = fail_finally(task, error, reason=MISSING_TENANT)
-        raise pending or error
+        fail_finally(task, error, reason=MISSING_TENANT)
 
     def body_context(self, task: GuardedTask) -> AbstractContextManager[Any] | None:
         tenant = current_tenant()

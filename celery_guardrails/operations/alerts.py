@@ -63,7 +63,8 @@ from celery_guardrails import signals
 from celery_guardrails.foundation import clock
 from celery_guardrails.foundation.redaction import Redactor, for_app, for_task, safe_repr
 from celery_guardrails.options import APP, Option, app_value, checks, declare, resolve
-from celery_guardrails.runtime.outcomes import FinalFailure, owner_of
+from celery_guardrails.runtime.final_failure import FinalFailure
+from celery_guardrails.runtime.outcomes import owner_of
 from celery_guardrails.stores import get_store
 
 logger = logging.getLogger(__name__)

@@ -22,17 +22,15 @@ import json
 import logging
 from collections.abc import Mapping
 from datetime import UTC, datetime
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 from celery_guardrails.exceptions import StoreError, StoreUnavailableError
 from celery_guardrails.foundation.redaction import DEFAULT, exception_name, exception_text, for_task, safe_repr
 from celery_guardrails.foundation.sealing import sealer_for
 from celery_guardrails.options import APP, TASK, Option, app_value, checks, declare
+from celery_guardrails.runtime.final_failure import FinalFailure
 from celery_guardrails.stores import django_apps_installed, redis_url, store_url
 from celery_guardrails.stores.redis_client import SCHEMES
-
-if TYPE_CHECKING:
-    from celery_guardrails.runtime.outcomes import FinalFailure
 
 logger = logging.getLogger(__name__)
 

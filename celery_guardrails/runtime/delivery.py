@@ -32,6 +32,53 @@ class Hold:
     release: Callable[[], Any]
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class HeldKey:
+    """The idempotency key a delivery holds (its claim) (see :mod:`celery_guardrails.guardrails.idempotency`)."""
+
+    #: The scoped key (``task:tenant:key``).
+    key: str
+    #: Who holds it: this delivery (:func:`celery_guardrails.guardrails.idempotency.delivery_owner`).
+    owner: str
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Completion:
+    """The completion of a claimed key, sent as the body returned and settled before the ack."""
+
+    key: str
+    #: Reads the store's answer: whether the key was completed (False: another delivery had taken it over).
+    answer: Callable[[], bool]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RunSlot:
+    """A schedule's run slot a delivery holds (see :mod:`celery_guardrails.guardrails.scheduled_runs`)."""
+
+    key: str
+    owner: str
+    #: Seconds the slot is held without a renewal.
+    lease: float
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ScheduledPeriod:
+    """The period of a schedule a delivery runs."""
+
+    schedule: str
+    #: The period's due instant (epoch seconds).
+    period: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class OrderingTurn:
+    """The turn of an ordering key a delivery ends (its outcome moves the key on)."""
+
+    #: The scoped ordering key.
+    key: str
+    sequence: int
+
+
 @dataclass(slots=True, kw_only=True)
 class Grant:
     """A concurrency slot a delivery holds, and what its holder knows of it (see
@@ -69,16 +116,16 @@ class Delivery:
     admitted: float | None = None
     #: The admission was a half-open circuit's probe: its outcome must be reported, whatever it is.
     probe: bool = False
-    #: The idempotency claim held: (scoped key, owner).
-    claim: tuple[str, str] | None = None
-    #: The completion sent as the body returned: (key, read its answer).
-    completion: tuple[str, Callable[[], bool]] | None = None
-    #: The schedule's run slot held: (key, owner, lease).
-    slot: tuple[str, str, float] | None = None
-    #: The scheduled period this delivery runs: (schedule, period).
-    period: tuple[str, int] | None = None
-    #: Ordering: the (scoped key, sequence number) whose turn this delivery ends (its outcome moves the key on).
-    ordering: tuple[str, int] | None = None
+    #: The idempotency claim held.
+    claim: HeldKey | None = None
+    #: The completion sent as the body returned.
+    completion: Completion | None = None
+    #: The schedule's run slot held.
+    slot: RunSlot | None = None
+    #: The scheduled period this delivery runs.
+    period: ScheduledPeriod | None = None
+    #: Ordering: the turn this delivery ends (its outcome moves the key on).
+    ordering: OrderingTurn | None = None
     #: Ordering looked at this delivery (else an earlier guardrail ended it first: its outcome still counts).
     ordering_checked: bool = False
     #: The concurrency slots held, in the order taken.

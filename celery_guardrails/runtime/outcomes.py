@@ -4,6 +4,10 @@ Both happen before the current delivery is acked (``GuardedTask`` acks late): th
 or the final failure is handed to the dead-letter hook, and only then does Celery ack the message. A store
 that cannot be reached re-publishes the message without spending an attempt (:func:`store_unavailable`);
 where even that fails, the message is given back to the broker unacked.
+
+Each function here that ends a delivery raises what ends it (``NoReturn``): Celery's ``Retry`` (a message
+published again), the exception the task fails with (its dead letter recorded), or a ``Reject`` that gives
+the message back to the broker. No caller decides whether to raise, so none can forget to.
 """
 
 from __future__ import annotations
@@ -13,10 +17,11 @@ import random
 import time
 import traceback as traceback_module
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, field, fields
 from datetime import UTC, datetime
 from fnmatch import fnmatchcase
-from typing import Any
+from typing import Any, NoReturn
+
+from celery.exceptions import Reject, Retry
 
 from celery_guardrails import signals
 from celery_guardrails.broker.delays import countdown_for, delay_rule, republishable_headers
@@ -24,8 +29,10 @@ from celery_guardrails.foundation.context import current_correlation_id, current
 from celery_guardrails.foundation.redaction import exception_name, exception_text, for_task
 from celery_guardrails.guardrails import waiting
 from celery_guardrails.log import shown
-from celery_guardrails.runtime import headers
+from celery_guardrails.options import app_value, resolve, task_attribute
+from celery_guardrails.runtime import dead_letters, headers
 from celery_guardrails.runtime.delivery import delivery
+from celery_guardrails.runtime.final_failure import FinalFailure
 
 logger = logging.getLogger(__name__)
 
@@ -141,14 +148,16 @@ def republish(
     args: Any = None,
     kwargs: Any = None,
     options: Mapping[str, Any] | None = None,
-) -> BaseException:
-    """Publish the running message again after ``countdown`` seconds with ``header``; return Celery's Retry.
+) -> NoReturn:
+    """Publish the running message again after ``countdown`` seconds with ``header``; raise Celery's Retry.
 
     Every other header of the message is kept (tenant included: it is in ``header``), except those the broker
     set (``x-death``, ``x-delivery-count``, ...). ``countdown`` is rounded to what the broker accepts (whole
     seconds on RabbitMQ's native delayed delivery; see :mod:`celery_guardrails.broker.delays`). ``args``,
     ``kwargs`` and ``options`` are what a body's ``self.retry(...)`` asked for (None: the message's own). The
-    caller raises the returned exception so Celery records RETRY and acks the current delivery after the publish.
+    Retry is raised (from ``exc``, when given) so that Celery records RETRY and acks the current delivery after the
+    publish. A publish that fails raises what :meth:`celery_guardrails.runtime.task.GuardedTask.retry` raises
+    (a ``Reject`` that gives the message back, as a rule).
     """
     request = task.request
     state = delivery(task)
@@ -184,7 +193,7 @@ def republish(
         **extra,
     )
     state.ended = "republished"
-    return retry
+    _raise(retry, cause=exc)
 
 
 def longest_countdown(app: Any) -> float:
@@ -194,18 +203,14 @@ def longest_countdown(app: Any) -> float:
     return delay_rule(app).longest
 
 
-def store_unavailable(task: Any, exc: BaseException) -> BaseException:
+def store_unavailable(task: Any, exc: BaseException) -> NoReturn:
     """The guardrails store could not be reached for this delivery: publish the message again later without
-    spending an attempt, and return Celery's Retry for the caller to raise (or, when even publishing fails,
-    a Reject that gives the message back to the broker unacked). Logged with ids; ``store_unavailable``.
+    spending an attempt, and raise Celery's Retry (or, when even publishing fails, a Reject that gives the
+    message back to the broker unacked), both from ``exc``. Logged with ids; ``store_unavailable``.
 
     The delay doubles with each outage the message meets (``backoff_base`` to ``backoff_max``, half of it
     random, so the messages of one outage do not all come back at once).
     """
-    from celery.exceptions import Reject
-
-    from celery_guardrails.options import resolve
-
     request = task.request
     header = headers.from_request(request)
     outages = headers.counter(header, headers.OUTAGES) + 1
@@ -224,9 +229,11 @@ def store_unavailable(task: Any, exc: BaseException) -> BaseException:
     signals.store_unavailable.send(sender=task, task_id=request.id, error=exc, delay=delay, outages=outages)
     record = attempt_record(task, kind="store_unavailable", rule="store", exc=exc, delay=delay)
     try:
-        return republish(
+        republish(
             task, countdown=delay, exc=exc, header=headers.with_record(header, record, **{headers.OUTAGES: outages})
         )
+    except Retry:  # published: the delivery ends as a retry
+        raise
     except Exception as error:  # the broker is out of reach too: the message stays with it, unacked
         logger.error(
             "Task %s[%s]: could not be published again (%s); given back to the broker unacked",
@@ -234,65 +241,11 @@ def store_unavailable(task: Any, exc: BaseException) -> BaseException:
             request.id,
             error,
         )
-        rejected: BaseException = Reject(exc, requeue=True)
-        return rejected
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class FinalFailure:
-    """Everything known about a message that will not be tried again (what a dead letter stores)."""
-
-    task_name: str
-    task_id: str
-    reason: str
-    exc_type: str
-    exc_message: str
-    tenant: str | None
-    correlation_id: str | None
-    attempts: int
-    history: list[dict[str, Any]] = field(default_factory=list)
-    args: tuple[Any, ...] = ()
-    kwargs: dict[str, Any] = field(default_factory=dict)
-    queue: str | None = None
-    owner: str | None = None
-    idempotency_key: str | None = None
-    header: dict[str, Any] = field(default_factory=dict)
-    traceback: str = ""
-    first_failed_at: str = ""
-    last_failed_at: str = ""
-
-    def to_dict(self) -> dict[str, Any]:
-        return {**asdict(self), "args": list(self.args)}
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> FinalFailure:
-        """A failure read back from a message header: fields of the wrong type are taken as missing (the
-        header checked the ones it needs; the rest came from a release that may differ, or from tampering)."""
-        kinds: dict[str, tuple[type, Any]] = {
-            "tenant": (str, None),
-            "correlation_id": (str, None),
-            "attempts": (int, 1),
-            "history": (list, []),
-            "args": (list, ()),
-            "kwargs": (dict, {}),
-            "queue": (str, None),
-            "owner": (str, None),
-            "idempotency_key": (str, None),
-            "header": (dict, {}),
-        }
-        values: dict[str, Any] = {}
-        for spec in fields(cls):
-            value = data.get(spec.name)
-            kind, default = kinds.get(spec.name, (str, ""))
-            values[spec.name] = value if isinstance(value, kind) and not isinstance(value, bool) else default
-        values["history"] = [r for r in values["history"] if isinstance(r, dict)]
-        return cls(**values)
+    raise Reject(exc, requeue=True) from exc
 
 
 def owner_of(task: Any) -> str | None:
     """The task's ``owner``, else the first ``owners`` pattern its name matches."""
-    from celery_guardrails.options import app_value, task_attribute
-
     owner = task_attribute(task, "owner")
     if owner:
         return str(owner)
@@ -304,21 +257,24 @@ def owner_of(task: Any) -> str | None:
 
 def fail_finally(
     task: Any, exc: BaseException, *, reason: str, history: list[dict[str, Any]] | None = None
-) -> BaseException | None:
-    """Hand over a final failure: record its dead letter durably, log at ERROR, send ``final_failure``.
+) -> NoReturn:
+    """End the delivery as a final failure: record its dead letter durably, log at ERROR, send ``final_failure``.
 
-    Returns None when the dead letter is recorded: the caller lets the task fail (and Celery acks). When no
-    sink can record it, the message is published again carrying the pending dead letter (no body will run
-    for it) and Celery's Retry is returned for the caller to raise: nothing is acked away unrecorded. Where
-    even that publish fails, a ``Reject`` that gives the message back to the broker is returned. Whatever the
-    exception or the message holds (a ``__str__`` that raises, arguments nested past the recursion limit),
-    this returns one of the three; it does not raise.
+    Raises one of three, and nothing else, whatever the exception or the message holds (a ``__str__`` that
+    raises, arguments nested past the recursion limit):
+
+    * ``exc`` itself once the dead letter is recorded: the task fails with it (and Celery acks);
+    * Celery's ``Retry`` (from ``exc``) when no sink can record it: the message is published again carrying the
+      pending dead letter (no body will run for it), so nothing is acked away unrecorded;
+    * a ``Reject`` (from ``exc``) that gives the message back to the broker, where even that publish fails.
     """
     try:
         failure = _final_failure(task, exc, reason=reason, history=history)
     except Exception:  # a failure that cannot even be described: its message goes back, not acked away
         logger.exception("Task %s: final failure (%s) not described; the message goes back", _name(task), reason)
-        return _given_back(task, exc)
+        failure = None
+    if failure is None:
+        _given_back(task, exc)
     logger.error(
         "Task %s[%s] failed finally (%s) after %d attempt(s): %s: %s (tenant %s, correlation id %s)",
         failure.task_name,
@@ -330,7 +286,7 @@ def fail_finally(
         shown(failure.tenant),  # "-" for none, as the log context and the admin show it
         shown(failure.correlation_id),
     )
-    return hand_over(task, failure, exc)
+    hand_over(task, failure, exc)
 
 
 def _name(task: Any) -> str:
@@ -338,8 +294,6 @@ def _name(task: Any) -> str:
 
 
 def _final_failure(task: Any, exc: BaseException, *, reason: str, history: list[dict[str, Any]] | None) -> FinalFailure:
-    from celery_guardrails.runtime.dead_letters import TRACEBACK_LIMIT
-
     request = task.request
     history = list(history or ())
     header = headers.from_request(request)
@@ -359,37 +313,38 @@ def _final_failure(task: Any, exc: BaseException, *, reason: str, history: list[
         owner=owner_of(task),
         idempotency_key=delivery(task).key,  # the scoped key (replay reopens it), not the body's opaque one
         header={k: v for k, v in header.items() if k not in (headers.HISTORY, PENDING_DEAD_LETTER)},
-        traceback=kept_text(task, formatted_traceback(exc), TRACEBACK_LIMIT, tail=True),
+        traceback=kept_text(task, formatted_traceback(exc), dead_letters.TRACEBACK_LIMIT, tail=True),
         first_failed_at=history[0]["start"] if history and history[0].get("start") else timestamp(),
         last_failed_at=timestamp(),
     )
 
 
-def hand_over(task: Any, failure: FinalFailure, exc: BaseException | None = None) -> BaseException | None:
-    """Record ``failure``'s dead letter; on success send the signals, else re-publish it pending (or, when that
-    fails too, give the message back to the broker). Never raises: see :func:`fail_finally`."""
-    from celery_guardrails.runtime import dead_letters
-
+def hand_over(task: Any, failure: FinalFailure, exc: BaseException) -> NoReturn:
+    """Record ``failure``'s dead letter, then send the signals and raise ``exc`` (the task fails with it); else
+    re-publish it pending (or, when that fails too, give the message back to the broker). Raises one of the
+    three, nothing else: see :func:`fail_finally`."""
+    outage: BaseException | None = None
     try:
         new = dead_letters.record(task, failure)
     except Exception as error:
         # A store error (down, or refusing even the cut record) or anything else at all: the message must not be
         # acked with nothing recorded. dead_letters.record already fell back to a cut record for data it could
         # not store, so what is left is an outage: try again later.
-        return _pending(task, failure, exc, error)
+        outage = error
+    if outage is not None:
+        _pending(task, failure, exc, outage)
     delivery(task).ended = "recorded"
     for signal in (signals.final_failure, *((signals.dead_lettered,) if new else ())):
         try:
             signal.send(sender=task, failure=failure)
         except Exception:  # a receiver's bug: the record stands, the delivery ends as recorded
             logger.exception("Task %s[%s]: a receiver of %s failed", failure.task_name, failure.task_id, signal.name)
-    return None
+    raise exc
 
 
-def _pending(task: Any, failure: FinalFailure, exc: BaseException | None, error: BaseException) -> BaseException:
-    """Publish the message again carrying its pending dead letter; a Reject when that cannot be done."""
-    from celery_guardrails.options import resolve
-
+def _pending(task: Any, failure: FinalFailure, exc: BaseException, error: BaseException) -> NoReturn:
+    """Publish the message again carrying its pending dead letter (raise Celery's Retry); raise a Reject when
+    that cannot be done."""
     try:
         request = task.request
         header = headers.from_request(request)
@@ -403,17 +358,24 @@ def _pending(task: Any, failure: FinalFailure, exc: BaseException | None, error:
             delay,
         )
         header.update({PENDING_DEAD_LETTER: failure.to_dict(), headers.PENDING_TRIES: tries})
-        return republish(task, countdown=delay, header=header, exc=exc)
+        republish(task, countdown=delay, header=header, exc=exc)
+    except Retry:  # published: the pending dead letter travels with the message
+        raise
     except Exception:
         logger.exception("Task %s[%s]: pending dead letter not published", failure.task_name, failure.task_id)
-        return _given_back(task, exc)
+    _given_back(task, exc)
 
 
-def _given_back(task: Any, exc: BaseException | None) -> BaseException:
-    """A Reject that gives the running message back to the broker unacked (it is delivered again; its
-    redeliveries are counted by the poison guard)."""
-    from celery.exceptions import Reject
-
+def _given_back(task: Any, exc: BaseException) -> NoReturn:
+    """Raise a Reject (from ``exc``) that gives the running message back to the broker unacked (it is delivered
+    again; its redeliveries are counted by the poison guard)."""
     logger.error("Task %s: given back to the broker unacked", _name(task))
-    rejected: BaseException = Reject(exc, requeue=True)
-    return rejected
+    raise Reject(exc, requeue=True) from exc
+
+
+def _raise(error: BaseException, *, cause: BaseException | None) -> NoReturn:
+    """Raise ``error`` from ``cause``; with no cause, as a plain ``raise`` would (``from None`` would hide the
+    exception being handled)."""
+    if cause is None:
+        raise error
+    raise error from cause

@@ -19,7 +19,10 @@ task hook, and what ``GuardedTask`` makes of them.
   task the retry gate lets run again without seeing its body (``idempotent=True``, ``retry_unsafe``, or keyed
   and ``atomic=True``: see :func:`celery_guardrails.runtime.gate.after_kill`) with attempts left, a retry is published
   (not for a chord's part or a task with errbacks: Celery's handling of the kill still runs and would report
-  the failure to them).
+  the failure to them). Where no sink can record the dead letter, the message is published again carrying it
+  (as any final failure is) and the result says RETRY until it is recorded; where even that fails, the message
+  is given back to the broker unacked. Celery's own report of the kill (the request's ``on_failure``, which
+  billiard calls before ``on_timeout``, and which would store FAILURE and ack at once) waits for that decision.
   The claim the killed process held is taken over at once by the next delivery on this host (its process is
   gone), and a breaker probe it held is given up after ``circuit_probe_timeout``.
 
@@ -43,7 +46,8 @@ import time
 from datetime import datetime
 from typing import Any, NoReturn
 
-from celery.exceptions import InvalidTaskError, TaskRevokedError, TimeLimitExceeded
+from billiard.einfo import ExceptionWithTraceback
+from celery.exceptions import InvalidTaskError, Reject, Retry, TaskRevokedError, TimeLimitExceeded
 from celery.worker import state
 from celery.worker.request import Request
 from kombu.exceptions import ContentDisallowed, DecodeError
@@ -83,11 +87,28 @@ class GuardedRequest(Request):  # type: ignore[misc]
         if hand_over is not None and not getattr(hand_over, "guarded", False):
             cls.execute_using_pool = _guarded_hand_over(hand_over)
 
+    def on_failure(self, exc_info: Any, send_failed_event: bool = True, return_ok: bool = False) -> None:
+        exc = getattr(exc_info, "exception", None)
+        if isinstance(exc, ExceptionWithTraceback):
+            exc = exc.exc
+        if isinstance(exc, TimeLimitExceeded) and not return_ok and not state.should_terminate:
+            # The pool's report of a hard time limit: billiard calls this error callback first, then on_timeout
+            # (TimeoutHandler.on_hard_timeout: job._set, then job.handle_timeout). Here Celery would store FAILURE
+            # and ack the message before on_timeout hands the failure over: a pending dead letter would read
+            # FAILURE with nothing recorded, and a message to give back would be acked away already. on_timeout
+            # stores and acks (or gives the message back) once the guardrails have decided.
+            return
+        super().on_failure(exc_info, send_failed_event=send_failed_event, return_ok=return_ok)
+
     def on_timeout(self, soft: bool, timeout: float) -> None:
         retried = False
         if not soft and not state.should_terminate:
             try:
                 retried = _time_limit_reached(self, timeout)
+            except Reject:  # neither recorded nor published (logged as decided): the message goes back
+                state.task_ready(self)
+                self.reject(requeue=True)
+                return
             except Exception:
                 # Neither a dead letter (or its pending re-publish) nor a retry is sure: Celery would store FAILURE
                 # and ack. The message goes back to the broker instead (its redeliveries are counted: poison).
@@ -99,8 +120,8 @@ class GuardedRequest(Request):  # type: ignore[misc]
                 state.task_ready(self)
                 self.reject(requeue=True)
                 return
-        # A task tried again already says RETRY (stored before the retry was published, so that the retry's own
-        # result is never overwritten): Celery must not store FAILURE over it.
+        # A task tried again (or whose dead letter is pending) already says RETRY: Celery must not store FAILURE
+        # over it.
         self._guardrails_retried = retried
         super().on_timeout(soft, timeout)  # stores FAILURE (unless retried), calls on_failure, acks
 
@@ -223,7 +244,8 @@ class Refused(InvalidTaskError):  # type: ignore[misc]
 def _malformed(raw: dict[str, Any], task: Any, error: BaseException, *, args: Any, kwargs: Any) -> Any:
     """The final failure ``malformed_message`` of a message refused in the worker's main process."""
     from celery_guardrails.foundation.redaction import exception_name, exception_text
-    from celery_guardrails.runtime.outcomes import FinalFailure, kept_text, owner_of, timestamp
+    from celery_guardrails.runtime.final_failure import FinalFailure
+    from celery_guardrails.runtime.outcomes import kept_text, owner_of, timestamp
 
     task_id = str(raw.get("id") or "")[:255]
     header = headers.sanitise(headers.from_message_headers(raw), task_id=task_id)
@@ -386,8 +408,10 @@ def _refuse_unhandable(request: Any, problem: BaseException) -> NoReturn:
 
 
 def _time_limit_reached(request: Any, timeout: float) -> bool:
-    """Hand over the final failure of a task its hard time limit killed (module docstring); whether a retry
-    was published instead."""
+    """Hand over the final failure of a task its hard time limit killed (module docstring). Returns whether the
+    message was published again (a retry; or the final failure with its dead letter pending, when no sink could
+    record it): then the result says RETRY and Celery must not store FAILURE. False: the dead letter is recorded.
+    Raises ``Reject`` when the message must go back to the broker instead (nothing recorded nor published)."""
     from celery_guardrails.options import resolve, settings_snapshot
     from celery_guardrails.runtime.delivery import begin
     from celery_guardrails.runtime.gate import after_kill
@@ -416,12 +440,25 @@ def _time_limit_reached(request: Any, timeout: float) -> bool:
                 if plain and safe and attempt < resolve(task, "max_attempts", call):
                     record = attempt_record(task, kind="transient", rule=TIME_LIMIT, exc=exc, delay=0.0)
                     logger.warning("Task %s[%s] killed by its time limit; retrying", task.name, request.id)
+                    # RETRY stored before the retry is published, so that the retry's own result is never overwritten.
                     task.backend.mark_as_retry(request.id, exc, request=context)
-                    republish(task, countdown=0.0, exc=exc, header=headers.with_record(header, record, attempt=attempt))
-                    return True
+                    try:
+                        republish(
+                            task, countdown=0.0, exc=exc, header=headers.with_record(header, record, attempt=attempt)
+                        )
+                    except Retry:  # published (a publish that failed raised Reject: the message goes back)
+                        return True
                 record = attempt_record(task, kind="permanent", rule=TIME_LIMIT, exc=exc)
-                fail_finally(task, exc, reason=TIME_LIMIT, history=[*context.attempt_history, record])
-                return False
+                try:
+                    fail_finally(task, exc, reason=TIME_LIMIT, history=[*context.attempt_history, record])
+                except TimeLimitExceeded:  # raised back once the dead letter is recorded: Celery stores FAILURE
+                    return False
+                except Retry:
+                    # Not recorded (no sink answered): the message is published again carrying its pending dead
+                    # letter, to be recorded when it comes back. Until then the task is not failed: RETRY, as any
+                    # pending dead letter says, and never FAILURE with nothing recorded.
+                    task.backend.mark_as_retry(request.id, exc, request=context)
+                    return True
             finally:
                 deactivate(activation)
     finally:

@@ -13,7 +13,7 @@ import logging
 import sys
 from collections.abc import Mapping
 from contextlib import ExitStack
-from typing import Any, ClassVar
+from typing import Any, ClassVar, NoReturn
 
 from celery import Task
 from celery.exceptions import Ignore, Reject, Retry
@@ -403,32 +403,28 @@ class GuardedTask(Task):  # type: ignore[misc]
                 if isinstance(exc, StoreUnavailableError):
                     # The store cannot be reached: the infrastructure's fault, not the message's. It comes back
                     # later, no attempt spent (what it held is released first, or lapses with its lease).
-                    raise store_unavailable(self, exc) from exc
+                    store_unavailable(self, exc)
                 # The store refused something about this message (data it cannot hold): a final failure with
                 # the reason, never an ack with nothing recorded.
                 record = attempt_record(self, kind="permanent", rule="store", exc=exc)
                 history = [*getattr(self.request, "attempt_history", ()), record]
-                pending = fail_finally(self, exc, reason=STORE_REFUSED, history=history)
-                raise (pending or exc) from exc
+                fail_finally(self, exc, reason=STORE_REFUSED, history=history)
             except Exception as exc:
                 if state.ended or isinstance(exc, Retry | Reject | Ignore) or self._in_caller():
                     raise
-                settled = self._unsettled(exc)
-                if settled is None:  # recorded: the exception fails the task (and Celery acks)
-                    raise
-                raise settled from exc
+                self._unsettled(exc)
 
     def _in_caller(self) -> bool:
         """Run in the caller's process (``task(...)``, ``apply()``, eager): its exception reaches the caller."""
         request = self.request
         return bool(request.called_directly or request.is_eager)
 
-    def _unsettled(self, exc: Exception) -> BaseException | None:
+    def _unsettled(self, exc: Exception) -> NoReturn:
         """Record an exception that left the guardrails with nothing settled: a guardrail failed on this message
         (a bug, a value it did not expect), or nothing classifies the body's errors. The ack is sacred: it is
-        dead-lettered ``guardrail_error`` (``malformed_message`` for a retry whose arguments cannot be encoded;
-        None: recorded), or the message is published again pending, or given back to the broker (the exception
-        to raise)."""
+        dead-lettered ``guardrail_error`` (``malformed_message`` for a retry whose arguments cannot be encoded)
+        and ``exc`` raised (the task fails with it), or the message is published again pending, or given back
+        to the broker (see :func:`celery_guardrails.runtime.outcomes.fail_finally`)."""
         logger.error(
             "Task %s[%s]: %s left the guardrails unsettled; recording it", self.name, self.request.id, type(exc)
         )
@@ -439,7 +435,7 @@ class GuardedTask(Task):  # type: ignore[misc]
         except Exception:  # the history is lost, not the record
             logger.exception("Task %s[%s]: attempt record not made", self.name, self.request.id)
             history = []
-        return fail_finally(self, exc, reason=reason, history=history)
+        fail_finally(self, exc, reason=reason, history=history)
 
     def _run_guarded(self, state: Delivery, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         try:

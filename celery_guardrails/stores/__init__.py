@@ -8,6 +8,7 @@ Redis Cluster or Sentinel: see :mod:`~celery_guardrails.stores.redis_client`). U
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 from urllib.parse import quote
 
@@ -89,12 +90,20 @@ def store_url(app: Any) -> str:
     raise ConfigurationError("store", "no store: set it to 'django' or a Redis URL (the broker is not Redis)")
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class _Made:
+    """The store made for an app, and the setting it was made for (a changed setting makes a new one)."""
+
+    url: str
+    store: Store
+
+
 def get_store(app: Any) -> Store:
     """The store of ``app`` (one instance per app and setting)."""
     url = store_url(app)
-    cached = getattr(app, "_guardrails_store", None)
-    if cached is not None and cached[0] == url:
-        return cached[1]  # type: ignore[no-any-return]
+    made = getattr(app, "_guardrails_store", None)
+    if isinstance(made, _Made) and made.url == url:
+        return made.store
     store: Store
     if url == "django":
         from django_celery_guardrails.store import DjangoStore
@@ -104,5 +113,5 @@ def get_store(app: Any) -> Store:
         from celery_guardrails.stores.redis import RedisStore
 
         store = RedisStore(url, timeout=app_value(app, "store_timeout"))
-    app._guardrails_store = (url, store)
+    app._guardrails_store = _Made(url=url, store=store)
     return store

@@ -84,21 +84,34 @@ def _roll(state: DependencyState, index: int) -> None:
         state.window_index = index
 
 
-def window_counts(state: DependencyState, policy: BudgetPolicy, now: float) -> tuple[float, float, int]:
-    """(first attempts, retries, window index) over the sliding window ending ``now``; rolls ``state``."""
+@dataclass(frozen=True, slots=True, kw_only=True)
+class WindowCounts:
+    """A dependency's attempts over the sliding window ending at some moment."""
+
+    #: First attempts (the previous window's weighted by how much of it the sliding window still covers).
+    firsts: float
+    #: Retries, weighted the same way.
+    retries: float
+    #: The number of the fixed window the moment falls in (``floor(now / window)``).
+    index: int
+
+
+def window_counts(state: DependencyState, policy: BudgetPolicy, now: float) -> WindowCounts:
+    """The attempts over the sliding window ending ``now``; rolls ``state``."""
     index = math.floor(now / policy.window)
     _roll(state, index)
     weight = 1 - (now - index * policy.window) / policy.window
-    return (
-        state.first_current + state.first_previous * weight,
-        state.retries_current + state.retries_previous * weight,
-        index,
+    return WindowCounts(
+        firsts=state.first_current + state.first_previous * weight,
+        retries=state.retries_current + state.retries_previous * weight,
+        index=index,
     )
 
 
 def decide_admission(state: DependencyState, policy: BudgetPolicy, *, retry: bool, now: float) -> Admission:
     """Admit (and count) an attempt, or say until when it must wait. Mutates ``state``."""
-    firsts, retries, index = window_counts(state, policy, now)
+    counts = window_counts(state, policy, now)
+    firsts, retries, index = counts.firsts, counts.retries, counts.index
     if retry:
         if retries + 1 <= policy.floor + policy.ratio * firsts:
             state.retries_current += 1
@@ -148,7 +161,8 @@ def decide_outcome(state: DependencyState, policy: BudgetPolicy, *, outcome: str
 
 def status(dependency: str, state: DependencyState, policy: BudgetPolicy, now: float) -> dict[str, Any]:
     """What :func:`celery_guardrails.budget_status` reports."""
-    firsts, retries, index = window_counts(state, policy, now)
+    counts = window_counts(state, policy, now)
+    firsts, retries, index = counts.firsts, counts.retries, counts.index
     allowed = policy.floor + policy.ratio * firsts
     circuit = state.circuit
     if circuit == OPEN and now >= state.open_until:

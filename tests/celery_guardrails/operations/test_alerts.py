@@ -13,7 +13,7 @@ from typing import Any
 
 from celery_guardrails.log import RedactingFilter
 from celery_guardrails.operations.alerts import send
-from celery_guardrails.runtime.outcomes import FinalFailure
+from celery_guardrails.runtime.final_failure import FinalFailure
 from tests.support import planted
 from tests.support.planted import leaked
 from tests.support.waiting import wait_for

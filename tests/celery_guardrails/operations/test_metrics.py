@@ -306,7 +306,7 @@ def test_bad_metrics_settings_name_the_key(raw: dict[str, Any], text: str) -> No
 
 def test_label_values_lose_the_secrets_a_message_put_in_them(celery_app: Any) -> None:
     from celery_guardrails import signals
-    from celery_guardrails.runtime.outcomes import FinalFailure
+    from celery_guardrails.runtime.final_failure import FinalFailure
     from tests.proj import leaky
     from tests.support import planted
     from tests.support.planted import leaked

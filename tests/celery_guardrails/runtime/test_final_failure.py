@@ -10,7 +10,8 @@ from typing import Any
 import pytest
 
 from celery_guardrails.runtime import dead_letters
-from celery_guardrails.runtime.outcomes import FinalFailure, timestamp
+from celery_guardrails.runtime.final_failure import FinalFailure
+from celery_guardrails.runtime.outcomes import timestamp
 from tests.conftest import Sink
 from tests.proj import tasks
 from tests.support.dead_letters import dead_letter_of, has_dead_letter

@@ -5,16 +5,20 @@ is dead-lettered and the worker goes on; a task killed by its hard time limit is
 from __future__ import annotations
 
 import json
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+import redis
 
 from tests.conftest import Sink, unacked, waiting_messages
 from tests.proj import tasks
 from tests.support.dead_letters import dead_letter_of, has_dead_letter
 from tests.support.messages import publish_body, publish_raw
+from tests.support.proxy import TcpProxy
+from tests.support.services import REDIS_URL
 from tests.support.waiting import wait_for
 from tests.support.workers import PROJ_APP, WorkerProcess, proj_env
 
@@ -86,6 +90,53 @@ def test_an_idempotent_task_killed_by_its_hard_time_limit_is_retried(worker: Wor
     report = result.get(timeout=10)
     assert (report["run"], report["attempt"]) == (2, 2)
     assert [r["rule"] for r in report["history"]] == ["time_limit"]
+
+
+def test_a_task_killed_by_its_hard_time_limit_is_not_failed_before_its_dead_letter_is_recorded(
+    celery_app: Any, proxy: TcpProxy, queue_name: str, sink: Sink, tmp_path: Path
+) -> None:
+    # Given a prefork worker whose dead-letter sink (a Redis stream) is reached through a proxy, cut, and every
+    # state the result backend stores for a task id, in order (the Redis backend publishes each on the key)
+    url = REDIS_URL.replace("127.0.0.1:6379", f"127.0.0.1:{proxy.port}")
+    env = proj_env(queue=queue_name, GUARDRAILS_TEST_GUARDRAILS=json.dumps({"dead_letter_sinks": [url]}))
+    proxy.cut()
+    task_id = str(uuid.uuid4())
+    backend = redis.Redis.from_url(REDIS_URL)
+    stored = backend.pubsub()
+    stored.subscribe(f"celery-task-meta-{task_id}")
+    with WorkerProcess(app=PROJ_APP, queue=queue_name, log_path=tmp_path / "worker.log", env=env) as worker:
+        # When a task that is not idempotent outlives its hard time limit, and its dead letter cannot be written
+        tasks.behave_not_idempotent.apply_async((sink.key, ["sleep:30"]), time_limit=1, task_id=task_id)
+        wait_for("the failed write logged", lambda: "dead letter not recorded" in worker.log)
+        proxy.restore()
+        # Then the message came back with it (not acked away): it is recorded once the sink is back, as time_limit
+        # after one attempt, and the body did not run again
+        wait_for("the dead letter", lambda: has_dead_letter(celery_app, task_id))
+        wait_for("the failure stored", lambda: _state_of(backend, task_id) == "FAILURE")
+        wait_for("the message acked", lambda: not unacked(task_id))
+    record = dead_letter_of(celery_app, task_id)
+    assert (record["reason"], record["attempts"]) == ("time_limit", 1)
+    assert len(sink.items()) == 1
+    # And until then the result said RETRY, as any pending dead letter does: FAILURE was stored once, last, as the
+    # record was written (not as the pool killed the task, with nothing recorded)
+    states = _states_published(stored)
+    assert states[-1] == "FAILURE" and "FAILURE" not in states[:-1] and "RETRY" in states, states
+
+
+def _state_of(backend: redis.Redis, task_id: str) -> str | None:
+    raw = backend.get(f"celery-task-meta-{task_id}")
+    return None if raw is None else str(json.loads(raw)["status"])
+
+
+def _states_published(stored: Any) -> list[str]:
+    """The states published on the subscription ``stored`` so far, oldest first (each is published with the
+    write that stores it: the last one the test read is there already)."""
+    states: list[str] = []
+    while (message := stored.get_message(timeout=1.0)) is not None:
+        if message["type"] == "message":  # not the subscription's confirmation
+            states.append(str(json.loads(message["data"])["status"]))
+    stored.close()
+    return states
 
 
 def nested(levels: int) -> Any:
