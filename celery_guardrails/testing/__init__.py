@@ -22,22 +22,12 @@ from __future__ import annotations
 from typing import Any
 
 from celery_guardrails.testing.assertions import assert_dead_lettered, assert_no_loss, assert_single_effect
+from celery_guardrails.testing.current import current_kit
 from celery_guardrails.testing.kit import Captured, Kit, KitError, Release, Report
 from celery_guardrails.testing.worker import GuardedWorker, WorkerFailed
 
 # Listing this package in pytest_plugins registers the fixtures and hooks.
 pytest_plugins = ["celery_guardrails.testing.plugin"]
-
-_current: Kit | None = None
-
-
-def current_kit() -> Kit:
-    """The kit of the test that is running (its ``guardrails_kit`` fixture)."""
-    if _current is None:
-        raise KitError(
-            "no test kit in this test: request the guardrails_kit fixture, or mark the test @pytest.mark.guardrails"
-        )
-    return _current
 
 
 def deliver_twice(task: Any, *args: Any, concurrently: bool = False, **kwargs: Any) -> Report:

@@ -9,6 +9,7 @@ import json
 from typing import TYPE_CHECKING, Any
 
 from celery_guardrails.testing import events
+from celery_guardrails.testing.current import current_kit, running_kit
 
 if TYPE_CHECKING:
     from celery_guardrails.testing.kit import Kit
@@ -33,11 +34,9 @@ def assert_single_effect(effect: Any, *, expected: int = 1, kit: Kit | None = No
 
     ``effect``: a number, a callable that returns one, a Django QuerySet (counted), or a collection (its
     length), read once the kit's deliveries have ended. Returns the count."""
-    from celery_guardrails import testing
-
     found = _count(effect)
     if found != expected:
-        kit = kit or testing._current
+        kit = kit or running_kit()
         told = f"\n{kit.describe()}" if kit is not None else ""
         raise AssertionError(f"{what} happened {found} times, expected {expected}{told}")
     return found
@@ -66,8 +65,6 @@ def assert_dead_lettered(
     task_id: str, *, reason: str | None = None, kit: Kit | None = None, app: Any = None
 ) -> dict[str, Any]:
     """A dead letter of ``task_id`` was recorded (with ``reason``, when given); returns the record."""
-    from celery_guardrails.testing import current_kit
-
     kit = kit or current_kit()
     record = dead_letter_of(app or kit.celery_app, task_id)
     if record is None:
@@ -83,8 +80,6 @@ def assert_no_loss(*task_ids: str, kit: Kit | None = None) -> dict[str, str]:
     Lost: a message whose deliveries all ended without it running (a failure Celery acked with nothing
     recorded, a message refused and dropped), or that never ended at all. Returns task id -> how it ended
     (``handled`` or ``dead_lettered``)."""
-    from celery_guardrails.testing import current_kit
-
     kit = kit or current_kit()
     wanted = list(task_ids) or list(kit.sent)
     found = kit.messages()

@@ -24,6 +24,7 @@ import pytest
 
 import celery_guardrails.testing as testing
 from celery_guardrails.testing import entry
+from celery_guardrails.testing.current import set_current
 from celery_guardrails.testing.kit import Kit
 
 _kit_key = pytest.StashKey[Kit]()
@@ -147,12 +148,12 @@ def guardrails_kit(request: pytest.FixtureRequest, guardrails_kit_app: Any, tmp_
         databases=_databases(request),
     )
     request.node.stash[_kit_key] = kit
-    testing._current = kit
+    set_current(kit)
     try:
         kit.start()
         yield kit
     finally:
-        testing._current = None
+        set_current(None)
         kit.close()
 
 
