@@ -34,10 +34,30 @@ def build_wheel(folder: Path) -> Path:
     return built
 
 
+def shared_wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A wheel built from the source tree (:func:`build_wheel`) once per run, shared by every test process
+    (pytest-xdist's processes share the parent of their temporary folders): each build is an isolated build
+    environment of its own, about 15 s of CPU time, and the modules that need a wheel ran on up to four processes."""
+    import fcntl
+    import os
+
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent
+    folder = root / "shared-wheel"
+    with (root / "shared-wheel.lock").open("w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        ready = folder / "ready"
+        if not ready.exists():
+            folder.mkdir(exist_ok=True)
+            ready.write_text(build_wheel(folder).name)
+    return folder / ready.read_text()
+
+
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A wheel built from the source tree (:func:`build_wheel`)."""
-    return build_wheel(tmp_path_factory.mktemp("wheel"))
+    """A wheel built from the source tree (:func:`shared_wheel`)."""
+    return shared_wheel(tmp_path_factory)
 
 
 def test_wheel_installs_into_a_fresh_venv_and_both_packages_import(tmp_path: Path, wheel: Path) -> None:
@@ -156,6 +176,9 @@ def fresh_venv(tmp_path_factory: pytest.TempPathFactory, wheel: Path) -> tuple[P
     return venv, wheel
 
 
+# The two tests of the fresh venv (a pip install from the package index, the costliest fixture of the suite) run on
+# one test process, which installs it once (make test uses --dist loadgroup).
+@pytest.mark.xdist_group("fresh-venv")
 def test_the_documented_extras_are_enough_for_a_guarded_worker_on_redis(
     tmp_path: Path, queue_name: str, fresh_venv: tuple[Path, Path]
 ) -> None:
@@ -276,6 +299,7 @@ def test_the_worker_can_be_killed_and_started(guarded_worker):
 """
 
 
+@pytest.mark.xdist_group("fresh-venv")
 def test_the_kit_from_the_wheel_needs_only_the_broker_and_the_store(
     tmp_path: Path, fresh_venv: tuple[Path, Path]
 ) -> None:
