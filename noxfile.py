@@ -13,7 +13,6 @@ interpreters come from pyenv (``~/.pyenv/versions/3.x.*``) or the PATH.
 
 from __future__ import annotations
 
-import fcntl
 import glob
 import json
 import os
@@ -72,19 +71,15 @@ def _release(path: str) -> tuple[int, ...]:
 
 
 def _record(combination: Combination, outcome: str, detail: str = "") -> None:
+    results = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
+    results[combination.name] = {
+        **asdict(combination),
+        "outcome": outcome,
+        "detail": detail[-500:],
+        "date": datetime.now(UTC).strftime("%Y-%m-%d"),
+    }
     RESULTS.parent.mkdir(exist_ok=True)
-    # make test runs two combinations at once, each in a nox of its own: one read-and-write at a time.
-    (ROOT / ".nox").mkdir(exist_ok=True)
-    with (ROOT / ".nox" / "results.lock").open("w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        results = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
-        results[combination.name] = {
-            **asdict(combination),
-            "outcome": outcome,
-            "detail": detail[-500:],
-            "date": datetime.now(UTC).strftime("%Y-%m-%d"),
-        }
-        RESULTS.write_text(json.dumps(results, indent=2, sort_keys=True) + "\n")
+    RESULTS.write_text(json.dumps(results, indent=2, sort_keys=True) + "\n")
 
 
 @nox.session(name="smoke", python=False)

@@ -89,7 +89,7 @@ def _alive(pid: int) -> bool:
 
 def release_claim() -> None:
     """Give this process's database back now: when pytest-xdist's controller starts (it runs no test, and make
-    test runs passes side by side, ten processes that each need one of their own), and when a test process
+    test runs passes side by side, eight test processes that each need one of their own), and when a test process
     ends (pytest-xdist's processes end without running atexit handlers)."""
     import redis
 
