@@ -55,8 +55,10 @@ SQLITE_WORKERS ?= 2
 # and so one copy of their module's fixtures; the others are handed out one by one in collection order, the
 # slowest modules first (tests/conftest.py).
 DIST := --dist loadgroup
+# How many of the three passes run at once (1: one after the other, as before).
+PASSES ?= 3
 test: $(INSTALLED) services lint docs
-	$(MAKE) --no-print-directory -j3 --output-sync=target test-postgres test-sqlite matrix-edges
+	$(MAKE) --no-print-directory -j$(PASSES) --output-sync=target test-postgres test-sqlite matrix-edges
 
 test-postgres: $(INSTALLED)
 	GUARDRAILS_TEST_DB=postgres $(PY) -m pytest -n $(WORKERS) $(DIST) $(PYTEST_ARGS)
