@@ -36,7 +36,9 @@ docs: $(INSTALLED)
 # The whole suite: lint and the docs, then three passes side by side: everything on PostgreSQL, what uses the
 # database again on SQLite, and the matrix's oldest and newest combinations. They mostly wait on workers and
 # services (a PostgreSQL pass alone used about half of the two cores), so side by side they fill both cores:
-# one after the other they took 963 + 213 + 240 s in CI. Each pass's output is printed whole when it ends
+# one after the other they took 963 + 213 + 240 s in CI. Side by side on this 2-core host, while other suites ran
+# (load average 7 to 16): 1,104 s for the three (PostgreSQL 1,097 s, SQLite 560 s, matrix about 600 s), where
+# the PostgreSQL pass alone had taken 1,411 s under like load. Each pass's output is printed whole when it ends
 # (--output-sync), and a pass that fails makes make test fail once the others have finished. The passes do not
 # share a Redis database (each test process claims its own: tests/support/services.py) nor a test database
 # (PostgreSQL: one per checkout, pass and process; SQLite: a file per process).
