@@ -33,8 +33,16 @@ lint: $(INSTALLED)
 docs: $(INSTALLED)
 	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --site-dir site
 
-# The whole suite: lint, then everything on PostgreSQL, then what uses the database again on SQLite.
-# PYTEST_ARGS: more pytest arguments for both passes (make flaky adds a JUnit report); by default the slowest
+# The whole suite: lint and the docs, then three passes side by side: everything on PostgreSQL, what uses the
+# database again on SQLite, and the matrix's oldest and newest combinations. They mostly wait on workers and
+# services (a PostgreSQL pass alone used about half of the two cores), so side by side they fill both cores:
+# one after the other they took 963 + 213 + 240 s in CI. Side by side on this 2-core host, while other suites ran
+# (load average 7 to 16): 1,104 s for the three (PostgreSQL 1,097 s, SQLite 560 s, matrix about 600 s), where
+# the PostgreSQL pass alone had taken 1,411 s under like load. Each pass's output is printed whole when it ends
+# (--output-sync), and a pass that fails makes make test fail once the others have finished. The passes do not
+# share a Redis database (each test process claims its own: tests/support/services.py) nor a test database
+# (PostgreSQL: one per checkout, pass and process; SQLite: a file per process).
+# PYTEST_ARGS: more pytest arguments for the two passes (make flaky adds a JUnit report); by default the slowest
 # tests are listed, so that a CI log shows where a pass spent its time.
 PYTEST_ARGS ?= --durations=25
 # Test processes per pass (pytest-xdist): most of a test's time is spent waiting on real workers and services,
@@ -43,11 +51,19 @@ PYTEST_ARGS ?= --durations=25
 # using about 55% of the two cores' time, but timing-bound tests failed more often: four). Each has its own Redis
 # database and test database.
 WORKERS ?= 4
+# The SQLite pass, beside the PostgreSQL one: fewer processes, its 378 tests are a quarter of the other's work.
+SQLITE_WORKERS ?= 2
+# loadgroup: the tests marked xdist_group (the two of the fresh venv from the package index) share one process,
+# and so one copy of their module's fixtures; the others are handed out one by one in collection order, the
+# slowest modules first (tests/conftest.py).
+DIST := --dist loadgroup
+# How many of the three passes run at once (1: one after the other, as before).
+PASSES ?= 3
 test: $(INSTALLED) services lint docs
-	$(MAKE) --no-print-directory test-postgres test-sqlite matrix-edges
+	$(MAKE) --no-print-directory -j$(PASSES) --output-sync=target test-postgres test-sqlite matrix-edges
 
 test-postgres: $(INSTALLED)
-	GUARDRAILS_TEST_DB=postgres $(PY) -m pytest -n $(WORKERS) $(PYTEST_ARGS)
+	GUARDRAILS_TEST_DB=postgres $(PY) -m pytest -n $(WORKERS) $(DIST) $(PYTEST_ARGS)
 
 # (The store tests' Redis and Redis Cluster cases touch no database: they run in the PostgreSQL pass only; of
 # the test kit's, those that show it on the Django store.)
@@ -61,7 +77,7 @@ KIT_ON_SQLITE := $(KIT_TESTS)::test_deliver_twice_passes_the_keyed_task \
 SQLITE_SKIPS := --ignore=tests/django_app/test_admin_browser.py --ignore=tests/django_app/test_audit.py \
 	--ignore=tests/django_app/test_hostile_input.py
 test-sqlite: $(INSTALLED)
-	GUARDRAILS_TEST_DB=sqlite $(PY) -m pytest -n $(WORKERS) $(PYTEST_ARGS) tests/django_app tests/example_project/test_shop.py \
+	GUARDRAILS_TEST_DB=sqlite $(PY) -m pytest -n $(SQLITE_WORKERS) $(DIST) $(PYTEST_ARGS) tests/django_app tests/example_project/test_shop.py \
 		tests/celery_guardrails/stores $(KIT_ON_SQLITE) $(SQLITE_SKIPS) -k "not redis or django_app or example_project"
 
 # The compatibility matrix (noxfile.py): the smoke subset on every combination, then the table of
@@ -69,7 +85,8 @@ test-sqlite: $(INSTALLED)
 matrix: $(INSTALLED) services
 	$(VENV)/bin/nox -f noxfile.py -s smoke table
 
-# The oldest and the newest combinations (make test runs them after the whole suite).
+# The oldest and the newest combinations, one after the other (make test runs them beside the two passes: 240 s
+# in CI, well within the PostgreSQL pass; two at once would add two more test processes to the eight).
 matrix-edges: $(INSTALLED)
 	$(VENV)/bin/nox -f noxfile.py -s "smoke(oldest)" "smoke(newest)"
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import re
 import socket
 import struct
@@ -29,7 +30,7 @@ from kombu.asynchronous import set_event_loop
 from tests.support.proxy import TcpProxy
 from tests.support.redis_cluster import redis_cluster  # noqa: F401  (a session fixture, started on first use)
 from tests.support.redis_sentinel import redis_sentinel  # noqa: F401  (a test's own master, replica, Sentinel)
-from tests.support.services import BROKER_SERVICE, BROKER_URLS, REDIS_URL, require
+from tests.support.services import BROKER_SERVICE, BROKER_URLS, REDIS_URL, release_claim, require
 from tests.support.waiting import BOUND, wait_for
 from tests.support.workers import STARTED
 
@@ -41,6 +42,36 @@ BOTH_BROKERS = pytest.mark.parametrize("broker", ["redis", "amqp"], indirect=Tru
 FAILURES = Path(__file__).resolve().parents[1] / "test-artifacts" / "failures"
 #: Lines of each process log printed with a failure (the whole log is kept under FAILURES).
 LOG_TAIL = 150
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # pytest-xdist's controller only hands tests to its processes: the Redis database it claimed on import goes
+    # back at once, for the passes make test runs beside this one (tests/support/services.py).
+    if getattr(config.option, "numprocesses", None) and "PYTEST_XDIST_WORKER" not in os.environ:
+        release_claim()
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    release_claim()
+
+
+#: The modules of the suite's longest tests, run first: pytest-xdist hands tests out in collection order, and a
+#: 160 s soak or a 120 s venv install drawn last held the PostgreSQL pass for minutes after the other processes
+#: had finished (durations of a pass on a loaded 2-core host). Only these: many long tests at once on two cores
+#: make each of them longer, and past pytest-timeout's bound.
+SLOW_FIRST = (
+    "tests/soak/test_run.py",  # 163 s and 103 s
+    "tests/test_first_hour.py",  # 109 s, 100 s, 58 s, behind a venv installed once for the run
+    "tests/test_packaging.py",  # a fresh venv from the package index, 106 s
+    "tests/example_project/test_demo.py",  # 120 s
+    "tests/django_app/test_alerts.py",  # 80 s
+    "tests/celery_guardrails/test_headers.py",  # 67 s
+)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    rank = {path: index for index, path in enumerate(SLOW_FIRST)}
+    items.sort(key=lambda item: rank.get(item.nodeid.split("::", 1)[0], len(SLOW_FIRST)))
 
 
 @pytest.hookimpl(tryfirst=True)

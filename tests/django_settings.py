@@ -15,6 +15,7 @@ os.environ.setdefault("EXAMPLE_QUEUE", f"example-tests-{os.getpid()}")
 from example_project.settings import *  # noqa: F403
 
 DB = os.environ.get("GUARDRAILS_TEST_DB", "sqlite")
+_PASS = f"_{os.environ['GUARDRAILS_TEST_PASS']}" if os.environ.get("GUARDRAILS_TEST_PASS") else ""
 _CHECKOUT = hashlib.sha256(os.path.dirname(os.path.dirname(os.path.abspath(__file__))).encode()).hexdigest()[:8]
 if DB == "postgres":
     DATABASES = {
@@ -27,8 +28,9 @@ if DB == "postgres":
             "HOST": "127.0.0.1",
             "PORT": os.environ.get("GUARDRAILS_TEST_DB_PORT", "5432"),
             # One test database per checkout: two suites run from two clones (a flake hunt in one, work in
-            # the other) would otherwise drop each other's database.
-            "TEST": {"NAME": f"test_guardrails_{_CHECKOUT}"},
+            # the other) would otherwise drop each other's database. And per pass: make test runs the matrix's
+            # environments from this checkout beside the PostgreSQL pass (GUARDRAILS_TEST_PASS names them).
+            "TEST": {"NAME": f"test_guardrails_{_CHECKOUT}{_PASS}"},
         }
     }
 elif DB == "sqlite":

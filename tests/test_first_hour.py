@@ -32,7 +32,7 @@ import pytest
 
 from tests.support.services import HOST, PORTS, REDIS_URL, require
 from tests.support.waiting import wait_for
-from tests.test_packaging import ROOT, build_wheel, run
+from tests.test_packaging import ROOT, run, shared_wheel
 
 README = (ROOT / "README.md").read_text()
 #: What the tests write into the project's files after the README's text.
@@ -122,15 +122,15 @@ def installed(tmp_path_factory: pytest.TempPathFactory) -> Installed:
         ready = folder / "ready"
         if not ready.exists():
             folder.mkdir(exist_ok=True)
-            wheel = build_wheel(folder)
+            wheel = shared_wheel(tmp_path_factory)
             venv = folder / "venv"
             # This environment's pip installs into it (pip --python): no copy of pip to set up there first.
             run("python3", "-m", "venv", "--without-pip", venv, cwd=folder)
             wanted = ",".join([*extras(), "postgres", "prometheus"])
             pip = (sys.executable, "-m", "pip", "--python", venv / "bin" / "python", "install", "-q")
             run(*pip, f"{wheel}[{wanted}]", cwd=folder)
-            ready.write_text(wheel.name)
-    return Installed(venv=folder / "venv", wheel=folder / ready.read_text())
+            ready.write_text(str(wheel))
+    return Installed(venv=folder / "venv", wheel=Path(ready.read_text()))
 
 
 @pytest.fixture

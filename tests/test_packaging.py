@@ -34,10 +34,30 @@ def build_wheel(folder: Path) -> Path:
     return built
 
 
+def shared_wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A wheel built from the source tree (:func:`build_wheel`) once per run, shared by every test process
+    (pytest-xdist's processes share the parent of their temporary folders): each build is an isolated build
+    environment of its own, about 15 s of CPU time, and the modules that need a wheel ran on up to four processes."""
+    import fcntl
+    import os
+
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent
+    folder = root / "shared-wheel"
+    with (root / "shared-wheel.lock").open("w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        ready = folder / "ready"
+        if not ready.exists():
+            folder.mkdir(exist_ok=True)
+            ready.write_text(build_wheel(folder).name)
+    return folder / ready.read_text()
+
+
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A wheel built from the source tree (:func:`build_wheel`)."""
-    return build_wheel(tmp_path_factory.mktemp("wheel"))
+    """A wheel built from the source tree (:func:`shared_wheel`)."""
+    return shared_wheel(tmp_path_factory)
 
 
 def test_wheel_installs_into_a_fresh_venv_and_both_packages_import(tmp_path: Path, wheel: Path) -> None:
@@ -70,8 +90,10 @@ def test_wheel_installs_into_a_fresh_venv_and_both_packages_import(tmp_path: Pat
     assert 'Requires-Dist: Django<6.1,>=4.2; extra == "django"' in metadata
     # When it is installed (without dependencies) into a fresh venv whose dependencies come from this one
     venv = tmp_path / "venv"
-    run(sys.executable, "-m", "venv", venv, cwd=tmp_path)
-    run(venv / "bin" / "python", "-m", "pip", "install", "--no-deps", "--no-index", "-q", wheel, cwd=tmp_path)
+    # (No copy of pip set up in it, a few seconds of CPU time: this environment's pip installs into it.)
+    run(sys.executable, "-m", "venv", "--without-pip", venv, cwd=tmp_path)
+    pip = (sys.executable, "-m", "pip", "--python", venv / "bin" / "python")
+    run(*pip, "install", "--no-deps", "--no-index", "-q", wheel, cwd=tmp_path)
     site = Path(
         run(
             venv / "bin" / "python",
@@ -156,6 +178,11 @@ def fresh_venv(tmp_path_factory: pytest.TempPathFactory, wheel: Path) -> tuple[P
     return venv, wheel
 
 
+# The two tests of the fresh venv (a pip install from the package index, the costliest fixture of the suite) run on
+# one test process, which installs it once (make test uses --dist loadgroup). Its set-up is bounded by the test's
+# timeout: on a loaded host it took 105 to over 120 s, the suite's bound, so these two have a bound of their own.
+@pytest.mark.xdist_group("fresh-venv")
+@pytest.mark.timeout(300)
 def test_the_documented_extras_are_enough_for_a_guarded_worker_on_redis(
     tmp_path: Path, queue_name: str, fresh_venv: tuple[Path, Path]
 ) -> None:
@@ -276,6 +303,8 @@ def test_the_worker_can_be_killed_and_started(guarded_worker):
 """
 
 
+@pytest.mark.xdist_group("fresh-venv")
+@pytest.mark.timeout(300)
 def test_the_kit_from_the_wheel_needs_only_the_broker_and_the_store(
     tmp_path: Path, fresh_venv: tuple[Path, Path]
 ) -> None:

@@ -24,7 +24,8 @@ PORTS = {"redis": 6379, "postgres": 5432, "rabbitmq": 5672}
 # names are fixed (alert throttles, kombu's unacked index: a worker of one suite with a 3 s visibility timeout
 # gave back the other suite's held messages). pytest-xdist runs the suite in several processes (gw0, gw1, ...):
 # each claims a database of its own too. A claim is a key in database 0 (SET NX, three hours: a run that dies
-# without releasing it frees it then); the checkout's hashed choice is tried first. Processes the tests start
+# without releasing it frees it then, or at once a process of the same host that finds it dead); the checkout's
+# hashed choice is tried first. Processes the tests start
 # inherit GUARDRAILS_TEST_REDIS_URL and claim nothing (see _CLAIMANT below).
 _CHECKOUT = Path(__file__).resolve().parents[2]
 _WORKER = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw") or 0)
@@ -32,20 +33,69 @@ _DATABASES = range(1, 12)
 _CLAIM_SECONDS = 3 * 3600
 
 
+_TOKEN = f"{socket.gethostname()}:{os.getpid()}:{_CHECKOUT}"
+
+
 def _claim_database() -> int:
     preferred = _DATABASES[(int(hashlib.sha256(str(_CHECKOUT).encode()).hexdigest(), 16) + _WORKER) % len(_DATABASES)]
-    token = f"{socket.gethostname()}:{os.getpid()}:{_CHECKOUT}"
     try:
         import redis
 
         client = redis.Redis(host=HOST, port=PORTS["redis"], db=0, socket_timeout=2, socket_connect_timeout=2)
-        for database in [preferred, *(n for n in _DATABASES if n != preferred)]:
-            if client.set(f"guardrails-test-db:{database}", token, nx=True, ex=_CLAIM_SECONDS):
-                atexit.register(_release, client, database, token)
-                return database
+        order = [preferred, *(n for n in _DATABASES if n != preferred)]
+        for take in (_take_free, _take_stale):
+            for database in order:
+                if take(client, f"guardrails-test-db:{database}"):
+                    atexit.register(_release, client, database, _TOKEN)
+                    return database
     except Exception:  # no Redis (the tests that need it say so), or every database claimed: share the hashed one
         pass
     return preferred
+
+
+def _take_free(client: Any, key: str) -> bool:
+    return bool(client.set(key, _TOKEN, nx=True, ex=_CLAIM_SECONDS))
+
+
+def _take_stale(client: Any, key: str) -> bool:
+    """Take a claim whose process, on this host, has ended without releasing it (a process killed, or one
+    whose exit ran no atexit handler): it would keep the database for three hours."""
+    import redis
+
+    with client.pipeline() as pipe:
+        try:
+            pipe.watch(key)
+            held = pipe.get(key)
+            host, pid, _ = (held or b"::").decode().split(":", 2)
+            if host != socket.gethostname() or not pid.isdigit() or _alive(int(pid)):
+                return False
+            pipe.multi()
+            pipe.set(key, _TOKEN, ex=_CLAIM_SECONDS)
+            pipe.execute()
+            return True
+        except redis.WatchError:  # another process took it first
+            return False
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's
+        return True
+    return True
+
+
+def release_claim() -> None:
+    """Give this process's database back now: when pytest-xdist's controller starts (it runs no test, and make
+    test runs passes side by side, eight test processes that each need one of their own), and when a test process
+    ends (pytest-xdist's processes end without running atexit handlers)."""
+    import redis
+
+    with contextlib.suppress(Exception):  # a URL set by hand names what it likes; _release checks the claim
+        client = redis.Redis(host=HOST, port=PORTS["redis"], db=0, socket_timeout=2, socket_connect_timeout=2)
+        _release(client, int(REDIS_URL.rsplit("/", 1)[-1]), _TOKEN)
 
 
 def _release(client: Any, database: int, token: str) -> None:
