@@ -65,7 +65,7 @@ SLOW_FIRST = (
     "tests/test_packaging.py",  # a fresh venv from the package index, 106 s
     "tests/example_project/test_demo.py",  # 120 s
     "tests/django_app/test_alerts.py",  # 80 s
-    "tests/celery_guardrails/test_headers.py",  # 67 s
+    "tests/celery_guardrails/runtime/test_headers.py",  # 67 s
 )
 
 

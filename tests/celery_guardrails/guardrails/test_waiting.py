@@ -43,8 +43,20 @@ def listed(app: Any, task_id: str) -> status.WaitingMessage | None:
     return next((row for row in found.soonest if row.task_id == task_id), None)
 
 
+@pytest.fixture
+def own_store(celery_app: Any, tmp_path: Path) -> Any:
+    """A store of the test's own: ``status`` lists the soonest waits only, and other tests' waits in the shared
+    store could push this test's out of that list."""
+    server = PrivateRedis(workdir=tmp_path / "store").start()
+    celery_app.conf.guardrails = {**celery_app.conf.guardrails, "store": server.url}
+    try:
+        yield server
+    finally:
+        server.kill()
+
+
 def test_a_retry_then_a_budget_deferral_are_listed_while_they_wait_and_leave_once_it_runs(
-    celery_worker: Any, celery_app: Any, sink: Sink
+    own_store: PrivateRedis, celery_worker: Any, celery_app: Any, sink: Sink
 ) -> None:
     # Given a dependency whose retry budget allows no retry, and retries waiting 3 s (the jitter's draw fixed)
     dependency = f"dep-{uuid.uuid4().hex[:8]}"
