@@ -14,10 +14,10 @@ from celery_guardrails.options import app_value
 
 def _mail_recipients_missing(app: Any, guarded: list[Any]) -> str | None:
     """Why mail alerts reach nobody, or None when they reach someone."""
-    from celery_guardrails.operations.alerts import _django_configured
+    from celery_guardrails.operations.alert_channels import django_configured
     from celery_guardrails.runtime.outcomes import owner_of
 
-    if not _django_configured():
+    if not django_configured():
         return "there are no Django settings to send mail with"
     from django.conf import settings
 

@@ -57,9 +57,9 @@ def audit(app: Any, *, source: str | os.PathLike[str] | None = None) -> Report:
 
 
 def _django_base_dir() -> Path | None:
-    from celery_guardrails.operations.alerts import _django_configured
+    from celery_guardrails.operations.alert_channels import django_configured
 
-    if not _django_configured():
+    if not django_configured():
         return None
     from django.conf import settings
 
