@@ -16,7 +16,7 @@ from celery import group
 from django.core import mail
 from django.db import connection
 
-from celery_guardrails.operations import alerts
+from celery_guardrails.operations import alert_channels, alerts
 from celery_guardrails.operations.alerts import flush_alert_summaries
 from celery_guardrails.stores.redis import ALERT_PENDING, ALERT_PREFIX
 from tests.proj import django_tasks
@@ -136,7 +136,7 @@ def test_an_unreachable_channel_logs_one_warning_per_outage_then_says_it_is_back
     client = redis.Redis.from_url(REDIS_URL)
     client.delete(ALERT_PREFIX + group_key)
     client.srem(ALERT_PENDING, group_key)
-    monkeypatch.setattr(alerts, "RETRY_PAUSES", (0.05, 0.05))  # the three tries, quicker
+    monkeypatch.setattr(alert_channels, "RETRY_PAUSES", (0.05, 0.05))  # the three tries, quicker
     caplog.set_level(logging.DEBUG, logger="celery_guardrails.operations.alerts")
     # When a real worker dead-letters a message (its owner alerted), and three more alerts follow at once
     with pytest.raises(Exception, match="card refused"):
