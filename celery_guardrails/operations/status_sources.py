@@ -86,12 +86,12 @@ def read_dependencies(app: Any) -> list[DependencyStatus]:
     from celery_guardrails.foundation.clock import now
     from celery_guardrails.guardrails.budget import policy_for
     from celery_guardrails.options import task_attribute
-    from celery_guardrails.runtime.task import GuardedTask
+    from celery_guardrails.runtime.pipeline import is_guarded
     from celery_guardrails.stores import get_store
 
     tasks: dict[str, Any] = {}
     for task in app.tasks.values():
-        dependency = task_attribute(task, "dependency") if isinstance(task, GuardedTask) else None
+        dependency = task_attribute(task, "dependency") if is_guarded(task) else None
         if dependency and dependency not in tasks:
             tasks[dependency] = task
     store = get_store(app) if tasks else None
@@ -155,11 +155,10 @@ def read_schedules(app: Any) -> list[ScheduleStatus]:
 def ordered(app: Any) -> bool:
     """Whether a guarded task of the app declares an ``ordering_key`` (one given only per call is not known)."""
     from celery_guardrails.options import task_attribute
-    from celery_guardrails.runtime.task import GuardedTask
+    from celery_guardrails.runtime.pipeline import is_guarded
 
     return any(
-        isinstance(task, GuardedTask) and task_attribute(task, "ordering_key") is not None
-        for task in list(app.tasks.values())
+        is_guarded(task) and task_attribute(task, "ordering_key") is not None for task in list(app.tasks.values())
     )
 
 
@@ -183,9 +182,9 @@ def read_ordering(app: Any, *, now: float) -> OrderingWaits:
 
 def guarded(app: Any) -> bool:
     """Whether the app has a guarded task (only those can wait for a countdown the guardrails set)."""
-    from celery_guardrails.runtime.task import GuardedTask
+    from celery_guardrails.runtime.pipeline import is_guarded
 
-    return any(isinstance(task, GuardedTask) for task in list(app.tasks.values()))
+    return any(is_guarded(task) for task in list(app.tasks.values()))
 
 
 def read_waiting(app: Any, *, now: float, tenants: frozenset[str] | None = None, limit: int = WAITING_SHOWN) -> Waiting:

@@ -40,9 +40,9 @@ def audit(app: Any, *, source: str | os.PathLike[str] | None = None) -> Report:
     with contextlib.suppress(Exception):
         app.loader.import_default_modules()
     tasks = graded_tasks(app)
-    from celery_guardrails.runtime.task import GuardedTask
+    from celery_guardrails.runtime.pipeline import is_guarded
 
-    guarded = [task for task in tasks if isinstance(task, GuardedTask)]
+    guarded = [task for task in tasks if is_guarded(task)]
     code, tests = source_walks(source)
     findings: list[Finding] = []
     findings += placement_rules(app, code)
@@ -88,7 +88,7 @@ def startup_rules(app: Any) -> list[Finding]:
     the app's graded tasks: the retry rules (GA201, GA202, GA3xx), the visibility rule (GA501) and the redaction
     rule (GA106). The owner rule (GA401) is logged there too, as one line naming every task."""
     tasks = graded_tasks(app)
-    from celery_guardrails.runtime.task import GuardedTask
+    from celery_guardrails.runtime.pipeline import is_guarded
 
-    guarded = [task for task in tasks if isinstance(task, GuardedTask)]
+    guarded = [task for task in tasks if is_guarded(task)]
     return retry_rules(app, tasks) + visibility_rules(app, tasks) + redaction_rules(app, guarded)

@@ -24,7 +24,7 @@ def visibility_rules(app: Any, tasks: list[Any]) -> list[Finding]:
     finding, and the worker's start-up warning (:func:`celery_guardrails.runtime.install.warn_about`)."""
     from celery_guardrails.broker.delays import visibility_timeout
     from celery_guardrails.broker.kind import broker_kind
-    from celery_guardrails.runtime.task import GuardedTask
+    from celery_guardrails.runtime.pipeline import is_guarded
 
     if not broker_kind(app).redis:
         return []
@@ -33,7 +33,7 @@ def visibility_rules(app: Any, tasks: list[Any]) -> list[Finding]:
     lease = app_value(app, "broker_lease")
     for task in tasks:
         longer = []
-        if isinstance(task, GuardedTask):
+        if is_guarded(task):
             longer.append(("backoff_max", float(resolve(task, "backoff_max", {}))))
             later = float(resolve(task, "retry_later_delay", {})) * resolve(task, "retry_later_max", {})
             longer.append(("retry_later_delay * retry_later_max", later))

@@ -47,11 +47,11 @@ def _gate_fix() -> str:
 def retry_rules(app: Any, tasks: list[Any]) -> list[Finding]:
     """The rules about running a body again (GA201, GA202, GA3xx) for ``tasks``: the audit's findings, and
     what a worker logs as it starts (:func:`celery_guardrails.runtime.install.warn_about`)."""
-    from celery_guardrails.runtime.task import GuardedTask
+    from celery_guardrails.runtime.pipeline import is_guarded
 
     found = []
     for task in tasks:
-        if isinstance(task, GuardedTask):
+        if is_guarded(task):
             found += _guarded_retries(app, task)
         else:
             found += _plain_retries(task)
