@@ -26,16 +26,10 @@ NOT_YET_SPLIT: dict[str, int] = {
     "celery_guardrails.stores.base": 566,  # the protocol and the rules both stores follow
     "celery_guardrails.stores.redis": 636,  # the idempotency half of the Redis store, not yet in a file of its own
 }
-#: Modules still in an import cycle (#31): the guardrails that share idempotency's heartbeats and the retry gate;
-#: the core's outbox relay and beat entries that import the Django app (which will register with the core instead).
+#: Modules still in an import cycle (#31): the core's outbox relay and beat entries, which import the Django app
+#: (which should register with the core instead).
 STILL_IN_CYCLES: frozenset[str] = frozenset(
     {
-        "celery_guardrails.guardrails.concurrency",
-        "celery_guardrails.guardrails.idempotency",
-        "celery_guardrails.guardrails.retries",
-        "celery_guardrails.runtime.classification",
-        "celery_guardrails.runtime.effects",
-        "celery_guardrails.runtime.gate",
         "celery_guardrails.runtime.outbox",
         "django_celery_guardrails.outbox",
         "celery_guardrails.scheduling.beat",

@@ -335,6 +335,7 @@ class ConcurrencyLimit(Guardrail):
                 self._wait(task, key, limit, answer.retry_at)
             grant = Grant(key=key, holder=holder, reap_after=reap_after, confirmed=started)
             state.concurrency.append(grant)
+            state.fence = functools.partial(fence, task)
             state.holds.append(Hold(holder, functools.partial(_let_go, store, state, grant)))
             beat = functools.partial(_beat, store, grant)
             HEARTBEATS.add(store, key, holder, lease=reap_after, beat=beat, every=beat_interval(reap_after))

@@ -33,9 +33,7 @@ block left by such a failure counts no effect (:mod:`celery_guardrails.runtime.e
 from __future__ import annotations
 
 import enum
-import errno
 import re
-import socket
 import sys
 import time
 from collections.abc import Mapping
@@ -47,47 +45,18 @@ from celery.exceptions import Ignore, Reject, Retry
 
 from celery_guardrails.exceptions import PermanentError, RetryLater, SlotLostError, TransientError
 from celery_guardrails.options import APP, TASK, Option, checks, declare, resolve
-
-#: Statuses worth retrying: request timeout, too early, too many requests (and every 5xx).
-TRANSIENT_STATUSES = frozenset({408, 425, 429})
-#: Statuses that say the server did not act on the request (so any task may send it again).
-UNPROCESSED_STATUSES = TRANSIENT_STATUSES
-#: Failures of those libraries to connect at all: nothing was sent.
-CONNECT_FAILURES = frozenset(
-    {
-        "ConnectTimeout",  # requests, httpx
-        "ConnectError",  # httpx (refused, DNS, TLS handshake)
-        "NewConnectionError",
-        "NameResolutionError",
-        "ConnectTimeoutError",  # urllib3
-    }
+from celery_guardrails.runtime.wire import (
+    CONNECT_FAILURES,
+    TRANSIENT_STATUSES,
+    TRANSPORT_ERRORS,
+    http_library,
+    status_of,
 )
-#: Socket errors of a connection that was never made.
-CONNECT_ERRNOS = frozenset({errno.ECONNREFUSED, errno.ENETUNREACH, errno.EHOSTUNREACH})
+
 #: Rules that are the task author's own word that trying again is safe.
 OWN_WORD = frozenset({"TransientError"})
 #: The rule of a delivery stopped because its concurrency slot was reaped (SlotLostError).
 SLOT_LOST = "concurrency:slot_lost"
-HTTP_LIBRARIES = frozenset({"requests", "httpx", "urllib3", "urllib"})
-# Transport-level failures of those libraries (no response at all): always worth another try.
-TRANSPORT_ERRORS = frozenset(
-    {
-        "ConnectionError",
-        "Timeout",
-        "ConnectTimeout",
-        "ReadTimeout",  # requests
-        "TransportError",
-        "TimeoutException",
-        "NetworkError",
-        "RemoteProtocolError",  # httpx
-        "ProtocolError",
-        "NewConnectionError",
-        "ConnectTimeoutError",
-        "ReadTimeoutError",
-        "MaxRetryError",  # urllib3
-        "URLError",  # urllib (an HTTPError, which carries a status, is classified by it first)
-    }
-)
 
 
 def _patterns(value: Any) -> tuple[tuple[re.Pattern[str], str], ...]:
@@ -289,47 +258,14 @@ def _imported_validation_errors() -> tuple[type, ...]:
     return tuple(found)
 
 
-def sent_nothing(exc: BaseException) -> bool:
-    """Whether the failure proves the request never reached the dependency.
-
-    Looks through the exception and what it wraps (``__cause__``, ``__context__``, ``reason``, exception
-    arguments: requests wraps urllib3, urllib wraps the socket error): a refused connection, a name that
-    does not resolve, an unreachable network, an HTTP library's connect failure or connect timeout, or a
-    status saying the request was not processed (408, 425, 429).
-    """
-    pending: list[BaseException] = [exc]
-    seen: set[int] = set()
-    while pending and len(seen) < 32:
-        error = pending.pop()
-        if id(error) in seen:
-            continue
-        seen.add(id(error))
-        if isinstance(error, ConnectionRefusedError | socket.gaierror):
-            return True
-        if isinstance(error, OSError) and error.errno in CONNECT_ERRNOS:
-            return True
-        if _http_library(error) and (
-            {klass.__name__ for klass in type(error).__mro__} & CONNECT_FAILURES
-            or status_of(error) in UNPROCESSED_STATUSES
-        ):
-            return True
-        wrapped = (error.__cause__, error.__context__, getattr(error, "reason", None), *error.args)
-        pending.extend(item for item in wrapped if isinstance(item, BaseException))
-    return False
-
-
 def _transport_failure(exc: BaseException) -> bool:
     """A failure of an HTTP library to get an answer at all (its own transport error classes)."""
     names = {klass.__name__ for klass in type(exc).__mro__}
-    return bool(names & (TRANSPORT_ERRORS | CONNECT_FAILURES)) and _http_library(exc)
-
-
-def _http_library(exc: BaseException) -> bool:
-    return any(klass.__module__.partition(".")[0] in HTTP_LIBRARIES for klass in type(exc).__mro__)
+    return bool(names & (TRANSPORT_ERRORS | CONNECT_FAILURES)) and http_library(exc)
 
 
 def _http_verdict(exc: BaseException) -> Verdict | None:
-    if not _http_library(exc):
+    if not http_library(exc):
         return None
     status = status_of(exc)
     if status is None:
@@ -339,17 +275,6 @@ def _http_verdict(exc: BaseException) -> Verdict | None:
         return Verdict(Kind.TRANSIENT, f"http:{status}", retry_after_of(exc))
     if 400 <= status <= 499:
         return Verdict(Kind.PERMANENT, f"http:{status}")
-    return None
-
-
-def status_of(exc: BaseException) -> int | None:
-    """The HTTP status an exception carries (requests/httpx ``response.status_code``, urllib3 ``status``,
-    urllib ``code``)."""
-    response = getattr(exc, "response", None)
-    for holder, attribute in ((response, "status_code"), (response, "status"), (exc, "status"), (exc, "code")):
-        value = getattr(holder, attribute, None) if holder is not None else None
-        if isinstance(value, int):
-            return value
     return None
 
 

@@ -130,6 +130,9 @@ class Delivery:
     ordering_checked: bool = False
     #: The concurrency slots held, in the order taken.
     concurrency: list[Grant] = field(default_factory=list)
+    #: Set with the first slot taken: raises SlotLostError when a slot this delivery holds was reaped (the
+    #: concurrency guardrail's fence, handed over here so that ``effect()`` asks it without importing a guardrail).
+    fence: Callable[[str], None] | None = None
     #: What to give up before this delivery's message is published again (claims, run slots).
     holds: list[Hold] = field(default_factory=list)
     #: A guardrail is publishing the message again (so it is not taken for the body's own ``self.retry()``).

@@ -45,8 +45,8 @@ from celery.app.task import Context
 from celery.local import Proxy
 
 from celery_guardrails.options import TASK, Option, checks, declare, resolve
-from celery_guardrails.runtime.classification import sent_nothing
 from celery_guardrails.runtime.delivery import ATTRIBUTE, Delivery
+from celery_guardrails.runtime.wire import sent_nothing
 
 logger = logging.getLogger(__name__)
 
@@ -99,12 +99,10 @@ class effect(ContextDecorator):  # lower case: used like a function, ``with effe
         state = self.explicit if self.explicit is not None else _running()
         if state is not None and not state.in_body:
             state = None
-        if state is not None and state.concurrency:
+        if state is not None and state.concurrency and state.fence is not None:
             # A holder whose concurrency slot was reaped while it stalled does not act beside the slot's new
             # holder: SlotLostError here, before the block (no effect counted).
-            from celery_guardrails.guardrails.concurrency import fence
-
-            fence(current_task._get_current_object(), "effect")
+            state.fence("effect")
         self.state = state
         return self
 

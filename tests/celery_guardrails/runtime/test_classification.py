@@ -16,8 +16,9 @@ from celery import Celery
 from celery.exceptions import Ignore, Reject, Retry
 
 from celery_guardrails import GuardedTask, PermanentError, RetryLater, SlotLostError, TransientError
-from celery_guardrails.runtime.classification import Kind, classify, parse_retry_after, sent_nothing
+from celery_guardrails.runtime.classification import Kind, classify, parse_retry_after
 from celery_guardrails.runtime.delivery import Delivery
+from celery_guardrails.runtime.wire import sent_nothing
 
 app = Celery("classification", set_as_current=False)
 
