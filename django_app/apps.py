@@ -20,4 +20,19 @@ class GuardrailsConfig(AppConfig):
         from . import checks  # noqa: F401  (registers the system checks)
         from .scoping import create_permissions
 
-        post_migrate.connect(create_permissions, sender=self)  # guardrails.view_all_tenants (admin_tenants)
+        post_migrate.connect(create_permissions, sender=self)
+        # The core's worker bootstep runs the outbox relay it is given: the core does not import this app.
+        from celery_guardrails.runtime import outbox as core_outbox
+
+        from .outbox import relay_loop
+
+        core_outbox.register_relay(relay_loop)
+        from django.apps import apps
+
+        if apps.is_installed("django_celery_beat"):
+            # Beat, the watchdog, status and the audit read django-celery-beat's rows through the core.
+            from celery_guardrails.scheduling import entries
+
+            from .schedulers import periodic_task_rows
+
+            entries.register_rows(periodic_task_rows)  # guardrails.view_all_tenants (admin_tenants)

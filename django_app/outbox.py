@@ -51,16 +51,18 @@ from __future__ import annotations
 import functools
 import json
 import logging
+import threading
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING, Any
 
 from celery.utils import uuid
-from django.db import connection, transaction
+from django.db import close_old_connections, connection, transaction
 from django.utils import timezone
 from kombu.serialization import dumps, loads
 
 from celery_guardrails import signals
+from celery_guardrails.foundation.forks import quiet
 from celery_guardrails.log import shown
 from celery_guardrails.options import OPTIONS, app_value
 from celery_guardrails.runtime import headers
@@ -404,3 +406,34 @@ def backlog(*, now: datetime | None = None) -> tuple[int, float | None]:
     if oldest is None:
         return 0, None
     return OutboxMessage.objects.count(), max(0.0, (moment - oldest).total_seconds())
+
+
+def relay_loop(app: Any, stopping: threading.Event, *, interval: float | None = None, batch: int | None = None) -> None:
+    """Relay until ``stopping`` is set: a pass, then a wait of ``interval`` unless the pass filled its batch."""
+    wait = float(app_value(app, "outbox_relay_interval") if interval is None else interval)
+    size = int(app_value(app, "outbox_batch") if batch is None else batch)
+    lease = float(app_value(app, "outbox_relay_lease"))
+    with quiet():  # no pool child forked while this thread is inside kombu's imports
+        publisher = RelayPublisher(app)  # one broker connection for every pass
+    failures = 0
+    try:
+        while not stopping.is_set():
+            full = False
+            try:
+                # The project's CONN_MAX_AGE decides whether the connection lives across passes (Django's default,
+                # 0, closes it); one left broken by a failed pass is closed here either way.
+                with quiet():  # no pool child forked while a pass is inside the database driver
+                    close_old_connections()
+                    done = relay(app, batch=size, lease=lease, publisher=publisher)
+                full = done.handled >= size
+                if failures:
+                    logger.info("Outbox relay: working again after %d failed pass(es)", failures)
+                failures = 0
+            except Exception:
+                failures += 1
+                (logger.exception if failures == 1 else logger.debug)("Outbox relay: a pass failed", exc_info=True)
+            if not full:
+                stopping.wait(wait)
+    finally:
+        publisher.close()
+        connection.close()

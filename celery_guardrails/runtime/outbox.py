@@ -30,7 +30,6 @@ from typing import Any
 
 from celery import bootsteps
 
-from celery_guardrails.foundation.forks import quiet
 from celery_guardrails.options import APP, Option, app_value, checks, declare
 from celery_guardrails.stores import django_apps_installed
 
@@ -168,39 +167,15 @@ class RelayPublisher:
                     logger.debug("Outbox relay: closing its broker connection failed", exc_info=True)
 
 
-def relay_loop(app: Any, stopping: threading.Event, *, interval: float | None = None, batch: int | None = None) -> None:
-    """Relay until ``stopping`` is set: a pass, then a wait of ``interval`` unless the pass filled its batch."""
-    from django.db import close_old_connections, connection
+#: The Django app's relay loop, ``loop(app, stopping)``, registered as the app is ready
+#: (:func:`register_relay`): the core does not import the Django app. None: no outbox to relay.
+_relay_loop: Callable[[Any, threading.Event], None] | None = None
 
-    from django_celery_guardrails.outbox import relay
 
-    wait = float(app_value(app, "outbox_relay_interval") if interval is None else interval)
-    size = int(app_value(app, "outbox_batch") if batch is None else batch)
-    lease = float(app_value(app, "outbox_relay_lease"))
-    with quiet():  # no pool child forked while this thread is inside kombu's imports
-        publisher = RelayPublisher(app)  # one broker connection for every pass
-    failures = 0
-    try:
-        while not stopping.is_set():
-            full = False
-            try:
-                # The project's CONN_MAX_AGE decides whether the connection lives across passes (Django's default,
-                # 0, closes it); one left broken by a failed pass is closed here either way.
-                with quiet():  # no pool child forked while a pass is inside the database driver
-                    close_old_connections()
-                    done = relay(app, batch=size, lease=lease, publisher=publisher)
-                full = done.handled >= size
-                if failures:
-                    logger.info("Outbox relay: working again after %d failed pass(es)", failures)
-                failures = 0
-            except Exception:
-                failures += 1
-                (logger.exception if failures == 1 else logger.debug)("Outbox relay: a pass failed", exc_info=True)
-            if not full:
-                stopping.wait(wait)
-    finally:
-        publisher.close()
-        connection.close()
+def register_relay(loop: Callable[[Any, threading.Event], None]) -> None:
+    """Make ``loop`` the relay a worker runs (``django_celery_guardrails``' AppConfig.ready calls this)."""
+    global _relay_loop
+    _relay_loop = loop
 
 
 class OutboxRelayStep(bootsteps.StartStopStep):  # type: ignore[misc]
@@ -215,10 +190,11 @@ class OutboxRelayStep(bootsteps.StartStopStep):  # type: ignore[misc]
 
     def start(self, parent: Any) -> None:
         app = parent.app
-        if not app_value(app, "outbox_relay") or not django_apps_installed():
+        loop = _relay_loop  # registered whenever the Django app is ready (django_apps_installed)
+        if not app_value(app, "outbox_relay") or not django_apps_installed() or loop is None:
             return
         self.thread = threading.Thread(
-            target=relay_loop, args=(app, self.stopping), name="guardrails-outbox-relay", daemon=True
+            target=loop, args=(app, self.stopping), name="guardrails-outbox-relay", daemon=True
         )
         self.thread.start()
 

@@ -10,7 +10,7 @@ it, raised when beat or a worker starts. What happens to an entry's due periods 
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from functools import lru_cache
@@ -39,6 +39,21 @@ MAX_PERIODS = 2000
 PLAIN_TASK_PREFIXES = ("celery.", "django_celery_guardrails.")
 #: Where the shortest gap of a crontab is measured (a Monday; the first runs after it).
 _GAP_FROM = datetime(2001, 1, 1, tzinfo=UTC)
+
+#: django-celery-beat's rows as beat entries, ``reader(app, names=...)``: registered by the Django app when it is
+#: ready with django-celery-beat installed (:func:`register_rows`; the core does not import the Django app).
+_row_reader: Callable[..., tuple[dict[str, Any], dict[str, Any], set[str]]] | None = None
+
+
+def register_rows(reader: Callable[..., tuple[dict[str, Any], dict[str, Any], set[str]]]) -> None:
+    """Make ``reader`` the source of django-celery-beat's rows (``django_celery_guardrails``' AppConfig.ready)."""
+    global _row_reader
+    _row_reader = reader
+
+
+def registered_rows() -> Callable[..., tuple[dict[str, Any], dict[str, Any], set[str]]] | None:
+    """The registered reader of django-celery-beat's rows, when django-celery-beat is an installed app."""
+    return _row_reader if django_apps_installed("django_celery_beat") else None
 
 
 @dataclass(slots=True, kw_only=True)
@@ -269,9 +284,8 @@ def all_configured_entries(
     raw: dict[str, Any] = dict(app.conf.beat_schedule or {})
     known = set(raw)
     disabled: dict[str, Any] = {}
-    if django_apps_installed("django_celery_beat"):
-        from django_celery_guardrails.schedulers import periodic_task_rows
-
+    periodic_task_rows = registered_rows()
+    if periodic_task_rows is not None:
         named = None if every_row else set(app_value(app, "schedules")) - known  # no query when empty
         rows, disabled, names = periodic_task_rows(app, names=named)
         # A settings entry django-celery-beat copied into its table is read from the settings, as it always was.
@@ -301,9 +315,8 @@ def watch_list(app: Any, *, rows: bool = True, warned: set[str] | None = None) -
     raw: dict[str, Any] = dict(app.conf.beat_schedule or {})
     disabled: dict[str, Any] = {}
     known = set(raw)
-    if rows and django_apps_installed("django_celery_beat"):
-        from django_celery_guardrails.schedulers import periodic_task_rows
-
+    periodic_task_rows = registered_rows() if rows else None
+    if periodic_task_rows is not None:
         enabled, disabled, names = periodic_task_rows(app, names=None)
         enabled = {name: row for name, row in enabled.items() if name not in raw}
         disabled = {name: row for name, row in disabled.items() if name not in raw}

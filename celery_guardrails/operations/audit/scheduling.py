@@ -30,13 +30,12 @@ def _django_beat_installed() -> bool:
 def _beat_rows(app: Any) -> dict[str, Any] | None:
     """django-celery-beat's rows as beat entries (enabled or not), by name; None when django-celery-beat is not
     installed or its table cannot be read (not migrated yet)."""
-    from celery_guardrails.stores import django_apps_installed
+    from celery_guardrails.scheduling.entries import registered_rows
 
-    if not django_apps_installed("django_celery_beat"):
+    periodic_task_rows = registered_rows()
+    if periodic_task_rows is None:
         return None
     try:
-        from django_celery_guardrails.schedulers import periodic_task_rows
-
         enabled, disabled, _ = periodic_task_rows(app, names=None)
     except Exception:  # no table yet, no database: the rows are not graded (an audit never raises)
         return None

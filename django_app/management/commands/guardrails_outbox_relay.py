@@ -15,9 +15,9 @@ from celery import current_app
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
 from celery_guardrails.options import app_value
-from celery_guardrails.runtime.outbox import RelayPublisher, relay_loop
+from celery_guardrails.runtime.outbox import RelayPublisher
 
-from ...outbox import relay
+from ...outbox import relay, relay_loop
 from ..arguments import AGE_HELP, age, whole_number
 
 #: The largest --batch: one pass claims and publishes at most this many messages.
