@@ -1,10 +1,6 @@
 """The architecture, checked: no import cycle among the project's modules, counting every import (at module
 level, under ``TYPE_CHECKING`` and inside functions: each is a dependency a maintainer holds in mind), and no
-module over 500 lines except the declared tables.
-
-The length rule is a ratchet while issue #31 is open: the modules still over 500 lines are listed with the length
-they may not pass; a module that grows past 500 lines fails, and so does a listed one that no longer needs its
-place (the list only shrinks). See docs/architecture.md for the layers.
+module over 500 lines except the declared tables (none today). See docs/architecture.md for the layers.
 """
 
 from __future__ import annotations
@@ -20,12 +16,6 @@ PACKAGES = {"celery_guardrails": ROOT / "celery_guardrails", "django_celery_guar
 #: Modules allowed over MAX_LINES: declared tables, read as data (a literal, not logic).
 TABLES: frozenset[str] = frozenset()
 MAX_LINES = 500
-#: Modules still over MAX_LINES, and the length each may not pass until it is split (#31).
-NOT_YET_SPLIT: dict[str, int] = {
-    "celery_guardrails.guardrails.idempotency": 667,  # its heartbeats and key rendering serve five guardrails
-    "celery_guardrails.stores.base": 566,  # the protocol and the rules both stores follow
-    "celery_guardrails.stores.redis": 636,  # the idempotency half of the Redis store, not yet in a file of its own
-}
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -143,9 +133,7 @@ def test_no_module_imports_its_way_back_to_itself() -> None:
 
 def test_no_module_is_over_500_lines_except_declared_tables() -> None:
     long = {name: n for name, path in modules().items() if (n := len(path.read_text().splitlines())) > MAX_LINES}
-    grown = {name: n for name, n in long.items() if name not in TABLES and n > NOT_YET_SPLIT.get(name, MAX_LINES)}
-    assert grown == {}
-    assert {name for name in NOT_YET_SPLIT if name not in long} == set(), "split now: remove from NOT_YET_SPLIT"
+    assert {name: n for name, n in long.items() if name not in TABLES} == {}
 
 
 def test_the_cycle_finder_finds_a_cycle_through_a_type_only_import() -> None:

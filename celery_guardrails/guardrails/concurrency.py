@@ -68,11 +68,12 @@ from celery_guardrails.exceptions import (
     StoreError,
 )
 from celery_guardrails.foundation.context import current_tenant
-from celery_guardrails.guardrails.idempotency import HEARTBEATS, delivery_owner, render_key
+from celery_guardrails.guardrails.keys import render_key
 from celery_guardrails.guardrails.retries import retry_later
 from celery_guardrails.options import APP, TASK, Option, checks, declare, resolve
 from celery_guardrails.runtime import headers
 from celery_guardrails.runtime.delivery import ATTRIBUTE, Delivery, Grant, Hold, delivery
+from celery_guardrails.runtime.heartbeats import HEARTBEATS, delivery_owner
 from celery_guardrails.runtime.outcomes import PERMANENT, attempt_record, fail_finally
 from celery_guardrails.runtime.pipeline import Guardrail, Publication
 from celery_guardrails.stores import get_store

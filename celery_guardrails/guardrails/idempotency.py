@@ -34,18 +34,11 @@ again. Close it with a natural key on the effect or the provider's own idempoten
 from __future__ import annotations
 
 import functools
-import hashlib
-import inspect
-import itertools
 import logging
 import os
-import threading
 import time
-import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager
-from dataclasses import dataclass, replace
-from string import Formatter
 from typing import TYPE_CHECKING, Any
 
 from celery.utils.saferepr import saferepr
@@ -54,10 +47,22 @@ from celery_guardrails import signals
 from celery_guardrails.exceptions import DuplicateOfFailureError, IdempotencyKeyError, RetryLater, StoreError
 from celery_guardrails.foundation.context import current_tenant
 from celery_guardrails.foundation.redaction import redacted_error
+from celery_guardrails.guardrails.keys import KEY_MAX_LENGTH as KEY_MAX_LENGTH
+from celery_guardrails.guardrails.keys import STORED_MAX_LENGTH as STORED_MAX_LENGTH
+from celery_guardrails.guardrails.keys import render_key as render_key
+from celery_guardrails.guardrails.keys import scoped_key as scoped_key
+from celery_guardrails.guardrails.keys import task_signature as task_signature
+from celery_guardrails.guardrails.keys import validate_key as validate_key
 from celery_guardrails.guardrails.retries import retry_later
 from celery_guardrails.options import APP, CALL, TASK, Option, checks, declare, resolve
 from celery_guardrails.runtime import headers
 from celery_guardrails.runtime.delivery import Completion, HeldKey, Hold, delivery
+from celery_guardrails.runtime.heartbeats import HEARTBEATS as HEARTBEATS
+from celery_guardrails.runtime.heartbeats import Beat as Beat
+from celery_guardrails.runtime.heartbeats import Heartbeats as Heartbeats
+from celery_guardrails.runtime.heartbeats import Renewal as Renewal
+from celery_guardrails.runtime.heartbeats import delivery_owner as delivery_owner
+from celery_guardrails.runtime.heartbeats import heartbeat as heartbeat
 from celery_guardrails.runtime.outcomes import BAD_IDEMPOTENCY_KEY, attempt_record, fail_finally
 from celery_guardrails.runtime.pipeline import Guardrail, Publication, SkipBody, SkipPublish
 from celery_guardrails.scheduling.ledger import period_key
@@ -69,10 +74,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-#: Longest key a task may make (before scoping), in characters.
-KEY_MAX_LENGTH = 200
-#: Longest scoped key stored as it is; a longer one is stored as a prefix and a SHA-256.
-STORED_MAX_LENGTH = 255
 SUMMARY_MAX_LENGTH = 200
 
 
@@ -125,216 +126,6 @@ DECLARED = declare(
         scopes=frozenset({TASK, APP}),
     ),
 )
-
-
-def render_key(
-    task: Any,
-    spec: Any,
-    args: tuple[Any, ...],
-    kwargs: dict[str, Any],
-    *,
-    option: str = "idempotency_key",
-    error: type[Exception] = IdempotencyKeyError,
-    extra: dict[str, Any] | None = None,
-) -> str:
-    """The key ``spec`` makes for these arguments (see the module docstring); raises ``error``
-    (IdempotencyKeyError). ``option`` names the option in the messages (the ordering and concurrency
-    guardrails make their keys the same way); ``extra``: more fields a template may name (a task argument
-    of the same name wins), e.g. ``{tenant}`` for a concurrency key."""
-    if callable(spec):
-        try:
-            key = spec(*args, **kwargs)
-        except Exception as exc:
-            raise error(f"{task.name}: {option} callable failed: {exc!r}") from exc
-    else:
-        arguments: dict[str, Any] = {}
-        if _template_fields(spec):
-            try:
-                bound = task_signature(task).bind(*args, **kwargs)
-            except TypeError as exc:
-                raise error(f"{task.name}: arguments do not fit the task: {exc}") from exc
-            bound.apply_defaults()
-            arguments = {**(extra or {}), **bound.arguments}
-        try:
-            key = spec.format(**arguments)
-        except (KeyError, IndexError, AttributeError, ValueError) as exc:
-            raise error(f"{task.name}: {option} {spec!r} names {exc}, which is not an argument of the task") from exc
-    return validate_key(task.name, key, what=option.replace("_", " "), error=error)
-
-
-@functools.lru_cache(maxsize=1024)
-def _template_fields(spec: str) -> bool:
-    """Whether a key template names any field (parsed once per template: keys are made on every publish)."""
-    return any(name for _, name, _, _ in Formatter().parse(spec))
-
-
-_SIGNATURES: dict[type, inspect.Signature] = {}
-
-
-def task_signature(task: Any) -> inspect.Signature:
-    """The signature of the task's ``run`` (without ``self`` for bound tasks), computed once per class."""
-    task = task._get_current_object() if hasattr(task, "_get_current_object") else task
-    signature = _SIGNATURES.get(type(task))
-    if signature is None:
-        signature = _SIGNATURES[type(task)] = inspect.signature(task.run)
-    return signature
-
-
-def validate_key(
-    task_name: str, key: Any, *, what: str = "idempotency key", error: type[Exception] = IdempotencyKeyError
-) -> str:
-    if not isinstance(key, str) or not key:
-        raise error(f"{task_name}: {what} must be a non-empty str, got {key!r:.80}")
-    if len(key) > KEY_MAX_LENGTH:
-        raise error(f"{task_name}: {what} is {len(key)} characters, over {KEY_MAX_LENGTH}")
-    if not key.isprintable() or key.split() != [key]:  # split() cuts at every whitespace character
-        raise error(f"{task_name}: {what} {key!r:.80} has whitespace or control characters")
-    return key
-
-
-def scoped_key(task_name: str, tenant: str | None, key: str) -> str:
-    """``task:tenant:key``; past STORED_MAX_LENGTH, a readable prefix and the SHA-256 of the whole."""
-    scoped = f"{task_name}:{tenant or '-'}:{key}"
-    if len(scoped) <= STORED_MAX_LENGTH:
-        return scoped
-    digest = hashlib.sha256(scoped.encode()).hexdigest()
-    return f"{scoped[: STORED_MAX_LENGTH - 66]}~{digest}"
-
-
-class _Deliveries:
-    """Numbers the deliveries of this process: a random prefix per process (made again after a fork) and a
-    counter. Unique per delivery like a fresh UUID, without a call to the OS per task."""
-
-    def __init__(self) -> None:
-        self.pid = 0
-        self.prefix = ""
-        self.numbers = itertools.count()
-
-    def next(self) -> str:
-        if self.pid != os.getpid():
-            self.pid, self.prefix = os.getpid(), uuid.uuid4().hex[:8]
-        return f"{self.prefix}.{next(self.numbers)}"
-
-
-_DELIVERIES = _Deliveries()
-
-
-def delivery_owner(request: Any) -> str:
-    """Who holds a claim: this delivery of this message in this worker process (unique per delivery)."""
-    return f"{request.hostname}:{os.getpid()}:{request.id}:{_DELIVERIES.next()}"
-
-
-#: A heartbeat of something other than a claim: called with the time, says whether it is still held.
-Beat = Callable[[float], bool]
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class Renewal:
-    """What the heartbeat thread renews for one (key, owner), and when next."""
-
-    store: Store
-    #: Seconds the lease runs from each renewal.
-    lease: float
-    #: Seconds between two beats.
-    interval: float
-    #: Monotonic time of the next beat.
-    due: float
-    #: The beat of a hold that is not a claim (None: the claim's own renewal, ``store.extend``).
-    beat: Beat | None = None
-
-
-class Heartbeats:
-    """One thread per worker process renews the leases of every claim running in it (and beats for the other
-    holds of its deliveries: concurrency slots, see :mod:`celery_guardrails.guardrails.concurrency`).
-
-    A claim's lease is renewed every third of it; the claim itself was the first beat, so a short lease
-    cannot lapse before the first renewal. One shared thread instead of one per task: starting a thread per
-    task would cost more than the task's two store round trips.
-    """
-
-    def __init__(self) -> None:
-        self.lock = threading.Condition()
-        self.claims: dict[tuple[str, str], Renewal] = {}
-        self.pid = 0
-        self.wakes_at = 0.0  # monotonic time the thread wakes up next (0: it is not waiting)
-        self.idle = 60.0  # how long the thread sleeps holding no claim: the shortest beat interval seen
-
-    def _ensure_thread(self) -> None:
-        if self.pid != os.getpid():  # first use, or a forked pool child: the parent's thread is not here
-            self.pid = os.getpid()
-            self.claims.clear()
-            self.wakes_at = 0.0
-            threading.Thread(target=self._run, name="guardrails-heartbeats", daemon=True).start()
-
-    def add(
-        self, store: Store, key: str, owner: str, *, lease: float, beat: Beat | None = None, every: float = 0.0
-    ) -> None:
-        """Renew ``owner``'s claim of ``key`` every third of ``lease``; or, given ``beat``, call it every
-        ``every`` seconds (False: the hold is lost)."""
-        interval = every if beat is not None else lease / 3
-        with self.lock:
-            self._ensure_thread()
-            due = time.monotonic() + interval
-            self.claims[(key, owner)] = Renewal(store=store, lease=lease, interval=interval, due=due, beat=beat)
-            # Wake the thread only when this beat is due before it would wake anyway. Holding no claim, it
-            # sleeps the shortest beat interval seen, so with one lease for all tasks a new claim never wakes
-            # it: a thread switch per task cost a solo worker more than its guardrails' Python.
-            self.idle = min(self.idle, interval)
-            if due < self.wakes_at:
-                self.lock.notify()
-
-    def holds(self, key: str, owner: str) -> bool:
-        with self.lock:
-            return (key, owner) in self.claims
-
-    def remove(self, key: str, owner: str) -> None:
-        with self.lock:
-            self.claims.pop((key, owner), None)
-
-    def _run(self) -> None:
-        while True:
-            with self.lock:
-                now = time.monotonic()
-                due = [(k, v) for k, v in self.claims.items() if v.due <= now]
-                for pair, renewal in due:
-                    self.claims[pair] = replace(renewal, due=now + renewal.interval)
-                upcoming = min((v.due for v in self.claims.values()), default=now + self.idle)
-                if not due:
-                    self.wakes_at = upcoming
-                    self.lock.wait(max(0.01, upcoming - now))
-                    self.wakes_at = 0.0
-                    continue
-            for (key, owner), renewal in due:
-                beat = renewal.beat
-                try:
-                    if beat is not None:
-                        held = beat(time.time())
-                    else:
-                        held = renewal.store.extend(key, owner=owner, now=time.time(), lease=renewal.lease)
-                    if not held and self.holds(key, owner):
-                        # (Not when the task finished meanwhile: a completed key has no lease to renew.)
-                        logger.warning("%s %s: lease lost by %s", "Hold" if beat else "Idempotency key", key, owner)
-                        self.remove(key, owner)
-                except Exception:  # a heartbeat must never take the worker down; the lease may lapse
-                    logger.exception("%s %s: heartbeat failed", "Hold" if beat else "Idempotency key", key)
-            # Beats are rare (a third of a lease): do not keep a database connection open between them.
-            stores = {id(renewal.store): renewal.store for _, renewal in due}
-            for store in stores.values():
-                close = getattr(store, "close_thread", None)
-                if close is not None:
-                    close()
-
-
-HEARTBEATS = Heartbeats()
-
-
-@contextmanager
-def heartbeat(store: Store, key: str, owner: str, *, lease: float) -> Iterator[None]:
-    HEARTBEATS.add(store, key, owner, lease=lease)
-    try:
-        yield
-    finally:
-        HEARTBEATS.remove(key, owner)
 
 
 def _summary(retval: Any) -> str:

@@ -81,7 +81,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 from celery_guardrails import signals
 from celery_guardrails.exceptions import OrderingError, OrderingKeyError, RetryLater, StoreError
 from celery_guardrails.foundation.context import current_tenant
-from celery_guardrails.guardrails.idempotency import render_key, scoped_key, validate_key
+from celery_guardrails.guardrails.keys import render_key, scoped_key, validate_key
 from celery_guardrails.guardrails.retries import retry_later
 from celery_guardrails.operations import alerts
 from celery_guardrails.options import APP, CALL, TASK, Option, checks, declare, resolve

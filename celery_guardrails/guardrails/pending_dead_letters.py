@@ -184,7 +184,7 @@ def _moment(value: Any) -> str:
 def _message_key(task: Any, header: Mapping[str, Any], args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> str | None:
     """The scoped idempotency key this message makes (as the idempotency guardrail makes it), or None: none, or
     one that cannot be made."""
-    from celery_guardrails.guardrails.idempotency import render_key, scoped_key
+    from celery_guardrails.guardrails.keys import render_key, scoped_key
     from celery_guardrails.options import resolve
     from celery_guardrails.scheduling.ledger import period_key
 

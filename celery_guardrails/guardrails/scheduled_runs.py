@@ -29,11 +29,12 @@ from typing import TYPE_CHECKING, Any
 from celery_guardrails.exceptions import RetryLater
 from celery_guardrails.foundation.clock import now
 from celery_guardrails.foundation.redaction import redacted_error
-from celery_guardrails.guardrails.idempotency import delivery_owner, heartbeat, task_signature
+from celery_guardrails.guardrails.keys import task_signature
 from celery_guardrails.guardrails.retries import retry_later
 from celery_guardrails.options import app_value, resolve
 from celery_guardrails.runtime import headers
 from celery_guardrails.runtime.delivery import Hold, RunSlot, ScheduledPeriod, delivery
+from celery_guardrails.runtime.heartbeats import delivery_owner, heartbeat
 from celery_guardrails.runtime.pipeline import Guardrail, Publication, SkipBody
 from celery_guardrails.scheduling.beat import moment
 from celery_guardrails.scheduling.ledger import FAILED, OK, SKIPPED_OVERLAP, period_key

@@ -292,7 +292,7 @@ def checkpoint_of(task: GuardedTask) -> Checkpoint:
             f"{task.name}: self.checkpoint is only available inside the body of a running task (bind=True)"
         )
     if not key:
-        from celery_guardrails.guardrails.idempotency import scoped_key
+        from celery_guardrails.guardrails.keys import scoped_key
 
         key = scoped_key(task.name, current_tenant(), f"task-id:{request.id}")
     found = Checkpoint(task, key, keyed=keyed)

@@ -313,7 +313,7 @@ class RedisStreamSink:
     def record(self, fields: dict[str, Any]) -> bool:
         import redis
 
-        from celery_guardrails.stores.redis import failure
+        from celery_guardrails.stores.redis_client import failure
 
         task_id = fields["task_id"]
         try:  # one entry per task id

@@ -21,6 +21,9 @@ import threading
 from typing import Any
 from urllib.parse import parse_qs, unquote, urlsplit
 
+from celery_guardrails.exceptions import StoreError, StoreUnavailableError
+from celery_guardrails.options import masked
+
 SERVER_SCHEMES = ("redis://", "rediss://", "unix://")
 CLUSTER_SCHEMES = ("redis+cluster://", "rediss+cluster://")
 SENTINEL_SCHEME = "sentinel://"
@@ -158,3 +161,34 @@ def _sentinel_parts(url: str) -> tuple[list[tuple[str, int]], str, dict[str, str
     if not options.get("db", "0").isdigit():
         raise ValueError(f"the database of a Sentinel URL is a number, got {options['db']!r:.20}")
     return hosts, master, options
+
+
+#: Error replies of a server that cannot answer now but will (a cluster or replica in the middle of a change).
+_NOT_YET = ("MASTERDOWN", "TRYAGAIN", "CLUSTERDOWN", "LOADING")
+#: How redis-py's cluster client says that no node answered while it reloaded the slot map (it raises a bare
+#: RedisClusterException; a key-to-slot mistake of the caller is one too, and is refused).
+_CLUSTER_UNREACHABLE = ("Redis Cluster cannot be connected", "All slots are not covered")
+
+
+def failure(what: str, url: str, exc: BaseException) -> StoreError:
+    """The error for a redis-py error of ``what`` (the store, a dead-letter sink) at ``url``: unavailable for a
+    connection that failed or timed out, or a server that cannot answer yet (loading, read-only or without its
+    master during a failover); refused for anything else."""
+    import redis
+
+    # redis-py raises MASTERDOWN, TRYAGAIN and CLUSTERDOWN replies as classes of their own, the code taken out of
+    # the text (LOADING is a ConnectionError); a script's error reply keeps the code in its text. Its cluster
+    # client follows MOVED and ASK itself; it gives up with ClusterError (redirected too often: slots moving),
+    # SlotNotCoveredError, or a RedisClusterException when no node answers while it reloads the slot map.
+    errors = redis.exceptions
+    not_yet = (errors.MasterDownError, errors.TryAgainError, errors.ClusterError, errors.SlotNotCoveredError)
+    unavailable = (redis.ConnectionError, redis.TimeoutError, redis.ReadOnlyError, OSError, *not_yet)
+    text = str(exc)
+    url = masked(url)  # the error is logged and alerted: never with the URL's password
+    if not (
+        isinstance(exc, unavailable)
+        or text.startswith(_NOT_YET)
+        or (isinstance(exc, errors.RedisClusterException) and text.startswith(_CLUSTER_UNREACHABLE))
+    ):
+        return StoreError(f"{what} at {url} refused: {exc}")
+    return StoreUnavailableError(f"{what} at {url} unavailable: {exc}")

@@ -124,7 +124,7 @@ def test_an_interruption_between_send_and_read_leaves_no_answer_for_the_next_com
 def test_leases_are_measured_on_the_servers_clock(monkeypatch: pytest.MonkeyPatch, key: str) -> None:
     import time
 
-    import celery_guardrails.stores.redis as redis_store
+    import celery_guardrails.stores.redis_idempotency as redis_store  # (where the store reads its clock)
 
     # Given a worker whose clock runs 100 s behind (its store measures the offset against Redis's TIME)
     real = time.time
