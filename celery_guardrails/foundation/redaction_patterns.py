@@ -195,7 +195,9 @@ VALUE_PATTERNS: tuple[ValuePattern, ...] = (
     ),
     ValuePattern(
         name="card_number",
-        regex=re.compile(r"(?<![\d-])(?:\d[ -]?){12,18}\d(?![\d-])"),
+        # Not glued to letters or digits: a task id (a UUID such as ``...-a625-0996254939a4``) holds digit runs
+        # that can pass the Luhn check, and its log lines were redacted in the middle of the id.
+        regex=re.compile(r"(?<![\dA-Za-z-])(?:\d[ -]?){12,18}\d(?![\dA-Za-z-])"),
         example="4111 1111 1111 1111",
         accept=_card,
         hints=tuple("0123456789"),

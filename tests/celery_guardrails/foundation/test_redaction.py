@@ -39,6 +39,8 @@ from tests.support.planted import leaked
         # digits that fail the Luhn check, or are too short, are not card numbers: kept
         ("order 12345678901234 not found", "order 12345678901234 not found"),
         ("timeout after 30000 ms", "timeout after 30000 ms"),
+        # a task id whose digits pass the Luhn check (625-0996254939) is an id, not a card number: kept whole
+        ("Task t[d0b15bb7-ef0b-4d3c-a625-0996254939a4] failed", "Task t[d0b15bb7-ef0b-4d3c-a625-0996254939a4] failed"),
         ("", ""),
     ],
 )
