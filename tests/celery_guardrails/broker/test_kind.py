@@ -32,6 +32,7 @@ from celery_guardrails.broker.kind import (
 )
 from celery_guardrails.operations.audit import audit, startup_rules
 from celery_guardrails.runtime.install import warn_about
+from tests.support.logs import Caught
 from tests.support.redis_sentinel import MASTER_NAME, Sentinel
 from tests.support.services import REDIS_URL, require
 from tests.support.waiting import BOUND, wait_for
@@ -127,17 +128,6 @@ def test_the_atomic_pop_is_not_chosen_for_a_sentinel_broker() -> None:
     app = Celery(set_as_current=False)
     app.conf.broker_url = ["redis://a:6379/0", "redis://b:6379/0"]
     assert atomic_pop.configure(app) is True
-
-
-class Caught(logging.Handler):
-    """The records of the logger it is added to."""
-
-    def __init__(self) -> None:
-        super().__init__(logging.DEBUG)
-        self.records: list[logging.LogRecord] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.records.append(record)
 
 
 VISIBILITY = 4.0

@@ -143,37 +143,10 @@ def broken_waiting_store(celery_app: Any, tmp_path: Path) -> Any:
         server.kill()
 
 
-class Caught(logging.Handler):
-    """The records of the logger it is added to (on the logger itself: caplog's handler sits on the root, which
-    an earlier test's worker in the same process can leave without it)."""
-
-    def __init__(self) -> None:
-        super().__init__(logging.DEBUG)
-        self.records: list[logging.LogRecord] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.records.append(record)
-
-
-@pytest.fixture
-def caught() -> Any:
-    """What the waiting guardrail logs during the test, read from its own logger."""
-    logger = logging.getLogger("celery_guardrails.guardrails.waiting")
-    handler = Caught()
-    before = (logger.level, logger.disabled)
-    logger.setLevel(logging.WARNING)
-    logger.disabled = False
-    logger.addHandler(handler)
-    try:
-        yield handler
-    finally:
-        logger.removeHandler(handler)
-        logger.level, logger.disabled = before
-
-
 def test_a_waiting_row_that_cannot_be_written_costs_the_retry_nothing(
-    broken_waiting_store: PrivateRedis, celery_worker: Any, celery_app: Any, sink: Sink, caught: Caught
+    broken_waiting_store: PrivateRedis, celery_worker: Any, celery_app: Any, sink: Sink, caplog: Any
 ) -> None:
+    caplog.set_level(logging.WARNING, logger="celery_guardrails.guardrails.waiting")
     # When a task fails once (transient) and its wait cannot be written (nor removed as it runs again)
     result = tasks.behave.apply_async((sink.key, ["transient", "ok"]), backoff_base=0.5, backoff_max=0.5)
 
@@ -182,7 +155,7 @@ def test_a_waiting_row_that_cannot_be_written_costs_the_retry_nothing(
     assert [(r["step"], r["attempt"]) for r in sink.items()] == [("transient", 1), ("ok", 2)]
     # And each failure is one warning, with the task's id, and no traceback
     warnings = [
-        r for r in caught.records if r.name == "celery_guardrails.guardrails.waiting" and result.id in r.getMessage()
+        r for r in caplog.records if r.name == "celery_guardrails.guardrails.waiting" and result.id in r.getMessage()
     ]
     assert [r.getMessage().split(" (")[0] for r in warnings] == [
         f"Task tests.proj.tasks.behave[{result.id}]: its wait is not shown",

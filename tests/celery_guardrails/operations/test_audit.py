@@ -39,19 +39,9 @@ from tests.support.audit_apps import (
     own_tasks,
     write_tree,
 )
+from tests.support.logs import Caught
 from tests.support.waiting import BOUND
 from tests.support.workers import ROOT
-
-
-class Caught(logging.Handler):
-    """The records of the logger it is added to."""
-
-    def __init__(self) -> None:
-        super().__init__(logging.DEBUG)
-        self.records: list[logging.LogRecord] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.records.append(record)
 
 
 def audit_command(app: str, *args: str) -> subprocess.CompletedProcess[str]:
