@@ -51,6 +51,7 @@ from celery._state import get_current_task
 
 from celery_guardrails.foundation.context import current_correlation_id, current_tenant
 from celery_guardrails.foundation.redaction import DEFAULT, WITHHELD, Redactor, for_app, for_task
+from celery_guardrails.runtime.delivery import redaction
 from celery_guardrails.runtime.pipeline import is_guarded
 
 MISSING = "-"
@@ -131,7 +132,7 @@ class RedactingFilter(logging.Filter):
     def _redactor(self, record: logging.LogRecord) -> Redactor | None:
         task = get_current_task()
         if _guarded(task):
-            return for_task(task)
+            return redaction(task)  # made once per delivery
         if self.guarded_only:
             # A line written outside the task's run that names it: Celery's lines carry the name in their args.
             name = record.args.get("name") if isinstance(record.args, Mapping) else None

@@ -25,10 +25,10 @@ from celery_guardrails import signals
 from celery_guardrails.exceptions import BudgetExhaustedError
 from celery_guardrails.foundation import clock
 from celery_guardrails.log import duration, when
-from celery_guardrails.options import APP, CALL, TASK, Option, app_value, checks, declare, resolve
+from celery_guardrails.options import APP, CALL, TASK, Option, TaskOptions, app_value, checks, declare
 from celery_guardrails.runtime import headers
 from celery_guardrails.runtime.classification import Kind
-from celery_guardrails.runtime.delivery import delivery
+from celery_guardrails.runtime.delivery import delivery, view
 from celery_guardrails.runtime.outcomes import (
     CIRCUIT_OPEN,
     RETRY_BUDGET_EXHAUSTED,
@@ -141,20 +141,21 @@ def policy_from(lookup: Callable[[str], Any]) -> BudgetPolicy:
     )
 
 
-def policy_for(task: Any, call: Any) -> BudgetPolicy:
-    return policy_from(lambda name: resolve(task, name, call))
+def policy_for(options: TaskOptions) -> BudgetPolicy:
+    """The budget and breaker policy of ``options.task`` with these options."""
+    return policy_from(options.__getitem__)
 
 
 class RetryBudget(Guardrail):
     """Admission by retry budget and circuit breaker; outcomes recorded for the breaker."""
 
     def before_run(self, task: GuardedTask, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        call = task.call_options()
+        options = view(task).options
         request = task.request
-        dependency = resolve(task, "dependency", call)
+        dependency = options["dependency"]
         if not dependency:
             return
-        policy = policy_for(task, call)
+        policy = policy_for(options)
         store = get_store(task.app)
         now = clock.now(task.app)
         admission = store.admit(dependency, policy, retry=request.attempt > 1, now=now)
@@ -170,24 +171,25 @@ class RetryBudget(Guardrail):
                 sender=task, dependency=dependency, window_end=admission.retry_at, status=status
             )
         if not admission.allowed:
-            self._refuse(task, dependency, admission, policy, now, call)  # nothing ran: no outcome
+            self._refuse(task, dependency, admission, policy, now)  # nothing ran: no outcome
         state = delivery(task)
         state.dependency, state.admitted = dependency, now  # the instant the store counted this run
         state.probe = admission.probe
 
     def _refuse(
-        self, task: GuardedTask, dependency: str, admission: Admission, policy: BudgetPolicy, now: float, call: Any
+        self, task: GuardedTask, dependency: str, admission: Admission, policy: BudgetPolicy, now: float
     ) -> NoReturn:
         """Defer the run (raises Celery's Retry), or, past ``retry_budget_max_deferrals`` (or with the ``fail``
         policy), end it as a final failure (raises: see :func:`fail_finally`)."""
         request = task.request
-        header = headers.from_request(request)
+        seen = view(task)
+        header, options = seen.header, seen.options
         deferred = headers.counter(header, headers.DEFERRED) + 1
         kind = f"deferred_{admission.reason}"
         reason = RETRY_BUDGET_EXHAUSTED if admission.reason == "budget" else CIRCUIT_OPEN
         error = BudgetExhaustedError(dependency, admission.reason)
-        give_up = deferred > resolve(task, "retry_budget_max_deferrals", call) or (
-            admission.reason == "budget" and resolve(task, "retry_budget_policy", call) == "fail"
+        give_up = deferred > options["retry_budget_max_deferrals"] or (
+            admission.reason == "budget" and options["retry_budget_policy"] == "fail"
         )
         if give_up:
             record = attempt_record(task, kind=kind, rule=reason, exc=error)
@@ -196,7 +198,7 @@ class RetryBudget(Guardrail):
         jitter = random.random() * 0.1 * (policy.window if admission.reason == "budget" else policy.open_seconds)
         # Never longer than backoff_max (kept below the broker's visibility timeout: see the start-up warning);
         # a deferral that comes back early is deferred again.
-        delay = min(wait + jitter, resolve(task, "backoff_max", call))
+        delay = min(wait + jitter, options["backoff_max"])
         record = attempt_record(task, kind=kind, rule=reason, delay=delay)
         logger.info(
             "Task %s[%s] deferred for %s: %s of %s (deferral %d)",
@@ -218,7 +220,7 @@ class RetryBudget(Guardrail):
         if not dependency or (outcome == RELEASE and not state.probe):
             return
         state.dependency = None  # reported once
-        policy = policy_for(task, task.call_options())
+        policy = policy_for(view(task).options)
         now = clock.now(task.app)
         if get_store(task.app).record_outcome(dependency, policy, outcome=outcome, now=now):
             logger.warning(

@@ -70,9 +70,9 @@ from celery_guardrails.exceptions import (
 from celery_guardrails.foundation.context import current_tenant
 from celery_guardrails.guardrails.keys import render_key
 from celery_guardrails.guardrails.retries import retry_later
-from celery_guardrails.options import APP, TASK, Option, checks, declare, resolve
+from celery_guardrails.options import APP, TASK, Option, TaskOptions, checks, declare
 from celery_guardrails.runtime import headers
-from celery_guardrails.runtime.delivery import ATTRIBUTE, Delivery, Grant, Hold, delivery
+from celery_guardrails.runtime.delivery import ATTRIBUTE, Delivery, Grant, Hold, delivery, view
 from celery_guardrails.runtime.heartbeats import HEARTBEATS, delivery_owner
 from celery_guardrails.runtime.outcomes import PERMANENT, attempt_record, fail_finally
 from celery_guardrails.runtime.pipeline import Guardrail, Publication
@@ -150,17 +150,18 @@ def store_key(namespace: str, key: str) -> str:
 
 
 def wanted_slots(
-    task: Any, call: Any, args: tuple[Any, ...], kwargs: dict[str, Any], tenant: str | None
+    options: TaskOptions, args: tuple[Any, ...], kwargs: dict[str, Any], tenant: str | None
 ) -> list[tuple[str, int]]:
-    """The (store key, limit) of each slot a delivery of ``task`` needs, in the order they are taken.
+    """The (store key, limit) of each slot a delivery of ``options.task`` needs, in the order they are taken.
     Raises ConcurrencyKeyError (a key that cannot be made) or ConfigurationError (a key without a limit)."""
+    task = options.task
     wanted = []
     for option, namespace in NAMESPACES:
-        spec = resolve(task, option, call)
+        spec = options[option]
         if spec is None:
             continue
         if namespace == "limit":
-            limit = resolve(task, "concurrency_limit", call)
+            limit = options["concurrency_limit"]
             if limit is None:
                 raise ConfigurationError("concurrency_limit", f"task {task.name!r} sets concurrency_key without it")
         else:
@@ -301,14 +302,17 @@ class ConcurrencyLimit(Guardrail):
     def on_publish(self, task: GuardedTask, publication: Publication) -> None:
         # A bad template (or a key without a limit) is the publisher's mistake: it hears of it now.
         wanted_slots(
-            task, publication.call, publication.args, publication.kwargs, publication.header.get(headers.TENANT)
+            TaskOptions(task=task, call=publication.call),
+            publication.args,
+            publication.kwargs,
+            publication.header.get(headers.TENANT),
         )
 
     def before_run(self, task: GuardedTask, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        call = task.call_options()
+        options = view(task).options
         request = task.request
         try:
-            wanted = wanted_slots(task, call, args, kwargs, current_tenant())
+            wanted = wanted_slots(options, args, kwargs, current_tenant())
         except ConcurrencyKeyError as exc:  # published without the extension, or the task changed since
             record = attempt_record(task, kind="permanent", rule="concurrency_key", exc=exc)
             fail_finally(task, exc, reason=PERMANENT, history=[*request.attempt_history, record])
@@ -317,7 +321,7 @@ class ConcurrencyLimit(Guardrail):
         store = get_store(task.app)
         state = delivery(task)
         holder = delivery_owner(request)
-        reap_after = resolve(task, "concurrency_reap_after", call)
+        reap_after = options["concurrency_reap_after"]
         for key, limit in wanted:
             started = time.monotonic()
             answer = store.acquire_slot(
@@ -343,15 +347,15 @@ class ConcurrencyLimit(Guardrail):
 
     def _wait(self, task: GuardedTask, key: str, limit: int, retry_at: float) -> NoReturn:
         """Come back when a slot may be free (raises Celery's Retry: see :func:`retry_later`)."""
-        call = task.call_options()
-        header = headers.from_request(task.request)
+        seen = view(task)
+        options, header = seen.options, seen.header
         waits = headers.counter(header, headers.SLOT_WAIT)
         wait = RetryLater(f"concurrency key {key}: all {limit} slot(s) taken")
-        soon = resolve(task, "retry_later_delay", call) * 2 ** min(waits, WAIT_DOUBLINGS)
+        soon = options["retry_later_delay"] * 2 ** min(waits, WAIT_DOUBLINGS)
         if retry_at:  # no later than the moment the oldest holder would be reaped, were it dead
             soon = min(soon, max(0.1, retry_at - time.time() + 0.1))
         delay = max(0.05, soon * (0.5 + random.random() / 2))  # spread: the waiters of one key do not come back at once
-        counter = headers.SLOT_WAIT if waits < resolve(task, "concurrency_max_waits", call) else headers.LATER
+        counter = headers.SLOT_WAIT if waits < options["concurrency_max_waits"] else headers.LATER
         retry_later(task, wait, delay=delay, rule="concurrency:full", counter=counter)
 
     def body_context(self, task: GuardedTask) -> AbstractContextManager[Any] | None:

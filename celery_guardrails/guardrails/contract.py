@@ -56,8 +56,9 @@ from celery_guardrails.exceptions import (
     UnknownPayloadVersionError,
 )
 from celery_guardrails.guardrails.sensitive import SENSITIVE_KEYS, matches
-from celery_guardrails.options import APP, CALL, TASK, Option, checks, declare, resolve
+from celery_guardrails.options import APP, CALL, TASK, Option, TaskOptions, checks, declare, resolve
 from celery_guardrails.runtime import headers
+from celery_guardrails.runtime.delivery import view
 from celery_guardrails.runtime.outcomes import MALFORMED_MESSAGE, UNKNOWN_PAYLOAD_VERSION, attempt_record, fail_finally
 from celery_guardrails.runtime.pipeline import Guardrail, Publication
 
@@ -298,9 +299,10 @@ def check_payload(task: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any], c
     """The publish checks (entities, sensitive keys, depth, size) of ``task``'s arguments, raising what a publish
     would: for a message published later (``apply_async_on_commit``, the outbox), checked in the caller now."""
     contract = PayloadContract()
-    bound = contract._check_values(task, args, kwargs, call)
+    options = TaskOptions(task=task, call=call)
+    bound = contract._check_values(options, args, kwargs)
     contract._check_depth(task, args, kwargs, bound)
-    contract._check_size(task, args, kwargs, call, bound)
+    contract._check_size(options, args, kwargs, bound)
 
 
 class PayloadContract(Guardrail):
@@ -308,35 +310,35 @@ class PayloadContract(Guardrail):
     docstring)."""
 
     def on_publish(self, task: GuardedTask, publication: Publication) -> None:
-        call = publication.call
+        options = TaskOptions(task=task, call=publication.call)
         if headers.PAYLOAD_VERSION in publication.header or publication.task_id == _running_id(task):
             # A re-publish (a retry, a wait, a replay) of arguments checked when they were first published: the
             # same checks under settings changed since could refuse a message already in flight, and a retry
             # that cannot be published comes back and tries again, for ever.
-            publication.header.setdefault(headers.PAYLOAD_VERSION, resolve(task, "payload_version", call))
+            publication.header.setdefault(headers.PAYLOAD_VERSION, options["payload_version"])
             return
-        bound = self._check_values(task, publication.args, publication.kwargs, call)
+        bound = self._check_values(options, publication.args, publication.kwargs)
         self._check_depth(task, publication.args, publication.kwargs, bound)
-        self._check_size(task, publication.args, publication.kwargs, call, bound)
+        self._check_size(options, publication.args, publication.kwargs, bound)
         # The rest of a chain, a chord's body, callbacks: a worker publishes them after this message, where a
         # refusal would fail a task that succeeded. Guarded ones are checked now, with their tasks' settings.
         for leaf in _leaves(publication.later):
             later = task.app.tasks.get(leaf.get("task"))
             if later is not None and isinstance(getattr(later, "guardrails", None), tuple):
                 args, kwargs = tuple(leaf.get("args") or ()), dict(leaf.get("kwargs") or {})
-                leaf_bound = self._check_values(later, args, kwargs, {})
+                later_options = TaskOptions(task=later)
+                leaf_bound = self._check_values(later_options, args, kwargs)
                 self._check_depth(later, args, kwargs, leaf_bound)
-                self._check_size(later, args, kwargs, {}, leaf_bound)
-        publication.header[headers.PAYLOAD_VERSION] = resolve(task, "payload_version", call)
+                self._check_size(later_options, args, kwargs, leaf_bound)
+        publication.header[headers.PAYLOAD_VERSION] = options["payload_version"]
 
-    def _check_values(
-        self, task: GuardedTask, args: tuple[Any, ...], kwargs: Mapping[str, Any], call: Mapping[str, Any]
-    ) -> int | None:
+    def _check_values(self, options: TaskOptions, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> int | None:
         """Refuse entities and sensitive names; return an upper bound of the arguments' JSON size, or None when
         it cannot be bounded (a type of its own, too many values, too deep) and must be measured."""
+        task = options.task
         entities = _entity_types()
-        allowed = resolve(task, "allow_sensitive_payload", call)
-        entries: tuple[str, ...] = () if allowed else resolve(task, "sensitive_keys", call)
+        allowed = options["allow_sensitive_payload"]
+        entries: tuple[str, ...] = () if allowed else options["sensitive_keys"]
         named = list(zip(_parameter_names(task, len(args)), args, strict=False))
         named += [(f"#{index}", value) for index, value in enumerate(args[len(named) :], len(named))]
         named += list(kwargs.items())
@@ -392,14 +394,10 @@ class PayloadContract(Guardrail):
             )
 
     def _check_size(
-        self,
-        task: GuardedTask,
-        args: tuple[Any, ...],
-        kwargs: Mapping[str, Any],
-        call: Mapping[str, Any],
-        bound: int | None = None,
+        self, options: TaskOptions, args: tuple[Any, ...], kwargs: Mapping[str, Any], bound: int | None = None
     ) -> None:
-        limit = resolve(task, "max_payload_bytes", call)
+        task = options.task
+        limit = options["max_payload_bytes"]
         if not limit:  # 0: no limit
             return
         serializer = task.serializer or task.app.conf.task_serializer
@@ -420,12 +418,13 @@ class PayloadContract(Guardrail):
         request = task.request
         if request.called_directly or request.is_eager:
             return  # a call in the caller's process: the code that runs is the code that called
-        call = task.call_options()
+        seen = view(task)
+        options = seen.options
         try:
-            version = headers.payload_version(headers.from_request(request))
+            version = headers.payload_version(seen.header)
         except ValueError as exc:
             self._refuse(task, PayloadContractError(task.name, f"malformed payload version: {exc}"), MALFORMED_MESSAGE)
-        accepted = resolve(task, "accepts_versions", call) or (resolve(task, "payload_version", call),)
+        accepted = options["accepts_versions"] or (options["payload_version"],)
         request.payload_version = version  # the body reads it to handle an older shape it still accepts
         if version not in accepted:
             error = UnknownPayloadVersionError(
@@ -438,5 +437,5 @@ class PayloadContract(Guardrail):
     def _refuse(self, task: GuardedTask, error: PayloadContractError, reason: str) -> NoReturn:
         record = attempt_record(task, kind="permanent", rule="payload_contract", exc=error)
         # Before Retries read the history onto the request: from the header.
-        earlier = headers.history(headers.from_request(task.request))
+        earlier = headers.history(view(task).header)
         fail_finally(task, error, reason=reason, history=[*earlier, record])

@@ -37,7 +37,7 @@ import functools
 import logging
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import AbstractContextManager, contextmanager
 from typing import TYPE_CHECKING, Any
 
@@ -56,7 +56,7 @@ from celery_guardrails.guardrails.keys import validate_key as validate_key
 from celery_guardrails.guardrails.retries import retry_later
 from celery_guardrails.options import APP, CALL, TASK, Option, checks, declare, resolve
 from celery_guardrails.runtime import headers
-from celery_guardrails.runtime.delivery import Completion, HeldKey, Hold, delivery
+from celery_guardrails.runtime.delivery import Completion, HeldKey, Hold, delivery, view
 from celery_guardrails.runtime.heartbeats import HEARTBEATS as HEARTBEATS
 from celery_guardrails.runtime.heartbeats import Beat as Beat
 from celery_guardrails.runtime.heartbeats import Heartbeats as Heartbeats
@@ -156,7 +156,7 @@ def original_result(task: Any, original: str, summary: str) -> Any:
     return summary
 
 
-def holder_gone(holder: str, request: Any, header: dict[str, Any]) -> bool:
+def holder_gone(holder: str, request: Any, header: Mapping[str, Any]) -> bool:
     """Whether the delivery holding a claim is known to be over: it gave up without releasing (an earlier
     delivery of this message, named in its header), or it ran in a process of this worker that no longer exists
     (SIGKILLed, its pool child replaced). Unknown: False, and its lease decides. Only this worker's own processes
@@ -178,14 +178,14 @@ def holder_gone(holder: str, request: Any, header: dict[str, Any]) -> bool:
 
 
 def claim_key(
-    task: GuardedTask, store: Store, scoped: str, *, owner: str, header: dict[str, Any], now: float
+    task: GuardedTask, store: Store, scoped: str, *, owner: str, header: Mapping[str, Any], now: float
 ) -> tuple[Claim, bool]:
     """Claim ``scoped`` for this delivery, taking it over at once from a holder known to be over; returns the
     claim and whether it was such a takeover."""
-    call = task.call_options()
-    lease = resolve(task, "idempotency_lease", call)
-    retention = resolve(task, "idempotency_retention", call)
-    atomic = bool(resolve(task, "atomic", call))
+    options = view(task).options
+    lease = options["idempotency_lease"]
+    retention = options["idempotency_retention"]
+    atomic = bool(options["atomic"])
     claim = store.claim(scoped, owner=owner, now=now, lease=lease, retention=retention, atomic=atomic)
     gone = claim.state == BUSY and holder_gone(claim.owner, task.request, header)
     if gone:  # an earlier delivery that is known to be over: no need to wait out its lease
@@ -201,10 +201,10 @@ def fail_abandoned(task: GuardedTask, args: tuple[Any, ...], kwargs: dict[str, A
     message would wait on it. A key held by a live delivery (another copy), completed or failed is left as it
     is. Raises StoreError like any claim."""
     request = task.request
-    header = headers.from_request(request)
+    header = view(task).header
     key = header.get(headers.IDEMPOTENCY_KEY)
     if key is None:
-        spec = resolve(task, "idempotency_key", task.call_options())
+        spec = view(task).options["idempotency_key"]
         if spec is None:
             return
         try:
@@ -218,17 +218,17 @@ def fail_abandoned(task: GuardedTask, args: tuple[Any, ...], kwargs: dict[str, A
     if claim.state == BUSY and original_task_id(claim.owner) == request.id:
         # Held by an earlier delivery of this very message, on another worker (holder_gone judges only this
         # worker's processes): it is the message being dead-lettered, so that delivery is taken to be over.
-        call = task.call_options()
+        options = view(task).options
         claim = store.claim(
             scoped,
             owner=owner,
             now=time.time(),
-            lease=resolve(task, "idempotency_lease", call),
-            retention=resolve(task, "idempotency_retention", call),
+            lease=options["idempotency_lease"],
+            retention=options["idempotency_retention"],
             replaces=claim.owner,
         )
     if claim.state == ACQUIRED:
-        retention = resolve(task, "idempotency_retention", task.call_options())
+        retention = view(task).options["idempotency_retention"]
         store.fail(scoped, owner=owner, now=time.time(), reason=reason[:200], retention=retention)
 
 
@@ -266,13 +266,13 @@ class Idempotency(Guardrail):
 
     def before_run(self, task: GuardedTask, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         request = task.request
-        call = task.call_options()
-        header = headers.from_request(request)
+        options = view(task).options
+        header = view(task).header
         key = header.get(headers.IDEMPOTENCY_KEY)
         if key is None and headers.SCHEDULE in header and headers.PERIOD in header:
             key = period_key(header[headers.SCHEDULE], header[headers.PERIOD])  # scheduled work: one run a period
         if key is None:  # published without the extension (send_task, plain Celery): make it here
-            spec = resolve(task, "idempotency_key", call)
+            spec = options["idempotency_key"]
             if spec is None:
                 return
             try:
@@ -320,7 +320,7 @@ class Idempotency(Guardrail):
         # never later than just after its lease would run out if its worker has died. A wait behind a live
         # lease spends no attempt and not retry_later_max (each wait is bounded by the holder's lease).
         wait = RetryLater(f"idempotency key {scoped} is held by another delivery ({claim.owner})")
-        soon = resolve(task, "retry_later_delay", call) * 2 ** min(headers.counter(header, headers.BUSY), 16)
+        soon = options["retry_later_delay"] * 2 ** min(headers.counter(header, headers.BUSY), 16)
         delay = max(0.1, min(soon, claim.lease_until - now + 0.5))
         retry_later(task, wait, delay=delay, rule="idempotency:busy", counter=headers.BUSY)
 
@@ -332,12 +332,12 @@ class Idempotency(Guardrail):
 
     @contextmanager
     def _claimed(self, task: GuardedTask, key: str, owner: str) -> Iterator[None]:
-        call = task.call_options()
+        options = view(task).options
         store = get_store(task.app)
         state = delivery(task)
-        retention = resolve(task, "idempotency_retention", call)
-        lease = resolve(task, "idempotency_lease", call)
-        if not resolve(task, "atomic", call):
+        retention = options["idempotency_retention"]
+        lease = options["idempotency_lease"]
+        if not options["atomic"]:
             with heartbeat(store, key, owner, lease=lease):
                 yield
             # The body returned: its effect happened, so the key is completed now, whatever Celery does with
@@ -354,7 +354,7 @@ class Idempotency(Guardrail):
         with heartbeat(store, key, owner, lease=lease):
             from django.db import DatabaseError, transaction
 
-            from django_celery_guardrails.store import failure
+            from celery_guardrails.stores.database import failure
 
             committing = False
             try:
@@ -400,9 +400,9 @@ class Idempotency(Guardrail):
 
     def _complete_when_back(self, task: GuardedTask, key: str, owner: str, error: StoreError) -> bool | None:
         """Ask the store to complete ``key`` until it answers (whether it did) or the lease is over (None)."""
-        call = task.call_options()
+        options = view(task).options
         store = get_store(task.app)
-        give_up_at = time.monotonic() + resolve(task, "idempotency_lease", call)
+        give_up_at = time.monotonic() + options["idempotency_lease"]
         pause = 0.1
         while True:
             logger.warning(
@@ -420,7 +420,7 @@ class Idempotency(Guardrail):
                     owner=owner,
                     now=time.time(),
                     summary=_summary(delivery(task).retval),
-                    retention=resolve(task, "idempotency_retention", call),
+                    retention=options["idempotency_retention"],
                 )
             except StoreError as exc:
                 error = exc
@@ -454,5 +454,5 @@ class Idempotency(Guardrail):
                 owner=owner,
                 now=time.time(),
                 reason=redacted_error(task, exc, keep=200),  # kept in the key's row: redacted
-                retention=resolve(task, "idempotency_retention", task.call_options()),
+                retention=view(task).options["idempotency_retention"],
             )

@@ -75,7 +75,6 @@ import logging
 import random
 import time
 import uuid
-from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from celery_guardrails import signals
@@ -84,9 +83,9 @@ from celery_guardrails.foundation.context import current_tenant
 from celery_guardrails.guardrails.keys import render_key, scoped_key, validate_key
 from celery_guardrails.guardrails.retries import retry_later
 from celery_guardrails.operations import alerts
-from celery_guardrails.options import APP, CALL, TASK, Option, checks, declare, resolve
+from celery_guardrails.options import APP, CALL, TASK, Option, TaskOptions, checks, declare, resolve
 from celery_guardrails.runtime import dead_letters, headers
-from celery_guardrails.runtime.delivery import OrderingTurn, delivery
+from celery_guardrails.runtime.delivery import OrderingTurn, delivery, view
 from celery_guardrails.runtime.final_failure import FinalFailure
 from celery_guardrails.runtime.outcomes import (
     MALFORMED_MESSAGE,
@@ -194,7 +193,8 @@ class Ordering(Guardrail):
         request = task.request
         state = delivery(task)
         state.ordering_checked = True
-        header = headers.from_request(request)
+        seen = view(task)
+        header, options = seen.header, seen.options
         try:
             found = headers.ordering(header)
             if found is not None:
@@ -203,7 +203,7 @@ class Ordering(Guardrail):
             self._refuse(task, OrderingError(f"malformed ordering header: {exc}"), MALFORMED_MESSAGE)
         if found is None:
             eager = request.called_directly or request.is_eager  # never published: nothing to order
-            if not eager and resolve(task, "ordering_key", task.call_options()) is not None:
+            if not eager and options["ordering_key"] is not None:
                 logger.warning(
                     "Task %s[%s]: ordered task delivered without a sequence number (not published through "
                     "GuardedTask); running it unordered",
@@ -213,10 +213,9 @@ class Ordering(Guardrail):
             return
         key, sequence = found
         scoped = scoped_key(task.name, current_tenant(), key)
-        call = task.call_options()
         store = get_store(task.app)
         now = time.time()
-        retention = resolve(task, "ordering_retention", call)
+        retention = options["ordering_retention"]
         found_state = store.order_check(scoped, sequence=sequence, now=now, retention=retention)
         done = found_state.done
         request.ordering_key, request.ordering_sequence = scoped, sequence
@@ -230,7 +229,7 @@ class Ordering(Guardrail):
         if found_state.skip_owed:
             # The last range given up has no record yet (the sinks were down as it was given up): written
             # before anything else of the key goes on (a sink still down brings this message back later).
-            self._record_skip(task, key, scoped, found_state, call)
+            self._record_skip(task, key, scoped, found_state, options)
         if sequence <= done:
             if found_state.skipped_from <= sequence <= found_state.skipped_to:
                 error = OrderingError(
@@ -256,8 +255,8 @@ class Ordering(Guardrail):
             return
         since = found_state.gap_since or now  # (set by the check: never 0 here)
         waited = now - since
-        timeout = resolve(task, "ordering_gap_timeout", call)
-        alert_after = resolve(task, "ordering_gap_alert_after", call)
+        timeout = options["ordering_gap_timeout"]
+        alert_after = options["ordering_gap_alert_after"]
         # The key has not moved for the whole timeout, and no message below this one was seen waiting: the
         # numbers between are lost. Give them up and run (a lost race means the key moved: wait again). The
         # lowest waiter itself may vanish (dead-lettered as poison, say): past twice the timeout, any waiter
@@ -280,7 +279,7 @@ class Ordering(Guardrail):
                 sender=task, task_id=request.id, key=scoped, first=done + 1, last=sequence - 1, waited=waited
             )
             skipped = OrderState(skipped_from=done + 1, skipped_to=sequence - 1, skipped_since=since, skipped_at=now)
-            self._record_skip(task, key, scoped, skipped, call)
+            self._record_skip(task, key, scoped, skipped, options)
             return
         # Once per wait (the store lets one delivery of the key through), whichever waiter looks first.
         alert = alert_after and waited >= alert_after and found_state.alerted != since
@@ -290,32 +289,28 @@ class Ordering(Guardrail):
         retry_later(
             task,
             wait,
-            delay=self._wait(task, call, sequence - done - 1, waited),
+            delay=self._wait(options, sequence - done - 1, waited),
             rule="ordering:wait",
             counter=headers.ORDERING_WAITS,
         )
 
     @staticmethod
-    def _wait(task: GuardedTask, call: Mapping[str, Any], distance: int, waited: float) -> float:
+    def _wait(options: TaskOptions, distance: int, waited: float) -> float:
         """How long a waiting message stays away: ``retry_later_delay`` times its distance from its turn (it has
         that many turns to wait, each about one delay), or, when longer, as long as the key has not moved (so
         the looks of a key that stays stuck double: 0.2, 0.2, 0.4, 0.8 ... seconds), at most
         ``ordering_wait_max``; a quarter of it random (the waiters of many keys stuck at once do not come back
         together); never past the next moment the wait has something to do (alert, give up)."""
         distance = min(distance, WAIT_SCALE)
-        ceiling = min(
-            resolve(task, "ordering_wait_max", call), max(resolve(task, "retry_later_delay", call) * distance, waited)
-        )
+        ceiling = min(options["ordering_wait_max"], max(options["retry_later_delay"] * distance, waited))
         delay = ceiling * (1.0 - WAIT_JITTER * random.random())
-        timeout = resolve(task, "ordering_gap_timeout", call)
-        due = [at for at in (resolve(task, "ordering_gap_alert_after", call), timeout, 2 * timeout) if at > waited]
+        timeout = options["ordering_gap_timeout"]
+        due = [at for at in (options["ordering_gap_alert_after"], timeout, 2 * timeout) if at > waited]
         if due:
             delay = min(delay, min(due) - waited + 0.01)
         return max(0.01, float(delay))
 
-    def _record_skip(
-        self, task: GuardedTask, key: str, scoped: str, skipped: OrderState, call: Mapping[str, Any]
-    ) -> None:
+    def _record_skip(self, task: GuardedTask, key: str, scoped: str, skipped: OrderState, options: TaskOptions) -> None:
         """Write the record of the range ``skipped`` gave up (a dead letter ``ordering_gap_skipped``, once per
         range: its id is made from the key, the range and the wait's start), then tell the store it is written.
         A sink that cannot be reached raises (this message comes back later; the record stays owed)."""
@@ -335,7 +330,7 @@ class Ordering(Guardrail):
                 signals.dead_lettered.send(sender=task, failure=failure)
             except Exception:
                 logger.exception("Task %s[%s]: a receiver of dead_lettered failed", task.name, task.request.id)
-        retention = resolve(task, "ordering_retention", call)
+        retention = options["ordering_retention"]
         get_store(task.app).order_recorded(scoped, to=skipped.skipped_to, now=time.time(), retention=retention)
 
     def _refuse(self, task: GuardedTask, error: OrderingError, reason: str) -> NoReturn:
@@ -352,7 +347,7 @@ class Ordering(Guardrail):
             # An earlier guardrail ended the delivery (a dead letter recorded late, a poison message): if it
             # was its turn, the key moves on all the same.
             try:
-                found = headers.ordering(headers.from_request(task.request))
+                found = headers.ordering(view(task).header)
             except ValueError:
                 found = None
             if found is not None:
@@ -361,7 +356,7 @@ class Ordering(Guardrail):
         if turn is None:
             return
         key, sequence = turn.key, turn.sequence
-        retention = resolve(task, "ordering_retention", task.call_options())
+        retention = view(task).options["ordering_retention"]
         store = get_store(task.app)
         for pause in (*ADVANCE_PAUSES, None):
             try:

@@ -30,9 +30,9 @@ from typing import TYPE_CHECKING, Any, TypeGuard
 
 from celery_guardrails.exceptions import DeadLetteredError
 from celery_guardrails.foundation.context import current_correlation_id, validate_correlation_id, validate_tenant
-from celery_guardrails.foundation.redaction import for_task
 from celery_guardrails.runtime import headers
 from celery_guardrails.runtime.dead_letters import TRACEBACK_LIMIT, storable
+from celery_guardrails.runtime.delivery import redaction, view
 from celery_guardrails.runtime.final_failure import FinalFailure
 from celery_guardrails.runtime.outcomes import (
     MALFORMED_MESSAGE,
@@ -57,7 +57,7 @@ SHOWN_LIMIT = 80
 
 class PendingDeadLetters(Guardrail):
     def before_run(self, task: GuardedTask, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        header = headers.from_request(task.request)
+        header = view(task).header
         if PENDING_DEAD_LETTER not in header:
             return
         failure = pending_failure(task, header[PENDING_DEAD_LETTER], header, args, kwargs)
@@ -149,13 +149,13 @@ def _text(task: Any, value: Any, limit: int) -> str:
     too, where a UTF-8 handler would refuse them), cut."""
     if not isinstance(value, str):
         return ""
-    return str(storable(for_task(task).text(value, keep=limit)))[:limit]
+    return str(storable(redaction(task).text(value, keep=limit)))[:limit]
 
 
 def _redacted_record(task: Any, record: dict[str, Any]) -> dict[str, Any]:
     """An attempt record with its text redacted and escaped (the texts only: numbers say nothing secret)."""
-    redaction = for_task(task)
-    return {key: storable(redaction.text(value)) if isinstance(value, str) else value for key, value in record.items()}
+    redactor = redaction(task)
+    return {key: storable(redactor.text(value)) if isinstance(value, str) else value for key, value in record.items()}
 
 
 def _attempts(value: Any) -> TypeGuard[int]:
@@ -185,7 +185,6 @@ def _message_key(task: Any, header: Mapping[str, Any], args: tuple[Any, ...], kw
     """The scoped idempotency key this message makes (as the idempotency guardrail makes it), or None: none, or
     one that cannot be made."""
     from celery_guardrails.guardrails.keys import render_key, scoped_key
-    from celery_guardrails.options import resolve
     from celery_guardrails.scheduling.ledger import period_key
 
     key = header.get(headers.IDEMPOTENCY_KEY)
@@ -193,7 +192,7 @@ def _message_key(task: Any, header: Mapping[str, Any], args: tuple[Any, ...], kw
         if key is None and headers.SCHEDULE in header and headers.PERIOD in header:
             key = period_key(header[headers.SCHEDULE], header[headers.PERIOD])
         if key is None:
-            spec = resolve(task, "idempotency_key", task.call_options())
+            spec = view(task).options["idempotency_key"]
             key = None if spec is None else render_key(task, spec, args, dict(kwargs))
     except Exception:  # a key that cannot be made is no key: the record keeps none
         return None

@@ -30,9 +30,9 @@ from typing import TYPE_CHECKING, Any
 from celery_guardrails.broker.delays import delivery_count
 from celery_guardrails.exceptions import PoisonMessageError, StoreError
 from celery_guardrails.guardrails.idempotency import fail_abandoned
-from celery_guardrails.options import APP, TASK, Option, checks, declare, resolve
+from celery_guardrails.options import APP, TASK, Option, checks, declare
 from celery_guardrails.runtime import headers
-from celery_guardrails.runtime.delivery import ATTRIBUTE, Delivery, delivery
+from celery_guardrails.runtime.delivery import ATTRIBUTE, Delivery, delivery, view
 from celery_guardrails.runtime.outcomes import POISON, attempt_record, fail_finally
 from celery_guardrails.runtime.pipeline import Guardrail, Publication
 from celery_guardrails.stores import get_store
@@ -69,7 +69,7 @@ class PoisonMessages(Guardrail):
             # A quorum queue's own count of this message's earlier deliveries, plus those of the messages it
             # replaces (put off before their body ran): nothing to write, nothing to clear. Only a redelivery's
             # count is the broker's: on a first delivery the header can only be a publisher's, not trusted.
-            carried = headers.counter(headers.from_request(request), headers.REDELIVERIES)
+            carried = headers.counter(view(task).header, headers.REDELIVERIES)
             starts = state.broker_starts = carried + (counted_by_broker if redelivered else 0)
             if not redelivered:
                 return
@@ -78,7 +78,7 @@ class PoisonMessages(Guardrail):
             state.counted = True
         else:
             return
-        limit = resolve(task, "max_deliveries", task.call_options())
+        limit = view(task).options["max_deliveries"]
         if starts > limit:
             # The count stays: should this message come back once more (its ack lost), it is refused at once.
             state.counted = False

@@ -34,6 +34,7 @@ from celery_guardrails.foundation.context import (
 )
 from celery_guardrails.log import shown
 from celery_guardrails.runtime import headers
+from celery_guardrails.runtime.delivery import view
 from celery_guardrails.runtime.headers import PUBLISHED
 from celery_guardrails.runtime.pipeline import Guardrail, Publication
 
@@ -85,7 +86,7 @@ _activations = threading.local()
 
 
 def _restore(task: Any = None, task_id: str | None = None, **_: Any) -> None:
-    header = headers.from_request(task.request) if task is not None else {}
+    header = view(task).header if task is not None else {}
     correlation_id = header.get(headers.CORRELATION_ID) or new_correlation_id()
     tenant = header.get(headers.TENANT)
     stack = getattr(_activations, "stack", None)

@@ -34,11 +34,11 @@ from celery.exceptions import MaxRetriesExceededError, Retry
 
 from celery_guardrails import signals
 from celery_guardrails.exceptions import StoreError
-from celery_guardrails.options import APP, CALL, TASK, Option, checks, declare, resolve
+from celery_guardrails.options import APP, CALL, TASK, Option, checks, declare
 from celery_guardrails.runtime import headers
 from celery_guardrails.runtime.backoff import backoff_for
 from celery_guardrails.runtime.classification import Kind, Verdict, classify, gated
-from celery_guardrails.runtime.delivery import delivery
+from celery_guardrails.runtime.delivery import delivery, view
 from celery_guardrails.runtime.outcomes import (
     ATTEMPTS_EXHAUSTED,
     NOT_IDEMPOTENT,
@@ -153,7 +153,7 @@ class Retries(Guardrail):
 
     def before_run(self, task: GuardedTask, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         request = task.request
-        header = headers.from_request(request)
+        header = view(task).header
         request.attempt = headers.counter(header, headers.ATTEMPT) + 1
         request.attempt_history = headers.history(header)
 
@@ -182,35 +182,34 @@ class Retries(Guardrail):
         its dead letter is recorded (``exc``; for a refused ``self.retry()``, its cause), or a Reject that gives
         the message back. Returns (None) only for Celery's own control-flow exceptions (``Kind.CONTROL``: nothing
         to decide), which the caller lets through as they are."""
-        call = task.call_options()
+        seen = view(task)
+        options = seen.options
         state = delivery(task)
         requested = exc if isinstance(exc, RetryRequested) else None
         if requested is not None:
             asked = Verdict(Kind.TRANSIENT, SELF_RETRY, requested.countdown)
-            verdict = gated(asked, task, call, state)
+            verdict = gated(asked, options, state)
         else:
-            verdict = classify(exc, task, call, state)
+            verdict = classify(exc, options, state)
         request = task.request
         state.verdict = verdict
         if verdict.kind is Kind.CONTROL:
             return
-        header = headers.from_request(request)
+        header = seen.header
         if verdict.kind is Kind.RETRY_LATER:
             retry_later(task, exc, delay=verdict.retry_after, rule=verdict.rule)
         attempt = request.attempt
-        limit = resolve(task, "max_attempts", call)
+        limit = options["max_attempts"]
         if requested is not None and requested.max_retries is not None:
             limit = min(limit, requested.max_retries + 1)
         error: BaseException = requested.failure(task) if requested is not None else exc
         kind = MANUAL if requested is not None else verdict.kind.value
         if verdict.kind is Kind.TRANSIENT and attempt < limit:
             if requested is not None and requested.countdown is not None:
-                delay = min(requested.countdown, resolve(task, "backoff_max", call))
+                delay = min(requested.countdown, options["backoff_max"])
             else:
                 previous = next((r.get("delay") for r in reversed(request.attempt_history) if r.get("delay")), None)
-                delay = backoff_for(task, call).delay(
-                    failures=attempt, previous=previous, retry_after=verdict.retry_after
-                )
+                delay = backoff_for(options).delay(failures=attempt, previous=previous, retry_after=verdict.retry_after)
             record = attempt_record(task, kind=kind, rule=verdict.rule, exc=error, delay=delay)
             logger.warning(
                 "Task %s[%s] attempt %d failed (%s, %s); retrying in %.3fs: %s: %s",
@@ -262,15 +261,15 @@ def retry_later(
     live lease) is bounded by that lease.
     """
     request = task.request
-    call = task.call_options()
-    header = headers.from_request(request)
+    seen = view(task)
+    header, options = seen.header, seen.options
     later = headers.counter(header, counter) + 1
     kind = Kind.RETRY_LATER.value
-    if counter == headers.LATER and later > resolve(task, "retry_later_max", call):
+    if counter == headers.LATER and later > options["retry_later_max"]:
         record = attempt_record(task, kind=kind, rule=rule, exc=exc)
         fail_finally(task, exc, reason=RETRY_LATER_EXHAUSTED, history=[*request.attempt_history, record])
-    asked = delay if delay is not None else resolve(task, "retry_later_delay", call)
-    delay = min(asked, resolve(task, "backoff_max", call))
+    asked = delay if delay is not None else options["retry_later_delay"]
+    delay = min(asked, options["backoff_max"])
     record = attempt_record(task, kind=kind, rule=rule, exc=exc, delay=delay)
     logger.info(
         "Task %s[%s] cannot run yet (%s %d); again in %.3fs: %s",

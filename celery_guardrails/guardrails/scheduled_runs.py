@@ -31,9 +31,9 @@ from celery_guardrails.foundation.clock import now
 from celery_guardrails.foundation.redaction import redacted_error
 from celery_guardrails.guardrails.keys import task_signature
 from celery_guardrails.guardrails.retries import retry_later
-from celery_guardrails.options import app_value, resolve
+from celery_guardrails.options import app_value
 from celery_guardrails.runtime import headers
-from celery_guardrails.runtime.delivery import Hold, RunSlot, ScheduledPeriod, delivery
+from celery_guardrails.runtime.delivery import Hold, RunSlot, ScheduledPeriod, delivery, view
 from celery_guardrails.runtime.heartbeats import delivery_owner, heartbeat
 from celery_guardrails.runtime.pipeline import Guardrail, Publication, SkipBody
 from celery_guardrails.scheduling.beat import moment
@@ -69,7 +69,7 @@ class ScheduledRuns(Guardrail):
 
     def before_run(self, task: GuardedTask, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         request = task.request
-        header = headers.from_request(request)
+        header = view(task).header
         name, period = header.get(headers.SCHEDULE), header.get(headers.PERIOD)
         if name is None or period is None:
             return
@@ -82,7 +82,7 @@ class ScheduledRuns(Guardrail):
         state = delivery(task)
         if policy.overlap != "allow":
             owner = delivery_owner(request) + (CATCH_UP_OWNER if catch_up else "")
-            lease = resolve(task, "idempotency_lease", task.call_options())
+            lease = view(task).options["idempotency_lease"]
             # Leases are real time (the heartbeat renews them with time.time()), whatever the clock option.
             claim = store.claim(slot_key(name), owner=owner, now=time.time(), lease=lease, retention=lease)
             if claim.state != ACQUIRED:
@@ -108,7 +108,7 @@ class ScheduledRuns(Guardrail):
             raise SkipBody(None)  # a success: the period key is completed, a re-dispatch is a duplicate
         why = "a catch-up run is still going (the current period waits for it)" if behind_catch_up else "overlap=queue"
         wait = RetryLater(f"scheduled run {name!r}: the previous run is still going ({why})")
-        delay = max(0.5, min(until - time.time() + 0.5, resolve(task, "retry_later_delay", task.call_options())))
+        delay = max(0.5, min(until - time.time() + 0.5, view(task).options["retry_later_delay"]))
         # A wait behind a live run slot, like one behind a held key: bounded by that run's lease, not by
         # retry_later_max.
         retry_later(task, wait, delay=delay, rule="schedule:overlap", counter=headers.BUSY)

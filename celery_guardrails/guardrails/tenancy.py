@@ -21,6 +21,7 @@ from celery_guardrails import signals
 from celery_guardrails.exceptions import MissingTenantError
 from celery_guardrails.foundation.context import current_correlation_id, current_tenant
 from celery_guardrails.options import APP, CALL, TASK, Option, checks, declare, load, resolve
+from celery_guardrails.runtime.delivery import view
 from celery_guardrails.runtime.headers import TENANT
 from celery_guardrails.runtime.outcomes import MISSING_TENANT, fail_finally
 from celery_guardrails.runtime.pipeline import Guardrail, Publication
@@ -59,7 +60,7 @@ class TenantGuard(Guardrail):
             raise MissingTenantError(task.name, where="given at publish")
 
     def before_run(self, task: GuardedTask, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        if current_tenant() is not None or not resolve(task, "tenant_required", task.call_options()):
+        if current_tenant() is not None or not view(task).options["tenant_required"]:
             return
         error = MissingTenantError(task.name, task.request.id, where="in the message")
         signals.missing_tenant.send(
@@ -74,7 +75,7 @@ class TenantGuard(Guardrail):
 
     def body_context(self, task: GuardedTask) -> AbstractContextManager[Any] | None:
         tenant = current_tenant()
-        activator = resolve(task, "tenant_activator", task.call_options())
+        activator = view(task).options["tenant_activator"]
         if tenant is None or activator is None:
             return None
         manager: AbstractContextManager[Any] = load(activator)(tenant)

@@ -36,6 +36,7 @@ from datetime import datetime
 from typing import Any
 
 from celery_guardrails.runtime import headers
+from celery_guardrails.runtime.delivery import view
 from celery_guardrails.runtime.pipeline import Guardrail, overriding
 from celery_guardrails.stores.base import Wait
 
@@ -83,7 +84,7 @@ class Waiting(Guardrail):
 
     def before_run(self, task: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         request = task.request
-        if not came_back(headers.from_request(request)):
+        if not came_back(view(task).header):
             return
         try:
             from celery_guardrails.stores import get_store
@@ -160,9 +161,7 @@ def _reason(task: Any, header: Mapping[str, Any], last: Mapping[str, Any]) -> tu
         return DEAD_LETTER, str(pending.get("reason") or "") if isinstance(pending, Mapping) else ""
     kind, rule, text = str(last.get("class") or ""), str(last.get("rule") or ""), str(last.get("msg") or "")
     if kind in ("deferred_budget", "deferred_circuit"):
-        from celery_guardrails.options import resolve
-
-        dependency = resolve(task, "dependency", task.call_options())
+        dependency = view(task).options["dependency"]
         return (BUDGET if kind == "deferred_budget" else CIRCUIT), str(dependency or "")
     if kind == "retry_later":
         reason, pattern = _LATER_RULES.get(rule, (LATER, None))

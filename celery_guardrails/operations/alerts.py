@@ -42,7 +42,7 @@ from typing import Any
 
 from celery_guardrails import signals
 from celery_guardrails.foundation import clock
-from celery_guardrails.foundation.redaction import Redactor, for_app, for_task, safe_repr
+from celery_guardrails.foundation.redaction import Redactor, for_app, safe_repr
 from celery_guardrails.operations.alert_channels import ALERT_CHANNELS, deliver
 
 # Re-exported: read here before the channels had a module of their own. RETRY_PAUSES is not: patch it where the
@@ -53,7 +53,8 @@ from celery_guardrails.operations.alert_channels import SENDER as SENDER
 from celery_guardrails.operations.alert_channels import Delivery as Delivery
 from celery_guardrails.operations.alert_channels import Outage as Outage
 from celery_guardrails.operations.alert_channels import Sender as Sender
-from celery_guardrails.options import APP, Option, app_value, checks, declare, resolve
+from celery_guardrails.options import APP, Option, app_value, checks, declare
+from celery_guardrails.runtime.delivery import redaction, view
 from celery_guardrails.runtime.final_failure import FinalFailure
 from celery_guardrails.runtime.outcomes import owner_of
 from celery_guardrails.stores import get_store
@@ -207,7 +208,7 @@ def ordering_wait(task: Any, *, key: str, waiting_for: int, lowest: int, since: 
             "lowest_waiting": lowest,
             "since": opened,
             "waited_seconds": round(max(0.0, time.time() - since), 1),
-            "gives_up_after_seconds": resolve(task, "ordering_gap_timeout", task.call_options()),
+            "gives_up_after_seconds": view(task).options["ordering_gap_timeout"],
         }
         subject = f"Ordering key waits: {key} waits for #{waiting_for} since {opened}"
         send(app, subject=subject, owner=owner, ordering=about)
@@ -287,7 +288,7 @@ def _redactor(app: Any, failure: FinalFailure | None) -> Redactor:
         task = app.tasks.get(failure.task_name) if failure is not None else None
     except Exception:  # an app that cannot list its tasks: its own settings still apply
         task = None
-    return for_task(task) if task is not None else for_app(app)
+    return redaction(task) if task is not None else for_app(app)
 
 
 signals.dead_lettered.connect(_on_dead_lettered, weak=False, dispatch_uid="celery_guardrails.operations.alerts")

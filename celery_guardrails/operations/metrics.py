@@ -100,7 +100,7 @@ from celery_guardrails.operations.instruments import (
 from celery_guardrails.operations.outcome_counts import _on_published, activity_counts, ending_told, tell_ended
 from celery_guardrails.options import APP, Option, checks, declare
 from celery_guardrails.runtime import headers
-from celery_guardrails.runtime.delivery import delivery
+from celery_guardrails.runtime.delivery import delivery, view
 from celery_guardrails.runtime.pipeline import Guardrail
 
 if TYPE_CHECKING:
@@ -195,7 +195,7 @@ class Metrics(Guardrail):
         try:
             made = instruments(task.app)
             labels = label_values(task.app, task.name, queue_of(request))
-            published = headers.published_at(headers.from_request(request))
+            published = headers.published_at(view(task).header)
             if published is None:
                 made.queue_wait_unknown.labels(*labels).inc()
             else:

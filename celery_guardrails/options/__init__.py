@@ -5,7 +5,8 @@ runtime, scheduling, operations, broker or store module that reads them), into t
 :mod:`~celery_guardrails.options.schema`; see there for the rule that keeps this free of import cycles.
 Every option is read through :func:`resolve` (a task's) or :func:`app_value` (the app's), one rule everywhere:
 per-call option, then task attribute, then app config, then the declared default
-(:mod:`~celery_guardrails.options.lookup`).
+(:mod:`~celery_guardrails.options.lookup`). A delivery resolves each option once, through the
+:class:`TaskOptions` its hooks share (:mod:`celery_guardrails.runtime.view`).
 
 Keys are lowercase, like Celery's own settings. An unknown key or a bad value raises
 :class:`~celery_guardrails.exceptions.ConfigurationError` naming the key (with a "did you mean"), when the worker
@@ -33,6 +34,7 @@ from celery_guardrails.options.config import (
 from celery_guardrails.options.loading import load
 from celery_guardrails.options.lookup import (
     CELERY_EQUIVALENTS,
+    TaskOptions,
     app_value,
     celery_equivalent,
     celery_option,
@@ -52,6 +54,7 @@ __all__ = [
     "SECONDS_MAX",
     "TASK",
     "Option",
+    "TaskOptions",
     "Weakness",
     "app_settings",
     "app_value",

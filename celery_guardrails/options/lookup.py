@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import Any
 
 from celery.local import Proxy
@@ -127,3 +129,22 @@ def resolve(task: Any, name: str, call: Mapping[str, Any]) -> Any:
 def app_value(app: Any, name: str) -> Any:
     """Option ``name`` from the app config, else its default (for work that is not one task's)."""
     return app_settings(app).get(name, OPTIONS[name].default)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TaskOptions:
+    """The options of ``task`` for one call (its per-call options ``call``), each resolved once, when first asked:
+    ``options["backoff_max"]``. A delivery's hooks share one (:mod:`celery_guardrails.runtime.view`)."""
+
+    task: Any
+    #: The per-call options (those the message carries; empty outside a call).
+    call: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
+    #: Options resolved so far, by name.
+    resolved: dict[str, Any] = field(default_factory=dict)
+
+    def __getitem__(self, name: str) -> Any:
+        try:
+            return self.resolved[name]
+        except KeyError:
+            value = self.resolved[name] = resolve(self.task, name, self.call)
+            return value

@@ -20,11 +20,10 @@ All values are seconds.
 from __future__ import annotations
 
 import random as _random
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
-from celery_guardrails.options import APP, CALL, TASK, Option, checks, declare, load, resolve
+from celery_guardrails.options import APP, CALL, TASK, Option, TaskOptions, checks, declare, load
 
 #: The options backoff reads, declared into the one schema (celery_guardrails.options).
 DECLARED = declare(
@@ -86,11 +85,12 @@ class Backoff:
         return float(ceiling / 2 + self.random() * ceiling / 2)
 
 
-def backoff_for(task: Any, call: Mapping[str, Any]) -> Backoff:
-    source = resolve(task, "backoff_random", call)
+def backoff_for(options: TaskOptions) -> Backoff:
+    """The backoff of ``options.task`` with these options."""
+    source = options["backoff_random"]
     return Backoff(
-        strategy=resolve(task, "backoff", call),
-        base=resolve(task, "backoff_base", call),
-        maximum=resolve(task, "backoff_max", call),
+        strategy=options["backoff"],
+        base=options["backoff_base"],
+        maximum=options["backoff_max"],
         random=load(source) if source is not None else _random.random,
     )

@@ -44,7 +44,7 @@ from typing import Any
 from celery.exceptions import Ignore, Reject, Retry
 
 from celery_guardrails.exceptions import PermanentError, RetryLater, SlotLostError, TransientError
-from celery_guardrails.options import APP, TASK, Option, checks, declare, resolve
+from celery_guardrails.options import APP, TASK, Option, TaskOptions, checks, declare
 from celery_guardrails.runtime.wire import (
     CONNECT_FAILURES,
     TRANSIENT_STATUSES,
@@ -153,14 +153,14 @@ class Verdict:
     note: str | None = None
 
 
-def classify(exc: BaseException, task: Any, call: Mapping[str, Any], state: Any = None) -> Verdict:
-    """Classify ``exc`` raised by ``task`` (per-call options ``call``) in the delivery ``state`` (the running
+def classify(exc: BaseException, options: TaskOptions, state: Any = None) -> Verdict:
+    """Classify ``exc`` raised by ``options.task`` (with these options) in the delivery ``state`` (the running
     one when None): the rules, then the retry gate."""
-    verdict = _rules(exc, task, call)
-    return gated(verdict, task, call, state)
+    verdict = _rules(exc, options)
+    return gated(verdict, options, state)
 
 
-def gated(verdict: Verdict, task: Any, call: Mapping[str, Any], state: Any = None) -> Verdict:
+def gated(verdict: Verdict, options: TaskOptions, state: Any = None) -> Verdict:
     """``verdict`` through the retry gate: a transient one stands only where a re-run is safe."""
     slot_lost = verdict.rule == SLOT_LOST
     if (verdict.kind is not Kind.TRANSIENT or verdict.rule in OWN_WORD) and not slot_lost:
@@ -168,16 +168,16 @@ def gated(verdict: Verdict, task: Any, call: Mapping[str, Any], state: Any = Non
     from celery_guardrails.runtime import gate
     from celery_guardrails.runtime.delivery import delivery
 
-    state = state if state is not None else delivery(task)
+    state = state if state is not None else delivery(options.task)
     if slot_lost and not state.body_ran:  # stopped before its body: nothing of it ran
         return verdict
-    safety = gate.judge(task, call, state)
+    safety = gate.judge(options, state)
     if safety.safe:
         return verdict
     return Verdict(Kind.PERMANENT, f"{verdict.rule}:not_idempotent", note=safety.note)
 
 
-def _rules(exc: BaseException, task: Any, call: Mapping[str, Any]) -> Verdict:
+def _rules(exc: BaseException, options: TaskOptions) -> Verdict:
     if isinstance(exc, Retry | Ignore | Reject):
         return Verdict(Kind.CONTROL, "celery")
     if isinstance(exc, RetryLater):
@@ -188,10 +188,10 @@ def _rules(exc: BaseException, task: Any, call: Mapping[str, Any]) -> Verdict:
         return Verdict(Kind.TRANSIENT, "TransientError", exc.retry_after)
     if isinstance(exc, PermanentError):
         return Verdict(Kind.PERMANENT, "PermanentError")
-    if isinstance(exc, resolve(task, "permanent_errors", call)):
+    if isinstance(exc, options["permanent_errors"]):
         return Verdict(Kind.PERMANENT, "permanent_errors")
-    transient, rule = _transient_class(exc, task, call)
-    deterministic = _deterministic_class(exc, task, call)
+    transient, rule = _transient_class(exc, options)
+    deterministic = _deterministic_class(exc, options)
     if (
         deterministic is not None
         and not (transient is not None and issubclass(transient, deterministic))
@@ -203,12 +203,12 @@ def _rules(exc: BaseException, task: Any, call: Mapping[str, Any]) -> Verdict:
     http = _http_verdict(exc)
     if http is not None:
         return http
-    patterns = resolve(task, "error_patterns", call)
+    patterns = options["error_patterns"]
     message = _text(exc) if patterns else ""
     for pattern, kind in patterns:
         if pattern.search(message):
             return Verdict(Kind(kind), f"error_patterns:{pattern.pattern}")
-    unknown = resolve(task, "unknown_errors", call)
+    unknown = options["unknown_errors"]
     return Verdict(Kind(unknown if unknown != "auto" else "transient"), f"unknown_errors:{unknown}")
 
 
@@ -220,9 +220,10 @@ def _text(exc: BaseException) -> str:
         return ""
 
 
-def _transient_class(exc: BaseException, task: Any, call: Mapping[str, Any]) -> tuple[type | None, str]:
+def _transient_class(exc: BaseException, options: TaskOptions) -> tuple[type | None, str]:
     """The most specific class of ``transient_errors`` (or Celery's ``autoretry_for``) ``exc`` is, and its rule."""
-    matches = [(k, "transient_errors") for k in resolve(task, "transient_errors", call) if isinstance(exc, k)]
+    task = options.task
+    matches = [(k, "transient_errors") for k in options["transient_errors"] if isinstance(exc, k)]
     autoretry = tuple(getattr(task, "autoretry_for", None) or ())
     if (
         autoretry
@@ -237,10 +238,10 @@ def _transient_class(exc: BaseException, task: Any, call: Mapping[str, Any]) -> 
     return min(matches, key=lambda match: order.index(match[0]) if match[0] in order else len(order))
 
 
-def _deterministic_class(exc: BaseException, task: Any, call: Mapping[str, Any]) -> type | None:
+def _deterministic_class(exc: BaseException, options: TaskOptions) -> type | None:
     """The most specific ``deterministic_errors`` class ``exc`` is (the default's optional validation errors
     included, once their module is imported), or None."""
-    classes = resolve(task, "deterministic_errors", call)
+    classes = options["deterministic_errors"]
     if classes is DETERMINISTIC_ERRORS:
         classes = (*classes, *_imported_validation_errors())
     order = type(exc).__mro__

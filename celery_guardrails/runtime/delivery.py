@@ -12,16 +12,22 @@ What a task may read stays on ``self.request`` and is documented there: ``attemp
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from celery_guardrails.foundation.redaction import Redactor
+from celery_guardrails.runtime.view import DeliveryView
+
 logger = logging.getLogger(__name__)
 
 #: The request attribute holding the state.
 ATTRIBUTE = "guardrails_delivery"
+#: The request attribute holding the delivery's view (:func:`view`).
+VIEW = "guardrails_view"
 
 
 @dataclass(frozen=True, slots=True)
@@ -200,4 +206,33 @@ def delivery(task: Any) -> Delivery:
     return state
 
 
-__all__ = ["Delivery", "Hold", "begin", "delivery"]
+__all__ = ["Delivery", "Hold", "begin", "delivery", "redaction", "view"]
+
+
+def view(task: Any) -> DeliveryView:
+    """The resolved view of the delivery ``task`` is running: its header and options, read once for every hook
+    (see :mod:`celery_guardrails.runtime.view`).
+
+    Kept on the request of a delivery (one Celery pushed for it: a worker's, an eager ``apply``'s), from the
+    first hook that asks (Celery's ``task_prerun``, whose receiver restores the message's tenant, fires before
+    ``GuardedTask.__call__`` begins the delivery) to the last after-hook. Outside one (the caller's process),
+    the request is Celery's default one for as long as the process lives: a view is read afresh each time there,
+    and never kept. A view is its request's only: ``Task.push_request`` copies the current request's attributes
+    into the one it pushes, so a view found on a request that is not its own is read again.
+    """
+    request = getattr(task, "request", None)
+    found: DeliveryView | None = getattr(request, VIEW, None)
+    if found is not None and found.request is request:
+        return found
+    made = DeliveryView.read(task)
+    stack = getattr(task, "request_stack", None)
+    if stack is not None and stack.top is request:  # a delivery's request, not Celery's default one
+        with contextlib.suppress(AttributeError):  # a request object that takes no attributes: read each time
+            setattr(request, VIEW, made)
+    return made
+
+
+def redaction(task: Any) -> Redactor:
+    """The redactor of ``task`` (its ``redact_keys`` and ``redact_patterns``): made once per delivery, for the
+    log lines and records of every hook; outside a delivery, made as asked (:func:`view`)."""
+    return view(task).redaction

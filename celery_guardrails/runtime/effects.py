@@ -44,7 +44,7 @@ from celery import current_task
 from celery.app.task import Context
 from celery.local import Proxy
 
-from celery_guardrails.options import TASK, Option, checks, declare, resolve
+from celery_guardrails.options import TASK, Option, TaskOptions, checks, declare
 from celery_guardrails.runtime.delivery import ATTRIBUTE, Delivery
 from celery_guardrails.runtime.wire import sent_nothing
 
@@ -202,9 +202,11 @@ def _uses_effect(function: Any, seen: set[int], depth: int) -> bool:
     return False
 
 
-def marks_effects(task: Any, call: Any = None) -> bool:
-    """Whether the task's body marks its effects: ``marks_effects`` when set, else what its code shows."""
-    declared = resolve(task, "marks_effects", call or {})
+def marks_effects(options: TaskOptions) -> bool:
+    """Whether the body of ``options.task`` marks its effects: ``marks_effects`` when set, else what its code
+    shows."""
+    declared = options["marks_effects"]
+    task = options.task
     if declared is not None:
         return bool(declared)
     kind = type(task._get_current_object() if isinstance(task, Proxy) else task)

@@ -23,11 +23,9 @@ retryable. A body that marks nothing counts as one effect from its first line.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
 
-from celery_guardrails.options import APP, TASK, Option, checks, declare, resolve
+from celery_guardrails.options import APP, TASK, Option, TaskOptions, checks, declare
 from celery_guardrails.runtime.delivery import Delivery
 from celery_guardrails.runtime.effects import marks_effects
 
@@ -86,30 +84,30 @@ class Safety:
         return self.why if self.safe else f"not retried: {self.why}; to make it retryable, {self.fix}"
 
 
-def declared(task: Any, call: Mapping[str, Any]) -> Safety | None:
+def declared(options: TaskOptions) -> Safety | None:
     """Rules 1, 2 and (keyed, atomic) 4 of the module docstring: what the task's options alone make safe."""
-    if resolve(task, "idempotent", call):
+    if options["idempotent"]:
         return Safety(safe=True, why="idempotent=True")
-    if resolve(task, "retry_unsafe", call):
+    if options["retry_unsafe"]:
         return Safety(safe=True, why="retry_unsafe=True")
     return None
 
 
-def judge(task: Any, call: Mapping[str, Any], state: Delivery) -> Safety:
+def judge(options: TaskOptions, state: Delivery) -> Safety:
     """May the body of the delivery ``state`` describes run again after its failure? (the module docstring)"""
-    safety = declared(task, call)
+    safety = declared(options)
     if safety is not None:
         return safety
     if state.key is not None and state.key_read_at == 0:
         return Safety(safe=True, why="its idempotency key was handed downstream before any effect")
-    atomic = state.key is not None and bool(resolve(task, "atomic", call))
+    atomic = state.key is not None and bool(options["atomic"])
     if atomic and state.effects == 0:
         return Safety(safe=True, why="atomic=True: its database work rolled back with its key")
     if state.effects:
         return Safety(
             safe=False, why=f"it failed after {_blocks(state.effects)} that may have acted", fix=FIX_AFTER_EFFECT
         )
-    if atomic or marks_effects(task, call):
+    if atomic or marks_effects(options):
         return Safety(safe=True, why="it failed before its first effect")
     if state.key is not None:
         return Safety(
@@ -121,13 +119,13 @@ def judge(task: Any, call: Mapping[str, Any], state: Delivery) -> Safety:
     return Safety(safe=False, why="its body marks no effect, so it counts as one from its first line", fix=FIX_UNMARKED)
 
 
-def after_kill(task: Any, call: Mapping[str, Any], *, keyed: bool) -> Safety:
+def after_kill(options: TaskOptions, *, keyed: bool) -> Safety:
     """The gate for a body killed by its hard time limit: the worker's main process cannot see what the killed
     process did, so only the task's options can make it safe (its database transaction died with it)."""
-    safety = declared(task, call)
+    safety = declared(options)
     if safety is not None:
         return safety
-    if keyed and resolve(task, "atomic", call):
+    if keyed and options["atomic"]:
         return Safety(safe=True, why="atomic=True: its database work died with its process")
     return Safety(
         safe=False,

@@ -99,7 +99,6 @@ Compatibility rules:
 
 from __future__ import annotations
 
-import contextlib
 import logging
 from collections.abc import Mapping
 from typing import Any
@@ -174,12 +173,10 @@ def from_request(request: Any) -> dict[str, Any]:
     """The guardrails mapping of the message a task request came from, sanitised (a fresh copy).
 
     Celery copies custom message headers onto the request as attributes (worker) or keeps them under
-    ``request.headers`` (eager ``apply``); both are looked at. Malformed fields are dropped with a warning,
-    once per delivery: the sanitised mapping is kept on the request, as every guardrail reads it.
+    ``request.headers`` (eager ``apply``); both are looked at. Malformed fields are dropped with a warning. A
+    delivery reads it once, for every hook (:func:`celery_guardrails.runtime.delivery.view`); nothing is cached
+    on the request here (``Task.push_request`` copies a request's attributes into the next one it pushes).
     """
-    cached = getattr(request, "_guardrails_header", None)
-    if cached is not None:
-        return dict(cached)
     raw = getattr(request, HEADER, None)
     if raw is None:
         raw = (getattr(request, "headers", None) or {}).get(HEADER)
@@ -189,9 +186,7 @@ def from_request(request: Any) -> dict[str, Any]:
         clean = sanitise(raw, task_id=task_id)
     elif raw is not None:
         logger.warning("Task %s: header %r is a %s, not a mapping; ignored", task_id, HEADER, type(raw).__name__)
-    with contextlib.suppress(AttributeError):  # a request object that takes no attributes: no cache
-        request._guardrails_header = clean
-    return dict(clean)
+    return clean
 
 
 def sanitise(raw: Mapping[str, Any], *, task_id: str | None = None) -> dict[str, Any]:

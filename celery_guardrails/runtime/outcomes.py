@@ -26,12 +26,12 @@ from celery.exceptions import Reject, Retry
 from celery_guardrails import signals
 from celery_guardrails.broker.delays import countdown_for, delay_rule, republishable_headers
 from celery_guardrails.foundation.context import current_correlation_id, current_tenant
-from celery_guardrails.foundation.redaction import exception_name, exception_text, for_task
+from celery_guardrails.foundation.redaction import exception_name, exception_text
 from celery_guardrails.guardrails import waiting
 from celery_guardrails.log import shown
-from celery_guardrails.options import app_value, resolve, task_attribute
+from celery_guardrails.options import app_value, task_attribute
 from celery_guardrails.runtime import dead_letters, headers
-from celery_guardrails.runtime.delivery import delivery
+from celery_guardrails.runtime.delivery import delivery, redaction, view
 from celery_guardrails.runtime.final_failure import FinalFailure
 
 logger = logging.getLogger(__name__)
@@ -136,7 +136,7 @@ def kept_text(task: Any, text: str, limit: int, *, tail: bool = False) -> str:
     (``redact_keys``, ``redact_patterns``), cut to ``limit`` characters (the last ones when ``tail``; the redaction
     reads past the cut, so a secret the cut falls into is still found). Never raises: text that cannot be
     redacted is not kept (:meth:`celery_guardrails.foundation.redaction.Redactor.text`)."""
-    return for_task(task).text(text, keep=limit, tail=tail)
+    return redaction(task).text(text, keep=limit, tail=tail)
 
 
 def republish(
@@ -212,10 +212,10 @@ def store_unavailable(task: Any, exc: BaseException) -> NoReturn:
     random, so the messages of one outage do not all come back at once).
     """
     request = task.request
-    header = headers.from_request(request)
+    seen = view(task)
+    header, options = seen.header, seen.options
     outages = headers.counter(header, headers.OUTAGES) + 1
-    call = task.call_options()
-    ceiling = min(resolve(task, "backoff_max", call), resolve(task, "backoff_base", call) * 2.0 ** min(outages, 30))
+    ceiling = min(options["backoff_max"], options["backoff_base"] * 2.0 ** min(outages, 30))
     delay = ceiling * (0.5 + random.random() / 2)
     logger.error(
         "Task %s[%s]: the guardrails store is unavailable (%s); not run now, back in %.1fs without spending an "
@@ -296,7 +296,7 @@ def _name(task: Any) -> str:
 def _final_failure(task: Any, exc: BaseException, *, reason: str, history: list[dict[str, Any]] | None) -> FinalFailure:
     request = task.request
     history = list(history or ())
-    header = headers.from_request(request)
+    header = view(task).header
     return FinalFailure(
         task_name=task.name,
         task_id=request.id,
@@ -346,10 +346,10 @@ def _pending(task: Any, failure: FinalFailure, exc: BaseException, error: BaseEx
     """Publish the message again carrying its pending dead letter (raise Celery's Retry); raise a Reject when
     that cannot be done."""
     try:
-        request = task.request
-        header = headers.from_request(request)
+        seen = view(task)
+        header = dict(seen.header)
         tries = headers.counter(header, headers.PENDING_TRIES) + 1
-        delay = min(2.0 ** min(tries, 30), resolve(task, "backoff_max", task.call_options()))
+        delay = min(2.0 ** min(tries, 30), seen.options["backoff_max"])
         logger.error(
             "Task %s[%s]: dead letter not recorded (%s); the message comes back in %.0fs to try again",
             failure.task_name,

@@ -57,6 +57,7 @@ from celery_guardrails import signals
 from celery_guardrails.foundation.context import activate, deactivate
 from celery_guardrails.foundation.redaction import for_task
 from celery_guardrails.runtime import headers
+from celery_guardrails.runtime.delivery import view
 from celery_guardrails.runtime.outcomes import ARRIVED_AS, MALFORMED_MESSAGE, TIME_LIMIT
 
 logger = logging.getLogger(__name__)
@@ -412,7 +413,7 @@ def _time_limit_reached(request: Any, timeout: float) -> bool:
     message was published again (a retry; or the final failure with its dead letter pending, when no sink could
     record it): then the result says RETRY and Celery must not store FAILURE. False: the dead letter is recorded.
     Raises ``Reject`` when the message must go back to the broker instead (nothing recorded nor published)."""
-    from celery_guardrails.options import resolve, settings_snapshot
+    from celery_guardrails.options import settings_snapshot
     from celery_guardrails.runtime.delivery import begin
     from celery_guardrails.runtime.gate import after_kill
     from celery_guardrails.runtime.outcomes import attempt_record, fail_finally, republish
@@ -425,19 +426,19 @@ def _time_limit_reached(request: Any, timeout: float) -> bool:
         context = task.request
         with settings_snapshot(task.app):
             begin(context)
-            header = headers.from_request(context)
+            seen = view(task)
+            header, options = seen.header, seen.options
             activation = activate(tenant=header.get(headers.TENANT), correlation_id=header.get(headers.CORRELATION_ID))
             try:
                 exc = TimeLimitExceeded(timeout)
                 attempt = headers.counter(header, headers.ATTEMPT) + 1
                 context.attempt, context.attempt_history = attempt, headers.history(header)
-                call = task.call_options()
                 # Not inside a chord or with errbacks: Celery's own handling of the kill, which still runs, would
                 # count the chord part failed and call the errbacks while the retry goes on.
                 plain = not getattr(context, "chord", None) and not getattr(context, "errbacks", None)
                 # The gate, as far as this process can see: the killed process's effects died unseen with it.
-                safe = after_kill(task, call, keyed=bool(header.get(headers.IDEMPOTENCY_KEY))).safe
-                if plain and safe and attempt < resolve(task, "max_attempts", call):
+                safe = after_kill(options, keyed=bool(header.get(headers.IDEMPOTENCY_KEY))).safe
+                if plain and safe and attempt < options["max_attempts"]:
                     record = attempt_record(task, kind="transient", rule=TIME_LIMIT, exc=exc, delay=0.0)
                     logger.warning("Task %s[%s] killed by its time limit; retrying", task.name, request.id)
                     # RETRY stored before the retry is published, so that the retry's own result is never overwritten.

@@ -25,8 +25,9 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from celery_guardrails.foundation.redaction import Redactor, exception_name, exception_text, for_task
+from celery_guardrails.foundation.redaction import Redactor, exception_name, exception_text
 from celery_guardrails.options import APP, TASK, Option, checks, declare, resolve
+from celery_guardrails.runtime.delivery import redaction
 
 logger = logging.getLogger(__name__)
 
@@ -106,7 +107,7 @@ class RedactingBackend:
                 return exc, traceback
         except Exception:  # a setting that cannot be read: redacted, the default
             logger.warning("redact_results of %s could not be read; the failure is stored redacted", task.name)
-        redactor = for_task(task)
+        redactor = redaction(task)
         if isinstance(exc, BaseException):
             exc = redacted_exception(exc, redactor)
         if traceback:

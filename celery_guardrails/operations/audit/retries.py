@@ -13,7 +13,7 @@ from typing import Any
 from celery_guardrails.operations.audit.model import ERROR, INFO, WARNING, Finding, finding
 from celery_guardrails.operations.audit.retry_calls import BROAD, retry_code
 from celery_guardrails.operations.audit.tasks import time_limit
-from celery_guardrails.options import celery_option, celery_option_set, resolve
+from celery_guardrails.options import TaskOptions, celery_option, celery_option_set, resolve
 
 #: Retries above which a policy counts as very high (GA308); a guarded task's max_attempts counts one run more.
 MAX_RETRIES = 10
@@ -99,7 +99,7 @@ def _guarded_retries(app: Any, task: Any) -> list[Finding]:
                 f"drop retry_unsafe and make a re-run safe: {_gate_fix()}",
             )
         )
-    marks = marks_effects(task)
+    marks = marks_effects(TaskOptions(task=task))
     if not (idempotent or unsafe or marks):
         atomic = bool(resolve(task, "atomic", {}))
         if keyed and not atomic and not reads_key(task):

@@ -19,6 +19,7 @@ from celery_guardrails.exceptions import (
     SensitivePayloadError,
 )
 from celery_guardrails.guardrails.sensitive import SENSITIVE_KEYS, matches
+from celery_guardrails.options import TaskOptions
 from celery_guardrails.runtime import headers
 from tests.conftest import Sink
 from tests.proj import tasks
@@ -203,7 +204,7 @@ def test_the_size_bound_that_spares_a_second_serialisation_is_never_below_the_re
     from celery_guardrails.guardrails.contract import PayloadContract
 
     args, kwargs = arguments
-    bound = PayloadContract()._check_values(tasks.behave, args, kwargs, {})
+    bound = PayloadContract()._check_values(TaskOptions(task=tasks.behave), args, kwargs)
     # Then it is None (measure it) or at least the size the serialiser writes
     _, _, body = dumps((args, kwargs), serializer="json")
     assert bound is None or bound >= len(body), (bound, len(body))

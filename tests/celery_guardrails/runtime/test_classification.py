@@ -16,6 +16,7 @@ from celery import Celery
 from celery.exceptions import Ignore, Reject, Retry
 
 from celery_guardrails import GuardedTask, PermanentError, RetryLater, SlotLostError, TransientError
+from celery_guardrails.options import TaskOptions
 from celery_guardrails.runtime.classification import Kind, classify, parse_retry_after
 from celery_guardrails.runtime.delivery import Delivery
 from celery_guardrails.runtime.wire import sent_nothing
@@ -72,7 +73,7 @@ AFTER_EFFECT = Delivery(effects=1)
 def verdict(
     exc: BaseException, task: Any = configured, call: dict[str, Any] | None = None, state: Delivery = FRESH
 ) -> tuple[str, str]:
-    result = classify(exc, task, call or {}, state)
+    result = classify(exc, TaskOptions(task=task, call=call or {}), state)
     return result.kind.value, result.rule
 
 
@@ -123,18 +124,18 @@ def test_a_delivery_whose_slot_was_reaped_waits_for_it_again_only_where_a_rerun_
     after = Delivery(body_ran=True, effects=1)
     assert verdict(lost, marked, state=after) == ("permanent", "concurrency:slot_lost:not_idempotent")
     assert verdict(lost, plain, state=ran) == ("permanent", "concurrency:slot_lost:not_idempotent")
-    assert "chain it" in str(classify(lost, marked, {}, after).note)
+    assert "chain it" in str(classify(lost, TaskOptions(task=marked), after).note)
 
 
 def test_a_refused_verdict_says_why_and_what_to_do() -> None:
     # Given a body that marks nothing, When a transient failure is not retried
-    note = classify(ConnectionRefusedError(), plain, {}, FRESH).note
+    note = classify(ConnectionRefusedError(), TaskOptions(task=plain), FRESH).note
     # Then the note names the cause and the three ways out
     assert note is not None and "marks no effect" in note
     assert "self.effect()" in note and "self.request.idempotency_key" in note and "idempotent=True" in note
-    assert "chain it" in str(classify(TimeoutError(), marked, {}, AFTER_EFFECT).note)
-    assert "never handed its idempotency key" in str(classify(TimeoutError(), keyed, {}, KEY_UNREAD).note)
-    assert classify(TimeoutError(), keyed, {}, KEY_HANDED).note is None
+    assert "chain it" in str(classify(TimeoutError(), TaskOptions(task=marked), AFTER_EFFECT).note)
+    assert "never handed its idempotency key" in str(classify(TimeoutError(), TaskOptions(task=keyed), KEY_UNREAD).note)
+    assert classify(TimeoutError(), TaskOptions(task=keyed), KEY_HANDED).note is None
 
 
 @pytest.mark.parametrize(
@@ -214,7 +215,7 @@ def test_no_transport_failure_of_the_http_libraries_is_deterministic() -> None:
 
     def rule_of(klass: type[BaseException]) -> str:
         error = klass.__new__(klass)  # no constructor arguments needed: classes are matched, not messages
-        return classify(error, marked, {}, FRESH).rule
+        return classify(error, TaskOptions(task=marked), FRESH).rule
 
     transport = {k for k in classes if {c.__name__ for c in k.__mro__} & (TRANSPORT_ERRORS | CONNECT_FAILURES)}
     # Then none of their transport failures (no answer, a broken connection) is taken for a deterministic error
@@ -294,10 +295,10 @@ def test_retry_after_in_seconds_and_as_a_date(provider: str) -> None:
     response = requests.get(f"{provider}/status/503?retry_after=7", timeout=5)
     with pytest.raises(requests.HTTPError) as caught:
         response.raise_for_status()
-    assert classify(caught.value, keyed, {}, KEY_HANDED).retry_after == 7.0
+    assert classify(caught.value, TaskOptions(task=keyed), KEY_HANDED).retry_after == 7.0
     with pytest.raises(urllib.error.HTTPError) as by_urllib:
         urllib.request.urlopen(f"{provider}/status/429?retry_after=3", timeout=5)
-    assert classify(by_urllib.value, marked, {}, FRESH).retry_after == 3.0
+    assert classify(by_urllib.value, TaskOptions(task=marked), FRESH).retry_after == 3.0
     when = datetime(2030, 1, 1, 12, 0, 10, tzinfo=UTC)
     assert parse_retry_after(format_datetime(when, usegmt=True), now=(when - timedelta(seconds=10)).timestamp()) == 10.0
     assert parse_retry_after("yesterday-ish") is None
@@ -309,18 +310,18 @@ def test_a_refused_connection_is_retried_only_before_any_effect() -> None:
     for error in errors:
         # Then nothing was sent: retried in a body that had done nothing yet
         assert sent_nothing(error), repr(error)
-        assert classify(error, marked, {}, FRESH).kind is Kind.TRANSIENT, repr(error)
+        assert classify(error, TaskOptions(task=marked), FRESH).kind is Kind.TRANSIENT, repr(error)
         # But not after an effect, nor in a body that marks nothing (anything may have happened before)
-        assert classify(error, marked, {}, AFTER_EFFECT).kind is Kind.PERMANENT, repr(error)
-        assert classify(error, plain, {}, FRESH).kind is Kind.PERMANENT, repr(error)
-        assert classify(error, keyed, {}, KEY_UNREAD).kind is Kind.PERMANENT, repr(error)
+        assert classify(error, TaskOptions(task=marked), AFTER_EFFECT).kind is Kind.PERMANENT, repr(error)
+        assert classify(error, TaskOptions(task=plain), FRESH).kind is Kind.PERMANENT, repr(error)
+        assert classify(error, TaskOptions(task=keyed), KEY_UNREAD).kind is Kind.PERMANENT, repr(error)
 
 
 def test_a_name_that_does_not_resolve_proves_nothing_was_sent() -> None:
     errors = failures_of("http://no-such-host.invalid/")
     for error in errors:
         assert sent_nothing(error), repr(error)
-        assert classify(error, marked, {}, FRESH).kind is Kind.TRANSIENT, repr(error)
+        assert classify(error, TaskOptions(task=marked), FRESH).kind is Kind.TRANSIENT, repr(error)
 
 
 def test_a_read_timeout_is_ambiguous(provider: str) -> None:
@@ -329,18 +330,18 @@ def test_a_read_timeout_is_ambiguous(provider: str) -> None:
     for error in errors:
         # Then the request may have reached it: retried only where a rerun cannot act twice
         assert not sent_nothing(error), repr(error)
-        assert classify(error, plain, {}, FRESH).rule.endswith(":not_idempotent")
-        assert classify(error, keyed, {}, KEY_UNREAD).kind is Kind.PERMANENT, repr(error)
-        assert classify(error, keyed, {}, KEY_HANDED).kind is Kind.TRANSIENT, repr(error)
-        assert classify(error, unsafe, {}, FRESH).kind is Kind.TRANSIENT, repr(error)
+        assert classify(error, TaskOptions(task=plain), FRESH).rule.endswith(":not_idempotent")
+        assert classify(error, TaskOptions(task=keyed), KEY_UNREAD).kind is Kind.PERMANENT, repr(error)
+        assert classify(error, TaskOptions(task=keyed), KEY_HANDED).kind is Kind.TRANSIENT, repr(error)
+        assert classify(error, TaskOptions(task=unsafe), FRESH).kind is Kind.TRANSIENT, repr(error)
 
 
 def test_a_reset_after_sending_is_ambiguous(provider: str) -> None:
     errors = failures_of(f"{provider}/reset")
     for error in errors:
         assert not sent_nothing(error), repr(error)
-        assert classify(error, plain, {}, FRESH).kind is Kind.PERMANENT, repr(error)
-        assert classify(error, keyed, {}, KEY_HANDED).kind is Kind.TRANSIENT, repr(error)
+        assert classify(error, TaskOptions(task=plain), FRESH).kind is Kind.PERMANENT, repr(error)
+        assert classify(error, TaskOptions(task=keyed), KEY_HANDED).kind is Kind.TRANSIENT, repr(error)
 
 
 def test_transient_errors_pass_the_gate_only_where_a_rerun_is_safe() -> None:
@@ -365,12 +366,13 @@ def test_http_libraries_are_not_imported_to_classify() -> None:
         import sys
         from celery import Celery
         from celery_guardrails import GuardedTask
+        from celery_guardrails.options import TaskOptions
         from celery_guardrails.runtime.classification import classify
         app = Celery("x", set_as_current=False)
         def body(self):
             pass
         task = app.task(base=GuardedTask, bind=True)(body)
-        classify(RuntimeError("boom"), task, {})
+        classify(RuntimeError("boom"), TaskOptions(task=task))
         print(sorted(m for m in ("requests", "httpx", "urllib3") if m in sys.modules))
     """),
         ],

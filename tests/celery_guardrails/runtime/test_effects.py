@@ -11,6 +11,7 @@ from celery import Celery
 import celery_guardrails
 from celery_guardrails import GuardedTask, effect
 from celery_guardrails import effect as mark
+from celery_guardrails.options import TaskOptions
 from celery_guardrails.runtime.delivery import delivery
 from celery_guardrails.runtime.effects import marks_effects, provider_key, reads_key
 from tests.support.services import REDIS_URL, require
@@ -117,7 +118,7 @@ class_based = app.register_task(ClassBased())
 def test_whether_a_body_marks_its_effects_is_read_from_its_code(task: Any, expected: bool) -> None:
     # Given a task function, When the gate asks whether it marks its effects, Then its own code (and the
     # module functions it calls) says so, unless the task declares it (marks_effects)
-    assert marks_effects(task) is expected
+    assert marks_effects(TaskOptions(task=task)) is expected
 
 
 def test_whether_a_body_reads_its_key_is_read_from_its_code() -> None:

@@ -19,6 +19,7 @@ import pytest
 from celery import Celery
 
 from celery_guardrails import GuardedTask, tenant_context
+from celery_guardrails.options import TaskOptions
 from celery_guardrails.runtime import gate
 from celery_guardrails.runtime.delivery import Delivery
 from celery_guardrails.runtime.effects import provider_key
@@ -90,7 +91,7 @@ KEY = "tests:-:k:1"
 )
 def test_the_decision_table(task: Any, state: Delivery, safe: bool) -> None:
     # Given a delivery in this state, When the gate is asked, Then it answers as the table says, with a reason
-    answer = gate.judge(task, {}, state)
+    answer = gate.judge(TaskOptions(task=task), state)
     assert answer.safe is safe
     assert answer.why
     if not safe:
@@ -100,11 +101,11 @@ def test_the_decision_table(task: Any, state: Delivery, safe: bool) -> None:
 
 def test_a_body_killed_by_its_time_limit_is_judged_by_its_options_alone() -> None:
     # The worker's main process cannot see what the killed process did
-    assert gate.after_kill(unmarked, {}, keyed=False).safe is False
-    assert gate.after_kill(marked, {}, keyed=False).safe is False
-    assert gate.after_kill(keyed, {}, keyed=True).safe is False
-    assert gate.after_kill(atomic, {}, keyed=True).safe is True
-    assert gate.after_kill(idempotent, {}, keyed=False).safe is True
+    assert gate.after_kill(TaskOptions(task=unmarked), keyed=False).safe is False
+    assert gate.after_kill(TaskOptions(task=marked), keyed=False).safe is False
+    assert gate.after_kill(TaskOptions(task=keyed), keyed=True).safe is False
+    assert gate.after_kill(TaskOptions(task=atomic), keyed=True).safe is True
+    assert gate.after_kill(TaskOptions(task=idempotent), keyed=False).safe is True
 
 
 # The rubric's cases on a real prefork worker.
