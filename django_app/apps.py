@@ -21,12 +21,19 @@ class GuardrailsConfig(AppConfig):
         from .scoping import create_permissions
 
         post_migrate.connect(create_permissions, sender=self)
-        # The core's worker bootstep runs the outbox relay it is given: the core does not import this app.
+        # The core reaches this app's store, dead-letter sink and outbox through what it registers here: the core
+        # does not import this app.
+        from celery_guardrails import stores
+        from celery_guardrails.runtime import dead_letters
         from celery_guardrails.runtime import outbox as core_outbox
 
-        from .outbox import relay_loop
+        from .outbox import backlog, enqueue, relay_loop
+        from .sinks import DjangoSink
+        from .store import DjangoStore
 
-        core_outbox.register_relay(relay_loop)
+        stores.register_store("django", DjangoStore)
+        dead_letters.register_sink("django", DjangoSink)
+        core_outbox.register(core_outbox.Outbox(enqueue=enqueue, relay_loop=relay_loop, backlog=backlog))
         from django.apps import apps
 
         if apps.is_installed("django_celery_beat"):

@@ -131,6 +131,21 @@ def test_no_module_imports_its_way_back_to_itself() -> None:
     assert found == [], "\n".join(" <-> ".join(c) for c in found)
 
 
+def test_the_core_imports_nothing_of_the_django_app() -> None:
+    # Given every import of every module of the core (type-only and inside functions too)
+    known = modules()
+    core = {name: path for name, path in known.items() if name.partition(".")[0] == "celery_guardrails"}
+    # Then none names the Django app: the app registers its store, sink, outbox and beat rows with the core as
+    # it is ready (django_app/apps.py), so the core runs, and is read, without it
+    found = [
+        f"{name}:{each.line} imports {each.target}"
+        for name, path in core.items()
+        for each in imports(name, path, known)
+        if each.target.partition(".")[0] == "django_celery_guardrails"
+    ]
+    assert found == []
+
+
 def test_no_module_is_over_500_lines_except_declared_tables() -> None:
     long = {name: n for name, path in modules().items() if (n := len(path.read_text().splitlines())) > MAX_LINES}
     assert {name: n for name, n in long.items() if name not in TABLES} == {}

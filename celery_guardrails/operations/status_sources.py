@@ -6,7 +6,6 @@ waiting for a countdown, and the transactional outbox. Each reader raises what i
 
 from __future__ import annotations
 
-import json
 import logging
 from collections import Counter
 from typing import Any
@@ -27,6 +26,7 @@ from celery_guardrails.operations.status_data import (
     Waiting,
     WaitingMessage,
 )
+from celery_guardrails.options import TaskOptions
 from celery_guardrails.scheduling.ledger import MISSED, OK, OVERDUE
 
 logger = logging.getLogger(__name__)
@@ -34,51 +34,16 @@ logger = logging.getLogger(__name__)
 
 def read_dead_letters(app: Any) -> DeadLetters:
     """Open dead letters per (owner, task), from every sink of the app (see the module docstring)."""
-    from celery_guardrails.runtime.dead_letters import DjangoSink, RedisStreamSink, sinks_for
+    from celery_guardrails.runtime.dead_letters import sinks_for
 
     totals: Counter[tuple[str, str]] = Counter()
     truncated = False
     for sink in sinks_for(app):
-        if isinstance(sink, DjangoSink):
-            totals.update(_django_dead_letters())
-        elif isinstance(sink, RedisStreamSink):
-            counts, cut = _stream_dead_letters(sink.client)
-            totals.update(counts)
-            truncated = truncated or cut
-    found = [DeadLetterCount(owner=owner, task=task, open=n) for (owner, task), n in sorted(totals.items())]
-    return DeadLetters(counts=found, truncated=truncated)
-
-
-def _django_dead_letters() -> Counter[tuple[str, str]]:
-    from django.db.models import Count
-
-    from django_celery_guardrails.models import DeadLetter
-
-    rows = DeadLetter.objects.open().order_by().values("owner", "task_name").annotate(n=Count("pk"))
-    return Counter({(row["owner"] or "", row["task_name"]): row["n"] for row in rows})
-
-
-def _stream_dead_letters(client: Any) -> tuple[Counter[tuple[str, str]], bool]:
-    from celery_guardrails.runtime.dead_letters import STREAM
-
-    counts: Counter[tuple[str, str]] = Counter()
-    read, top = 0, "+"
-    while read < STREAM_SCAN:
-        page = client.xrevrange(STREAM, max=top, min="-", count=min(1000, STREAM_SCAN - read))
-        if top != "+":
-            page = page[1:]  # the first is the last entry of the previous page
-        if not page:
-            break
-        for entry_id, fields in page:
-            read += 1
-            top = entry_id
-            try:
-                record = json.loads(fields[b"record"])
-                counts[(str(record.get("owner") or ""), str(record.get("task_name") or ""))] += 1
-            except (KeyError, TypeError, ValueError):
-                logger.warning("Status: dead-letter stream entry %r is not a record; not counted", entry_id)
-    truncated = read >= STREAM_SCAN and int(client.xlen(STREAM)) > read
-    return counts, truncated
+        found = sink.open_counts(limit=STREAM_SCAN)
+        totals.update(found.counts)
+        truncated = truncated or found.truncated
+    counts = [DeadLetterCount(owner=owner, task=task, open=n) for (owner, task), n in sorted(totals.items())]
+    return DeadLetters(counts=counts, truncated=truncated)
 
 
 def read_dependencies(app: Any) -> list[DependencyStatus]:
@@ -97,7 +62,7 @@ def read_dependencies(app: Any) -> list[DependencyStatus]:
     store = get_store(app) if tasks else None
     found = []
     for dependency, task in sorted(tasks.items()):
-        status = store.budget_status(dependency, policy_for(task, {}), now=now(app))  # type: ignore[union-attr]
+        status = store.budget_status(dependency, policy_for(TaskOptions(task=task)), now=now(app))  # type: ignore[union-attr]
         found.append(
             DependencyStatus(
                 dependency=dependency,
@@ -216,8 +181,9 @@ def read_waiting(app: Any, *, now: float, tenants: frozenset[str] | None = None,
 
 
 def read_outbox() -> OutboxBacklog:
-    """The outbox's backlog (see :func:`django_celery_guardrails.outbox.backlog`)."""
-    from django_celery_guardrails.outbox import backlog
+    """The outbox's backlog (see :func:`django_celery_guardrails.outbox.backlog`), through the outbox the Django
+    app registered (:func:`celery_guardrails.runtime.outbox.registered`)."""
+    from celery_guardrails.runtime.outbox import registered
 
-    waiting, oldest = backlog()
+    waiting, oldest = registered().backlog()
     return OutboxBacklog(waiting=waiting, oldest_age=oldest)

@@ -50,8 +50,7 @@ from typing import TYPE_CHECKING, Any
 from celery_guardrails.exceptions import CheckpointError, ConfigurationError, RetryLater, SlotLostError, StoreError
 from celery_guardrails.foundation.context import current_tenant
 from celery_guardrails.guardrails.concurrency import fence
-from celery_guardrails.options import resolve
-from celery_guardrails.runtime.delivery import ATTRIBUTE, delivery
+from celery_guardrails.runtime.delivery import ATTRIBUTE, delivery, view
 from celery_guardrails.runtime.pipeline import Guardrail
 from celery_guardrails.stores import get_store, store_url
 
@@ -129,7 +128,7 @@ class Checkpoint:
             raise CheckpointError(f"{name}: checkpoint.iterate needs an ordered queryset: add order_by(...)")
         if self._iterating:
             raise CheckpointError(f"{name}: checkpoint.iterate may be used once per run (one position per job)")
-        if resolve(self.task, "atomic", self.task.call_options()):
+        if view(self.task).options["atomic"]:
             raise ConfigurationError(
                 "atomic",
                 f"{name}: checkpoint.iterate cannot run with atomic=True: the whole body is one transaction, "
@@ -199,7 +198,7 @@ class Checkpoint:
 
     def _save(self) -> None:
         """Write the position (in the open chunk's transaction, then commit it: Django)."""
-        ttl = resolve(self.task, "idempotency_retention", self.task.call_options())
+        ttl = view(self.task).options["idempotency_retention"]
         try:
             # Fencing (owned by the concurrency guardrail): a holder whose slot was reaped saves nothing; on
             # Django the check joins the chunk's transaction, so the chunk rolls back with it.
@@ -246,7 +245,7 @@ class Checkpoint:
         try:
             chunk.__exit__(None, None, None)
         except DatabaseError as exc:  # the commit failed: the chunk and its position are not kept
-            from django_celery_guardrails.store import failure
+            from celery_guardrails.stores.database import failure
 
             self.error = failure("commit a chunk with its checkpoint", exc)
             raise self.error from exc
@@ -340,5 +339,5 @@ class Checkpoints(Guardrail):
             return
         # No key: nothing else records that the job is done until the ack removes its message. Deleting the
         # checkpoint here would let a kill before that ack start the job again at item 0 (issue #29).
-        ttl = resolve(task, "idempotency_retention", task.call_options())
+        ttl = view(task).options["idempotency_retention"]
         checkpoint.store.complete_checkpoint(checkpoint.key, ttl=ttl)

@@ -20,14 +20,16 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Mapping
-from datetime import UTC, datetime
+from collections import Counter
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any, Protocol
 
-from celery_guardrails.exceptions import StoreError, StoreUnavailableError
-from celery_guardrails.foundation.redaction import DEFAULT, exception_name, exception_text, for_task, safe_repr
+from celery_guardrails.exceptions import ConfigurationError
+from celery_guardrails.foundation.redaction import DEFAULT, exception_name, exception_text, safe_repr
 from celery_guardrails.foundation.sealing import sealer_for
 from celery_guardrails.options import APP, TASK, Option, app_value, checks, declare
+from celery_guardrails.runtime import delivery
 from celery_guardrails.runtime.final_failure import FinalFailure
 from celery_guardrails.stores import django_apps_installed, redis_url, store_url
 from celery_guardrails.stores.redis_client import SCHEMES
@@ -53,6 +55,9 @@ redis.call('SET', KEYS[1], 1, 'EX', ARGV[2])
 return 1
 """
 
+
+#: Newest stream entries :meth:`RedisStreamSink.find` reads.
+FIND_SCAN = 5000
 
 #: Bytes of JSON a record's arguments may take (64 KiB); bigger ones are kept as a cut repr, not replayable.
 ARGUMENTS_LIMIT = 64 * 1024
@@ -191,7 +196,7 @@ def record_fields(task: Any, failure: FinalFailure) -> dict[str, Any]:
 
     Every text and value goes through the task's redaction here, whichever path made the failure (a header-carried
     one, a malformed message's): redacting what was redacted already changes nothing."""
-    redaction = for_task(task)
+    redaction = delivery.redaction(task)
     args, kwargs, as_repr = redaction.arguments(task.run, failure.args, failure.kwargs)
     size = len(json.dumps([args, kwargs], default=str))
     if size > ARGUMENTS_LIMIT:  # a huge argument is not kept whole in a retained record
@@ -248,57 +253,53 @@ def minimal(fields: dict[str, Any], error: BaseException) -> dict[str, Any]:
     }
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class OpenCounts:
+    """A sink's open records, counted by (owner, task name)."""
+
+    counts: Counter[tuple[str, str]]
+    #: Only the newest records were read (the sink holds more than the limit counted).
+    truncated: bool = False
+
+
 class Sink(Protocol):
+    """Where dead letters are recorded: the Redis stream here, the Django table registered by the Django app
+    (:func:`register_sink`)."""
+
     def record(self, fields: dict[str, Any]) -> bool:
         """Store the record durably; True if new, False if this task id was recorded already."""
 
+    def find(self, task_id: str) -> dict[str, Any] | None:
+        """The record of ``task_id``, or None."""
 
-class DjangoSink:
-    def record(self, fields: dict[str, Any]) -> bool:
-        try:
-            return self._write(fields)
-        except StoreUnavailableError:
-            raise
-        except Exception as refused:
-            # Refused as data (a StoreError), or a value the driver could not even adapt (a RecursionError in its
-            # JSON encoding): keep what can be kept, never retry it for ever.
-            logger.error("Dead letter of %s refused by the database (%r); recording it cut", fields["task_id"], refused)
-            return self._write(minimal(fields, refused))
+    def open_counts(self, *, limit: int) -> OpenCounts:
+        """The open records by (owner, task name), of the newest ``limit`` at most where reading all is dear."""
 
-    @staticmethod
-    def _write(fields: dict[str, Any]) -> bool:
-        from django.db import DatabaseError, transaction
-
-        from django_celery_guardrails.models import DeadLetter, SealedMessage
-        from django_celery_guardrails.store import failure
-
-        values = {**fields}
-        sealed = values.pop("sealed", "")
-        for name in ("first_failed_at", "last_failed_at"):
-            values[name] = _moment(values.get(name))
-        for column in DeadLetter._meta.concrete_fields:  # a value longer than its column is cut, not refused
-            value = values.get(column.name)
-            if isinstance(value, str) and column.max_length and len(value) > column.max_length:
-                values[column.name] = value[: column.max_length]
-        try:
-            with transaction.atomic():  # a refused INSERT leaves the caller's transaction usable
-                record, created = DeadLetter.objects.get_or_create(task_id=values.pop("task_id"), defaults=values)
-                if created and sealed:  # in the record's transaction: a record never misses its sealed copy
-                    SealedMessage.objects.create(dead_letter=record, token=sealed)
-        except DatabaseError as exc:
-            raise failure("record a dead letter", exc) from exc
-        except (TypeError, ValueError) as exc:  # a value the JSON columns cannot take: refused as data
-            raise StoreError(f"dead letter not recorded: {exc}") from exc
-        return bool(created)
+    def replay(self, task_ids: list[str], *, reason: str, app: Any) -> dict[str, str]:
+        """Replay the records of ``task_ids`` with ``reason``; their replays' task ids, by original task id."""
 
 
-def _moment(value: Any) -> datetime:
-    """A record's time, read back from ISO 8601; now when it is missing or unreadable (a pending dead letter
-    carried in a header needs only its task, id, reason and exception: see headers.PENDING_REQUIRED)."""
-    try:
-        return datetime.fromisoformat(value)
-    except (TypeError, ValueError):
-        return datetime.now(UTC)
+#: Sinks the core does not make itself, by name (``"django"``: registered by the Django app when it is ready).
+_SINK_MAKERS: dict[str, Callable[[], Sink]] = {}
+
+
+def register_sink(name: str, make: Callable[[], Sink]) -> None:
+    """Make the sink ``name`` of ``dead_letter_sinks`` with ``make`` (the Django app registers ``"django"``
+    in its ``ready()``: the core does not import it)."""
+    _SINK_MAKERS[name] = make
+
+
+def _sink(url: str, *, timeout: float) -> Sink:
+    make = _SINK_MAKERS.get(url)
+    if make is not None:
+        return make()
+    if url == "django":
+        raise ConfigurationError(
+            "dead_letter_sinks",
+            "the 'django' sink needs the Django app django_celery_guardrails in INSTALLED_APPS, set up "
+            "(django.setup(), which a Django project's worker and web process do)",
+        )
+    return RedisStreamSink(url, timeout=timeout)
 
 
 class RedisStreamSink:
@@ -327,6 +328,37 @@ class RedisStreamSink:
             raise failure("dead-letter stream", self.url, exc) from exc
         return bool(new)
 
+    def find(self, task_id: str) -> dict[str, Any] | None:
+        # The newest entries (a test kit's, a status line's question: the record just written).
+        for _, entry in self.client.xrevrange(STREAM, count=FIND_SCAN):
+            record = json.loads(entry[b"record"])
+            if record.get("task_id") == task_id:
+                return dict(record)
+        return None
+
+    def open_counts(self, *, limit: int) -> OpenCounts:
+        # Every entry counts as open: the stream keeps no replays.
+        counts: Counter[tuple[str, str]] = Counter()
+        read, top = 0, "+"
+        while read < limit:
+            page = self.client.xrevrange(STREAM, max=top, min="-", count=min(1000, limit - read))
+            if top != "+":
+                page = page[1:]  # the first is the last entry of the previous page
+            if not page:
+                break
+            for entry_id, fields in page:
+                read += 1
+                top = entry_id
+                try:
+                    record = json.loads(fields[b"record"])
+                    counts[(str(record.get("owner") or ""), str(record.get("task_name") or ""))] += 1
+                except (KeyError, TypeError, ValueError):
+                    logger.warning("Dead-letter stream entry %r is not a record; not counted", entry_id)
+        return OpenCounts(counts=counts, truncated=read >= limit and int(self.client.xlen(STREAM)) > read)
+
+    def replay(self, task_ids: list[str], *, reason: str, app: Any) -> dict[str, str]:
+        return {}  # the stream's records are read and replayed by hand
+
 
 def _encoded(fields: dict[str, Any]) -> str:
     """The stream entry's JSON; the record cut (:func:`minimal`) when the whole one cannot be encoded."""
@@ -347,7 +379,7 @@ def sinks_for(app: Any) -> list[Sink]:
     if cached is not None and cached[0] == urls:
         return cached[1]  # type: ignore[no-any-return]
     timeout = app_value(app, "store_timeout")
-    sinks: list[Sink] = [DjangoSink() if url == "django" else RedisStreamSink(url, timeout=timeout) for url in urls]
+    sinks = [_sink(url, timeout=timeout) for url in urls]
     app._guardrails_sinks = (urls, sinks)
     return sinks
 

@@ -26,10 +26,12 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from celery import bootsteps
 
+from celery_guardrails.exceptions import ConfigurationError
 from celery_guardrails.options import APP, Option, app_value, checks, declare
 from celery_guardrails.stores import django_apps_installed
 
@@ -167,15 +169,40 @@ class RelayPublisher:
                     logger.debug("Outbox relay: closing its broker connection failed", exc_info=True)
 
 
-#: The Django app's relay loop, ``loop(app, stopping)``, registered as the app is ready
-#: (:func:`register_relay`): the core does not import the Django app. None: no outbox to relay.
-_relay_loop: Callable[[Any, threading.Event], None] | None = None
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Outbox:
+    """The transactional outbox's operations, given to the core by the Django app as it is ready
+    (:func:`register`): the core does not import the Django app."""
+
+    #: ``enqueue(task, args, kwargs, task_id=..., **options)``: the message written in the caller's transaction,
+    #: its ``AsyncResult`` (``apply_async(..., outbox=True)``).
+    enqueue: Callable[..., Any]
+    #: ``relay_loop(app, stopping)``: relay until ``stopping`` is set (the worker's bootstep runs it).
+    relay_loop: Callable[[Any, threading.Event], None]
+    #: ``backlog()``: (messages waiting, seconds since the oldest was written, None when there is none).
+    backlog: Callable[[], tuple[int, float | None]]
 
 
-def register_relay(loop: Callable[[Any, threading.Event], None]) -> None:
-    """Make ``loop`` the relay a worker runs (``django_celery_guardrails``' AppConfig.ready calls this)."""
-    global _relay_loop
-    _relay_loop = loop
+_registered: Outbox | None = None
+
+
+def register(outbox: Outbox) -> None:
+    """Make ``outbox`` the one GuardedTask writes to and workers relay (``django_celery_guardrails``'
+    ``AppConfig.ready`` calls this)."""
+    global _registered
+    _registered = outbox
+
+
+def registered() -> Outbox:
+    """The outbox the Django app registered; ConfigurationError when there is none (the app is not installed, or
+    Django is not set up in this process)."""
+    if _registered is None:
+        raise ConfigurationError(
+            "outbox",
+            "the transactional outbox needs the Django app django_celery_guardrails in INSTALLED_APPS, set up "
+            "(django.setup(), which a Django project's worker and web process do)",
+        )
+    return _registered
 
 
 class OutboxRelayStep(bootsteps.StartStopStep):  # type: ignore[misc]
@@ -190,11 +217,11 @@ class OutboxRelayStep(bootsteps.StartStopStep):  # type: ignore[misc]
 
     def start(self, parent: Any) -> None:
         app = parent.app
-        loop = _relay_loop  # registered whenever the Django app is ready (django_apps_installed)
-        if not app_value(app, "outbox_relay") or not django_apps_installed() or loop is None:
+        outbox = _registered  # registered whenever the Django app is ready (django_apps_installed)
+        if not app_value(app, "outbox_relay") or not django_apps_installed() or outbox is None:
             return
         self.thread = threading.Thread(
-            target=loop, args=(app, self.stopping), name="guardrails-outbox-relay", daemon=True
+            target=outbox.relay_loop, args=(app, self.stopping), name="guardrails-outbox-relay", daemon=True
         )
         self.thread.start()
 

@@ -7,7 +7,6 @@ to Celery.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import logging
 import sys
@@ -36,9 +35,9 @@ from celery_guardrails.guardrails.tenancy import TenantGuard
 from celery_guardrails.guardrails.waiting import Waiting
 from celery_guardrails.operations.metrics import Metrics
 from celery_guardrails.options import OPTIONS, check_call_options, resolve, settings_snapshot
-from celery_guardrails.runtime import headers
+from celery_guardrails.runtime import headers, outbox
 from celery_guardrails.runtime.checkpoint import Checkpoint, Checkpoints, checkpoint_of
-from celery_guardrails.runtime.delivery import Delivery, begin, delivery
+from celery_guardrails.runtime.delivery import Delivery, begin, delivery, view
 from celery_guardrails.runtime.effects import effect, guard_request
 from celery_guardrails.runtime.install import install
 from celery_guardrails.runtime.outcomes import (
@@ -225,12 +224,10 @@ class GuardedTask(Task):  # type: ignore[misc]
         **options: Any,
     ) -> Any:
         if options.pop("outbox", False):
-            from django_celery_guardrails.outbox import enqueue
-
             if link or link_error or producer or shadow:
                 raise ValueError("outbox=True takes no link, link_error, producer or shadow (not kept in the outbox)")
 
-            return enqueue(self, args, kwargs, task_id=task_id, **options)
+            return outbox.registered().enqueue(self, args, kwargs, task_id=task_id, **options)
         # Every guardrail option name is taken out (never passed on to Celery as a message property); one
         # that may not be set per call is refused here, naming the key.
         given = check_call_options({name: options.pop(name) for name in list(options) if name in OPTIONS})
@@ -382,14 +379,7 @@ class GuardedTask(Task):  # type: ignore[misc]
 
     def call_options(self) -> Mapping[str, Any]:
         """The per-call guardrail options of the message being executed (empty outside a task run)."""
-        request = self.request
-        # Every guardrail asks, several times per delivery: read the header once per request.
-        cached = getattr(request, "_guardrails_call", None)
-        if cached is None:
-            cached = headers.call_options(headers.from_request(request))
-            with contextlib.suppress(AttributeError):  # a request object that takes no attributes
-                request._guardrails_call = cached
-        return cached
+        return view(self).options.call
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         with settings_snapshot(self.app):

@@ -8,6 +8,7 @@ Redis Cluster or Sentinel: see :mod:`~celery_guardrails.stores.redis_client`). U
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import quote
@@ -98,6 +99,16 @@ class _Made:
     store: Store
 
 
+#: Stores the core does not make itself, by name (``"django"``: registered by the Django app when it is ready).
+_STORE_MAKERS: dict[str, Callable[[], Store]] = {}
+
+
+def register_store(name: str, make: Callable[[], Store]) -> None:
+    """Make the store ``name`` of the ``store`` setting with ``make`` (the Django app registers ``"django"`` in its
+    ``ready()``: the core does not import it)."""
+    _STORE_MAKERS[name] = make
+
+
 def get_store(app: Any) -> Store:
     """The store of ``app`` (one instance per app and setting)."""
     url = store_url(app)
@@ -106,9 +117,14 @@ def get_store(app: Any) -> Store:
         return made.store
     store: Store
     if url == "django":
-        from django_celery_guardrails.store import DjangoStore
-
-        store = DjangoStore()
+        make = _STORE_MAKERS.get(url)
+        if make is None:
+            raise ConfigurationError(
+                "store",
+                "the 'django' store needs the Django app django_celery_guardrails in INSTALLED_APPS, set up "
+                "(django.setup(), which a Django project's worker and web process do)",
+            )
+        store = make()
     else:
         from celery_guardrails.stores.redis import RedisStore
 

@@ -5,7 +5,6 @@ Each fails with an ``AssertionError`` that says what the kit's worker did with t
 
 from __future__ import annotations
 
-import json
 from typing import TYPE_CHECKING, Any
 
 from celery_guardrails.testing import events
@@ -44,20 +43,12 @@ def assert_single_effect(effect: Any, *, expected: int = 1, kit: Kit | None = No
 
 def dead_letter_of(app: Any, task_id: str) -> dict[str, Any] | None:
     """The dead letter of ``task_id`` in ``app``'s sinks (the Django table, or the Redis stream), or None."""
-    from celery_guardrails.runtime.dead_letters import STREAM, RedisStreamSink, sinks_for
+    from celery_guardrails.runtime.dead_letters import sinks_for
 
     for sink in sinks_for(app):  # the sinks the workers record to, as they resolve them
-        if isinstance(sink, RedisStreamSink):
-            for _, entry in sink.client.xrevrange(STREAM, count=5000):
-                record = json.loads(entry[b"record"])
-                if record.get("task_id") == task_id:
-                    return dict(record)
-            continue
-        from django_celery_guardrails.models import DeadLetter
-
-        found = DeadLetter.objects.filter(task_id=task_id).values().first()
+        found = sink.find(task_id)
         if found is not None:
-            return dict(found)
+            return found
     return None
 
 

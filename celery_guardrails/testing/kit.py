@@ -270,19 +270,12 @@ class Kit(KitHarness):
         return message
 
     def _replay_refused(self, task_ids: list[str]) -> dict[str, str]:
-        from celery_guardrails.stores import django_apps_installed
+        from celery_guardrails.runtime.dead_letters import sinks_for
 
-        if not django_apps_installed():
-            return {}
-        from django_celery_guardrails.models import DeadLetter
-        from django_celery_guardrails.replay import replay_dead_letters
-
-        refused = DeadLetter.objects.filter(task_id__in=task_ids, reason="unknown_payload_version")
-        if not refused.exists():
-            return {}
-        replay_dead_letters(refused, app=self.celery_app)
-        replays = DeadLetter.objects.filter(task_id__in=task_ids).exclude(replayed_task_id="")
-        return dict(replays.values_list("task_id", "replayed_task_id"))
+        replays: dict[str, str] = {}
+        for sink in sinks_for(self.celery_app):  # the Django sink replays; the Redis stream's are replayed by hand
+            replays.update(sink.replay(task_ids, reason="unknown_payload_version", app=self.celery_app))
+        return replays
 
 
 def _max_deliveries(task: Any) -> int:

@@ -1,7 +1,8 @@
 """What every part of the Django store shares: database errors raised as the store's own, and times.
 
 A database error becomes :class:`~celery_guardrails.exceptions.StoreUnavailableError` when the database cannot
-be reached or used now, :class:`~celery_guardrails.exceptions.StoreError` when it refuses the data; the store
+be reached or used now, :class:`~celery_guardrails.exceptions.StoreError` when it refuses the data (the rule is
+the core's, :func:`celery_guardrails.stores.database.failure`, which the core's own database work uses too); the store
 keeps epoch seconds (floats) where the tables keep aware datetimes. It mirrors ``failure()`` in
 ``celery_guardrails/stores/redis.py`` and the connection helpers of ``celery_guardrails/stores/redis_client.py``.
 """
@@ -13,21 +14,14 @@ from collections.abc import Callable
 from datetime import UTC, datetime
 from typing import ParamSpec, TypeVar
 
-from django.db import DatabaseError, InterfaceError, OperationalError
+from django.db import DatabaseError
 
-from celery_guardrails.exceptions import StoreError, StoreUnavailableError
+from celery_guardrails.stores.database import failure
+
+__all__ = ["failure", "to_datetime", "to_seconds", "translated"]
 
 T = TypeVar("T")
 P = ParamSpec("P")
-
-
-def failure(what: str, exc: DatabaseError) -> StoreError:
-    """The store's error for a database error: unavailable when the database cannot be reached or used now
-    (a lost or refused connection, a locked SQLite file: OperationalError, InterfaceError), refused for an
-    error about the data (DataError, IntegrityError, ProgrammingError)."""
-    if isinstance(exc, OperationalError | InterfaceError):
-        return StoreUnavailableError(f"Django store could not {what}: {exc}")
-    return StoreError(f"Django store refused to {what}: {exc}")
 
 
 def translated(what: str) -> Callable[[Callable[P, T]], Callable[P, T]]:

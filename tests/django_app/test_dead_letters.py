@@ -147,7 +147,8 @@ def test_a_huge_argument_is_not_kept_whole(celery_worker: Any) -> None:
 
 
 def test_what_the_database_refuses_in_text_is_written_out_or_cut() -> None:
-    from celery_guardrails.runtime.dead_letters import DjangoSink, storable
+    from celery_guardrails.runtime.dead_letters import storable
+    from django_celery_guardrails.sinks import DjangoSink
 
     # Given a record with a NUL, a lone surrogate (not UTF-8) and a routing key longer than its column
     task_id = uuid.uuid4().hex
@@ -285,7 +286,7 @@ def test_a_key_that_cannot_be_made_on_the_worker_is_dead_lettered(celery_worker:
 
 
 def test_a_record_with_missing_times_or_a_value_json_refuses_is_still_recorded() -> None:
-    from celery_guardrails.runtime.dead_letters import DjangoSink
+    from django_celery_guardrails.sinks import DjangoSink
 
     # Given what a pending dead letter may carry back in a header: the required fields only, no times, and a
     # header value the JSON column cannot take
