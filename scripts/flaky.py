@@ -4,10 +4,11 @@
     make flaky RUNS=10 LOAD=0    10 runs, no load
 
 Each run is the three pytest passes of ``make test`` (``make test-postgres``, ``test-sqlite``,
-``test-apart``), each with a JUnit report. Everything is kept in ``test-artifacts/flaky/<start time>/``: ``run-<n>-<pass>.log`` (the whole
-output) and ``.xml``, and ``run-<n>-failures/`` (the worker, beat and watchdog logs of each failed test,
-which the suite saves in ``test-artifacts/failures/``). At the end it lists every test that failed at least
-once, in how many runs, and the first lines of its first failure; the exit status is 1 if there was one.
+``test-apart``), each with a JUnit report. Everything is kept in ``test-artifacts/flaky/<start time>/``:
+``run-<n>-<pass>.log`` (the whole output) and ``.xml``, and ``run-<n>-failures/`` (the worker, beat and
+watchdog logs of each failed test, which the suite saves in ``test-artifacts/failures/``). At the end it lists
+every test that failed at least once, in how many runs, and the first lines of its first failure; the exit
+status is 1 if there was one.
 """
 
 from __future__ import annotations
