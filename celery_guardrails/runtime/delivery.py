@@ -206,9 +206,6 @@ def delivery(task: Any) -> Delivery:
     return state
 
 
-__all__ = ["Delivery", "Hold", "begin", "delivery", "redaction", "view"]
-
-
 def view(task: Any) -> DeliveryView:
     """The resolved view of the delivery ``task`` is running: its header and options, read once for every hook
     (see :mod:`celery_guardrails.runtime.view`).
@@ -236,3 +233,6 @@ def redaction(task: Any) -> Redactor:
     """The redactor of ``task`` (its ``redact_keys`` and ``redact_patterns``): made once per delivery, for the
     log lines and records of every hook; outside a delivery, made as asked (:func:`view`)."""
     return view(task).redaction
+
+
+__all__ = ["Delivery", "Hold", "begin", "delivery", "redaction", "view"]
