@@ -73,8 +73,10 @@ test: $(INSTALLED) services
 test-postgres: $(INSTALLED)
 	GUARDRAILS_TEST_DB=postgres $(PY) -m pytest -n $(WORKERS) $(DIST) $(PYTEST_ARGS) $(addprefix --ignore=,$(APART))
 
+# (GUARDRAILS_TEST_PASS: its test databases are named apart from the PostgreSQL pass's, whose processes have the
+# same xdist ids.)
 test-apart: $(INSTALLED)
-	GUARDRAILS_TEST_DB=postgres $(PY) -m pytest -n $(APART_WORKERS) $(DIST) $(PYTEST_ARGS) $(APART)
+	GUARDRAILS_TEST_DB=postgres GUARDRAILS_TEST_PASS=apart $(PY) -m pytest -n $(APART_WORKERS) $(DIST) $(PYTEST_ARGS) $(APART)
 
 # (The store tests' Redis and Redis Cluster cases touch no database: they run in the PostgreSQL pass only; of
 # the test kit's, those that show it on the Django store.)
