@@ -201,3 +201,11 @@ def test_a_remote_not_yet_mapped_to_retry_later_waits_where_a_re_run_is_safe(
         failed.get(timeout=TIMEOUT)
     assert dead_letter_of(celery_app, failed.id)["reason"] == "not_idempotent"
     assert len(Sink.of(f"{sink.key}:n").items()) == 1
+
+
+def test_the_lookup_a_wait_names_is_redacted_where_it_is_kept(celery_worker: Any, sink: Sink) -> None:
+    # Given a record looked up by a card number (personal data in a lookup), missing on the first run
+    final = tasks.behave.delay(sink.key, ["record:4111 1111 1111 1111", "ok"]).get(timeout=TIMEOUT)
+    # Then the wait's record names the model, and the card number is not kept
+    (wait,) = final["history"]
+    assert wait["msg"].startswith("testapp.Order matching pk=") and "4111 1111 1111 1111" not in wait["msg"]
