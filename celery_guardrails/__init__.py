@@ -2,7 +2,8 @@
 
 Switch a task's base class to :class:`GuardedTask`; publish inside :func:`tenant_context` /
 :func:`correlation_context`; read :func:`current_tenant` / :func:`current_correlation_id` anywhere; mark the
-call that acts on the world with :func:`effect` (``with self.effect():`` in a bound body).
+call that acts on the world with :func:`effect` (``with self.effect():`` in a bound body); fetch a row another path
+may not have committed yet with :func:`require` (``self.require(...)``).
 """
 
 # The option schema is declared by the modules that own the options (celery_guardrails.options.schema): most are
@@ -19,6 +20,7 @@ from celery_guardrails.exceptions import (
     IdempotencyKeyError,
     MissingTenantError,
     PermanentError,
+    RecordNotThereYet,
     RetryLater,
     SlotLostError,
     StoreError,
@@ -34,6 +36,7 @@ from celery_guardrails.foundation.context import (
 from celery_guardrails.foundation.faults import fault_point
 from celery_guardrails.guardrails.budget import budget_status
 from celery_guardrails.guardrails.concurrency import concurrency_status
+from celery_guardrails.guardrails.records import require
 from celery_guardrails.operations import alerts  # noqa: F401  (connects the owners' alerts)
 from celery_guardrails.runtime import gate, outbox  # noqa: F401
 from celery_guardrails.runtime.effects import effect
@@ -55,6 +58,7 @@ __all__ = [
     "IdempotencyKeyError",
     "MissingTenantError",
     "PermanentError",
+    "RecordNotThereYet",
     "RetryLater",
     "SlotLostError",
     "StoreError",
@@ -67,5 +71,6 @@ __all__ = [
     "current_tenant",
     "effect",
     "fault_point",
+    "require",
     "tenant_context",
 ]

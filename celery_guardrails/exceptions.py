@@ -26,6 +26,8 @@ Every exception the extension raises derives from one root, :class:`GuardrailsEr
     ├── PermanentError          raise from a task: trying again cannot help (never retried)
     │   └── CheckpointError     ``self.checkpoint`` misused (outside a task run, not a sequence, state not JSON)
     ├── RetryLater              raise from a task: "not yet" (re-delivered later, no attempt consumed)
+    │   └── RecordNotThereYet   ``require(queryset, **lookup)`` found no row: waited for up to record_wait,
+    │                           then a final failure ``record_missing`` naming the model and the lookup
     ├── BudgetExhaustedError    a dependency's retry budget or open circuit kept a message from running
     ├── PoisonMessageError      a message whose runs kept killing their worker, dead-lettered unrun
     ├── DeadLetteredError       a message whose dead letter was recorded late (its sinks had been down)
@@ -117,6 +119,24 @@ class RetryLater(GuardrailsError):
     def __init__(self, message: str = "", *, delay: float | None = None) -> None:
         super().__init__(message)
         self.delay = delay
+
+
+class RecordNotThereYet(RetryLater):
+    """``require(queryset, **lookup)`` found no row (see :mod:`celery_guardrails.guardrails.records`).
+
+    The message names the model (its ``app_label.Model``) and the lookup; it is redacted where it is kept (the
+    attempt history, the dead letter), like any error message.
+    """
+
+    def __init__(self, model: str = "", lookup: str = "") -> None:
+        super().__init__()
+        # args hold the constructor arguments so a result backend (and pickle) can rebuild the exception.
+        self.args = (model, lookup)
+        self.model = model
+        self.lookup = lookup
+
+    def __str__(self) -> str:
+        return f"{self.model} matching {self.lookup or '(no lookup)'} does not exist (yet)"
 
 
 class StoreError(GuardrailsError):

@@ -9,6 +9,9 @@
     the backoff delay (:mod:`celery_guardrails.runtime.backoff`), one attempt consumed, ``retry_scheduled`` sent;
   - ``RetryLater``: re-published after its delay with no attempt consumed, ``retry_later_max`` times at
     most; then a final failure ``retry_later_exhausted``;
+  - a record not there yet (``require()``, or the body's ``ObjectDoesNotExist`` with ``absent_records="wait"``):
+    re-published with no attempt consumed after 1 s, 2 s, 4 s, ... for at most ``record_wait`` from the first
+    miss; then a final failure ``record_missing`` (:mod:`celery_guardrails.guardrails.records`);
   - permanent, transient but not safe to run again, or transient with no attempt left: a final failure
     (``permanent``, ``not_idempotent``, ``attempts_exhausted``) through
     :func:`celery_guardrails.runtime.outcomes.fail_finally`, and the task fails with the original exception.
@@ -25,7 +28,8 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
+import time
+from collections.abc import Iterator, Mapping
 from contextlib import AbstractContextManager, contextmanager
 from datetime import datetime
 from typing import TYPE_CHECKING, Any, NoReturn
@@ -34,6 +38,7 @@ from celery.exceptions import MaxRetriesExceededError, Retry
 
 from celery_guardrails import signals
 from celery_guardrails.exceptions import StoreError
+from celery_guardrails.guardrails import records
 from celery_guardrails.options import APP, CALL, TASK, Option, checks, declare
 from celery_guardrails.runtime import headers
 from celery_guardrails.runtime.backoff import backoff_for
@@ -43,6 +48,7 @@ from celery_guardrails.runtime.outcomes import (
     ATTEMPTS_EXHAUSTED,
     NOT_IDEMPOTENT,
     PERMANENT,
+    RECORD_MISSING,
     RETRY_LATER_EXHAUSTED,
     attempt_record,
     fail_finally,
@@ -196,6 +202,8 @@ class Retries(Guardrail):
         if verdict.kind is Kind.CONTROL:
             return
         header = seen.header
+        if verdict.kind is Kind.RETRY_LATER and verdict.rule in records.RULES:
+            wait_for_record(task, exc, rule=verdict.rule)
         if verdict.kind is Kind.RETRY_LATER:
             retry_later(task, exc, delay=verdict.retry_after, rule=verdict.rule)
         attempt = request.attempt
@@ -249,7 +257,13 @@ class Retries(Guardrail):
 
 
 def retry_later(
-    task: GuardedTask, exc: Exception, *, delay: float | None, rule: str, counter: str = headers.LATER
+    task: GuardedTask,
+    exc: Exception,
+    *,
+    delay: float | None,
+    rule: str,
+    counter: str = headers.LATER,
+    fields: Mapping[str, Any] | None = None,
 ) -> NoReturn:
     """Deliver the running message again after ``delay`` (``retry_later_delay`` when None) without consuming
     an attempt: raise Celery's Retry (from ``exc``). Once ``retry_later_max`` is spent, end it as the final
@@ -258,7 +272,8 @@ def retry_later(
 
     ``counter``: the header counter of this kind of wait; only ``later`` (the task's own ``RetryLater`` and
     the guardrails' "not yet") is bounded by ``retry_later_max``; ``busy`` (a wait behind another delivery's
-    live lease) is bounded by that lease.
+    live lease) is bounded by that lease; ``rec_wait`` (a record not there yet) by ``record_wait``
+    (:func:`wait_for_record`). ``fields``: other header fields the next message carries (when a wait began).
     """
     request = task.request
     seen = view(task)
@@ -284,7 +299,29 @@ def retry_later(
         sender=task, task_id=request.id, attempt=request.attempt, delay=delay, kind=kind, rule=rule, exc=exc
     )
     # No attempt consumed: the attempt counter is left as it is.
+    header = {**header, **(fields or {})}
     republish(task, countdown=delay, exc=exc, header=headers.with_record(header, record, **{counter: later}))
+
+
+def wait_for_record(task: GuardedTask, exc: Exception, *, rule: str) -> NoReturn:
+    """A record the body needs is not there yet (``require()``, or its ``ObjectDoesNotExist``): deliver the
+    message again after the next wait of :func:`celery_guardrails.guardrails.records.next_wait`, no attempt
+    consumed; once ``record_wait`` is spent, the final failure ``record_missing`` (the task fails with ``exc``,
+    which names the model, once its dead letter is recorded)."""
+    request = task.request
+    seen = view(task)
+    record_wait = seen.options["record_wait"]
+    now = time.time()
+    wait = records.next_wait(seen.header, record_wait=record_wait, started=delivery(task).started, now=now)
+    if wait is None:
+        record = attempt_record(task, kind=Kind.RETRY_LATER.value, rule=rule, exc=exc)
+        since = headers.record_since(seen.header)
+        waited = now - since if since is not None else 0.0
+        record["note"] = f"not there after {waited:.1f} s of record_wait {record_wait:g} s"
+        logger.warning("Task %s[%s] gives up on its record: %s", task.name, request.id, record["note"])
+        fail_finally(task, exc, reason=RECORD_MISSING, history=[*request.attempt_history, record])
+    delay, since = wait
+    retry_later(task, exc, delay=delay, rule=rule, counter=headers.RECORD_WAITS, fields={headers.RECORD_SINCE: since})
 
 
 def _reason(verdict: Verdict) -> str:

@@ -3,24 +3,32 @@
 :func:`classify` applies these rules, in order, and the first that matches decides:
 
 1. Celery's own control flow (``Retry``, ``Ignore``, ``Reject``) passes through untouched.
-2. ``RetryLater`` -> retry later (no attempt consumed); ``TransientError`` -> transient;
-   ``PermanentError`` -> permanent. ``SlotLostError`` (the delivery's concurrency slot was reaped while it
-   ran) -> retry later under the limit, through the gate below (unless the body never started).
+2. ``RetryLater`` -> retry later (no attempt consumed; ``RecordNotThereYet``, raised by ``require()``, waits for
+   at most ``record_wait``); ``TransientError`` -> transient; ``PermanentError`` -> permanent. ``SlotLostError``
+   (the delivery's concurrency slot was reaped while it ran) -> retry later under the limit, through the gate
+   below (unless the body never started).
 3. The task's ``permanent_errors``.
-4. ``deterministic_errors`` (``ValueError``, ``TypeError``, ``KeyError``, validation errors, ...): no retry
+4. Django's ``ObjectDoesNotExist`` (a model's ``DoesNotExist``), by ``absent_records``: ``"wait"`` (default) ->
+   a record not there yet, waited for as ``require()`` does (:mod:`celery_guardrails.guardrails.records`) but
+   through the gate below; ``"fail"`` -> permanent. After ``permanent_errors`` (the task's own word wins) and
+   before ``deterministic_errors`` and ``transient_errors``.
+5. ``deterministic_errors`` (``ValueError``, ``TypeError``, ``KeyError``, validation errors, ...): no retry
    can fix them, so they are permanent, unless a class of ``transient_errors`` (or ``autoretry_for``) at least
    as specific names the error (``transient_errors=(KeyError,)`` wins; ``autoretry_for=(Exception,)`` does not).
-5. The task's ``transient_errors``, and Celery's ``autoretry_for`` less ``dont_autoretry_for``
+6. The task's ``transient_errors``, and Celery's ``autoretry_for`` less ``dont_autoretry_for``
    (``isinstance``).
-6. HTTP errors of requests, httpx, urllib3 or the standard library's urllib, by status: 408, 425, 429 and
+7. HTTP errors of requests, httpx, urllib3 or the standard library's urllib, by status: 408, 425, 429 and
    5xx are transient, any other 4xx is permanent; their transport errors (timeouts, refused connections)
    are transient. The libraries are recognised by the exception's module, never imported here.
-7. ``error_patterns``: regular expressions matched against ``str(exc)``, for errors that crossed an RPC
-   boundary as plain text (a remote "404 Not Found" must still be recognised).
-8. ``unknown_errors``: ``"auto"`` (default) makes an unknown error transient (and the gate decides), or all
+8. ``error_patterns``: regular expressions matched against ``str(exc)``, for errors that crossed an RPC
+   boundary as plain text (a remote "404 Not Found" must still be recognised); a pattern may map to
+   ``"retry_later"`` (a remote "not yet"): a wait that spends no attempt, bounded by ``retry_later_max``, through
+   the gate below.
+9. ``unknown_errors``: ``"auto"`` (default) makes an unknown error transient (and the gate decides), or all
    ``"transient"`` / ``"permanent"``.
 
-Then one gate, **retry safety by construction** (:mod:`celery_guardrails.runtime.gate`): a transient verdict stands
+Then one gate, **retry safety by construction** (:mod:`celery_guardrails.runtime.gate`): a transient verdict (and a
+retry-later one that is not the author's own ``RetryLater``: a reaped slot, an absent record, a pattern) stands
 only when running the body again cannot repeat an effect (declared ``idempotent=True`` or ``retry_unsafe=True``,
 a key handed downstream, an atomic key, or a failure before the body's first marked effect), or when the task's
 own code raised ``TransientError`` (its author's word). Otherwise it becomes permanent with a rule ending in
@@ -43,7 +51,8 @@ from typing import Any
 
 from celery.exceptions import Ignore, Reject, Retry
 
-from celery_guardrails.exceptions import PermanentError, RetryLater, SlotLostError, TransientError
+from celery_guardrails.exceptions import PermanentError, RecordNotThereYet, RetryLater, SlotLostError, TransientError
+from celery_guardrails.guardrails import records
 from celery_guardrails.options import APP, TASK, Option, TaskOptions, checks, declare
 from celery_guardrails.runtime.wire import (
     CONNECT_FAILURES,
@@ -57,14 +66,18 @@ from celery_guardrails.runtime.wire import (
 OWN_WORD = frozenset({"TransientError"})
 #: The rule of a delivery stopped because its concurrency slot was reaped (SlotLostError).
 SLOT_LOST = "concurrency:slot_lost"
+#: The rule of an error_patterns match (followed by the pattern).
+PATTERN = "error_patterns:"
+#: Kinds an error_patterns entry may map a message to.
+PATTERN_KINDS = ("transient", "permanent", "retry_later")
 
 
 def _patterns(value: Any) -> tuple[tuple[re.Pattern[str], str], ...]:
     pairs = value.items() if isinstance(value, Mapping) else value
     try:
-        checked = tuple((re.compile(pattern), checks.choice("transient", "permanent")(kind)) for pattern, kind in pairs)
+        checked = tuple((re.compile(pattern), checks.choice(*PATTERN_KINDS)(kind)) for pattern, kind in pairs)
     except (TypeError, ValueError, re.error) as exc:
-        raise ValueError(f"must map regular expressions to 'transient' or 'permanent': {exc}") from None
+        raise ValueError(f"must map regular expressions to 'transient', 'permanent' or 'retry_later': {exc}") from None
     return checked
 
 
@@ -118,8 +131,9 @@ DECLARED = declare(
     Option(
         name="error_patterns",
         default=(),
-        doc="Ordered {regex: 'transient'|'permanent'} matched against the error message, for errors "
-        "that crossed an RPC boundary as text.",
+        doc="Ordered {regex: 'transient'|'permanent'|'retry_later'} matched against the error message, for "
+        "errors that crossed an RPC boundary as text; 'retry_later' waits without spending an attempt "
+        "(retry_later_delay, at most retry_later_max times) where the retry gate finds a re-run safe.",
         check=_patterns,
         scopes=frozenset({TASK, APP}),
     ),
@@ -163,7 +177,11 @@ def classify(exc: BaseException, options: TaskOptions, state: Any = None) -> Ver
 def gated(verdict: Verdict, options: TaskOptions, state: Any = None) -> Verdict:
     """``verdict`` through the retry gate: a transient one stands only where a re-run is safe."""
     slot_lost = verdict.rule == SLOT_LOST
-    if (verdict.kind is not Kind.TRANSIENT or verdict.rule in OWN_WORD) and not slot_lost:
+    # A wait the author did not ask for (a reaped slot, an absent record, a pattern) re-runs the body too.
+    unasked_wait = verdict.kind is Kind.RETRY_LATER and (
+        slot_lost or verdict.rule == records.ABSENT_RULE or verdict.rule.startswith(PATTERN)
+    )
+    if (verdict.kind is not Kind.TRANSIENT or verdict.rule in OWN_WORD) and not unasked_wait:
         return verdict
     from celery_guardrails.runtime import gate
     from celery_guardrails.runtime.delivery import delivery
@@ -174,12 +192,17 @@ def gated(verdict: Verdict, options: TaskOptions, state: Any = None) -> Verdict:
     safety = gate.judge(options, state)
     if safety.safe:
         return verdict
-    return Verdict(Kind.PERMANENT, f"{verdict.rule}:not_idempotent", note=safety.note)
+    note = safety.note
+    if verdict.rule == records.ABSENT_RULE:
+        note += "; or fetch the row with self.require(queryset, **lookup) before the body acts"
+    return Verdict(Kind.PERMANENT, f"{verdict.rule}:not_idempotent", note=note)
 
 
 def _rules(exc: BaseException, options: TaskOptions) -> Verdict:
     if isinstance(exc, Retry | Ignore | Reject):
         return Verdict(Kind.CONTROL, "celery")
+    if isinstance(exc, RecordNotThereYet):
+        return Verdict(Kind.RETRY_LATER, records.REQUIRE_RULE)
     if isinstance(exc, RetryLater):
         return Verdict(Kind.RETRY_LATER, "RetryLater", exc.delay)
     if isinstance(exc, SlotLostError):  # not the message's fault: no attempt spent, when a re-run is safe
@@ -190,6 +213,10 @@ def _rules(exc: BaseException, options: TaskOptions) -> Verdict:
         return Verdict(Kind.PERMANENT, "PermanentError")
     if isinstance(exc, options["permanent_errors"]):
         return Verdict(Kind.PERMANENT, "permanent_errors")
+    if records.absent(exc):
+        if options["absent_records"] == "wait":
+            return Verdict(Kind.RETRY_LATER, records.ABSENT_RULE)
+        return Verdict(Kind.PERMANENT, "absent_records:fail")
     transient, rule = _transient_class(exc, options)
     deterministic = _deterministic_class(exc, options)
     if (
@@ -207,7 +234,7 @@ def _rules(exc: BaseException, options: TaskOptions) -> Verdict:
     message = _text(exc) if patterns else ""
     for pattern, kind in patterns:
         if pattern.search(message):
-            return Verdict(Kind(kind), f"error_patterns:{pattern.pattern}")
+            return Verdict(Kind(kind), f"{PATTERN}{pattern.pattern}")
     unknown = options["unknown_errors"]
     return Verdict(Kind(unknown if unknown != "auto" else "transient"), f"unknown_errors:{unknown}")
 

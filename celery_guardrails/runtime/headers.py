@@ -34,6 +34,9 @@ is a flat mapping (an AMQP table on RabbitMQ, a JSON object on Redis)::
         "pv": 2,                # guarded tasks: the payload version its publisher sent (absent: 1)
         "redeliv": 2,           # quorum queues: deliveries of earlier messages of this run the broker counted
                                 # (x-delivery-count), carried over a wait before the body ran (absent: 0)
+        "rec_since": 1796000000.5,  # records not there yet: when its first delivery found the record missing
+                                # (epoch seconds); record_wait is counted from it across re-publishes
+        "rec_wait": 2,          # ... and the waits for it so far (absent: 0)
     }
 
 An attempt record: ``{"n": 1, "start": "2026-11-30T08:00:00.123+00:00", "end": "...", "host": "celery@web1",
@@ -86,6 +89,10 @@ Version history:
 
 * ``1`` (0.9): ``catchup`` added on a scheduled period beat dispatched late (a release that does not know it
   keeps it; its runs then yield the overlap slot as any run does). Anything but ``1`` reads as absent.
+
+* ``1`` (0.10): ``rec_since`` and ``rec_wait`` added (see :mod:`celery_guardrails.guardrails.records`): a
+  message waiting for a record not there yet. A malformed ``rec_since`` is treated as missing (the wait starts
+  again from that delivery). A release that does not know them keeps them; its waits then count as ``later``.
 
 Compatibility rules:
 
@@ -142,6 +149,8 @@ ORDERING_WAITS = "ord_wait"
 PUBLISHED = "pub"
 PAYLOAD_VERSION = "pv"
 REDELIVERIES = "redeliv"
+RECORD_SINCE = "rec_since"
+RECORD_WAITS = "rec_wait"
 
 #: Latest period a header may name (9999-12-31T23:59:59Z, as far as a datetime goes).
 PERIOD_MAX = 253_402_300_799
@@ -160,6 +169,7 @@ _COUNTERS = (
     PENDING_TRIES,
     ORDERING_WAITS,
     REDELIVERIES,
+    RECORD_WAITS,
 )
 
 
@@ -228,6 +238,8 @@ def sanitise(raw: Mapping[str, Any], *, task_id: str | None = None) -> dict[str,
         _drop(clean, PENDING_DEAD_LETTER, task_id)
     if PUBLISHED in clean and published_at(clean) is None:
         _drop(clean, PUBLISHED, task_id)
+    if RECORD_SINCE in clean and record_since(clean) is None:
+        _drop(clean, RECORD_SINCE, task_id)
     if HISTORY in clean:
         records = attempt_records(clean[HISTORY])
         if records is None:
@@ -306,6 +318,15 @@ def published_at(header: Mapping[str, Any]) -> float | None:
     value = header.get(PUBLISHED)
     if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value <= PERIOD_MAX:
         return None  # (NaN fails the comparison too)
+    return float(value)
+
+
+def record_since(header: Mapping[str, Any]) -> float | None:
+    """When the message's wait for a record began (epoch seconds), or None: absent, or not a finite positive
+    number up to :data:`PERIOD_MAX`."""
+    value = header.get(RECORD_SINCE)
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value <= PERIOD_MAX:
+        return None
     return float(value)
 
 

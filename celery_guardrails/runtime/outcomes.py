@@ -63,6 +63,10 @@ GUARDRAIL_ERROR = "guardrail_error"
 #: where the relay runs, the broker refusing it, its arguments not encodable): removed from the outbox in the
 #: record's transaction; replay it once the cause is fixed (see django_celery_guardrails.outbox).
 UNPUBLISHABLE = "unpublishable"
+#: A record the task needs (``require(queryset, **lookup)``, or the body's ``ObjectDoesNotExist`` with
+#: ``absent_records="wait"``) was still not there once ``record_wait`` was spent: the message names the model and
+#: the lookup; replay it once the record exists (see celery_guardrails.guardrails.records).
+RECORD_MISSING = "record_missing"
 #: Every reason a dead letter can give (the commands check ``--reason`` against it).
 REASONS = (
     PERMANENT,
@@ -82,6 +86,7 @@ REASONS = (
     UNKNOWN_PAYLOAD_VERSION,
     GUARDRAIL_ERROR,
     UNPUBLISHABLE,
+    RECORD_MISSING,
 )
 
 #: Field of the worker's request naming the serializer a message arrived in, when it is not its task's own

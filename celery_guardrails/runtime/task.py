@@ -29,6 +29,7 @@ from celery_guardrails.guardrails.ordering import Ordering, SequenceStamp
 from celery_guardrails.guardrails.pending_dead_letters import PendingDeadLetters
 from celery_guardrails.guardrails.poison import PoisonMessages
 from celery_guardrails.guardrails.propagation import ContextPropagation
+from celery_guardrails.guardrails.records import require
 from celery_guardrails.guardrails.retries import Retries, RetryRequested
 from celery_guardrails.guardrails.scheduled_runs import ScheduledRuns
 from celery_guardrails.guardrails.tenancy import TenantGuard
@@ -150,6 +151,8 @@ class GuardedTask(Task):  # type: ignore[misc]
     backoff_random: Any = None
     retry_later_delay: float | None = None
     retry_later_max: int | None = None
+    record_wait: float | None = None
+    absent_records: str | None = None
     dependency: str | None = None
     retry_budget_ratio: float | None = None
     retry_budget_floor: int | None = None
@@ -310,6 +313,11 @@ class GuardedTask(Task):  # type: ignore[misc]
         """``with self.effect(): ...`` around the call that acts on the world: a failure before the body's first
         effect is retried, one after it is not (see :mod:`celery_guardrails.runtime.effects`)."""
         return effect(state=delivery(self))
+
+    def require(self, queryset: Any, /, **lookup: Any) -> Any:
+        """The one row of ``queryset`` matching ``lookup``; when there is none (yet), the message waits for it for
+        at most ``record_wait`` (see :mod:`celery_guardrails.guardrails.records`)."""
+        return require(queryset, **lookup)
 
     def retry(
         self,

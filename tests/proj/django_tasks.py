@@ -234,3 +234,42 @@ def limited_chunks(self: GuardedTask, job: str, count: int, thief: str) -> dict[
         "attempt": self.request.attempt,
         "history": [(r.get("class"), r.get("rule")) for r in self.request.attempt_history],
     }
+
+
+@shared_task(base=GuardedTask, bind=True)
+def ship_order(self: GuardedTask, order_id: int, sink: str) -> dict[str, Any]:
+    """Ship an order another path may not have committed yet: ``self.require()`` waits for its row, then one
+    Effect row ``shipped:<id>`` lands. Each run reports to ``sink`` before it looks."""
+    from tests.testapp.models import Effect, Order
+
+    runs = redis.Redis.from_url(REDIS_URL).incr(f"{sink}:runs")
+    seen(self, sink, run=runs, attempt=self.request.attempt)
+    order = self.require(Order.objects, pk=order_id)
+    Effect.objects.create(key=f"shipped:{order.pk}")
+    return {"runs": runs, "history": self.request.attempt_history}
+
+
+@shared_task(base=GuardedTask, bind=True)
+def ship_order_by_get(self: GuardedTask, order_id: int, sink: str) -> dict[str, Any]:
+    """The same with a plain ``Order.objects.get`` (its DoesNotExist goes to absent_records), its effect marked
+    with ``self.effect()``: a failure before it is safe to run again."""
+    from tests.testapp.models import Effect, Order
+
+    runs = redis.Redis.from_url(REDIS_URL).incr(f"{sink}:runs")
+    seen(self, sink, run=runs, attempt=self.request.attempt)
+    order = Order.objects.get(pk=order_id)
+    with self.effect():
+        Effect.objects.create(key=f"shipped:{order.pk}")
+    return {"runs": runs, "history": self.request.attempt_history}
+
+
+@shared_task(base=GuardedTask, bind=True)
+def ship_order_unmarked(self: GuardedTask, order_id: int, sink: str) -> dict[str, Any]:
+    """The same, marking no effect: its body counts as one effect from its first line."""
+    from tests.testapp.models import Effect, Order
+
+    runs = redis.Redis.from_url(REDIS_URL).incr(f"{sink}:runs")
+    seen(self, sink, run=runs, attempt=self.request.attempt)
+    order = Order.objects.get(pk=order_id)
+    Effect.objects.create(key=f"shipped:{order.pk}")
+    return {"runs": runs, "history": self.request.attempt_history}

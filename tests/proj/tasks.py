@@ -149,6 +149,10 @@ def _behave(task: GuardedTask, sink: str, script: list[str]) -> dict[str, Any]:
         raise StoreUnavailableError(f"run {runs}: the store of a publish from the body is unavailable")
     if kind == "later":
         raise RetryLater("not readable yet", delay=float(arg or 0.05))
+    if kind == "record":  # what require(Order.objects, pk=arg) raises when the row is not there (yet)
+        from celery_guardrails.exceptions import RecordNotThereYet
+
+        raise RecordNotThereYet("testapp.Order", f"pk={arg}")
     if kind == "gate" and redis.Redis.from_url(REDIS_URL).blpop([arg], timeout=120) is None:
         raise RuntimeError(f"gate {arg} never opened")  # gate:<list>: runs until an item is pushed to the list
     if kind == "gate_then_transient":  # waits at the gate (a Redis list), then fails transiently
