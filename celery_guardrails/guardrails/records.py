@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from celery_guardrails.exceptions import RecordNotThereYet
@@ -100,29 +101,52 @@ def absent(exc: BaseException) -> bool:
     return isinstance(klass, type) and isinstance(exc, klass)
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RecordWait:
+    """The next wait of a message whose record is not there yet."""
+
+    #: Seconds until it is delivered again.
+    delay: float
+    #: When its wait began (epoch seconds): carried in the header, so ``record_wait`` bounds the whole wait.
+    since: float
+
+
 def delays(record_wait: float) -> list[float]:
-    """The waits of a record that never appears, when each look takes no time: 1, 2, 4, ... seconds, the last
-    cut so that they add up to ``record_wait``."""
+    """The waits of a record that never appears, when each look takes no time (:func:`next_wait`, re-published
+    as Retries does): 1, 2, 4, ... seconds, the last cut so that they add up to ``record_wait``."""
     found: list[float] = []
-    while (left := record_wait - sum(found)) > 0:
-        found.append(min(FIRST_DELAY * 2 ** len(found), left))
+    header: dict[str, Any] = {}
+    start = now = 1.0  # any moment: the waits depend on the time since the first miss only
+    while (wait := next_wait(header, record_wait=record_wait, started=start, now=now)) is not None:
+        found.append(wait.delay)
+        now += wait.delay
+        header = {headers.RECORD_SINCE: wait.since, headers.RECORD_WAITS: len(found)}
     return found
 
 
-def next_wait(
-    header: Mapping[str, Any], *, record_wait: float, started: float, now: float
-) -> tuple[float, float] | None:
-    """(seconds to wait, when the wait began) for a message with ``header`` whose delivery, ``started`` then,
-    missed its record, at ``now``; or None once ``record_wait`` is spent (a final failure ``record_missing``).
-    A message that has not waited yet begins its wait at ``started``; a ``rec_since`` in the future (another
-    host's clock) counts as now."""
+def next_wait(header: Mapping[str, Any], *, record_wait: float, started: float, now: float) -> RecordWait | None:
+    """The next wait of a message with ``header`` whose delivery, ``started`` then, missed its record, at
+    ``now``; or None once ``record_wait`` is spent (a final failure ``record_missing``). A message that has not
+    waited yet begins its wait at ``started``; a ``rec_since`` in the future (another host's clock) counts as
+    now."""
     since = headers.record_since(header)
     since = min(started, now) if since is None else min(since, now)
     left = record_wait - (now - since)
     if left <= 0:
         return None
     waits = min(headers.counter(header, headers.RECORD_WAITS), MAX_DOUBLINGS)
-    return min(FIRST_DELAY * 2**waits, left), since
+    return RecordWait(delay=min(FIRST_DELAY * 2**waits, left), since=since)
 
 
-__all__ = ["ABSENT_RULE", "DECLARED", "REQUIRE_RULE", "RULES", "absent", "delays", "describe", "next_wait", "require"]
+__all__ = [
+    "ABSENT_RULE",
+    "DECLARED",
+    "REQUIRE_RULE",
+    "RULES",
+    "RecordWait",
+    "absent",
+    "delays",
+    "describe",
+    "next_wait",
+    "require",
+]

@@ -320,8 +320,9 @@ def wait_for_record(task: GuardedTask, exc: Exception, *, rule: str) -> NoReturn
         record["note"] = f"not there after {waited:.1f} s of record_wait {record_wait:g} s"
         logger.warning("Task %s[%s] gives up on its record: %s", task.name, request.id, record["note"])
         fail_finally(task, exc, reason=RECORD_MISSING, history=[*request.attempt_history, record])
-    delay, since = wait
-    retry_later(task, exc, delay=delay, rule=rule, counter=headers.RECORD_WAITS, fields={headers.RECORD_SINCE: since})
+    retry_later(
+        task, exc, delay=wait.delay, rule=rule, counter=headers.RECORD_WAITS, fields={headers.RECORD_SINCE: wait.since}
+    )
 
 
 def _reason(verdict: Verdict) -> str:

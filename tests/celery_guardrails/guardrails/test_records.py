@@ -69,11 +69,10 @@ def test_next_wait_counts_record_wait_from_the_first_miss_across_re_publishes() 
     header: dict[str, Any] = {}
     now, waits = 1000.2, []
     while (wait := records.next_wait(header, record_wait=10.0, started=1000.0, now=now)) is not None:
-        delay, since = wait
-        waits.append(round(delay, 3))
+        waits.append(round(wait.delay, 3))
         # When it is re-published as Retries does (the header carries when the wait began and how often it waited)
-        header = {**header, headers.RECORD_SINCE: since, headers.RECORD_WAITS: len(waits)}
-        now += delay + 0.1  # each delivery looks 0.1 s after its countdown
+        header = {**header, headers.RECORD_SINCE: wait.since, headers.RECORD_WAITS: len(waits)}
+        now += wait.delay + 0.1  # each delivery looks 0.1 s after its countdown
     # Then the waits double, and the last one ends as the 10 s from the first delivery's start run out
     assert waits == [1.0, 2.0, 4.0, 2.5]
     assert header[headers.RECORD_SINCE] == 1000.0
@@ -85,11 +84,17 @@ def test_a_malformed_or_hostile_wait_header_neither_crashes_nor_waits_for_ever()
         clean = headers.sanitise({headers.RECORD_SINCE: bad, headers.RECORD_WAITS: "many"})
         # Then they are dropped as malformed, and the wait starts again from this delivery
         assert headers.RECORD_SINCE not in clean and headers.RECORD_WAITS not in clean
-        assert records.next_wait(clean, record_wait=5.0, started=50.0, now=50.0) == (1.0, 50.0)
+        assert records.next_wait(clean, record_wait=5.0, started=50.0, now=50.0) == records.RecordWait(
+            delay=1.0, since=50.0
+        )
     # And a huge wait counter (well formed, but hostile) is capped, not an overflow; the record_wait still bounds it
-    assert records.next_wait({headers.RECORD_WAITS: 10**9}, record_wait=5.0, started=50.0, now=51.0) == (4.0, 50.0)
+    assert records.next_wait(
+        {headers.RECORD_WAITS: 10**9}, record_wait=5.0, started=50.0, now=51.0
+    ) == records.RecordWait(delay=4.0, since=50.0)
     # And a wait that began in the future (another host's clock) counts from now
-    assert records.next_wait({headers.RECORD_SINCE: 99.0}, record_wait=5.0, started=50.0, now=60.0) == (1.0, 60.0)
+    assert records.next_wait(
+        {headers.RECORD_SINCE: 99.0}, record_wait=5.0, started=50.0, now=60.0
+    ) == records.RecordWait(delay=1.0, since=60.0)
 
 
 def test_object_does_not_exist_follows_absent_records_through_the_retry_gate() -> None:
