@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 INSTALLED := $(VENV)/.installed
 
-.PHONY: demo test test-postgres test-sqlite test-apart matrix matrix-edges services lint docs check bench flaky soak clean
+.PHONY: demo test test-postgres test-sqlite matrix matrix-edges services lint docs check bench flaky soak clean
 
 $(INSTALLED): setup.cfg pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -33,9 +33,8 @@ lint: $(INSTALLED)
 docs: $(INSTALLED)
 	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --site-dir site
 
-# The whole suite: lint and the docs beside four passes: everything on PostgreSQL, what uses the database again
-# on SQLite, the tests that build an environment of their own (APART), and the matrix's oldest and newest
-# combinations. They mostly wait on workers and
+# The whole suite: lint and the docs beside three passes: everything on PostgreSQL, what uses the database again
+# on SQLite, and the matrix's oldest and newest combinations. They mostly wait on workers and
 # services (a PostgreSQL pass alone used about half of the two cores), so side by side they fill both cores:
 # one after the other they took 963 + 213 + 240 s in CI. Side by side on this 2-core host, while other suites ran
 # (load average 7 to 16): 1,104 s for the three (PostgreSQL 1,097 s, SQLite 560 s, matrix about 600 s), where
@@ -54,29 +53,21 @@ PYTEST_ARGS ?= --durations=25
 WORKERS ?= 4
 # The SQLite pass, beside the PostgreSQL one: fewer processes, its 378 tests are a quarter of the other's work.
 SQLITE_WORKERS ?= 2
-# The tests that build an environment of their own: a fresh venv from the built wheel, a fresh
-# django-admin startproject, the demo, the short soaks. They read PostgreSQL and Redis directly, whatever
-# GUARDRAILS_TEST_DB says, and were the PostgreSQL pass's longest (about 400 s of its processes' time, its
-# critical path): in a pass of their own, beside it, they no longer lengthen it.
-APART := tests/test_packaging.py tests/test_first_hour.py tests/example_project/test_demo.py tests/soak
-APART_WORKERS ?= 2
+# (A fourth pass of the tests that build an environment of their own (the wheel's fresh venvs, startproject,
+# the demo, the short soaks), beside the others, made the whole suite slower, not faster: 833 s in CI against
+# 635 s, the PostgreSQL pass 873 s against about 590 s. Two more processes on two cores slowed every pass; those
+# tests are the first the PostgreSQL pass hands out instead (tests/conftest.py SLOW_FIRST).)
 # loadgroup: the tests marked xdist_group (the two of the fresh venv from the package index) share one process,
 # and so one copy of their module's fixtures; the others are handed out one by one in collection order, the
 # slowest modules first (tests/conftest.py).
 DIST := --dist loadgroup
-# How many of the jobs run at once: lint, the docs and the four passes (1: one after the other).
-PASSES ?= 6
+# How many of the jobs run at once: lint, the docs and the three passes (1: one after the other).
+PASSES ?= 5
 test: $(INSTALLED) services
-	$(MAKE) --no-print-directory -j$(PASSES) --output-sync=target lint docs test-postgres test-sqlite test-apart \
-		matrix-edges
+	$(MAKE) --no-print-directory -j$(PASSES) --output-sync=target lint docs test-postgres test-sqlite matrix-edges
 
 test-postgres: $(INSTALLED)
-	GUARDRAILS_TEST_DB=postgres $(PY) -m pytest -n $(WORKERS) $(DIST) $(PYTEST_ARGS) $(addprefix --ignore=,$(APART))
-
-# (GUARDRAILS_TEST_PASS: its test databases are named apart from the PostgreSQL pass's, whose processes have the
-# same xdist ids.)
-test-apart: $(INSTALLED)
-	GUARDRAILS_TEST_DB=postgres GUARDRAILS_TEST_PASS=apart $(PY) -m pytest -n $(APART_WORKERS) $(DIST) $(PYTEST_ARGS) $(APART)
+	GUARDRAILS_TEST_DB=postgres $(PY) -m pytest -n $(WORKERS) $(DIST) $(PYTEST_ARGS)
 
 # (The store tests' Redis and Redis Cluster cases touch no database: they run in the PostgreSQL pass only; of
 # the test kit's, those that show it on the Django store.)

@@ -3,8 +3,8 @@
     make flaky                   5 runs, with a busy loop on every core
     make flaky RUNS=10 LOAD=0    10 runs, no load
 
-Each run is the three pytest passes of ``make test`` (``make test-postgres``, ``test-sqlite``,
-``test-apart``), each with a JUnit report. Everything is kept in ``test-artifacts/flaky/<start time>/``:
+Each run is the two pytest passes of ``make test`` (``make test-postgres``, ``test-sqlite``), each with a JUnit
+report. Everything is kept in ``test-artifacts/flaky/<start time>/``:
 ``run-<n>-<pass>.log`` (the whole output) and ``.xml``, and ``run-<n>-failures/`` (the worker, beat and
 watchdog logs of each failed test, which the suite saves in ``test-artifacts/failures/``). At the end it lists
 every test that failed at least once, in how many runs, and the first lines of its first failure; the exit
@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-PASSES = ("postgres", "sqlite", "apart")
+PASSES = ("postgres", "sqlite")
 FAILURES = ROOT / "test-artifacts" / "failures"
 
 
