@@ -21,8 +21,8 @@ class GuardrailsConfig(AppConfig):
         from .scoping import create_permissions
 
         post_migrate.connect(create_permissions, sender=self)
-        # The core reaches this app's store, dead-letter sink and outbox through what it registers here: the core
-        # does not import this app.
+        # The core reaches this app's store, dead-letter sink, outbox and job book through what it registers
+        # here: the core does not import this app.
         from celery_guardrails import stores
         from celery_guardrails.runtime import dead_letters
         from celery_guardrails.runtime import outbox as core_outbox
@@ -34,6 +34,11 @@ class GuardrailsConfig(AppConfig):
         stores.register_store("django", DjangoStore)
         dead_letters.register_sink("django", DjangoSink)
         core_outbox.register(core_outbox.Outbox(enqueue=enqueue, relay_loop=relay_loop, backlog=backlog))
+        from celery_guardrails.guardrails import jobs
+
+        from .job_book import DjangoJobBook
+
+        jobs.register_book(DjangoJobBook())
         from django.apps import apps
 
         if apps.is_installed("django_celery_beat"):

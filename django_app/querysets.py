@@ -60,3 +60,19 @@ class ScheduledRunQuerySet(models.QuerySet[Any]):
         probe on (schedule, period) per record, not a scan."""
         newer = self.model.objects.filter(schedule=models.OuterRef("schedule"), period__gt=models.OuterRef("period"))
         return self.filter(models.Exists(newer))
+
+
+class JobQuerySet(models.QuerySet[Any]):
+    def of_tenant(self, tenant: str | None) -> models.QuerySet[Any]:
+        """Jobs of ``tenant`` ("" or None: jobs with no tenant)."""
+        return self.filter(tenant=tenant or "")
+
+    def terminal(self) -> models.QuerySet[Any]:
+        """Jobs in a final state."""
+        from celery_guardrails.guardrails.jobs import TERMINAL
+
+        return self.filter(state__in=sorted(TERMINAL))
+
+    def finished_before(self, moment: datetime) -> models.QuerySet[Any]:
+        """Jobs that reached a final state before ``moment`` (what pruning removes)."""
+        return self.terminal().filter(finished_at__lt=moment)

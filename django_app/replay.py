@@ -50,6 +50,7 @@ from celery_guardrails.runtime.outcomes import NOT_IDEMPOTENT, ORDERING_GAP_SKIP
 from celery_guardrails.stores import get_store
 
 from .discovery import NOT_REGISTERED, import_task_modules
+from .job_book import replayed
 from .models import DeadLetter, SealedMessage
 from .scoping import replayable
 
@@ -461,3 +462,10 @@ def _publish(item: _Claimed, app: Any, producer: Any) -> None:
         headers={headers.HEADER: message.header},
         producer=producer,
     )
+    job_id = headers.job_id(message.header)
+    if job_id is not None:
+        # The same job, queued again (written after the publish: see job_book.replayed).
+        try:
+            replayed(job_id=job_id, task_id=item.task_id)
+        except Exception as exc:  # the job's state is a view; the replay went out
+            logger.warning("Replay %s: job %s not marked queued (%r)", item.task_id, job_id, exc)

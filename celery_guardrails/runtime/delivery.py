@@ -154,6 +154,12 @@ class Delivery:
     body_ran: bool = False
     #: What the body itself raised (a store error from the task's own code is the task's, not the guardrails').
     body_error: BaseException | None = None
+    #: The job this delivery's message works for (see celery_guardrails.guardrails.jobs), once it runs.
+    job: str | None = None
+    #: The job's terminal state is written (in the effect's transaction, or by a signal): not again.
+    job_written: bool = False
+    #: ``self.job`` of the body (its progress reports are throttled across calls).
+    job_handle: Any = None
     #: A store error the concurrency fence met inside the body (the guardrails' own outage, not the body's).
     fence_error: BaseException | None = None
     #: What the body returned.

@@ -37,6 +37,8 @@ is a flat mapping (an AMQP table on RabbitMQ, a JSON object on Redis)::
         "rec_since": 1796000000.5,  # records not there yet: when its first delivery found the record missing
                                 # (epoch seconds); record_wait is counted from it across re-publishes
         "rec_wait": 2,          # ... and the waits for it so far (absent: 0)
+        "job": "0b7c...",       # a job a user polls (see celery_guardrails.jobs): its id, kept across retries,
+                                # waits and replays; the worker writes the job's state as the message runs
     }
 
 An attempt record: ``{"n": 1, "start": "2026-11-30T08:00:00.123+00:00", "end": "...", "host": "celery@web1",
@@ -94,6 +96,10 @@ Version history:
   message waiting for a record not there yet. A malformed ``rec_since`` is treated as missing (the wait starts
   again from that delivery). A release that does not know them keeps them; its waits then count as ``later``.
 
+* ``1`` (0.11): ``job`` added (see :mod:`celery_guardrails.jobs`): the id of the job record the message works
+  for. A malformed ``job`` (not 1 to 64 letters, digits, ``-`` or ``_``) is treated as missing: the message runs,
+  its job is not written. A release that does not know it keeps it; its job then stays ``queued``.
+
 Compatibility rules:
 
 * A message without the header (published by plain Celery, another service or an older release) is handled
@@ -107,6 +113,7 @@ Compatibility rules:
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -151,6 +158,7 @@ PAYLOAD_VERSION = "pv"
 REDELIVERIES = "redeliv"
 RECORD_SINCE = "rec_since"
 RECORD_WAITS = "rec_wait"
+JOB = "job"
 
 #: Latest period a header may name (9999-12-31T23:59:59Z, as far as a datetime goes).
 PERIOD_MAX = 253_402_300_799
@@ -240,6 +248,8 @@ def sanitise(raw: Mapping[str, Any], *, task_id: str | None = None) -> dict[str,
         _drop(clean, PUBLISHED, task_id)
     if RECORD_SINCE in clean and record_since(clean) is None:
         _drop(clean, RECORD_SINCE, task_id)
+    if JOB in clean and job_id(clean) is None:
+        _drop(clean, JOB, task_id)
     if HISTORY in clean:
         records = attempt_records(clean[HISTORY])
         if records is None:
@@ -328,6 +338,16 @@ def record_since(header: Mapping[str, Any]) -> float | None:
     if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value <= PERIOD_MAX:
         return None
     return float(value)
+
+
+_JOB_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")
+
+
+def job_id(header: Mapping[str, Any]) -> str | None:
+    """The id of the job the message works for (see :mod:`celery_guardrails.jobs`), or None: absent, or not 1 to
+    64 letters, digits, ``-`` or ``_``."""
+    value = header.get(JOB)
+    return value if isinstance(value, str) and _JOB_ID.fullmatch(value) else None
 
 
 def counter(header: Mapping[str, Any], field: str) -> int:

@@ -25,6 +25,7 @@ from celery_guardrails.guardrails.budget import RetryBudget
 from celery_guardrails.guardrails.concurrency import ConcurrencyLimit
 from celery_guardrails.guardrails.contract import PayloadContract
 from celery_guardrails.guardrails.idempotency import Idempotency
+from celery_guardrails.guardrails.jobs import JobTracking, RunningJob, submitted
 from celery_guardrails.guardrails.ordering import Ordering, SequenceStamp
 from celery_guardrails.guardrails.pending_dead_letters import PendingDeadLetters
 from celery_guardrails.guardrails.poison import PoisonMessages
@@ -88,6 +89,9 @@ class GuardedTask(Task):  # type: ignore[misc]
     #: payload version the worker does not accept before any guardrail acts on the delivery.
     #: Metrics is first: its before_run sees every delivery before a guardrail can refuse it, and its after-hooks
     #: run last, so the duration it records covers every guardrail (it records nothing unless ``metrics`` is on).
+    #: JobTracking marks a job running once every guardrail before it agreed to run the body (a deferred or
+    #: refused delivery never reads as running); its body context is inside Idempotency's transaction, so an
+    #: atomic job reads succeeded when its effect and key commit. Checkpoints stays innermost.
     #: Waiting comes next: it removes the waiting row of a message that was re-published with a countdown before
     #: any guardrail could re-publish it again (which writes the row anew; see celery_guardrails.guardrails.waiting).
     guardrails: ClassVar[tuple[Guardrail, ...]] = (
@@ -104,6 +108,7 @@ class GuardedTask(Task):  # type: ignore[misc]
         Idempotency(),
         ScheduledRuns(),
         ConcurrencyLimit(),
+        JobTracking(),
         Checkpoints(),
         SequenceStamp(),
     )
@@ -179,6 +184,8 @@ class GuardedTask(Task):  # type: ignore[misc]
     max_payload_depth: int | None = None
     sensitive_keys: Any = None
     allow_sensitive_payload: str | None = None
+    job_progress_interval: float | None = None
+    job_outbox: bool | None = None
 
     # Resumable chunks (issue #14): ``for item in self.checkpoint.iterate(items, every=100)`` in a bound body
     # records the position reached, keyed by the job, and resumes from it on the next delivery. Checkpoints
@@ -226,6 +233,10 @@ class GuardedTask(Task):  # type: ignore[misc]
         shadow: str | None = None,
         **options: Any,
     ) -> Any:
+        if options.pop("job", False):
+            if link or link_error or producer or shadow:
+                raise ValueError("job=True takes no link, link_error, producer or shadow (a job is one message)")
+            return submitted(self, args, kwargs, task_id=task_id, options=options)
         if options.pop("outbox", False):
             if link or link_error or producer or shadow:
                 raise ValueError("outbox=True takes no link, link_error, producer or shadow (not kept in the outbox)")
@@ -308,6 +319,23 @@ class GuardedTask(Task):  # type: ignore[misc]
         it committed (see ``django_celery_guardrails.outbox``); the message's ``AsyncResult``. The same as
         ``apply_async(args, kwargs, outbox=True)``."""
         return self.apply_async(args, kwargs, outbox=True)
+
+    def submit(self, *args: Any, **kwargs: Any) -> Any:
+        """Submit a job a user can poll: its record is written in the caller's database transaction and its
+        message goes out once that commits (through the outbox unless ``job_outbox`` is off); the ``Job``
+        (``django_celery_guardrails.models.Job``). The same as ``apply_async(args, kwargs, job=True)``; see
+        :mod:`celery_guardrails.guardrails.jobs`."""
+        return self.apply_async(args, kwargs, job=True)
+
+    @property
+    def job(self) -> RunningJob:
+        """In a bound body: the job the message works for (``self.job.id``; None when it works for none) and
+        its progress reports, ``self.job.progress(done, total)`` (nothing is written when there is no job)."""
+        state = delivery(self)
+        if not isinstance(state.job_handle, RunningJob):
+            state.job_handle = RunningJob(task=self, job_id=headers.job_id(view(self).header))
+        handle: RunningJob = state.job_handle
+        return handle
 
     def effect(self) -> effect:
         """``with self.effect(): ...`` around the call that acts on the world: a failure before the body's first

@@ -3,8 +3,8 @@
 The modules are named as the Django store's (:mod:`django_celery_guardrails.store`), which mirror the Redis
 store's files: :mod:`.budgets`, :mod:`.idempotency`, :mod:`.poison`, :mod:`.alerts`, :mod:`.ledger`,
 :mod:`.checkpoint`, :mod:`.ordering`, :mod:`.slots`, :mod:`.activity` and :mod:`.waiting` hold the store's
-tables; :mod:`.dead_letters`, :mod:`.outbox` and :mod:`.dashboard` hold the app's own. Every model is imported
-here, so ``from django_celery_guardrails.models import DeadLetter`` works and Django finds them all.
+tables; :mod:`.dead_letters`, :mod:`.outbox`, :mod:`.jobs` and :mod:`.dashboard` hold the app's own. Every model
+is imported here, so ``from django_celery_guardrails.models import DeadLetter`` works and Django finds them all.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from .dashboard import Dashboard
 from .activity import ActivityBatch, ActivityCount, QueueSample
 from .outbox import OutboxMessage
 from .waiting import WaitingMessage
+from .jobs import Job
 
 # isort: on
 
@@ -40,6 +41,7 @@ __all__ = [
     "DeliveryCounter",
     "DependencyState",
     "IdempotencyKey",
+    "Job",
     "OrderingSequence",
     "OutboxMessage",
     "ProcessedMessage",

@@ -273,3 +273,45 @@ def ship_order_unmarked(self: GuardedTask, order_id: int, sink: str) -> dict[str
     order = Order.objects.get(pk=order_id)
     Effect.objects.create(key=f"shipped:{order.pk}")
     return {"runs": runs, "history": self.request.attempt_history}
+
+
+@shared_task(base=GuardedTask, bind=True, idempotency_key="report:{name}", atomic=True, backoff_base=0.05)
+def build_report(
+    self: GuardedTask,
+    name: str,
+    sink: str,
+    *,
+    later: int = 0,
+    fail: int = 0,
+    items: int = 0,
+    hold: float = 0.0,
+    kill: bool = False,
+) -> dict[str, Any]:
+    """A job: one Effect row per report, committed with its key and its success (atomic). Its runs are counted;
+    the first ``later`` ask to run later, the next ``fail`` fail transiently; while ``{sink}:broken`` is set a
+    run fails permanently. It reports ``items`` steps of progress; its first run may hold ``hold`` seconds after
+    its effect (uncommitted) or SIGKILL its own worker there."""
+    import os
+    import signal
+
+    from celery_guardrails import PermanentError, RetryLater, TransientError
+    from tests.testapp.models import Effect
+
+    client = redis.Redis.from_url(REDIS_URL)
+    runs = int(client.incr(f"{sink}:runs"))
+    seen(self, sink, run=runs, job=self.job.id)
+    if runs <= later:
+        raise RetryLater("the export is not ready", delay=0.2)
+    if runs <= later + fail:
+        raise TransientError("storage answered 503")
+    if client.get(f"{sink}:broken"):
+        raise PermanentError("the report's template is broken")
+    for step in range(items):
+        self.job.progress(step + 1, items)
+    Effect.objects.create(key=name)
+    if kill and runs == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    if hold and runs == 1:
+        client.rpush(f"{sink}:holding", 1)
+        time.sleep(hold)
+    return {"ref": f"reports/{name}.csv"}

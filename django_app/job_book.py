@@ -1,0 +1,139 @@
+"""The Django app's job book: job records in the project's database (see :mod:`celery_guardrails.guardrails.jobs`).
+
+Registered with the core as the app is ready. Every write locks the job's row (``select_for_update``), so a
+worker's write and a user's cancel never interleave; a terminal state is final (a replay's ``queued`` only
+leaves ``failed`` or ``dead_lettered``).
+"""
+
+from __future__ import annotations
+
+import logging
+from datetime import UTC, datetime
+from typing import Any
+
+from django.db import transaction
+from django.utils import timezone
+
+from celery_guardrails.foundation.context import current_correlation_id, current_tenant
+from celery_guardrails.guardrails.jobs import (
+    DEAD_LETTERED,
+    FAILED,
+    QUEUED,
+    RUNNING,
+    SUCCEEDED,
+    TERMINAL,
+    JobMove,
+    JobStart,
+)
+from celery_guardrails.options import TaskOptions
+from celery_guardrails.runtime import headers
+
+from .models import Job
+
+logger = logging.getLogger(__name__)
+
+#: The detail of a replay's move back to queued (the only move out of failed or dead_lettered).
+REPLAYED = "replayed"
+#: The detail of the move back to queued of a job whose worker died mid-body.
+WORKER_LOST = "worker lost"
+
+
+class DjangoJobBook:
+    """Job records in the ``guardrails_job`` table."""
+
+    def submit(self, task: Any, args: Any, kwargs: Any, *, task_id: str | None, options: dict[str, Any]) -> Job:
+        from celery.utils import uuid
+
+        args, kwargs = tuple(args or ()), dict(kwargs or {})
+        task_id = task_id or uuid()
+        # The caller's tenant and correlation id captured, and what a publish refuses refused, before the row.
+        task.prepare_deferred(args, kwargs, options)
+        tenant = options.get("tenant") or current_tenant() or ""
+        correlation_id = options.get("correlation_id") or current_correlation_id() or ""
+        through_outbox = TaskOptions(task=task, call={})["job_outbox"]
+        now = timezone.now()
+        with transaction.atomic():
+            job = Job(
+                task_name=task.name,
+                task_id=task_id,
+                tenant=tenant,
+                correlation_id=correlation_id,
+                created_at=now,
+                updated_at=now,
+            )
+            job.record(QUEUED, attempt=0, detail="submitted", now=now)
+            job.save(force_insert=True)
+            message_headers = dict(options.pop("headers", None) or {})
+            message_headers[headers.HEADER] = {
+                **headers.from_message_headers(message_headers),
+                headers.JOB: str(job.id),
+            }
+            if through_outbox:
+                task.apply_async(args, kwargs, task_id=task_id, outbox=True, headers=message_headers, **options)
+            else:
+                task.apply_async_on_commit(args, kwargs, task_id=task_id, headers=message_headers, **options)
+        logger.info("Job %s submitted: %s[%s], tenant %s", job.id, task.name, task_id, tenant or "-")
+        return job
+
+    def started(self, *, job_id: str, task_id: str, attempt: int) -> JobStart:
+        now = timezone.now()
+        with transaction.atomic():
+            job = Job.objects.select_for_update().filter(pk=job_id).first()
+            if job is None:
+                logger.warning("Job %s of message %s not found; its body runs, its state unwritten", job_id, task_id)
+                return JobStart(run=True, was="")
+            was = job.state
+            replay = was in (FAILED, DEAD_LETTERED) and job.task_id != task_id
+            if was in TERMINAL and not replay:
+                # Cancelled before it ran, or this message's run already ended (a redelivery after the job's
+                # final state was written, before the ack): the body does not run again.
+                return JobStart(run=False, was=was)
+            if replay:
+                # A replay's message, started before the replay wrote queued (it writes after its publish).
+                job.record(QUEUED, detail=REPLAYED, now=now)
+            elif was == RUNNING and job.task_id == task_id:
+                # The same message ran before and never ended: its worker died mid-body.
+                job.record(QUEUED, detail=WORKER_LOST, now=now)
+            job.task_id = task_id
+            job.started_at = job.started_at or now
+            job.due_at = None
+            job.record(RUNNING, attempt=attempt, now=now)
+            job.save()
+        return JobStart(run=True, was=was)
+
+    def moved(self, move: JobMove) -> bool:
+        now = timezone.now()
+        with transaction.atomic():
+            job = Job.objects.select_for_update().filter(pk=move.job_id).first()
+            if job is None:
+                logger.warning("Job %s of message %s not found; %s not written", move.job_id, move.task_id, move.state)
+                return False
+            if move.detail == REPLAYED:
+                # Written after the replay's publish: a worker that started the new message first has moved
+                # the job on already (see started), and it stays where it is.
+                if job.state not in (FAILED, DEAD_LETTERED) or job.task_id == move.task_id:
+                    return False
+            elif job.state in TERMINAL:
+                return False
+            if job.state == RUNNING and job.task_id == move.task_id and not move.ran:
+                # A wait before the body, under the message a run of which never ended: its worker died.
+                job.record(QUEUED, detail=WORKER_LOST, now=now)
+            job.task_id = move.task_id or job.task_id
+            if move.error or move.state in (QUEUED, RUNNING, SUCCEEDED):
+                job.error = move.error
+            if move.dead_letter:
+                job.dead_letter_task_id = move.dead_letter
+            job.due_at = datetime.fromtimestamp(move.due, UTC) if move.due is not None else None
+            job.record(move.state, attempt=move.attempt or None, detail=move.detail, now=now)
+            job.save()
+        return True
+
+    def progress(self, *, job_id: str, done: int, total: int | None) -> None:
+        Job.objects.filter(pk=job_id).exclude(state__in=sorted(TERMINAL)).update(
+            progress_done=done, progress_total=total, updated_at=timezone.now()
+        )
+
+
+def replayed(*, job_id: str, task_id: str) -> bool:
+    """A dead letter of job ``job_id`` was replayed as message ``task_id``: the same job, ``queued`` again."""
+    return DjangoJobBook().moved(JobMove(job_id=job_id, task_id=task_id, state=QUEUED, detail=REPLAYED))
