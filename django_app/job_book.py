@@ -22,6 +22,7 @@ from celery_guardrails.guardrails.jobs import (
     RUNNING,
     SUCCEEDED,
     TERMINAL,
+    WORKER_LOST,
     JobMove,
     JobStart,
 )
@@ -34,8 +35,6 @@ logger = logging.getLogger(__name__)
 
 #: The detail of a replay's move back to queued (the only move out of failed or dead_lettered).
 REPLAYED = "replayed"
-#: The detail of the move back to queued of a job whose worker died mid-body.
-WORKER_LOST = "worker lost"
 
 
 class DjangoJobBook:
@@ -75,7 +74,7 @@ class DjangoJobBook:
         logger.info("Job %s submitted: %s[%s], tenant %s", job.id, task.name, task_id, tenant or "-")
         return job
 
-    def started(self, *, job_id: str, task_id: str, attempt: int) -> JobStart:
+    def started(self, *, job_id: str, task_id: str, attempt: int, requeued: str = WORKER_LOST) -> JobStart:
         now = timezone.now()
         with transaction.atomic():
             job = Job.objects.select_for_update().filter(pk=job_id).first()
@@ -92,8 +91,9 @@ class DjangoJobBook:
                 # A replay's message, started before the replay wrote queued (it writes after its publish).
                 job.record(QUEUED, detail=REPLAYED, now=now)
             elif was == RUNNING and job.task_id == task_id:
-                # The same message ran before and never ended: its worker died mid-body.
-                job.record(QUEUED, detail=WORKER_LOST, now=now)
+                # The same message ran before and never ended: its worker died mid-body, or its time limit
+                # killed it.
+                job.record(QUEUED, detail=requeued, now=now)
             job.task_id = task_id
             job.started_at = job.started_at or now
             job.due_at = None

@@ -120,9 +120,10 @@ class JobBook(Protocol):
         once that commits (``options`` are ``apply_async``'s); the job."""
         ...
 
-    def started(self, *, job_id: str, task_id: str, attempt: int) -> JobStart:
-        """A delivery of the job is about to run its body: mark it ``running`` (after ``queued`` with "worker
-        lost" when it was left running by the same message); ``run=False`` for a cancelled job."""
+    def started(self, *, job_id: str, task_id: str, attempt: int, requeued: str) -> JobStart:
+        """A delivery of the job is about to run its body: mark it ``running`` (after ``queued`` with
+        ``requeued`` as the detail when the same message left it running: its worker died, or its time limit
+        killed it); ``run=False`` for a cancelled job or one whose run already ended."""
         ...
 
     def moved(self, move: JobMove) -> bool:
@@ -186,7 +187,9 @@ class JobTracking(Guardrail):
         request = task.request
         attempt = headers.counter(view(task).header, headers.ATTEMPT) + 1
         try:
-            start = book.started(job_id=job_id, task_id=str(request.id), attempt=attempt)
+            start = book.started(
+                job_id=job_id, task_id=str(request.id), attempt=attempt, requeued=_requeued(view(task).header)
+            )
         except Exception as exc:  # a view of the work, never a reason to refuse it
             logger.warning("Task %s[%s]: job %s not marked running (%r)", task.name, request.id, job_id, exc)
             delivery(task).job = job_id
@@ -217,6 +220,19 @@ class JobTracking(Guardrail):
         if state.job is None or state.job_written or not state.body_ran:
             return
         write(task, _move(task, state.job, SUCCEEDED))
+
+
+#: The detail of a job queued again because the run of its message never ended.
+WORKER_LOST = "worker lost"
+
+
+def _requeued(header: Any) -> str:
+    """Why a message whose job reads running came again: its hard time limit killed the run (the worker's main
+    process re-published it with that record: it writes no job state itself, since the killed child may still
+    hold the database), or its worker died (nothing recorded)."""
+    history = header.get(headers.HISTORY) or ()
+    last = history[-1] if history and isinstance(history[-1], dict) else {}
+    return "time_limit" if last.get("rule") == "time_limit" else WORKER_LOST
 
 
 def _move(task: Any, job_id: str, state: str, **fields: Any) -> JobMove:

@@ -285,15 +285,11 @@ def build_report(
     fail: int = 0,
     items: int = 0,
     hold: float = 0.0,
-    kill: bool = False,
 ) -> dict[str, Any]:
     """A job: one Effect row per report, committed with its key and its success (atomic). Its runs are counted;
     the first ``later`` ask to run later, the next ``fail`` fail transiently; while ``{sink}:broken`` is set a
     run fails permanently. It reports ``items`` steps of progress; its first run may hold ``hold`` seconds after
-    its effect (uncommitted) or SIGKILL its own worker there."""
-    import os
-    import signal
-
+    its effect (uncommitted)."""
     from celery_guardrails import PermanentError, RetryLater, TransientError
     from tests.testapp.models import Effect
 
@@ -309,8 +305,6 @@ def build_report(
     for step in range(items):
         self.job.progress(step + 1, items)
     Effect.objects.create(key=name)
-    if kill and runs == 1:
-        os.kill(os.getpid(), signal.SIGKILL)
     if hold and runs == 1:
         client.rpush(f"{sink}:holding", 1)
         time.sleep(hold)
