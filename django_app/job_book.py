@@ -137,3 +137,62 @@ class DjangoJobBook:
 def replayed(*, job_id: str, task_id: str) -> bool:
     """A dead letter of job ``job_id`` was replayed as message ``task_id``: the same job, ``queued`` again."""
     return DjangoJobBook().moved(JobMove(job_id=job_id, task_id=task_id, state=QUEUED, detail=REPLAYED))
+
+
+def hand_off(
+    name: str,
+    args: Any = (),
+    kwargs: Any = None,
+    *,
+    queue: str,
+    app: Any = None,
+    tenant: str | None = None,
+) -> Job:
+    """Submit a job whose work runs where the job records are not: a sandboxed worker with no database, another
+    service. The job is written in the caller's transaction, with the caller's tenant (or ``tenant``) and
+    correlation id, and the message of task ``name`` is sent to ``queue`` once that transaction commits, with the
+    job's id and the tenant in its ``guardrails`` header. No guardrail runs there to move the job: it reads
+    ``queued`` until its completion arrives (``celery_guardrails.jobs.report_completion``), which the trusted
+    consumer applies once."""
+    from celery import current_app
+    from celery.utils import uuid
+
+    from celery_guardrails.foundation.context import validate_tenant
+
+    app = app or current_app
+    tenant = tenant or current_tenant() or ""
+    if tenant:
+        validate_tenant(tenant)
+    correlation_id = current_correlation_id() or ""
+    task_id = uuid()
+    now = timezone.now()
+    with transaction.atomic():
+        job = Job(
+            task_name=name,
+            task_id=task_id,
+            tenant=tenant,
+            correlation_id=correlation_id,
+            created_at=now,
+            updated_at=now,
+        )
+        job.record(QUEUED, attempt=0, detail="handed off", now=now)
+        job.save(force_insert=True)
+        header: dict[str, Any] = {headers.VERSION_FIELD: headers.VERSION, headers.JOB: str(job.id)}
+        if tenant:
+            header[headers.TENANT] = tenant
+        if correlation_id:
+            header[headers.CORRELATION_ID] = correlation_id
+
+        def send() -> None:
+            app.send_task(
+                name,
+                args=tuple(args),
+                kwargs=dict(kwargs or {}),
+                task_id=task_id,
+                queue=queue,
+                headers={headers.HEADER: header},
+            )
+
+        transaction.on_commit(send)
+    logger.info("Job %s handed off: %s[%s] on %s, tenant %s", job.id, name, task_id, queue, tenant or "-")
+    return job
