@@ -497,15 +497,32 @@ from django.urls import reverse
 from django.utils import timezone
 
 import django_celery_guardrails
-from django_celery_guardrails.models import DeadLetter, ScheduledRun
+from django_celery_guardrails.models import (
+    ConcurrencySlot, DeadLetter, DependencyState, IdempotencyKey, OutboxMessage, ScheduledRun, WaitingMessage,
+)
 
 imported_before = "shop.tasks" in sys.modules
 now = timezone.now()
+later = now + timezone.timedelta(minutes=10)
+# One row of each table the admin registers, as the workers write them, so every record's page renders too.
 DeadLetter.objects.create(
     task_name="shop.tasks.charge", task_id=str(uuid.uuid4()), args=[1], kwargs={"amount_cents": 1999},
     reason="permanent", exc_type="ValueError", exc_message="card declined", first_failed_at=now, last_failed_at=now,
 )
 ScheduledRun.objects.create(schedule="shop-sync", period=now, status="ok")
+IdempotencyKey.objects.create(key="shop.tasks.charge::charge:1", state="completed", summary="None", finished_at=now)
+ConcurrencySlot.objects.create(
+    key="shop.tasks.charge:acme:pdf", holder="worker-1:4242:" + str(uuid.uuid4()), task_name="shop.tasks.charge",
+    task_id=str(uuid.uuid4()), tenant="acme", acquired_at=now, heartbeat_at=now,
+)
+OutboxMessage.objects.create(
+    task_name="shop.tasks.charge", task_id=str(uuid.uuid4()), body='[[2, 500, "tok_visa"], {}]', available_at=now,
+)
+DependencyState.objects.create(dependency="payments-api", circuit="open", failures=3, open_until=later.timestamp())
+waiting = WaitingMessage.objects.create(
+    task_id=str(uuid.uuid4()), task_name="shop.tasks.charge", tenant="acme", reason="circuit", detail="payments-api",
+    attempt=2, due_at=later, since=now, expires_at=later + timezone.timedelta(days=1),
+)
 staff = get_user_model().objects.create_superuser("first-hour", "first-hour@example.com", "pw")
 asking = RequestFactory().get("/")
 asking.user = staff
@@ -536,7 +553,7 @@ for model, model_admin in admin.site._registry.items():
             without_record.append(name)
         else:
             pages.append(reverse("admin:" + name, args=[record.pk]))
-rendered, statics, metrics = {}, set(), ""
+rendered, statics, metrics, waiting_listed = {}, set(), "", False
 for url in pages:
     try:
         response = client.get(url)
@@ -547,6 +564,8 @@ for url in pages:
     body = response.content.decode()
     if url.endswith("metrics"):
         metrics = body
+    if url == reverse("admin:guardrails_waitingmessage_changelist"):
+        waiting_listed = waiting.task_id in body and "circuit payments-api" in body
     statics.update(re.findall(r'(?:src|href)="/static/([^"?#]+)', body))
 missing_statics = sorted(path for path in statics if not finders.find(path))
 print(json.dumps({
@@ -554,6 +573,7 @@ print(json.dumps({
     "package": os.path.dirname(django_celery_guardrails.__file__),
     "rendered": rendered,
     "without_record": without_record,
+    "waiting_listed": waiting_listed,
     "statics": sorted(statics),
     "missing_statics": missing_statics,
     "dependencies": sorted(set(re.findall(r'dependency="([^"]+)"', metrics))),
@@ -564,8 +584,9 @@ print(json.dumps({
 def test_every_admin_page_and_the_metrics_render_from_the_installed_wheel(
     tmp_path: Path, installed: Installed, database: str
 ) -> None:
-    # Given the wheel installed (not editable) with the documented extras, in the Quick start's project, a dead
-    # letter and a ledger record in its database
+    # Given the wheel installed (not editable) with the documented extras, in the Quick start's project, one row of
+    # every table the guardrails admin registers (a dead letter, a ledger record, an idempotency key, a concurrency
+    # slot, an outbox message, a dependency's state, a waiting message) in its database
     project = make_project(tmp_path, installed, database)
     project.manage("migrate")
     # When a staff user opens every page of the guardrails admin (the index, the app's index, each change list,
@@ -573,9 +594,16 @@ def test_every_admin_page_and_the_metrics_render_from_the_installed_wheel(
     seen = json.loads(project.python(RENDER_EVERY_PAGE))
     # Then the package served them from the venv, not from the source tree
     assert seen["package"].startswith(str(installed.venv)), seen["package"]
-    # And every one is a 200: no TemplateDoesNotExist, no 500
+    # And every one is a 200: no TemplateDoesNotExist, no 500; no page with a record's id was left out for want
+    # of a record
     assert {url: status for url, status in seen["rendered"].items() if status != 200} == {}
+    assert seen["without_record"] == []
     rendered = list(seen["rendered"])
+    for table in ("idempotencykey", "concurrencyslot", "outboxmessage", "dependencystate", "waitingmessage"):
+        for page in ("", "1/change/", "1/history/"):
+            assert f"/admin/guardrails/{table}/{page}" in rendered, (table, page, rendered)
+    # And the Waiting page lists the waiting message, with its reason
+    assert seen["waiting_listed"] is True
     for page in (
         "/admin/guardrails/",
         "/admin/guardrails/deadletter/",
@@ -644,3 +672,4 @@ def test_a_task_module_that_fails_to_import_is_named_in_the_refusal_and_warned_o
         "Tasks cannot be looked up in this process: importing the task module 'tests.support.broken_tasks' "
         "failed: RuntimeError: the settings lack PAYMENTS_URL"
     ]
+
