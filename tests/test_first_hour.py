@@ -434,8 +434,8 @@ def test_the_quick_start_as_printed_runs_a_guarded_task_and_replays_its_dead_let
 def test_the_quick_start_reports_missed_runs_of_settings_entries_and_beat_rows_without_a_policy(
     tmp_path: Path, installed: Installed, database: str
 ) -> None:
-    """Against the contract of #30 point 4 (missed-run detection by default, for every beat entry with no
-    ``schedules`` policy): fails until that work is merged."""
+    """#30 point 4: missed-run detection by default, for every beat entry with no ``schedules`` policy written,
+    a ``CELERY_BEAT_SCHEDULE`` entry and a django-celery-beat row alike, seen where a person looks (``status``)."""
     # Given the Quick start's project, a settings entry and a django-celery-beat interval row, both every 4 s,
     # and no `schedules` policy written
     project = make_project(tmp_path, installed, database)
@@ -468,13 +468,38 @@ def test_the_quick_start_reports_missed_runs_of_settings_entries_and_beat_rows_w
         project.stop(project.processes[1])
         time.sleep(15)  # the runs beat does not dispatch while it is stopped
         # Then the watchdog (the command, or the worker's own, whichever checked first) records missed runs of
-        # both in the ledger, and the command names those it recorded itself
+        # both in the ledger, and the command names those it recorded itself, at a moment as people read it
         out = project.manage("guardrails_watchdog")
         sql = "SELECT DISTINCT schedule FROM guardrails_scheduledrun WHERE status = 'missed' AND schedule = %s"
         for name in ("shop-sync-settings", "shop-sync-row"):
             assert query(database, sql, name), out
         for line in re.findall(r"^missed: .*$", out, flags=re.M):
             assert re.fullmatch(r"missed: shop-sync-(settings|row) \d{4}-\d\d-\d\d \d\d:\d\d:\d\dZ", line), out
+        # And `celery -A proj guardrails status` reports the missed runs of both, as text and as JSON
+        status = subprocess.run(
+            ["celery", "-A", "proj", "guardrails", "status", "--json"],
+            cwd=project.folder,
+            env=project.env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert status.returncode == 0, status.stdout + status.stderr
+        schedules = {s["schedule"]: s for s in json.loads(status.stdout)["schedules"]}
+        for name in ("shop-sync-settings", "shop-sync-row"):
+            assert name in schedules and schedules[name]["missed"] >= 1, schedules
+        text = subprocess.run(
+            ["celery", "-A", "proj", "guardrails", "status"],
+            cwd=project.folder,
+            env=project.env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        ).stdout
+        for name in ("shop-sync-settings", "shop-sync-row"):
+            (row,) = re.findall(rf"^  {name} .*$", text, flags=re.M)
+            _, _, _, missed, _ = row.split()  # SCHEDULE, LAST RECORD, LAST SUCCESS, MISSED 1D, OVERDUE
+            assert int(missed) >= 1, text
     finally:
         project.stop_all()
 
