@@ -698,3 +698,117 @@ def test_a_task_module_that_fails_to_import_is_named_in_the_refusal_and_warned_o
         "failed: RuntimeError: the settings lack PAYMENTS_URL"
     ]
 
+
+# ------------------------------------------------------------------------------------ the documentation's blocks
+
+#: The names the documentation's task blocks leave to the project (its models, its clients, its errors):
+#: stand-ins of the user's own code, so that each block imports as the page prints it.
+STANDINS = (
+    OURS
+    + """the project's own names the pages' blocks use ---
+from types import SimpleNamespace
+
+from celery import shared_task
+
+from celery_guardrails import GuardedTask
+
+
+class InvalidAmount(ValueError):
+    pass
+
+
+Charge = Order = SimpleNamespace(objects=None)
+payments = carrier = SimpleNamespace(charge=None, book=None)
+
+
+def notify(order):
+    return None
+"""
+)
+
+IMPORT_THE_DOCS_TASKS = """
+import importlib, json, os, sys
+
+import django
+
+os.environ.setdefault("DJANGO_SETTINGS_MODULE", "proj.settings")
+django.setup()
+from celery import current_app
+
+current_app.conf.task_always_eager = True  # no worker: a block's own calls run in this process
+current_app.conf.task_eager_propagates = True
+seen = {}
+for module in sys.argv[1:]:
+    loaded = importlib.import_module(module)
+    tasks = {name: task for name, task in current_app.tasks.items() if name.startswith(module + ".")}
+    seen[module] = {name: hasattr(task, "guardrails") for name, task in tasks.items()}
+# The blocks whose bodies need nothing of the project's: called, eagerly, through the guardrails
+ran = {}
+for name, args in [("index_24.send_receipt", (42,)), ("testing_152.charge_order", (7, 1999))]:
+    task = current_app.tasks["shop.docs_" + name]
+    from celery_guardrails import tenant_context
+
+    with tenant_context("acme"):
+        ran[name] = task.delay(*args).status  # eager: run here, through the guardrails, as published
+print(json.dumps({"seen": seen, "ran": ran}))
+"""
+
+
+def docs_blocks() -> tuple[list[tuple[str, str]], list[tuple[str, str]]]:
+    """The documentation pages' Python blocks a project would paste: settings blocks (they assign upper-case
+    settings) and task blocks (they define a ``@shared_task``), each as (a module-friendly name, its text)."""
+    from tests.test_docs import PYTHON
+
+    settings, tasks = [], []
+    for block in PYTHON:
+        if block.source == "README.md":
+            continue  # the Quick start: the tests above run it
+        name = re.sub(r"\W", "_", block.source.rsplit("/", 1)[1].removesuffix(".md")) + f"_{block.line}"
+        if "@shared_task" in block.text:
+            tasks.append((name, block.text))
+        elif re.search(r"^(CELERY_\w+|LOGGING|INSTALLED_APPS|MIDDLEWARE) *\+?=", block.text, flags=re.M):
+            settings.append((name, block.text))
+    return settings, tasks
+
+
+def test_the_docs_settings_and_task_blocks_run_in_the_quick_start_s_project(
+    tmp_path: Path, installed: Installed, database: str
+) -> None:
+    # Given the Quick start's project, and the documentation pages' settings and task blocks
+    project = make_project(tmp_path, installed, database)
+    settings, tasks = docs_blocks()
+    assert {name for name, _ in settings} >= {"context_40", "context_58", "scheduled_work_7"}
+    assert {name for name, _ in tasks} >= {"index_24", "idempotency_3", "retries_72", "testing_152"}
+    project.manage("migrate")
+    # (the project's own names: the tenant resolver a settings block names, the task a beat entry names)
+    (project.folder / "myproject").mkdir()
+    (project.folder / "myproject" / "__init__.py").write_text("")
+    (project.folder / "myproject" / "tenants.py").write_text(OURS + "---\ndef tenant_of(request):\n    return None\n")
+    with (project.folder / "shop" / "tasks.py").open("a") as shop:
+        shop.write(f"\n\n{OURS}a scheduled-work page's entry ---\n")
+        shop.write("@shared_task(base=GuardedTask, bind=True, idempotent=True)\ndef settle_payments(self):\n")
+        shop.write("    return self.request.since\n")
+    # When each settings block is added to the project's settings, and `manage.py check` runs on them
+    for name, text in settings:
+        module = project.folder / "proj" / f"docs_{name}.py"
+        module.write_text(
+            "from proj.settings import *  # noqa: F403\n\n"
+            + text
+            + f"\n\n{OURS}an app or middleware the Quick start added already, once ---\n"
+            + "INSTALLED_APPS = list(dict.fromkeys(INSTALLED_APPS))\nMIDDLEWARE = list(dict.fromkeys(MIDDLEWARE))\n"
+        )
+        out = project.manage("check", "--settings", f"proj.docs_{name}", check=False)
+        # Then each is a project Django and the guardrails accept: no error
+        assert "System check identified" in out or "no issues" in out, (name, out)
+        assert "ERRORS:" not in out and "guardrails.E" not in out and "Traceback" not in out, (name, out)
+    # When each task block is a module of the shop app, imported by the web process
+    for name, text in tasks:
+        (project.folder / "shop" / f"docs_{name}.py").write_text(STANDINS + "\n\n" + text)
+    seen = json.loads(project.python(IMPORT_THE_DOCS_TASKS, *(f"shop.docs_{name}" for name, _ in tasks)))
+    # Then each registers its tasks, a GuardedTask where the block says base=GuardedTask
+    for name, text in tasks:
+        registered = seen["seen"][f"shop.docs_{name}"]
+        assert registered, (name, seen)
+        assert all(registered.values()) == ("base=GuardedTask" in text), (name, registered)
+    # And the blocks whose bodies need nothing of the project's run through the guardrails (eagerly)
+    assert seen["ran"] == {"index_24.send_receipt": "SUCCESS", "testing_152.charge_order": "SUCCESS"}
