@@ -33,6 +33,13 @@ handler that captures ``exc_info`` (Sentry's logging integration, which reads th
 filters) gets the redacted text, not the exception with its frames' local variables.
 
 A logger filter runs only for records made on that logger: a project's own loggers are not touched.
+
+**Times.** A moment a person reads, in a log line or a command's output, is written one way, in UTC, to the
+second: ``2026-12-02 10:31:05 UTC`` (:func:`moment_text`), with how far from now where it helps
+(:func:`when`: ``2026-12-02 10:31:05 UTC (in 4 min)``); never a raw epoch, never ISO 8601's ``T`` and offset.
+The admin's pages write it the same way, in the site's time zone (``django_celery_guardrails.display``).
+What programs read keeps its machine form: ``--json`` output, signals' and alerts' structured fields, stored
+records (ISO 8601 or epoch seconds).
 """
 
 from __future__ import annotations
@@ -44,7 +51,7 @@ import pkgutil
 import threading
 import time
 from collections.abc import Iterator, Mapping
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import Any
 
 from celery._state import get_current_task
@@ -75,11 +82,25 @@ def duration(seconds: float) -> str:
     return f"{seconds / 86400:.1f} d"
 
 
+#: How a moment reads in log lines and command output (see "Times" above).
+MOMENT_FORMAT = "%Y-%m-%d %H:%M:%S UTC"
+
+
+def moment_text(instant: float | datetime) -> str:
+    """An epoch instant or a datetime as a person reads it: ``2026-12-02 10:31:05 UTC`` (a naive datetime is
+    taken as UTC, as the stores keep them)."""
+    if isinstance(instant, datetime):
+        value = instant if instant.tzinfo is not None else instant.replace(tzinfo=UTC)
+    else:
+        value = datetime.fromtimestamp(instant, UTC)
+    return value.astimezone(UTC).strftime(MOMENT_FORMAT)
+
+
 def when(instant: float, *, now: float | None = None) -> str:
-    """An epoch instant as a log line shows it: ISO-8601 local time to the second, and how far from now:
-    ``2026-12-02T11:05:03+01:00 (in 4 min)``, ``... (12 s ago)``. Never a raw epoch."""
+    """An epoch instant as a log line shows it: :func:`moment_text`, and how far from now:
+    ``2026-12-02 10:05:03 UTC (in 4 min)``, ``... (12 s ago)``. Never a raw epoch."""
     now = time.time() if now is None else now
-    local = datetime.fromtimestamp(instant).astimezone().isoformat(timespec="seconds")
+    local = moment_text(instant)
     delta = instant - now
     if abs(delta) < 0.5:
         return f"{local} (now)"

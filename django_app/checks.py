@@ -98,7 +98,7 @@ def check_settings(app_configs: Any = None, **kwargs: Any) -> list[Error]:
     try:
         django_settings()
     except ConfigurationError as exc:
-        return [Error(str(exc), hint="See the settings table in the README.", id="guardrails.E001")]
+        return [Error(str(exc), hint="See the documentation's settings page (docs/settings.md).", id="guardrails.E001")]
     return []
 
 

@@ -767,6 +767,7 @@ def killed_mid_handover(app: Any) -> None:
 
 
 def scheduled_work(app: Any, worker_log: Path) -> None:
+    from celery_guardrails.log import moment_text
     from celery_guardrails.scheduling.beat import moment
     from celery_guardrails.scheduling.ledger import MISSED, OK
     from celery_guardrails.stores import get_store
@@ -782,7 +783,7 @@ def scheduled_work(app: Any, worker_log: Path) -> None:
     finally:
         stop(beat)
     settled = outcome(app.AsyncResult(first.task_id), "the settlement's result", 30)
-    print(f"   beat dispatched period {moment(first.period):%H:%M}Z; it ran ok, since={settled['since']}")
+    print(f"   beat dispatched period {moment(first.period):%H:%M} UTC; it ran ok, since={settled['since']}")
     print("   beat stopped")
 
     def missed_runs() -> list[Any]:
@@ -794,16 +795,16 @@ def scheduled_work(app: Any, worker_log: Path) -> None:
 
     def alert_lines(run: Any) -> list[str]:
         lines = [line for line in worker_log.read_text(errors="replace").splitlines() if "ALERT" in line]
-        return [line for line in lines if f"{name} at {moment(run.period):%Y-%m-%d %H:%M:%S}Z" in line]
+        return [line for line in lines if f"{name} at {moment_text(run.period)}" in line]
 
     alerts = wait_for("the alert", lambda: alert_lines(missed[0]))
     for run in missed:
-        print(f"   watchdog (in the worker): period {moment(run.period):%H:%M}Z {run.status}: {run.reason}")
+        print(f"   watchdog (in the worker): period {moment(run.period):%H:%M} UTC {run.status}: {run.reason}")
     for line in alerts:
         print(f"   alert{line.split('ALERT', 1)[1][:90]}")
     print(
-        f"   period {moment(missed[1].period):%H:%M}Z: {len(alert_lines(missed[1]))} more alert(s); the outage is one "
-        "incident, counted for one summary when it ends (run_alert_throttle)"
+        f"   period {moment(missed[1].period):%H:%M} UTC: {len(alert_lines(missed[1]))} more alert(s); the outage is "
+        "one incident, counted for one summary when it ends (run_alert_throttle)"
     )
     beat = start_beat(beat_log)
     try:
@@ -816,11 +817,11 @@ def scheduled_work(app: Any, worker_log: Path) -> None:
     result = outcome(app.AsyncResult(caught.task_id), "the caught-up settlement's result", 30)
     late = [r for r in store.run_list(name) if first.period < r.period <= caught.period]
     print(
-        f"   beat restarted: caught up the latest missed period, {moment(caught.period):%H:%M}Z, once "
+        f"   beat restarted: caught up the latest missed period, {moment(caught.period):%H:%M} UTC, once "
         f"(since={result['since']}, the end of the last settlement, read from the run ledger)"
     )
     for run in reversed(late):
-        print(f"   ledger: {moment(run.period):%H:%M}Z {run.status}")
+        print(f"   ledger: {moment(run.period):%H:%M} UTC {run.status}")
 
 
 if __name__ == "__main__":

@@ -443,3 +443,22 @@ def test_every_guardrail_of_the_readme_table_links_to_its_page() -> None:
         assert re.match(r"\| \[[^\]]+\]\(docs/", row), row
         for target in re.findall(r"\]\((docs/[^)#]+)", row.split(" | ")[0]):
             assert (ROOT / target).exists(), target
+
+
+def test_the_time_format_the_docs_state_is_the_one_logs_commands_and_the_admin_write() -> None:
+    from datetime import UTC, datetime
+
+    from celery_guardrails.log import MOMENT_FORMAT, moment_text
+
+    # Given the section of the commands page that states how times read
+    page = (DOCS / "operations" / "commands.md").read_text()
+    section = page.split("## How times read", 1)[1].split("\n## ", 1)[0]
+    samples = re.findall(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d UTC", section)
+    assert len(samples) >= 3, section
+    # Then each moment it shows is what the code writes for that moment, in logs, commands and the admin (UTC)
+    for sample in samples:
+        instant = datetime.strptime(sample, MOMENT_FORMAT).replace(tzinfo=UTC)
+        assert moment_text(instant.timestamp()) == sample
+        assert instant.strftime("%Y-%m-%d %H:%M:%S %Z") == sample  # django_celery_guardrails.display.MOMENT_FORMAT
+    # And the admin page's statement of its format links to it
+    assert "commands.md#how-times-read" in (DOCS / "operations" / "admin.md").read_text()

@@ -434,8 +434,8 @@ def test_the_quick_start_as_printed_runs_a_guarded_task_and_replays_its_dead_let
 def test_the_quick_start_reports_missed_runs_of_settings_entries_and_beat_rows_without_a_policy(
     tmp_path: Path, installed: Installed, database: str
 ) -> None:
-    """Against the contract of #30 point 4 (missed-run detection by default, for every beat entry with no
-    ``schedules`` policy): fails until that work is merged."""
+    """#30 point 4: missed-run detection by default, for every beat entry with no ``schedules`` policy written,
+    a ``CELERY_BEAT_SCHEDULE`` entry and a django-celery-beat row alike, seen where a person looks (``status``)."""
     # Given the Quick start's project, a settings entry and a django-celery-beat interval row, both every 4 s,
     # and no `schedules` policy written
     project = make_project(tmp_path, installed, database)
@@ -468,13 +468,38 @@ def test_the_quick_start_reports_missed_runs_of_settings_entries_and_beat_rows_w
         project.stop(project.processes[1])
         time.sleep(15)  # the runs beat does not dispatch while it is stopped
         # Then the watchdog (the command, or the worker's own, whichever checked first) records missed runs of
-        # both in the ledger, and the command names those it recorded itself
+        # both in the ledger, and the command names those it recorded itself, at a moment as people read it
         out = project.manage("guardrails_watchdog")
         sql = "SELECT DISTINCT schedule FROM guardrails_scheduledrun WHERE status = 'missed' AND schedule = %s"
         for name in ("shop-sync-settings", "shop-sync-row"):
             assert query(database, sql, name), out
         for line in re.findall(r"^missed: .*$", out, flags=re.M):
-            assert re.fullmatch(r"missed: shop-sync-(settings|row) \d{4}-\d\d-\d\d \d\d:\d\d:\d\dZ", line), out
+            assert re.fullmatch(r"missed: shop-sync-(settings|row) \d{4}-\d\d-\d\d \d\d:\d\d:\d\d UTC", line), out
+        # And `celery -A proj guardrails status` reports the missed runs of both, as text and as JSON
+        status = subprocess.run(
+            ["celery", "-A", "proj", "guardrails", "status", "--json"],
+            cwd=project.folder,
+            env=project.env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert status.returncode == 0, status.stdout + status.stderr
+        schedules = {s["schedule"]: s for s in json.loads(status.stdout)["schedules"]}
+        for name in ("shop-sync-settings", "shop-sync-row"):
+            assert name in schedules and schedules[name]["missed"] >= 1, schedules
+        text = subprocess.run(
+            ["celery", "-A", "proj", "guardrails", "status"],
+            cwd=project.folder,
+            env=project.env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        ).stdout
+        for name in ("shop-sync-settings", "shop-sync-row"):
+            (row,) = re.findall(rf"^  {name} .*$", text, flags=re.M)
+            _, _, _, missed, _ = row.split()  # SCHEDULE, LAST RECORD, LAST SUCCESS, MISSED 1D, OVERDUE
+            assert int(missed) >= 1, text
     finally:
         project.stop_all()
 
@@ -497,15 +522,32 @@ from django.urls import reverse
 from django.utils import timezone
 
 import django_celery_guardrails
-from django_celery_guardrails.models import DeadLetter, ScheduledRun
+from django_celery_guardrails.models import (
+    ConcurrencySlot, DeadLetter, DependencyState, IdempotencyKey, OutboxMessage, ScheduledRun, WaitingMessage,
+)
 
 imported_before = "shop.tasks" in sys.modules
 now = timezone.now()
+later = now + timezone.timedelta(minutes=10)
+# One row of each table the admin registers, as the workers write them, so every record's page renders too.
 DeadLetter.objects.create(
     task_name="shop.tasks.charge", task_id=str(uuid.uuid4()), args=[1], kwargs={"amount_cents": 1999},
     reason="permanent", exc_type="ValueError", exc_message="card declined", first_failed_at=now, last_failed_at=now,
 )
 ScheduledRun.objects.create(schedule="shop-sync", period=now, status="ok")
+IdempotencyKey.objects.create(key="shop.tasks.charge::charge:1", state="completed", summary="None", finished_at=now)
+ConcurrencySlot.objects.create(
+    key="shop.tasks.charge:acme:pdf", holder="worker-1:4242:" + str(uuid.uuid4()), task_name="shop.tasks.charge",
+    task_id=str(uuid.uuid4()), tenant="acme", acquired_at=now, heartbeat_at=now,
+)
+OutboxMessage.objects.create(
+    task_name="shop.tasks.charge", task_id=str(uuid.uuid4()), body='[[2, 500, "tok_visa"], {}]', available_at=now,
+)
+DependencyState.objects.create(dependency="payments-api", circuit="open", failures=3, open_until=later.timestamp())
+waiting = WaitingMessage.objects.create(
+    task_id=str(uuid.uuid4()), task_name="shop.tasks.charge", tenant="acme", reason="circuit", detail="payments-api",
+    attempt=2, due_at=later, since=now, expires_at=later + timezone.timedelta(days=1),
+)
 staff = get_user_model().objects.create_superuser("first-hour", "first-hour@example.com", "pw")
 asking = RequestFactory().get("/")
 asking.user = staff
@@ -536,7 +578,7 @@ for model, model_admin in admin.site._registry.items():
             without_record.append(name)
         else:
             pages.append(reverse("admin:" + name, args=[record.pk]))
-rendered, statics, metrics = {}, set(), ""
+rendered, statics, metrics, waiting_listed = {}, set(), "", False
 for url in pages:
     try:
         response = client.get(url)
@@ -547,6 +589,8 @@ for url in pages:
     body = response.content.decode()
     if url.endswith("metrics"):
         metrics = body
+    if url == reverse("admin:guardrails_waitingmessage_changelist"):
+        waiting_listed = waiting.task_id in body and "circuit payments-api" in body
     statics.update(re.findall(r'(?:src|href)="/static/([^"?#]+)', body))
 missing_statics = sorted(path for path in statics if not finders.find(path))
 print(json.dumps({
@@ -554,6 +598,7 @@ print(json.dumps({
     "package": os.path.dirname(django_celery_guardrails.__file__),
     "rendered": rendered,
     "without_record": without_record,
+    "waiting_listed": waiting_listed,
     "statics": sorted(statics),
     "missing_statics": missing_statics,
     "dependencies": sorted(set(re.findall(r'dependency="([^"]+)"', metrics))),
@@ -564,8 +609,9 @@ print(json.dumps({
 def test_every_admin_page_and_the_metrics_render_from_the_installed_wheel(
     tmp_path: Path, installed: Installed, database: str
 ) -> None:
-    # Given the wheel installed (not editable) with the documented extras, in the Quick start's project, a dead
-    # letter and a ledger record in its database
+    # Given the wheel installed (not editable) with the documented extras, in the Quick start's project, one row of
+    # every table the guardrails admin registers (a dead letter, a ledger record, an idempotency key, a concurrency
+    # slot, an outbox message, a dependency's state, a waiting message) in its database
     project = make_project(tmp_path, installed, database)
     project.manage("migrate")
     # When a staff user opens every page of the guardrails admin (the index, the app's index, each change list,
@@ -573,9 +619,16 @@ def test_every_admin_page_and_the_metrics_render_from_the_installed_wheel(
     seen = json.loads(project.python(RENDER_EVERY_PAGE))
     # Then the package served them from the venv, not from the source tree
     assert seen["package"].startswith(str(installed.venv)), seen["package"]
-    # And every one is a 200: no TemplateDoesNotExist, no 500
+    # And every one is a 200: no TemplateDoesNotExist, no 500; no page with a record's id was left out for want
+    # of a record
     assert {url: status for url, status in seen["rendered"].items() if status != 200} == {}
+    assert seen["without_record"] == []
     rendered = list(seen["rendered"])
+    for table in ("idempotencykey", "concurrencyslot", "outboxmessage", "dependencystate", "waitingmessage"):
+        for page in ("", "1/change/", "1/history/"):
+            assert f"/admin/guardrails/{table}/{page}" in rendered, (table, page, rendered)
+    # And the Waiting page lists the waiting message, with its reason
+    assert seen["waiting_listed"] is True
     for page in (
         "/admin/guardrails/",
         "/admin/guardrails/deadletter/",
@@ -644,3 +697,118 @@ def test_a_task_module_that_fails_to_import_is_named_in_the_refusal_and_warned_o
         "Tasks cannot be looked up in this process: importing the task module 'tests.support.broken_tasks' "
         "failed: RuntimeError: the settings lack PAYMENTS_URL"
     ]
+
+
+# ------------------------------------------------------------------------------------ the documentation's blocks
+
+#: The names the documentation's task blocks leave to the project (its models, its clients, its errors):
+#: stand-ins of the user's own code, so that each block imports as the page prints it.
+STANDINS = (
+    OURS
+    + """the project's own names the pages' blocks use ---
+from types import SimpleNamespace
+
+from celery import shared_task
+
+from celery_guardrails import GuardedTask
+
+
+class InvalidAmount(ValueError):
+    pass
+
+
+Charge = Order = SimpleNamespace(objects=None)
+payments = carrier = SimpleNamespace(charge=None, book=None)
+
+
+def notify(order):
+    return None
+"""
+)
+
+IMPORT_THE_DOCS_TASKS = """
+import importlib, json, os, sys
+
+import django
+
+os.environ.setdefault("DJANGO_SETTINGS_MODULE", "proj.settings")
+django.setup()
+from celery import current_app
+
+current_app.conf.task_always_eager = True  # no worker: a block's own calls run in this process
+current_app.conf.task_eager_propagates = True
+seen = {}
+for module in sys.argv[1:]:
+    loaded = importlib.import_module(module)
+    tasks = {name: task for name, task in current_app.tasks.items() if name.startswith(module + ".")}
+    seen[module] = {name: hasattr(task, "guardrails") for name, task in tasks.items()}
+# The blocks whose bodies need nothing of the project's: called, eagerly, through the guardrails
+ran = {}
+for name, args in [("index_24.send_receipt", (42,)), ("testing_152.charge_order", (7, 1999))]:
+    task = current_app.tasks["shop.docs_" + name]
+    from celery_guardrails import tenant_context
+
+    with tenant_context("acme"):
+        ran[name] = task.delay(*args).status  # eager: run here, through the guardrails, as published
+print(json.dumps({"seen": seen, "ran": ran}))
+"""
+
+
+def docs_blocks() -> tuple[list[tuple[str, str]], list[tuple[str, str]]]:
+    """The documentation pages' Python blocks a project would paste: settings blocks (they assign upper-case
+    settings) and task blocks (they define a ``@shared_task``), each as (a module-friendly name, its text)."""
+    from tests.test_docs import PYTHON
+
+    settings, tasks = [], []
+    for block in PYTHON:
+        if block.source == "README.md":
+            continue  # the Quick start: the tests above run it
+        name = re.sub(r"\W", "_", block.source.rsplit("/", 1)[1].removesuffix(".md")) + f"_{block.line}"
+        if "@shared_task" in block.text:
+            tasks.append((name, block.text))
+        elif re.search(r"^(CELERY_\w+|LOGGING|INSTALLED_APPS|MIDDLEWARE) *\+?=", block.text, flags=re.M):
+            settings.append((name, block.text))
+    return settings, tasks
+
+
+def test_the_docs_settings_and_task_blocks_run_in_the_quick_start_s_project(
+    tmp_path: Path, installed: Installed, database: str
+) -> None:
+    # Given the Quick start's project, and the documentation pages' settings and task blocks
+    project = make_project(tmp_path, installed, database)
+    settings, tasks = docs_blocks()
+    assert {name for name, _ in settings} >= {"context_40", "context_58", "scheduled_work_7"}
+    assert {name for name, _ in tasks} >= {"index_24", "idempotency_3", "retries_72", "testing_152"}
+    project.manage("migrate")
+    # (the project's own names: the tenant resolver a settings block names, the task a beat entry names)
+    (project.folder / "myproject").mkdir()
+    (project.folder / "myproject" / "__init__.py").write_text("")
+    (project.folder / "myproject" / "tenants.py").write_text(OURS + "---\ndef tenant_of(request):\n    return None\n")
+    with (project.folder / "shop" / "tasks.py").open("a") as shop:
+        shop.write(f"\n\n{OURS}a scheduled-work page's entry ---\n")
+        shop.write("@shared_task(base=GuardedTask, bind=True, idempotent=True)\ndef settle_payments(self):\n")
+        shop.write("    return self.request.since\n")
+    # When each settings block is added to the project's settings, and `manage.py check` runs on them
+    for name, text in settings:
+        module = project.folder / "proj" / f"docs_{name}.py"
+        module.write_text(
+            "from proj.settings import *  # noqa: F403\n\n"
+            + text
+            + f"\n\n{OURS}an app or middleware the Quick start added already, once ---\n"
+            + "INSTALLED_APPS = list(dict.fromkeys(INSTALLED_APPS))\nMIDDLEWARE = list(dict.fromkeys(MIDDLEWARE))\n"
+        )
+        out = project.manage("check", "--settings", f"proj.docs_{name}", check=False)
+        # Then each is a project Django and the guardrails accept: no error
+        assert "System check identified" in out or "no issues" in out, (name, out)
+        assert "ERRORS:" not in out and "guardrails.E" not in out and "Traceback" not in out, (name, out)
+    # When each task block is a module of the shop app, imported by the web process
+    for name, text in tasks:
+        (project.folder / "shop" / f"docs_{name}.py").write_text(STANDINS + "\n\n" + text)
+    seen = json.loads(project.python(IMPORT_THE_DOCS_TASKS, *(f"shop.docs_{name}" for name, _ in tasks)))
+    # Then each registers its tasks, a GuardedTask where the block says base=GuardedTask
+    for name, text in tasks:
+        registered = seen["seen"][f"shop.docs_{name}"]
+        assert registered, (name, seen)
+        assert all(registered.values()) == ("base=GuardedTask" in text), (name, registered)
+    # And the blocks whose bodies need nothing of the project's run through the guardrails (eagerly)
+    assert seen["ran"] == {"index_24.send_receipt": "SUCCESS", "testing_152.charge_order": "SUCCESS"}

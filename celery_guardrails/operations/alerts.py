@@ -43,6 +43,7 @@ from typing import Any
 from celery_guardrails import signals
 from celery_guardrails.foundation import clock
 from celery_guardrails.foundation.redaction import Redactor, for_app, safe_repr
+from celery_guardrails.log import moment_text
 from celery_guardrails.operations.alert_channels import ALERT_CHANNELS, deliver
 
 # Re-exported: read here before the channels had a module of their own. RETRY_PAUSES is not: patch it where the
@@ -210,7 +211,7 @@ def ordering_wait(task: Any, *, key: str, waiting_for: int, lowest: int, since: 
             "waited_seconds": round(max(0.0, time.time() - since), 1),
             "gives_up_after_seconds": view(task).options["ordering_gap_timeout"],
         }
-        subject = f"Ordering key waits: {key} waits for #{waiting_for} since {opened}"
+        subject = f"Ordering key waits: {key} waits for #{waiting_for} since {moment_text(since)}"
         send(app, subject=subject, owner=owner, ordering=about)
     except Exception:
         logger.exception("Alert for the wait of ordering key %s could not be sent", key)

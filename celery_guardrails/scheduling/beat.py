@@ -55,6 +55,7 @@ from celery_guardrails.exceptions import ConfigurationError
 
 # accelerated_clock stays importable from here: settings name it as celery_guardrails.scheduling.beat.accelerated_clock.
 from celery_guardrails.foundation.clock import accelerated_clock, now
+from celery_guardrails.log import moment_text
 from celery_guardrails.scheduling.entries import (
     Entry,
     NotWatched,
@@ -181,7 +182,7 @@ class GuardedSchedulerMixin:
             logger.info(
                 "Guarded beat entry %r: periods after %s are due (%s)",
                 entry.name,
-                moment(seen),
+                moment_text(seen),
                 "no ledger record yet: from now on" if found is None else "the ledger's newest handled period",
             )
         periods = entry.periods(seen, current)

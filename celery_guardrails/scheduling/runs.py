@@ -15,6 +15,7 @@ from typing import Any
 from kombu.exceptions import OperationalError
 
 from celery_guardrails import signals
+from celery_guardrails.log import moment_text
 from celery_guardrails.runtime import headers
 from celery_guardrails.scheduling.entries import Entry
 from celery_guardrails.scheduling.ledger import DISPATCHED, MISSED, SKIPPED_DISABLED, Heads, period_key
@@ -40,7 +41,7 @@ def skip_disabled(app: Any, entry: Entry, current: float, *, heads: Heads | None
         return heads.newest_period
     reason = "its schedule was disabled when it came due"
     if store.run_record(entry.name, periods[-1], status=SKIPPED_DISABLED, now=current, reason=reason):
-        logger.info("Guarded beat entry %r is disabled: period %s skipped", entry.name, moment(periods[-1]))
+        logger.info("Guarded beat entry %r is disabled: period %s skipped", entry.name, moment_text(periods[-1]))
     return periods[-1]
 
 
@@ -68,15 +69,15 @@ def report(app: Any, entry: Entry, period: float, *, kind: str, reason: str, **e
 
     owner = owner_of_entry(app, entry)
     details = {"schedule": entry.name, "task": entry.task, "period": moment(period), "reason": reason, **extra}
-    logger.warning("Scheduled run %s of %r %s: %s", moment(period), entry.name, kind, reason)
+    logger.warning("Scheduled run %s of %r %s: %s", moment_text(period), entry.name, kind, reason)
     signal = signals.run_missed if kind == "missed" else signals.run_overdue
     try:
         signal.send(sender=app, owner=owner, **details)
         if run_alert_due(app, owner=owner, schedule=entry.name, kind=kind):
-            subject = f"Run {kind}: {entry.name} at {moment(period):%Y-%m-%d %H:%M:%S}Z"
+            subject = f"Run {kind}: {entry.name} at {moment_text(period)}"
             send(app, subject=subject, run=details, owner=owner)
     except Exception:  # an alert must never stop beat or the watchdog
-        logger.exception("Alert for the %s run %s of %r could not be sent", kind, moment(period), entry.name)
+        logger.exception("Alert for the %s run %s of %r could not be sent", kind, moment_text(period), entry.name)
 
 
 def horizon(app: Any, name: str) -> float | None:
@@ -130,7 +131,7 @@ def dispatch(app: Any, entry: Entry, period: float, *, current: float, catch_up:
         guardrails[headers.TENANT] = entry.tenant
     message_headers[headers.HEADER] = guardrails
     logger.info(
-        "Dispatching %r period %s as %s%s", entry.name, moment(period), task_id, " (catch-up)" if catch_up else ""
+        "Dispatching %r period %s as %s%s", entry.name, moment_text(period), task_id, " (catch-up)" if catch_up else ""
     )
     task = app.tasks.get(entry.task)
     try:
@@ -142,17 +143,17 @@ def dispatch(app: Any, entry: Entry, period: float, *, current: float, catch_up:
         # The broker could not be reached: nothing was sent. Forget the dispatch, so the period is due again
         # (the next tick dispatches it, or its catch-up policy decides once it is late); kept "dispatched",
         # no catch-up could ever take it.
-        logger.exception("Publishing %r period %s failed; it is due again", entry.name, moment(period))
+        logger.exception("Publishing %r period %s failed; it is due again", entry.name, moment_text(period))
         try:
             get_store(app).run_undispatch(entry.name, period, task_id=task_id)
         except Exception:  # the watchdog reports it missed after grace
-            logger.exception("The dispatch of %r period %s could not be forgotten", entry.name, moment(period))
+            logger.exception("The dispatch of %r period %s could not be forgotten", entry.name, moment_text(period))
         raise PublishFailed(str(exc)) from exc
     except Exception as exc:
         # The entry itself is wrong (its arguments do not fit the task, say): trying again each tick would
         # fail the same way. The period is recorded missed, saying why, and its owner is alerted.
         reason = f"could not be published: {type(exc).__name__}: {exc}"
-        logger.exception("Publishing %r period %s failed", entry.name, moment(period))
+        logger.exception("Publishing %r period %s failed", entry.name, moment_text(period))
         if get_store(app).run_transition(
             entry.name, period, from_=(DISPATCHED,), to=MISSED, now=current, reason=reason
         ):

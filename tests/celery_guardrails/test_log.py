@@ -128,3 +128,20 @@ def test_a_record_the_filter_cannot_read_is_withheld_not_written_raw() -> None:
     # When the filter runs, Then the line says it was withheld (and the record is still written)
     assert logging.getLogger("celery_guardrails.runtime.outcomes").filter(record)
     assert record.getMessage() == f"{WITHHELD}: a log line of celery_guardrails.runtime.outcomes"
+
+
+def test_a_moment_in_a_log_line_reads_as_on_the_admin_pages_in_utc() -> None:
+    from datetime import UTC, datetime, timedelta, timezone
+
+    from celery_guardrails.log import moment_text, when
+
+    # Given a moment, as epoch seconds and as datetimes in two zones
+    instant = datetime(2026, 12, 2, 10, 31, 5, tzinfo=UTC).timestamp()
+    paris = datetime(2026, 12, 2, 11, 31, 5, tzinfo=timezone(timedelta(hours=1)))
+    # Then each reads one way, in UTC, to the second: no epoch, no ISO "T" and offset
+    assert moment_text(instant) == moment_text(paris) == moment_text(paris.replace(tzinfo=None) - timedelta(hours=1))
+    assert moment_text(instant) == "2026-12-02 10:31:05 UTC"
+    # And a log line's time says how far from now
+    assert when(instant, now=instant - 245) == "2026-12-02 10:31:05 UTC (in 4 min)"
+    assert when(instant, now=instant + 12) == "2026-12-02 10:31:05 UTC (12 s ago)"
+    assert when(instant, now=instant) == "2026-12-02 10:31:05 UTC (now)"

@@ -64,11 +64,48 @@ CELERY_GUARDRAILS = {
 """
 
 
+#: django-celery-beat rows beside the example project's settings entry: a plain Celery task of the project's
+#: own for one of them, and one row opted out.
+ROW_TASKS = """
+from celery import shared_task
+
+
+@shared_task
+def plain_cleanup():
+    return None
+"""
+ROWS_SETTINGS = """
+from example_project.settings import *  # noqa: F403
+
+CELERY_IMPORTS = ["row_tasks"]
+CELERY_GUARDRAILS = {
+    **CELERY_GUARDRAILS,  # noqa: F405
+    "schedules": {**CELERY_GUARDRAILS["schedules"], "row-opted-out": None},  # noqa: F405
+}
+"""
+MAKE_ROWS = """
+from django_celery_beat.models import IntervalSchedule, PeriodicTask
+
+hourly = IntervalSchedule.objects.create(every=1, period=IntervalSchedule.HOURS)
+for name, task in [
+    ("row-default", "example_project.shop.tasks.send_receipt"),
+    ("row-plain", "row_tasks.plain_cleanup"),
+    ("row-opted-out", "example_project.shop.tasks.send_receipt"),
+]:
+    PeriodicTask.objects.create(name=name, task=task, interval=hourly)
+"""
+
+
 def run(
-    tmp_path: Path, *arguments: str, bad: bool = False, issue27: tuple[bool, bool] | None = None
+    tmp_path: Path,
+    *arguments: str,
+    bad: bool = False,
+    issue27: tuple[bool, bool] | None = None,
+    rows: bool = False,
 ) -> subprocess.CompletedProcess[str]:
     """``manage.py <arguments>`` of the example project (its settings, the bad ones, or with the tasks of issue
-    #27: ``issue27`` = (with the plain task, with the retry_unsafe one))."""
+    #27: ``issue27`` = (with the plain task, with the retry_unsafe one); ``rows``: with a plain task of its own
+    and a django-celery-beat row opted out)."""
     env = {**os.environ, "EXAMPLE_VAR_DIR": str(tmp_path / "var"), "PYTHONPATH": str(ROOT)}
     env.pop("DJANGO_SETTINGS_MODULE", None)
     if bad:
@@ -81,6 +118,11 @@ def run(
         (tmp_path / "issue27_settings.py").write_text(ISSUE27_SETTINGS)
         env["PYTHONPATH"] = f"{tmp_path}{os.pathsep}{ROOT}"
         env["DJANGO_SETTINGS_MODULE"] = "issue27_settings"
+    if rows:
+        (tmp_path / "row_tasks.py").write_text(ROW_TASKS)
+        (tmp_path / "rows_settings.py").write_text(ROWS_SETTINGS)
+        env["PYTHONPATH"] = f"{tmp_path}{os.pathsep}{ROOT}"
+        env["DJANGO_SETTINGS_MODULE"] = "rows_settings"
     return subprocess.run(
         [sys.executable, str(ROOT / "example_project" / "manage.py"), *arguments],
         cwd=ROOT,
@@ -326,3 +368,25 @@ def test_the_audit_check_never_raises(tmp_path: Path) -> None:
     output = done.stderr + done.stdout
     assert "(guardrails.E001)" in output and "Traceback" not in output
     assert audit_warnings(output) == []
+
+
+def test_the_audit_names_django_celery_beat_rows_watched_by_default_unwatched_and_opted_out(tmp_path: Path) -> None:
+    # Given the example project's database with three django-celery-beat rows and no policy written for two: a
+    # guarded task's, a plain Celery task's, and one opted out with schedules["row-opted-out"] = None
+    for arguments in (["migrate", "-v0"], ["shell", "-c", MAKE_ROWS]):
+        done = run(tmp_path, *arguments, rows=True)
+        assert done.returncode == 0, done.stdout + done.stderr
+    # When `guardrails_audit --json` runs
+    done = run(tmp_path, "guardrails_audit", "--json", rows=True)
+    report = json.loads(done.stdout)
+    # Then each row is named by its own name, as a periodic task, with what the audit makes of it: watched with
+    # the default policy (GA607), not watched because its task is a plain one (GA601), opted out (GA608)
+    named = {f["subject"]: f for f in report["findings"] if f["subject"].startswith("row-")}
+    assert {name: (f["code"], f["severity"]) for name, f in named.items()} == {
+        "row-default": ("GA607", "info"),
+        "row-plain": ("GA601", "warning"),
+        "row-opted-out": ("GA608", "info"),
+    }
+    assert all(f["message"].startswith("a periodic task ") for f in named.values()), named
+    assert "row_tasks.plain_cleanup is a plain Celery task" in named["row-plain"]["message"]
+    assert named["row-plain"]["fix"].endswith('schedules["row-plain"] = None')

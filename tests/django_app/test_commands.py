@@ -228,3 +228,16 @@ def test_the_replay_help_says_what_allow_not_idempotent_means() -> None:
         "did not happen. Without it they are refused and stay open."
     ) in text
     assert "not_idempotent records are refused unless --allow-not-idempotent is given." in text
+
+
+def test_the_text_list_writes_moments_as_the_admin_does_and_the_json_as_iso_8601() -> None:
+    # Given a record that last failed at 08:03 UTC
+    letter(3)
+    # When it is listed as text, and as JSON
+    text, data = StringIO(), StringIO()
+    call_command("guardrails_deadletters", "list", stdout=text)
+    call_command("guardrails_deadletters", "list", "--json", stdout=data)
+    # Then a person reads the moment as the admin's pages write it, and a program reads ISO 8601
+    (line,) = [line for line in text.getvalue().splitlines() if "task-3" in line]
+    assert "  2026-11-30 08:03:00 UTC  " in line, line
+    assert json.loads(data.getvalue().splitlines()[0])["last_failed_at"] == "2026-11-30T08:03:00Z"

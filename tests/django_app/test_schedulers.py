@@ -336,7 +336,7 @@ def test_a_settings_entry_and_a_row_without_a_policy_are_watched_and_their_misse
     import subprocess
     import sys
 
-    from celery_guardrails.scheduling.beat import moment
+    from celery_guardrails.log import moment_text
 
     require("redis")
     uid = uuid.uuid4().hex[:6]
@@ -388,7 +388,7 @@ def test_a_settings_entry_and_a_row_without_a_policy_are_watched_and_their_misse
     assert done.returncode == 0, done.stderr
     printed = [line for line in done.stdout.splitlines() if line.startswith("missed: ")]
     assert sorted(printed) == sorted(
-        f"missed: {name} {moment(period):%Y-%m-%d %H:%M:%S}Z" for name in (setting, row) for period in periods
+        f"missed: {name} {moment_text(period)}" for name in (setting, row) for period in periods
     )
     for name in (setting, row):
         assert [(r.period, r.status) for r in rig.runs(name)] == [(first, OK), *((p, MISSED) for p in periods)]

@@ -1,6 +1,8 @@
 """The admin's Waiting page on the Django store (PostgreSQL or SQLite, per GUARDRAILS_TEST_DB), on a real
 worker and broker: a task deferred by an open circuit and one retrying after an error are listed with their
-reason, attempt and due time, scoped by tenant, and leave the page once they run.
+reason, attempt and due time, scoped by tenant, and leave the page once they run; a task waiting for a
+concurrency slot and one waiting behind a gap in its ordering key are listed with their key, attempt and due
+time on the page, in ``status`` and in ``status --json``.
 
 The Redis store and the status command: tests/celery_guardrails/guardrails/test_waiting.py.
 """
@@ -9,6 +11,7 @@ from __future__ import annotations
 
 import re
 import uuid
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -202,3 +205,111 @@ def test_the_waiting_page_keeps_long_values_inside_a_1366_pixel_screen(
     assert dues == ["overdue 15 min", "in 10 min", "in 30 min", "in 3 h"]  # (the page took seconds, not minutes)
     assert page.locator("#waiting time.gr-overdue").count() == 1
     connection.close()  # the ORM's connection in Playwright's thread
+
+
+@pytest.fixture
+def prefork_worker(celery_app: Any, queue_name: str, tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
+    """A prefork worker (3 processes) on the Django store, as the test's admin and ``status`` read it."""
+    import json
+
+    from tests.support.workers import PROJ_APP, WorkerProcess, proj_env
+
+    settings = {"store": "django", "dead_letter_sinks": ["django"]}
+    celery_app.conf.guardrails = {**celery_app.conf.guardrails, **settings}
+    monkeypatch.setattr(health, "celery_app", lambda: celery_app)
+    env = proj_env(queue=queue_name, django=True, GUARDRAILS_TEST_GUARDRAILS=json.dumps(settings))
+    with WorkerProcess(
+        app=PROJ_APP, queue=queue_name, log_path=tmp_path / "worker.log", env=env, concurrency=3
+    ) as process:
+        yield process
+
+
+def waiting_as_a_person_and_a_program_see_it(
+    app: Any, client: Client, task_id: str, reason: str
+) -> tuple[list[str], Any, dict[str, Any]]:
+    """``task_id``'s wait for ``reason`` as the admin's Waiting page, ``status`` and ``status --json`` show it
+    (each read again until it lists it: the row is replaced by each re-publish, and gone while it runs)."""
+    from celery_guardrails.operations import status
+
+    def on_the_page() -> list[str] | None:
+        html = client.get(reverse(WAITING)).content.decode()
+        # (a row of one cell: "Nothing waits.", yet, or while the message runs)
+        found = {row[1]: row for row in rows(html) if len(row) > 1}
+        return found.get(task_id) if task_id in found and counts_reason(found[task_id], reason) else None
+
+    def in_status() -> tuple[Any, dict[str, Any]] | None:
+        read = status.gather(app)
+        text, data = status.render(read), status.as_dict(read)
+        row = next((w for w in data["waiting"]["soonest"] if w["task_id"] == task_id and w["reason"] == reason), None)
+        shown = next((w for w in read.waiting.soonest if w.task_id == task_id), None) if read.waiting else None
+        return (shown, row) if row and shown and task_id in text else None
+
+    page = wait_for(f"{task_id} on the Waiting page", on_the_page, timeout=TIMEOUT)
+    shown, row = wait_for(f"{task_id} in status", in_status, timeout=TIMEOUT)
+    return page, shown, row
+
+
+def counts_reason(row: list[str], reason: str) -> bool:
+    return row[3].startswith(reason + " ")
+
+
+def test_a_task_waiting_for_a_concurrency_slot_is_listed_with_its_key_attempt_and_due_time(
+    prefork_worker: Any, celery_app: Any, admin_client: Client, sink: Sink
+) -> None:
+    import redis as redis_client
+
+    from tests.support.services import REDIS_URL
+
+    # Given tenant_limited (concurrency_key "tenant:{tenant}", limit 2) and acme's two slots held (their runs
+    # wait at a gate the test opens)
+    tenant, gate = f"acme-{uuid.uuid4().hex[:6]}", f"{sink.key}:gate"
+    gates = redis_client.Redis.from_url(REDIS_URL)
+    with tenant_context(tenant):
+        holders = [tasks.tenant_limited.apply_async((sink.key, 0, gate)) for _ in range(2)]
+        wait_for("both slots held", lambda: len(sink.items()) == 2)
+        # When a third of acme's is published
+        waiter = tasks.tenant_limited.apply_async((sink.key, 0))
+    # Then the Waiting page, status and status --json list it: waiting for a slot of acme's key, for its first
+    # attempt (a wait spends none), due soon
+    page, shown, row = waiting_as_a_person_and_a_program_see_it(celery_app, admin_client, waiter.id, "concurrency")
+    assert page[:3] == ["tests.proj.tasks.tenant_limited", waiter.id, tenant]
+    assert page[3].endswith(f"tenant:{tenant}") and page[4] == "1", page
+    assert re.fullmatch(r"in \d+ s|now", page[5]), page
+    assert (shown.reason, shown.attempt, shown.tenant) == ("concurrency", 1, tenant)
+    assert shown.detail.endswith(f"tenant:{tenant}") and shown.reason_text == f"concurrency {shown.detail}"
+    assert shown.since <= shown.due and not shown.overdue
+    assert (row["task"], row["detail"], row["attempt"]) == ("tests.proj.tasks.tenant_limited", shown.detail, 1)
+    assert isinstance(row["due"], float) and row["since"] <= row["due"]
+    # When the slots are freed, Then it runs on its first attempt and is no longer listed
+    gates.rpush(gate, "go", "go")
+    assert [h.get(timeout=TIMEOUT)["attempt"] for h in holders] == [1, 1]
+    assert waiter.get(timeout=TIMEOUT)["attempt"] == 1
+    assert not WaitingMessage.objects.filter(task_id=waiter.id).exists()
+    gates.delete(gate)
+
+
+def test_an_ordered_task_waiting_behind_a_gap_is_listed_with_its_key_attempt_and_due_time(
+    prefork_worker: Any, celery_app: Any, admin_client: Client, sink: Sink
+) -> None:
+    # Given message 1 of an ordered stream published to a queue no worker consumes yet (a gap in the key)
+    stream, held = f"s-{uuid.uuid4().hex[:10]}", f"held-{uuid.uuid4().hex[:10]}"
+    first = tasks.ordered_append.apply_async((stream, 1, sink.key), queue=held)
+    # When message 2 of the stream is published to the worker's queue
+    second = tasks.ordered_append.apply_async((stream, 2, sink.key))
+    # Then the Waiting page, status and status --json list it: waiting for its turn on the stream's key, for its
+    # first attempt, due soon
+    page, shown, row = waiting_as_a_person_and_a_program_see_it(celery_app, admin_client, second.id, "ordering")
+    assert page[:2] == ["tests.proj.tasks.ordered_append", second.id] and page[2] == "-"
+    assert page[3].endswith(f"stream:{stream}") and page[4] == "1", page
+    assert re.fullmatch(r"in \d+ s|now", page[5]), page
+    assert (shown.reason, shown.attempt, shown.tenant) == ("ordering", 1, "")
+    assert shown.detail.endswith(f"stream:{stream}") and shown.reason_text == f"ordering {shown.detail}"
+    assert shown.since <= shown.due and not shown.overdue
+    assert (row["task"], row["detail"], row["attempt"]) == ("tests.proj.tasks.ordered_append", shown.detail, 1)
+    assert isinstance(row["due"], float) and row["since"] <= row["due"]
+    assert sink.items() == []  # message 2 did not run out of turn
+    # When the worker consumes the held queue too, Then message 1 runs, then message 2, and nothing waits
+    assert celery_app.control.add_consumer(held, destination=[prefork_worker.hostname], reply=True, timeout=10)
+    assert [first.get(timeout=TIMEOUT), second.get(timeout=TIMEOUT)] == [1, 2]
+    assert [item["n"] for item in sink.items()] == [1, 2]
+    assert not WaitingMessage.objects.filter(task_id__in=[first.id, second.id]).exists()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import ast
+import json
 import os
 import re
 import subprocess
@@ -183,3 +185,167 @@ def test_a_task_result_past_its_deadline_stops_the_demo_naming_the_task(monkeypa
         "worker consuming queue demo-nobody?"
     )
     assert time.monotonic() - started < 10
+
+
+def _bounded(loop: ast.While) -> bool:
+    """Whether a ``while`` loop ends by a deadline: its condition, or an ``if`` in its body that raises or breaks,
+    compares ``time.monotonic()`` with something."""
+
+    def reads_the_clock(node: ast.AST) -> bool:
+        return any(isinstance(call, ast.Call) and ast.unparse(call.func) == "time.monotonic" for call in ast.walk(node))
+
+    if isinstance(loop.test, ast.Compare) and reads_the_clock(loop.test):
+        return True
+    return any(
+        isinstance(stop, ast.If)
+        and reads_the_clock(stop.test)
+        and any(isinstance(s, ast.Raise | ast.Break) for s in stop.body)
+        for stop in loop.body
+    )
+
+
+def _own_parts(statement: ast.AST) -> list[ast.AST]:
+    """What of a statement is its own, not in one of its blocks (each block is looked at on its own): a compound
+    statement's header, or a simple statement whole."""
+    if isinstance(statement, ast.If | ast.While):
+        return [statement.test]
+    if isinstance(statement, ast.For):
+        return [statement.iter]
+    if isinstance(statement, ast.With):
+        return [item.context_expr for item in statement.items]
+    if isinstance(statement, ast.FunctionDef | ast.ClassDef | ast.Try):
+        return []
+    return [statement] if isinstance(statement, ast.stmt) else []
+
+
+def waits_without_a_deadline(source: str) -> list[str]:
+    """Every wait in ``source`` that could last for ever: a ``while`` loop not bounded by a deadline, a sleep
+    outside one, a result's ``get()``, a ``blpop``, a ``subprocess.run`` without a timeout, a process's ``wait()``
+    without one that does not follow a SIGKILL."""
+    tree = ast.parse(source)
+    found = []
+    bounded_sleeps: set[int] = set()
+    for loop in ast.walk(tree):
+        if isinstance(loop, ast.While):
+            if _bounded(loop):
+                bounded_sleeps |= {id(n) for n in ast.walk(loop)}
+            else:
+                found.append(f"line {loop.lineno}: a while loop with no deadline")
+    blocks = [
+        statements
+        for node in ast.walk(tree)
+        for field in ("body", "orelse", "finalbody")
+        if isinstance(statements := getattr(node, field, None), list)
+    ]
+    for statements in blocks:
+        for before, statement in zip([None, *statements], statements, strict=False):
+            for call in (node for part in _own_parts(statement) for node in ast.walk(part)):
+                if not isinstance(call, ast.Call):
+                    continue
+                name, keywords = ast.unparse(call.func), {k.arg for k in call.keywords}
+                where = f"line {call.lineno}: {ast.unparse(call)}"
+                if name == "time.sleep" and id(call) not in bounded_sleeps:
+                    found.append(f"{where} (a sleep outside a loop with a deadline)")
+                elif (
+                    name.endswith(".get")
+                    and not call.args
+                    and "timeout" not in keywords
+                    and (not keywords or keywords & {"propagate", "interval", "follow_parents"})
+                ):  # a result's get() (a model manager's get(pk=...) is a query, not a wait)
+                    found.append(f"{where} (a result waited for with no timeout)")
+                elif "timeout" not in keywords and (
+                    (name.endswith(".blpop") and len(call.args) < 2) or name == "subprocess.run"
+                ):
+                    found.append(f"{where} (no timeout)")
+                elif (
+                    name.endswith(".wait")
+                    and not call.args
+                    and "timeout" not in keywords
+                    and (before is None or "SIGKILL" not in ast.unparse(before))
+                ):
+                    found.append(f"{where} (a process waited for with no timeout, not after a SIGKILL)")
+    return sorted(set(found))
+
+
+def test_every_wait_of_the_demo_has_a_deadline() -> None:
+    # When the demo's source is read
+    source = (ROOT / "example_project" / "demo.py").read_text()
+    # Then every loop that polls or sleeps is bounded by a deadline (the wait_for helper, or its own), and every
+    # blocking call has a timeout: a demo on a shared database cannot freeze silently (#30 point 11)
+    assert waits_without_a_deadline(source) == []
+    # And the check finds an unbounded wait where there is one
+    assert waits_without_a_deadline("while not done():\n    time.sleep(1)\nresult.get()\n") == [
+        "line 1: a while loop with no deadline",
+        "line 2: time.sleep(1) (a sleep outside a loop with a deadline)",
+        "line 3: result.get() (a result waited for with no timeout)",
+    ]
+
+
+KEYS_OF_A_RUN = """
+import json, os, subprocess, sys
+
+import redis
+
+from example_project import demo
+
+described = demo.configure()
+subprocess.run(
+    [sys.executable, str(demo.ROOT / "example_project" / "manage.py"), "migrate", "--noinput", "-v", "0"],
+    check=True, cwd=demo.ROOT, timeout=300,
+)
+import django
+
+django.setup()
+from celery_guardrails import tenant_context
+from example_project.shop.tasks import send_receipt
+
+url = os.environ["EXAMPLE_BROKER_URL"]
+client = redis.Redis.from_url(url)
+before = {k.decode() for k in client.keys("*")}
+worker = demo.start_worker(demo.VAR / "keys-worker.log")
+try:
+    with tenant_context("acme"):
+        receipt = demo.outcome(send_receipt.delay(1), "a receipt", 60)
+finally:
+    demo.stop(worker)
+written = sorted({k.decode() for k in client.keys("*")} - before)
+demo.forget_keys(url)
+left = sorted(k.decode() for k in client.keys(demo.KEY_PREFIX + "*"))
+print(json.dumps({"described": described, "receipt": receipt, "written": written, "left": left}))
+"""
+
+
+@pytest.mark.timeout(120)
+def test_the_demo_on_redis_writes_its_own_keys_only_and_leaves_none(tmp_path: Path) -> None:
+    require("redis")
+    import redis
+
+    # Given a Redis database shared with something else (a key of its own) and with another run of the demo
+    database = int(REDIS_URL.rsplit("/", 1)[1])
+    client = redis.Redis.from_url(REDIS_URL)
+    other = f"demo-{uuid.uuid4().hex[:12]}:"
+    planted = {f"planted-{uuid.uuid4().hex[:8]}": "not the demo's", f"{other}celery-task-meta-x": "another run's"}
+    for key, value in planted.items():
+        client.set(key, value)
+    run = uuid.uuid4().hex[:12]
+    env = {**os.environ, "EXAMPLE_VAR_DIR": str(tmp_path), "DEMO_RUN": run, "DEMO_REDIS_DB": str(database)}
+    env["PYTHONPATH"] = str(ROOT)
+    for key in ("DEMO_BROKER", "EXAMPLE_BROKER_URL", "EXAMPLE_RESULT_BACKEND", "EXAMPLE_QUEUE"):
+        env.pop(key, None)
+    env.pop("DJANGO_SETTINGS_MODULE", None)
+    try:
+        # When the demo's set-up runs a worker on it, a task through it, and its tidy-up
+        done = subprocess.run(
+            [sys.executable, "-c", KEYS_OF_A_RUN], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=110
+        )
+        assert done.returncode == 0, done.stdout + done.stderr
+        seen = json.loads(done.stdout.splitlines()[-1])
+        # Then it used that database, every key it wrote was under its own prefix, and none is left
+        assert seen["described"] == f"Redis at redis://127.0.0.1:6379/{database}, keys prefixed demo-{run}:"
+        assert seen["receipt"]["tenant"] == "acme"
+        assert seen["written"] and [k for k in seen["written"] if not k.startswith(f"demo-{run}:")] == []
+        assert seen["left"] == []
+        # And the key of its own and the other run's are untouched
+        assert {key: (client.get(key) or b"").decode() for key in planted} == planted
+    finally:
+        client.delete(*planted)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -146,6 +147,8 @@ class WorkerProcess(CeleryProcess):
         extra: Sequence[str] = (),
     ) -> None:
         name = f"gr-{uuid.uuid4().hex[:8]}@%h"
+        #: Its node name, as remote control addresses it (``destination=[worker.hostname]``).
+        self.hostname = name.replace("%h", socket.gethostname())
         super().__init__(
             [
                 "-A",

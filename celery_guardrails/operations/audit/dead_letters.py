@@ -25,7 +25,9 @@ def _mail_recipients_missing(app: Any, guarded: list[Any]) -> str | None:
         return None
     addresses = app_value(app, "owner_emails")
     owners = {owner_of(task) or "" for task in guarded}
-    owners |= {policy.owner for policy in app_value(app, "schedules").values() if policy.owner}
+    # (an entry opted out, schedules[name] = None, has no policy: no owner to tell of its runs)
+    policies = app_value(app, "schedules").values()
+    owners |= {policy.owner for policy in policies if policy is not None and policy.owner}
     missing = sorted(owner or "(no owner)" for owner in owners if not addresses.get(owner))
     if not missing:
         return None

@@ -22,6 +22,7 @@ from django.core.serializers.json import DjangoJSONEncoder
 
 from celery_guardrails.exceptions import SealError
 from celery_guardrails.foundation.sealing import sealer_for
+from celery_guardrails.log import moment_text
 from celery_guardrails.runtime.outcomes import REASONS
 
 from ...display import escape
@@ -103,7 +104,7 @@ class Command(BaseCommand):
                 name: escape(row[name]) for name in ("status", "reason", "task_name", "task_id", "owner", "tenant")
             }
             self.stdout.write(
-                f"{row['id']:>8}  {row['last_failed_at']:%Y-%m-%d %H:%M:%S}  {shown['status']:<9} "
+                f"{row['id']:>8}  {moment_text(row['last_failed_at'])}  {shown['status']:<9} "
                 f"{shown['reason']:<22} {shown['task_name']}[{shown['task_id']}] owner={shown['owner'] or '-'} "
                 f"tenant={shown['tenant'] or '-'} attempts={row['attempts']}"
             )

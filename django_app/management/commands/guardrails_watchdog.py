@@ -13,7 +13,7 @@ from typing import Any
 from celery import current_app
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
-from celery_guardrails.scheduling.beat import moment
+from celery_guardrails.log import moment_text
 from celery_guardrails.scheduling.watchdog import check
 
 from ...display import escape
@@ -43,7 +43,7 @@ class Command(BaseCommand):
             findings = check(app)
             for kind, found in (("missed", findings.missed), ("overdue", findings.overdue)):
                 for schedule, period in found:
-                    self.stdout.write(f"{kind}: {escape(schedule)} {moment(period):%Y-%m-%d %H:%M:%S}Z")
+                    self.stdout.write(f"{kind}: {escape(schedule)} {moment_text(period)}")
             self.stdout.write(f"Recorded {len(findings.missed)} missed and {len(findings.overdue)} overdue run(s).")
             if every is None:
                 return

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import random
+import re
+from pathlib import Path
 
 from celery_guardrails.options import OPTIONS
 from celery_guardrails.runtime.backoff import Backoff
@@ -85,3 +87,51 @@ def test_a_thousand_failures_do_not_overflow_the_backoff() -> None:
     # And so with the default strategy
     equal = Backoff(strategy="equal_jitter", base=1.0, maximum=600.0, random=lambda: 0.5)
     assert [equal.delay(failures=n) for n in (11, 1025, 1100, 10**6)] == [450.0] * 4
+
+
+ROOT = Path(__file__).resolve().parents[3]
+
+
+def windows(text: str) -> list[tuple[float, float]]:
+    """The ``1-2 s, then 2-4 s, ...`` windows (a hyphen or an en dash) of a sentence or a table column."""
+    return [(float(low), float(high)) for low, high in re.findall(r"([\d.]+)[-\u2013]([\d.]+) s", text)]
+
+
+def test_the_default_delays_the_readme_and_the_retries_page_print_are_the_code_s() -> None:
+    # Given the default backoff's windows as the code computes them: the n-th retry's least and greatest delay
+    # (the random draw at 0 and at 1)
+    def drawing(value: float) -> Backoff:
+        return Backoff(
+            strategy=OPTIONS["backoff"].default,
+            base=OPTIONS["backoff_base"].default,
+            maximum=OPTIONS["backoff_max"].default,
+            random=lambda: value,
+        )
+
+    code = [(drawing(0.0).delay(failures=n), drawing(1.0).delay(failures=n)) for n in range(1, 6)]
+    cap = OPTIONS["backoff_max"].default
+    # When the README's sentence and the retries page's sentence and table are read
+    readme = (ROOT / "README.md").read_text()
+    said = re.search(r"Retries wait, by default, (.+?), \.\.\. up to (\d+) minutes", readme, flags=re.S)
+    assert said, "README.md no longer states the default retry delays"
+    page = (ROOT / "docs" / "guardrails" / "retries.md").read_text()
+    sentence = re.search(r"the retries wait (.+?), \.\.\. up to\s+([\d.]+)-([\d.]+) s \(`backoff_max`\)", page)
+    assert sentence, "docs/guardrails/retries.md no longer states the default retry delays"
+    table = page.split("## Default retry delays", 1)[1]
+    rows = re.findall(r"^\| (\d) \| ([^|]+) \| ([^|]+) \|", table, flags=re.M)
+    (cap_row,) = re.findall(r"^\| cap \| `backoff_max` (\d+) s \|", table, flags=re.M)
+    # Then each states the code's windows, retry by retry, and its cap
+    assert windows(said[1]) == code
+    assert float(said[2]) * 60 == cap
+    assert windows(sentence[1]) == code
+    assert (float(sentence[2]), float(sentence[3])) == (cap / 2, cap)
+    assert [int(n) for n, _, _ in rows] == [1, 2, 3, 4, 5]
+    assert [windows(ours)[0] for _, ours, _ in rows] == code
+    assert float(cap_row) == cap
+    # And Celery's column (retry_backoff=True, full jitter) is Celery's own formula: 0 to 2**(n-1) s
+    from celery.utils.time import get_exponential_backoff_interval
+
+    celery = [(0.0, float(get_exponential_backoff_interval(1, n - 1, 600, full_jitter=False))) for n in range(1, 6)]
+    assert [windows(theirs)[0] for _, _, theirs in rows] == celery
+    theirs_in_readme = re.search(r"\(Celery's\s+`retry_backoff`: ([^;]+);", readme)
+    assert theirs_in_readme and windows(theirs_in_readme[1]) == celery[:3]

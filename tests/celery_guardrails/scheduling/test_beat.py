@@ -371,21 +371,24 @@ def test_an_entry_without_a_policy_is_watched_and_its_missed_runs_recorded_one_o
     assert {item["schedule"] for item in sink.items()} == {watched, None}
 
 
-@pytest.mark.parametrize("catch_up", ["latest", "all"])
+@pytest.mark.parametrize("catch_up", ["latest", "all", None])
 def test_beat_back_with_a_stale_and_a_current_period_runs_the_current_one(
-    tmp_path: Path, rigs: list[Rig], sink: Sink, catch_up: str
+    tmp_path: Path, rigs: list[Rig], sink: Sink, catch_up: str | None
 ) -> None:
+    """``catch_up=None``: no policy written for the entry, so the default one applies (#30: overlap "skip",
+    catch-up "latest", grace half of the minute): the rules the Quick start's entries get."""
     import redis
 
-    name = f"every-minute-{catch_up}-{uuid.uuid4().hex[:6]}"
+    name = f"every-minute-{catch_up or 'default'}-{uuid.uuid4().hex[:6]}"
     gate = f"gate-{name}"
     start = a_whole_minute() + 30
-    # Given an every-minute entry with overlap "skip" whose runs each wait for the test to open a gate, and a
-    # worker that runs two at once
+    # Given an every-minute entry with overlap "skip" (written, or the default policy's) whose runs each wait for
+    # the test to open a gate, and a worker that runs two at once
+    written = {} if catch_up is None else {name: {"catch_up": catch_up, "overlap": "skip", "grace": GRACE}}
     rig = Rig(
         tmp_path,
         entries={name: entry(sink, gate=gate)},
-        policies={name: {"catch_up": catch_up, "overlap": "skip", "grace": GRACE}},
+        policies=written,
         start=start,
         settings={"retry_later_delay": 0.5},
     )
@@ -394,6 +397,8 @@ def test_beat_back_with_a_stale_and_a_current_period_runs_the_current_one(
     rig.worker(concurrency=2)
     beat = rig.beat()
     rig.looking(beat, name)
+    if catch_up is None:
+        assert f"watched beat entries: {name} (default policy)" in beat.log
     first = start + 30
     client.rpush(gate, "go")
     rig.set_clock(first + 1)
@@ -408,8 +413,8 @@ def test_beat_back_with_a_stale_and_a_current_period_runs_the_current_one(
     client.rpush(gate, "go", "go")
     # Then the current period runs, never skipped as overlapping the stale run
     rig.wait(f"{current} ran", lambda: _status(rig, name, current) == OK)
-    if catch_up == "latest":
-        # And "latest" recorded the stale period missed: the current one is the latest
+    if catch_up in ("latest", None):
+        # And "latest" (written, or the default) recorded the stale period missed: the current one is the latest
         assert _status(rig, name, stale) == MISSED
         assert periods_ran(sink, name) == [first, current]
     else:
