@@ -289,6 +289,20 @@ def kill_my_worker_keyed(self: GuardedTask, order_id: int, marker: str) -> str:
     return "unreachable"
 
 
+@shared_task(base=GuardedTask, bind=True, idempotency_key="poison-gated:{order_id}", owner="ops")
+def kill_my_worker_at_a_gate(self: GuardedTask, order_id: int, marker: str, gate: str) -> str:
+    """``kill_my_worker_keyed`` that, once it has claimed its key and said so (its pid on ``marker``), waits for
+    an item on the Redis list ``gate`` (at most 30 s: a bound, not a measure) before it SIGKILLs its process, so
+    that the test can change the world between a run's start and its worker's death."""
+    import signal
+
+    client = redis.Redis.from_url(REDIS_URL)
+    client.rpush(marker, os.getpid())
+    client.blpop([gate], timeout=30)
+    os.kill(os.getpid(), signal.SIGKILL)
+    return "unreachable"
+
+
 @shared_task
 def plain_add(x: int, y: int) -> int:
     """A plain Celery task (no guardrails), for what must refuse one."""
