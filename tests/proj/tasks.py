@@ -577,6 +577,20 @@ def guarded_by_a_bug(self: GuardedTask, sink: str) -> dict[str, Any]:
     return seen(self, sink)
 
 
+def _without_retries() -> tuple[Guardrail, ...]:
+    from celery_guardrails.guardrails.retries import Retries
+
+    return tuple(guardrail for guardrail in GuardedTask.guardrails if not isinstance(guardrail, Retries))
+
+
+@shared_task(base=GuardedTask, bind=True, guardrails=_without_retries())
+def retry_as_asked(self: GuardedTask, sink: str, countdown: float) -> None:
+    """A project's own composition of the guardrails without ``Retries``: the body's ``self.retry(countdown=...)``
+    goes to Celery as asked (no gate, no rounding to what the broker takes). Counts its runs in ``sink:runs``."""
+    redis.Redis.from_url(REDIS_URL).incr(f"{sink}:runs")
+    raise self.retry(countdown=countdown)
+
+
 class Unprintable(Exception):
     """An exception whose ``str()`` raises (a library's bug)."""
 

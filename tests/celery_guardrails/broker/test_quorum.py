@@ -6,7 +6,8 @@ exchange type; the jobs of a case run side by side. Countdowns are rounded up to
 takes (whole seconds, at least 1; :mod:`celery_guardrails.broker.delays`), RabbitMQ's own headers are not
 copied into a re-publish, and the poison guard counts with the broker's ``x-delivery-count``: a message put off
 before its body carries the count to the message that replaces it (header ``redeliv``), and a first delivery's
-``x-delivery-count`` (a publisher's, not the broker's) is not trusted.
+``x-delivery-count`` (a publisher's, not the broker's) is not trusted. A retry the publish refuses (a ``ValueError``
+from native delayed delivery) is a dead letter, never a message given back to loop.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import redis
 from celery import Celery
 
 from celery_guardrails.stores.redis import DELIVERIES_PREFIX
-from tests.support.dead_letters import dead_letter_of, has_dead_letter
+from tests.support.dead_letters import dead_letter_of, dead_letters_of, has_dead_letter
 from tests.support.proxy import TcpProxy
 from tests.support.quorum import delete_queue, quorum_app
 from tests.support.services import REDIS_URL, require
@@ -229,4 +230,37 @@ def test_a_first_delivery_carrying_a_forged_delivery_count_runs_normally(quorum_
             assert "poison" not in worker.log
     finally:
         client.delete(sink, f"{sink}:runs")
+        app.close()
+
+
+@pytest.mark.timeout(120)
+def test_a_retry_the_publish_refuses_is_one_guardrail_error_dead_letter_and_never_given_back(
+    quorum_name: str, tmp_path: Path
+) -> None:
+    # Given a guarded worker on a quorum queue (topic exchange: Celery's native delayed delivery carries
+    # countdowns), and a task composed without the Retries guardrail whose body asks Celery for a retry in 0.5 s
+    # (nothing rounds it up: kombu's calculate_routing_key refuses it, "countdown must be a positive number", a
+    # ValueError from the publish of the retry)
+    app = quorum_app(quorum_name, "topic")
+    client = redis.Redis.from_url(REDIS_URL)
+    sink = f"gr-test-quorum-{uuid.uuid4().hex}"
+    env = proj_env(queue=quorum_name, broker="amqp", GUARDRAILS_TEST_QUORUM="topic")
+    worker = WorkerProcess(app=PROJ_APP, queue=quorum_name, log_path=tmp_path / "worker.log", env=env)
+    try:
+        with worker:
+            # When it runs
+            job = app.send_task("tests.proj.tasks.retry_as_asked", args=(sink, 0.5))
+            # Then it ends as a final failure: one dead letter guardrail_error naming the refusal
+            wait_for("the job failed", lambda: job.state == "FAILURE", timeout=40)
+            records = dead_letters_of(app, job.id)
+            assert [(r["reason"], r["exc_type"]) for r in records] == [
+                ("guardrail_error", "celery_guardrails.exceptions.GuardrailsError")
+            ], records
+            assert "countdown must be a positive number" in records[0]["exc_message"]
+            # And it was never given back to the broker to run again at once: its body ran once, and no "given back"
+            # line (its record's message says it was not)
+            assert client.get(f"{sink}:runs") == b"1"
+            assert "given back to the broker unacked" not in worker.log
+    finally:
+        client.delete(f"{sink}:runs")
         app.close()
