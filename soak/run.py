@@ -18,6 +18,12 @@ PostgreSQL (a database of its own) instead of a private cluster.
 
 Every run of a job's body is counted (``runs.log``): a job run more than :data:`LOOP_LIMIT` times fails the soak
 (a requeue loop), whatever its outcome.
+
+On the Redis store a job's key does not commit with its effect: a failure after its marked INSERT (a COMMIT cut
+off by the database's restart) may have acted, and the retry gate ends it ``not_idempotent``, rightly. The soak
+does what its owner would (:data:`AMBIGUOUS`): it looks for the job's effect, replays the records of the jobs
+without one with ``allow_not_idempotent=True`` beside the permanent ones, and counts them (``ambiguous``,
+``ambiguous_replayed``). On the Django store (``atomic=True``) such a record is misfiled.
 """
 
 from __future__ import annotations
@@ -53,6 +59,8 @@ LOOP_LIMIT = 12
 TWICE = 0.20
 #: The dead-letter reason each kind must end with (``ok`` and ``transient`` must end with none).
 EXPECTED_REASON = {"permanent": "permanent", "poison": "poison"}
+#: The reason of a job failed after its marked effect, which may have acted (the Redis store only; see above).
+AMBIGUOUS = "not_idempotent"
 
 
 @dataclass
@@ -100,6 +108,9 @@ class Result:
     claimed_jobs: list[str] = field(default_factory=list)
     replayed: int = 0
     replay_duplicates: int = 0
+    #: Redis store: jobs ended ``not_idempotent`` after their marked effect, and those of them replayed (no effect).
+    ambiguous: int = 0
+    ambiguous_replayed: int = 0
     #: Runs of the jobs' bodies, all told, and the most for one job (and which).
     runs: int = 0
     most_runs: int = 0
@@ -389,13 +400,28 @@ def run_variant(options: Options) -> Result:
         replay = replay_dead_letters(permanent, app=soak_app.app)
         result.replayed = len(getattr(replay, "replayed", []) or [])
         counter.replaying = {job for job, kind in kinds.items() if kind == "permanent"}
+        reconciled: set[str] = set()
+        if options.store == "redis":
+            # Ended after their marked effect, which may have acted: their owner looks, and replays the ones
+            # whose effect is not there (allow_not_idempotent: the documented gesture for this reason).
+            ambiguous = DeadLetter.objects.filter(reason=AMBIGUOUS, status=DeadLetter.Status.OPEN)
+            jobs_of = {
+                pk: args[0] for pk, args in ambiguous.values_list("pk", "args") if isinstance(args, list) and args
+            }
+            unmade = [pk for pk, job in jobs_of.items() if not before[job]]
+            if unmade:
+                replay = replay_dead_letters(unmade, app=soak_app.app, allow_not_idempotent=True)
+                result.replayed += len(getattr(replay, "replayed", []) or [])
+            reconciled = {jobs_of[pk] for pk in unmade}
+            result.ambiguous, result.ambiguous_replayed = len(jobs_of), len(unmade)
+            counter.replaying |= reconciled
         counter.wait_settled(timeout=options.settle_timeout, label="replayed jobs", quiet=quiet)
         counter.wait_drained(timeout=options.settle_timeout)
         supervisor.stop()
         stack.remove(supervisor)
         result.seconds = time.monotonic() - start
         after = counter.effects()
-        tally(result, kinds, collections.Counter(messages), before, after, counter.dead_letters())
+        tally(result, kinds, collections.Counter(messages), before, after, counter.dead_letters(), reconciled)
         claimed = claimed_keys(store_redis.url if store_redis else None)
         result.claimed_keys, result.claimed_jobs = len(claimed), [job_of_key(key) for key in claimed[:100]]
         count_runs(result, workdir / "runs.log")
@@ -476,9 +502,15 @@ class Counter:
 
     def settled(self) -> int:
         effects = self.effects()
-        dead = {job for job, _ in self.dead_letters()}
+        letters = self.dead_letters()
+        dead = {job for job, _ in letters}
+        # A job ended after its marked effect (not_idempotent) has settled too: its end is recorded (the replay
+        # then waits for its effect, if it is one replayed).
+        ambiguous = {job for job, reason in letters if reason == AMBIGUOUS} - self.replaying
         wanted = self.expect_effect | self.replaying
-        return sum(1 for job in wanted if effects[job]) + len((self.expect_dead - self.replaying) & dead)
+        return sum(1 for job in wanted if effects[job] or job in ambiguous) + len(
+            (self.expect_dead - self.replaying) & dead
+        )
 
     def progress(self) -> float:
         total = len(self.expect_effect) + len(self.expect_dead)
@@ -541,7 +573,12 @@ def tally(
     before: collections.Counter[str],
     after: collections.Counter[str],
     dead: list[tuple[str, str]],
+    reconciled: set[str] | frozenset[str] = frozenset(),
 ) -> None:
+    """Per kind: lost, doubled, dead letters and their reasons. ``reconciled``: the jobs ended ``not_idempotent``
+    without their effect, replayed (Redis store): judged after the replay, like the permanent ones."""
+    # On the Redis store an effect kind may end not_idempotent (see the module docstring): not misfiled there.
+    allowed = {AMBIGUOUS} if result.store == "redis" else set()
     reasons: dict[str, collections.Counter[str]] = {kind: collections.Counter() for kind in KINDS}
     dead_per_job: collections.Counter[str] = collections.Counter()
     for job, reason in dead:
@@ -550,28 +587,38 @@ def tally(
     for kind in KINDS:
         jobs = [job for job, k in kinds.items() if k == kind]
         wants_effect = kind in EFFECT_KINDS
-        final = after if kind == "permanent" else before
+
+        def final(job: str, kind: str = kind) -> int:
+            return after[job] if kind == "permanent" or job in reconciled else before[job]
+
         row = {
             "jobs": len(jobs),
-            "lost": sum(1 for job in jobs if wants_effect and final[job] == 0),
-            "doubled": sum(1 for job in jobs if final[job] > 1),
+            "lost": sum(1 for job in jobs if wants_effect and final(job) == 0),
+            "doubled": sum(1 for job in jobs if final(job) > 1),
             "dead_expected": len(jobs) if kind in EXPECTED_REASON else 0,
             # at most one per message: both copies of a poison job published twice may die as poison
             "dead_most": sum(copies[job] for job in jobs)
             if kind == "poison"
             else (len(jobs) * (kind in EXPECTED_REASON)),
             "dead_found": sum(dead_per_job[job] for job in jobs),
-            "misfiled": sum(count for reason, count in reasons[kind].items() if reason != EXPECTED_REASON.get(kind))
+            "misfiled": sum(
+                count
+                for reason, count in reasons[kind].items()
+                if reason != EXPECTED_REASON.get(kind) and not (wants_effect and reason in allowed)
+            )
             # one dead letter per failing job; two when both copies of a job published twice died as poison
             + sum(1 for job in jobs if kind in EXPECTED_REASON and not 1 <= dead_per_job[job] <= copies[job]),
             "effects_before_fix": sum(1 for job in jobs if before[job]) if kind in EXPECTED_REASON else None,
         }
-        row["lost_jobs"] = [job for job in jobs if wants_effect and final[job] == 0][:10]
+        row["lost_jobs"] = [job for job in jobs if wants_effect and final(job) == 0][:10]
         result.per_kind[kind] = row
         result.reasons[kind] = dict(reasons[kind])
     result.replay_duplicates = sum(max(0, after[job] - 1) for job, kind in kinds.items() if kind == "permanent")
-    # Anything else the replay's run added (a job of another kind run again).
-    result.replay_duplicates += sum(after[job] - before[job] for job, kind in kinds.items() if kind != "permanent")
+    # Anything else the replay's run added (a job of another kind run again; a reconciled one, once more than the
+    # one effect it was replayed for).
+    result.replay_duplicates += sum(
+        after[job] - before[job] - (job in reconciled) for job, kind in kinds.items() if kind != "permanent"
+    )
 
 
 def count_runs(result: Result, log: Path) -> None:
@@ -668,6 +715,11 @@ def render(results: list[Result]) -> str:
             lines.append(f"lost: {job}: {result.lost_causes.get(job, 'no trace read (RabbitMQ)')}")
         for job in result.claimed_jobs:
             lines.append(f"left claimed: {job}: {result.lost_causes.get(job, 'no trace read (RabbitMQ)')}")
+        if result.ambiguous:
+            lines.append(
+                f"ended not_idempotent after their marked effect: {result.ambiguous} "
+                f"({result.ambiguous_replayed} without their effect, replayed with allow_not_idempotent)"
+            )
         lines.append(
             f"keys left claimed: {result.claimed_keys}; replayed {result.replayed}, "
             f"duplicates the replay added: {result.replay_duplicates}; "

@@ -289,6 +289,20 @@ def kill_my_worker_keyed(self: GuardedTask, order_id: int, marker: str) -> str:
     return "unreachable"
 
 
+@shared_task(base=GuardedTask, bind=True, idempotency_key="poison-gated:{order_id}", owner="ops")
+def kill_my_worker_at_a_gate(self: GuardedTask, order_id: int, marker: str, gate: str) -> str:
+    """``kill_my_worker_keyed`` that, once it has claimed its key and said so (its pid on ``marker``), waits for
+    an item on the Redis list ``gate`` (at most 30 s: a bound, not a measure) before it SIGKILLs its process, so
+    that the test can change the world between a run's start and its worker's death."""
+    import signal
+
+    client = redis.Redis.from_url(REDIS_URL)
+    client.rpush(marker, os.getpid())
+    client.blpop([gate], timeout=30)
+    os.kill(os.getpid(), signal.SIGKILL)
+    return "unreachable"
+
+
 @shared_task
 def plain_add(x: int, y: int) -> int:
     """A plain Celery task (no guardrails), for what must refuse one."""
@@ -561,6 +575,20 @@ class BuggyGuardrail(Guardrail):
 @shared_task(base=GuardedTask, bind=True, guardrails=(*GuardedTask.guardrails, BuggyGuardrail()))
 def guarded_by_a_bug(self: GuardedTask, sink: str) -> dict[str, Any]:
     return seen(self, sink)
+
+
+def _without_retries() -> tuple[Guardrail, ...]:
+    from celery_guardrails.guardrails.retries import Retries
+
+    return tuple(guardrail for guardrail in GuardedTask.guardrails if not isinstance(guardrail, Retries))
+
+
+@shared_task(base=GuardedTask, bind=True, guardrails=_without_retries())
+def retry_as_asked(self: GuardedTask, sink: str, countdown: float) -> None:
+    """A project's own composition of the guardrails without ``Retries``: the body's ``self.retry(countdown=...)``
+    goes to Celery as asked (no gate, no rounding to what the broker takes). Counts its runs in ``sink:runs``."""
+    redis.Redis.from_url(REDIS_URL).incr(f"{sink}:runs")
+    raise self.retry(countdown=countdown)
 
 
 class Unprintable(Exception):

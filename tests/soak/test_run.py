@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from soak.run import plan_jobs
+from soak.run import Result, judge, plan_jobs, tally
 from tests.support.services import require
 from tests.support.workers import ROOT
 
@@ -30,6 +30,31 @@ def test_the_job_plan_has_the_documented_mix() -> None:
     assert counts == {"poison": 10, "permanent": 20, "transient": 100, "later": 50, "ok": 820}
     assert len(messages) == 1200 and set(messages) == set(kinds)
     assert sum(1 for job in kinds if messages.count(job) == 2) == 200
+
+
+@pytest.mark.parametrize("store", ["redis", "django"])
+def test_a_job_ended_not_idempotent_after_its_effect_is_reconciled_on_the_redis_store_only(store: str) -> None:
+    from collections import Counter
+
+    # Given three ok jobs: one done, one ended not_idempotent after its marked effect whose COMMIT was lost (no
+    # effect: replayed with allow_not_idempotent, then done once), one ended not_idempotent whose effect had landed
+    kinds = {"j1": "ok", "j2": "ok", "j3": "ok"}
+    before = Counter({"j1": 1, "j3": 1})
+    dead = [("j2", "not_idempotent"), ("j3", "not_idempotent")]
+    result = Result(store=store, broker="rabbitmq", jobs=3, messages=3)
+    # When the soak counts them (on the Redis store j2 was reconciled: replayed, and done once)
+    reconciled = {"j2"} if store == "redis" else set()
+    after = before + Counter(reconciled)
+    tally(result, kinds, Counter(kinds), before, after, dead, reconciled)
+    judge(result, kombu_pop=False)
+    row = result.per_kind["ok"]
+    if store == "redis":
+        # Then on the Redis store (the key does not commit with the effect) none is lost, misfiled or doubled
+        assert (row["lost"], row["doubled"], row["misfiled"], result.replay_duplicates) == (0, 0, 0, 0)
+        assert result.failures == []
+    else:
+        # Then on the Django store (atomic=True: such a failure is safe to retry) they are misfiled, and j2 is lost
+        assert result.failures == ["1 ok job(s) lost", "2 ok dead letter(s) misfiled: {'not_idempotent': 2}"]
 
 
 def run_short_soak(tmp_path: Path, *arguments: str) -> tuple[dict[str, Any], subprocess.CompletedProcess[str]]:

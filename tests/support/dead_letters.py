@@ -19,6 +19,13 @@ def dead_letter_of(app: Any, task_id: str) -> dict[str, Any]:
     raise AssertionError(f"no dead letter for {task_id}")
 
 
+def dead_letters_of(app: Any, task_id: str) -> list[dict[str, Any]]:
+    """Every record of ``task_id`` in the stream of ``app``'s store (the last 2,000), newest first."""
+    client = get_store(app).client  # type: ignore[attr-defined]
+    records = [json.loads(entry[b"record"]) for _, entry in client.xrevrange(STREAM, count=2000)]
+    return [dict(record) for record in records if record["task_id"] == task_id]
+
+
 def has_dead_letter(app: Any, task_id: str) -> bool:
     try:
         dead_letter_of(app, task_id)

@@ -4,7 +4,10 @@ delivery (topic exchange) or are held by the worker (direct exchange), and none 
 Each case runs on a quorum queue of the test's own (``tests.support.quorum``), in one worker subprocess per
 exchange type; the jobs of a case run side by side. Countdowns are rounded up to what native delayed delivery
 takes (whole seconds, at least 1; :mod:`celery_guardrails.broker.delays`), RabbitMQ's own headers are not
-copied into a re-publish, and the poison guard counts with the broker's ``x-delivery-count``.
+copied into a re-publish, and the poison guard counts with the broker's ``x-delivery-count``: a message put off
+before its body carries the count to the message that replaces it (header ``redeliv``), and a first delivery's
+``x-delivery-count`` (a publisher's, not the broker's) is not trusted. A retry the publish refuses (a ``ValueError``
+from native delayed delivery) is a dead letter, never a message given back to loop.
 """
 
 from __future__ import annotations
@@ -21,7 +24,8 @@ import redis
 from celery import Celery
 
 from celery_guardrails.stores.redis import DELIVERIES_PREFIX
-from tests.support.dead_letters import dead_letter_of
+from tests.support.dead_letters import dead_letter_of, dead_letters_of, has_dead_letter
+from tests.support.proxy import TcpProxy
 from tests.support.quorum import delete_queue, quorum_app
 from tests.support.services import REDIS_URL, require
 from tests.support.waiting import wait_for
@@ -161,3 +165,102 @@ def test_the_countdown_and_headers_of_a_republish_are_what_rabbitmq_takes() -> N
         "guardrails": {"v": 1},
     }
     assert republishable_headers(raw) == {"x-request-id": "abc", "guardrails": {"v": 1}}
+
+
+@pytest.mark.timeout(120)
+def test_a_poison_message_put_off_twice_before_its_body_keeps_its_count_and_dead_letters_at_max_deliveries(
+    quorum_name: str, proxy: TcpProxy, tmp_path: Path
+) -> None:
+    # Given a keyed message that SIGKILLs its worker's process every time it runs (once the test opens its gate),
+    # on a quorum queue (topic exchange), max_deliveries 1, on a worker whose store goes through a proxy
+    app = quorum_app(quorum_name, "topic")
+    client = redis.Redis.from_url(REDIS_URL)
+    marker, gate = (f"gr-test-quorum-{what}-{uuid.uuid4().hex}" for what in ("pids", "gate"))
+    store = REDIS_URL.replace("127.0.0.1:6379", f"127.0.0.1:{proxy.port}")
+    guardrails = json.dumps({"store": store, "max_deliveries": 1})
+    env = proj_env(
+        queue=quorum_name, broker="amqp", GUARDRAILS_TEST_QUORUM="topic", GUARDRAILS_TEST_GUARDRAILS=guardrails
+    )
+    worker = WorkerProcess(app=PROJ_APP, queue=quorum_name, log_path=tmp_path / "worker.log", env=env)
+    try:
+        with worker:
+            poison = app.send_task(
+                "tests.proj.tasks.kill_my_worker_at_a_gate", args=(random.randrange(10**9), marker, gate)
+            )
+            wait_for("its first run", lambda: client.llen(marker) == 1)
+            # When its first run kills its process with the store cut, so that its redelivery (x-delivery-count 1)
+            # is put off before its body, and so is the message that replaces it (a first delivery, which carries the
+            # count in its header: the broker counted nothing of it)
+            proxy.cut()
+            client.rpush(gate, "die")
+            wait_for("two deliveries put off", lambda: "(outage 2)" in worker.log, timeout=60)
+            # and the store comes back: the next message runs, kills its process, and is redelivered
+            client.rpush(gate, "die")
+            proxy.restore()
+            wait_for("the poison message failed", lambda: poison.state == "FAILURE", timeout=60)
+            # Then it ran twice, not once more for each message that replaced it: the redelivery of the second run
+            # (1 carried + x-delivery-count 1 = 2 > 1) was dead-lettered unrun as poison
+            assert client.llen(marker) == 2
+            record = dead_letter_of(app, poison.id)
+            assert (record["reason"], record["exc_message"]) == (
+                "poison",
+                f"tests.proj.tasks.kill_my_worker_at_a_gate[{poison.id}] redelivered 2 times without finishing: poison",
+            )
+    finally:
+        client.delete(marker, gate)
+        app.close()
+
+
+@pytest.mark.timeout(120)
+def test_a_first_delivery_carrying_a_forged_delivery_count_runs_normally(quorum_name: str, tmp_path: Path) -> None:
+    # Given a guarded worker on a quorum queue (topic exchange), max_deliveries 3 (the default)
+    app = quorum_app(quorum_name, "topic")
+    client = redis.Redis.from_url(REDIS_URL)
+    sink = f"gr-test-quorum-{uuid.uuid4().hex}"
+    env = proj_env(queue=quorum_name, broker="amqp", GUARDRAILS_TEST_QUORUM="topic")
+    worker = WorkerProcess(app=PROJ_APP, queue=quorum_name, log_path=tmp_path / "worker.log", env=env)
+    try:
+        with worker:
+            # When a publisher sends a message carrying its own x-delivery-count of 7 (on a first delivery the header
+            # is the publisher's: the broker has counted nothing)
+            forged = app.send_task("tests.proj.tasks.behave", args=(sink, ["ok"]), headers={"x-delivery-count": 7})
+            # Then it runs once and succeeds: not taken for a message redelivered 7 times, not dead-lettered poison
+            assert forged.get(timeout=40)["step"] == "ok"
+            assert (client.get(f"{sink}:runs"), has_dead_letter(app, forged.id)) == (b"1", False)
+            assert "poison" not in worker.log
+    finally:
+        client.delete(sink, f"{sink}:runs")
+        app.close()
+
+
+@pytest.mark.timeout(120)
+def test_a_retry_the_publish_refuses_is_one_guardrail_error_dead_letter_and_never_given_back(
+    quorum_name: str, tmp_path: Path
+) -> None:
+    # Given a guarded worker on a quorum queue (topic exchange: Celery's native delayed delivery carries
+    # countdowns), and a task composed without the Retries guardrail whose body asks Celery for a retry in 0.5 s
+    # (nothing rounds it up: kombu's calculate_routing_key refuses it, "countdown must be a positive number", a
+    # ValueError from the publish of the retry)
+    app = quorum_app(quorum_name, "topic")
+    client = redis.Redis.from_url(REDIS_URL)
+    sink = f"gr-test-quorum-{uuid.uuid4().hex}"
+    env = proj_env(queue=quorum_name, broker="amqp", GUARDRAILS_TEST_QUORUM="topic")
+    worker = WorkerProcess(app=PROJ_APP, queue=quorum_name, log_path=tmp_path / "worker.log", env=env)
+    try:
+        with worker:
+            # When it runs
+            job = app.send_task("tests.proj.tasks.retry_as_asked", args=(sink, 0.5))
+            # Then it ends as a final failure: one dead letter guardrail_error naming the refusal
+            wait_for("the job failed", lambda: job.state == "FAILURE", timeout=40)
+            records = dead_letters_of(app, job.id)
+            assert [(r["reason"], r["exc_type"]) for r in records] == [
+                ("guardrail_error", "celery_guardrails.exceptions.GuardrailsError")
+            ], records
+            assert "countdown must be a positive number" in records[0]["exc_message"]
+            # And it was never given back to the broker to run again at once: its body ran once, and no "given back"
+            # line (its record's message says it was not)
+            assert client.get(f"{sink}:runs") == b"1"
+            assert "given back to the broker unacked" not in worker.log
+    finally:
+        client.delete(f"{sink}:runs")
+        app.close()
