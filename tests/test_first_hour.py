@@ -497,7 +497,7 @@ from django.urls import reverse
 from django.utils import timezone
 
 import django_celery_guardrails
-from django_celery_guardrails.models import DeadLetter, ScheduledRun
+from django_celery_guardrails.models import DeadLetter, Job, ScheduledRun
 
 imported_before = "shop.tasks" in sys.modules
 now = timezone.now()
@@ -506,6 +506,9 @@ DeadLetter.objects.create(
     reason="permanent", exc_type="ValueError", exc_message="card declined", first_failed_at=now, last_failed_at=now,
 )
 ScheduledRun.objects.create(schedule="shop-sync", period=now, status="ok")
+job = Job(task_name="shop.tasks.charge", task_id=str(uuid.uuid4()), created_at=now, updated_at=now)
+job.record("queued", attempt=0, detail="submitted", now=now)
+job.save(force_insert=True)
 staff = get_user_model().objects.create_superuser("first-hour", "first-hour@example.com", "pw")
 asking = RequestFactory().get("/")
 asking.user = staff
@@ -551,6 +554,7 @@ for url in pages:
 missing_statics = sorted(path for path in statics if not finders.find(path))
 print(json.dumps({
     "imported_before": imported_before,
+    "job": str(job.pk),
     "package": os.path.dirname(django_celery_guardrails.__file__),
     "rendered": rendered,
     "without_record": without_record,
@@ -586,6 +590,8 @@ def test_every_admin_page_and_the_metrics_render_from_the_installed_wheel(
         "/admin/guardrails/scheduledrun/",
         "/admin/guardrails/scheduledrun/1/change/",
         "/admin/guardrails/scheduledrun/health/",
+        "/admin/guardrails/job/",
+        f"/admin/guardrails/job/{seen['job']}/change/",
         "/guardrails/metrics",
     ):
         assert page in rendered, rendered
