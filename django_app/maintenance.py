@@ -144,12 +144,15 @@ def cancel_jobs(queryset: QuerySet[Any], *, user: Any = None, app: Any = None) -
     cancelled: list[str] = []
     requested: list[str] = []
     unchanged: list[str] = []
-    for job in scope(queryset, user).order_by("created_at", "pk").iterator(chunk_size=500):
-        asked_before = job.cancel_requested_at is not None
-        if job.cancel(app=app):
-            cancelled.append(str(job.pk))
-        elif job.state == Job.State.RUNNING and not asked_before and job.cancel_requested_at is not None:
-            requested.append(str(job.pk))
-        else:
-            unchanged.append(str(job.pk))
+    # The ids first, then the jobs a batch at a time: no cursor held open across the cancels' transactions.
+    ids = list(scope(queryset, user).order_by("created_at", "pk").values_list("pk", flat=True))
+    for start in range(0, len(ids), PRUNE_BATCH):
+        for job in Job.objects.filter(pk__in=ids[start : start + PRUNE_BATCH]).order_by("created_at", "pk"):
+            asked_before = job.cancel_requested_at is not None
+            if job.cancel(app=app):
+                cancelled.append(str(job.pk))
+            elif job.state == Job.State.RUNNING and not asked_before and job.cancel_requested_at is not None:
+                requested.append(str(job.pk))
+            else:
+                unchanged.append(str(job.pk))
     return JobCancels(cancelled=tuple(cancelled), requested=tuple(requested), unchanged=tuple(unchanged))
