@@ -11,7 +11,9 @@ import logging
 from datetime import UTC, datetime
 from typing import Any
 
+from django.core.exceptions import ValidationError
 from django.db import transaction
+from django.db.models import Count
 from django.utils import timezone
 
 from celery_guardrails.foundation.context import current_correlation_id, current_tenant
@@ -23,13 +25,16 @@ from celery_guardrails.guardrails.jobs import (
     SUCCEEDED,
     TERMINAL,
     WORKER_LOST,
+    JobCount,
     JobMove,
     JobStart,
+    JobView,
 )
 from celery_guardrails.options import TaskOptions
 from celery_guardrails.runtime import headers
 
 from .models import Job
+from .models.jobs import finished
 
 logger = logging.getLogger(__name__)
 
@@ -126,12 +131,53 @@ class DjangoJobBook:
             job.due_at = datetime.fromtimestamp(move.due, UTC) if move.due is not None else None
             job.record(move.state, attempt=move.attempt or None, detail=move.detail, now=now)
             job.save()
+        if move.state in TERMINAL:
+            finished(job)
         return True
 
     def progress(self, *, job_id: str, done: int, total: int | None) -> None:
         Job.objects.filter(pk=job_id).exclude(state__in=sorted(TERMINAL)).update(
             progress_done=done, progress_total=total, updated_at=timezone.now()
         )
+
+    def describe(self, job_id: str) -> JobView | None:
+        try:
+            job = Job.objects.filter(pk=job_id).first()
+        except (ValidationError, ValueError):  # not a UUID: no such job
+            return None
+        return None if job is None else view(job)
+
+    def counts(self) -> list[JobCount]:
+        rows = Job.objects.order_by().values("task_name", "state").annotate(n=Count("pk"))
+        return [JobCount(task=row["task_name"], state=row["state"], jobs=row["n"]) for row in rows]
+
+
+def _iso(moment: Any) -> str | None:
+    return moment.isoformat() if moment is not None else None
+
+
+def view(job: Job) -> JobView:
+    """``job`` as the core's read-only :class:`JobView`."""
+    return JobView(
+        id=str(job.id),
+        task_name=job.task_name,
+        task_id=job.task_id,
+        tenant=job.tenant,
+        state=job.state,
+        attempt=job.attempt,
+        detail=job.detail,
+        progress_done=job.progress_done,
+        progress_total=job.progress_total,
+        output_ref=job.output_ref,
+        error=job.error,
+        dead_letter_task_id=job.dead_letter_task_id,
+        created_at=job.created_at.isoformat(),
+        started_at=_iso(job.started_at),
+        finished_at=_iso(job.finished_at),
+        due_at=_iso(job.due_at),
+        cancel_requested_at=_iso(job.cancel_requested_at),
+        history=tuple(entry for entry in (job.history or []) if isinstance(entry, dict)),
+    )
 
 
 def replayed(*, job_id: str, task_id: str) -> bool:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -19,6 +20,7 @@ from .models import (
     ConcurrencySlot,
     DeadLetter,
     IdempotencyKey,
+    Job,
     OrderingSequence,
     ProcessedMessage,
     QueueSample,
@@ -49,8 +51,9 @@ def prune(
     succeeded; a replay after that starts it over, as the Redis store's expiry does), concurrency slot holders
     recorded ``lost`` (an audit trail, kept as long as closed dead letters), and ordering keys idle for
     ``ordering_retention`` (30 days) with no message left to run (every number handed out is done). The
-    activity (outcome counts, their batch ids, queue samples) older than ``activity_retention`` (2 days).
-    ``older_than`` (seconds) overrides every age. Counts by table.
+    activity (outcome counts, their batch ids, queue samples) older than ``activity_retention`` (2 days). Jobs
+    (``task.submit()``) that reached a final state more than ``job_retention`` (30 days) ago; a job not finished
+    is never pruned. ``older_than`` (seconds) overrides every age. Counts by table.
 
     Deleted ``batch`` rows at a time, each batch its own short transaction (see :func:`delete_in_batches`): a
     prune of a million records never holds a lock for long, and workers recording dead letters meanwhile
@@ -60,6 +63,7 @@ def prune(
     keys_age = older_than if older_than is not None else _setting("idempotency_retention")
     letters_age = older_than if older_than is not None else _setting("dead_letter_retention")
     ordering_age = older_than if older_than is not None else _setting("ordering_retention")
+    jobs_age = older_than if older_than is not None else _setting("job_retention")
     activity_before = moment - timedelta(
         seconds=older_than if older_than is not None else _setting("activity_retention")
     )
@@ -80,6 +84,7 @@ def prune(
         "activity_counts": ActivityCount.objects.filter(minute__lt=activity_before),
         "activity_batches": ActivityBatch.objects.filter(added_at__lt=activity_before),
         "queue_samples": QueueSample.objects.filter(minute__lt=activity_before),
+        "jobs": Job.objects.finished_before(moment - timedelta(seconds=jobs_age)),
     }
     if dry_run:
         return {name: queryset.count() for name, queryset in found.items()}
@@ -118,3 +123,36 @@ def close_dead_letters(queryset: QuerySet[DeadLetter], status: str, *, user: Any
         .filter(status=DeadLetter.Status.OPEN)
         .update(status=status, handled_by=getattr(user, "username", "") or by, handled_at=timezone.now())
     )
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class JobCancels:
+    """What a cancel of several jobs did, by job id (in the order asked)."""
+
+    #: Not started yet (queued, waiting, retrying): cancelled, their messages revoked.
+    cancelled: tuple[str, ...]
+    #: Running: the request recorded (``cancel_requested_at``); each runs to its end.
+    requested: tuple[str, ...]
+    #: Left as they were: already final, or a cancel already asked while it runs.
+    unchanged: tuple[str, ...]
+
+
+def cancel_jobs(queryset: QuerySet[Any], *, user: Any = None, app: Any = None) -> JobCancels:
+    """Cancel the jobs of ``queryset`` with :meth:`~.models.Job.cancel`, each in its own transaction (a job's row
+    is locked while it is decided, so a worker's write and the cancel never interleave). A ``user`` cancels only
+    the jobs of the tenants they may see (``admin_tenants``, :mod:`.scoping`); the others are left out."""
+    cancelled: list[str] = []
+    requested: list[str] = []
+    unchanged: list[str] = []
+    # The ids first, then the jobs a batch at a time: no cursor held open across the cancels' transactions.
+    ids = list(scope(queryset, user).order_by("created_at", "pk").values_list("pk", flat=True))
+    for start in range(0, len(ids), PRUNE_BATCH):
+        for job in Job.objects.filter(pk__in=ids[start : start + PRUNE_BATCH]).order_by("created_at", "pk"):
+            asked_before = job.cancel_requested_at is not None
+            if job.cancel(app=app):
+                cancelled.append(str(job.pk))
+            elif job.state == Job.State.RUNNING and not asked_before and job.cancel_requested_at is not None:
+                requested.append(str(job.pk))
+            else:
+                unchanged.append(str(job.pk))
+    return JobCancels(cancelled=tuple(cancelled), requested=tuple(requested), unchanged=tuple(unchanged))

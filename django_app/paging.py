@@ -192,8 +192,10 @@ def check_parameters(model_admin: Any, request: HttpRequest) -> None:
         if key not in declared and key not in TAKEN:  # (lookup_allowed would refuse it too, unexplained)
             raise BadRequest(f"the list has no filter {key!r} (its filters are the ones in its side bar)")
     if request.method == "POST":
+        # A model whose ids are not numbers (a job's UUID) says what its ids look like.
+        ids = getattr(model_admin, "selected_id_pattern", DIGITS)
         for value in request.POST.getlist(ACTION_CHECKBOX_NAME):
-            if not DIGITS.fullmatch(value):
+            if not ids.fullmatch(value):
                 raise BadRequest(f"a selected row {value[:40]!r} is not a record id")
     hierarchy = model_admin.date_hierarchy
     # (Django reads month and day only with a year; without one they would be lookups of their own.)

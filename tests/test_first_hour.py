@@ -523,7 +523,7 @@ from django.utils import timezone
 
 import django_celery_guardrails
 from django_celery_guardrails.models import (
-    ConcurrencySlot, DeadLetter, DependencyState, IdempotencyKey, OutboxMessage, ScheduledRun, WaitingMessage,
+    ConcurrencySlot, DeadLetter, DependencyState, IdempotencyKey, Job, OutboxMessage, ScheduledRun, WaitingMessage,
 )
 
 imported_before = "shop.tasks" in sys.modules
@@ -548,6 +548,9 @@ waiting = WaitingMessage.objects.create(
     task_id=str(uuid.uuid4()), task_name="shop.tasks.charge", tenant="acme", reason="circuit", detail="payments-api",
     attempt=2, due_at=later, since=now, expires_at=later + timezone.timedelta(days=1),
 )
+job = Job(task_name="shop.tasks.charge", task_id=str(uuid.uuid4()), created_at=now, updated_at=now)
+job.record("queued", attempt=0, detail="submitted", now=now)
+job.save(force_insert=True)
 staff = get_user_model().objects.create_superuser("first-hour", "first-hour@example.com", "pw")
 asking = RequestFactory().get("/")
 asking.user = staff
@@ -595,6 +598,7 @@ for url in pages:
 missing_statics = sorted(path for path in statics if not finders.find(path))
 print(json.dumps({
     "imported_before": imported_before,
+    "job": str(job.pk),
     "package": os.path.dirname(django_celery_guardrails.__file__),
     "rendered": rendered,
     "without_record": without_record,
@@ -639,6 +643,8 @@ def test_every_admin_page_and_the_metrics_render_from_the_installed_wheel(
         "/admin/guardrails/scheduledrun/",
         "/admin/guardrails/scheduledrun/1/change/",
         "/admin/guardrails/scheduledrun/health/",
+        "/admin/guardrails/job/",
+        f"/admin/guardrails/job/{seen['job']}/change/",
         "/guardrails/metrics",
     ):
         assert page in rendered, rendered

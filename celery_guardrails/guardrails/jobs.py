@@ -77,6 +77,14 @@ DECLARED = declare(
         check=checks.boolean,
         scopes=frozenset({TASK, APP}),
     ),
+    Option(
+        name="job_retention",
+        default=30 * 24 * 3600.0,
+        doc="Seconds a job in a final state (succeeded, failed, dead_lettered, cancelled) is kept after it "
+        "finished (30 days); the prune (guardrails_prune) deletes older ones. Jobs not finished are never pruned.",
+        check=checks.seconds,
+        scopes=frozenset({APP}),
+    ),
 )
 
 
@@ -112,6 +120,47 @@ class JobMove:
     ran: bool = True
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class JobView:
+    """A job as the job book reads it back, for operators and tests (``celery -A proj guardrails job <id>``,
+    :func:`celery_guardrails.testing.assert_job`): no arguments, no output, only where the job is."""
+
+    id: str
+    task_name: str
+    task_id: str
+    tenant: str
+    state: str
+    attempt: int
+    detail: str
+    progress_done: int | None
+    progress_total: int | None
+    output_ref: str
+    error: str
+    #: The task id of its dead letter ("" when none).
+    dead_letter_task_id: str
+    #: Moments as ISO-8601 text (None: not yet).
+    created_at: str
+    started_at: str | None
+    finished_at: str | None
+    due_at: str | None
+    cancel_requested_at: str | None
+    #: Its transitions, oldest first: {state, at, attempt, detail}.
+    history: tuple[dict[str, Any], ...]
+
+    @property
+    def terminal(self) -> bool:
+        return self.state in TERMINAL
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class JobCount:
+    """Jobs of one task in one state (the metrics' gauge, read at scrape time)."""
+
+    task: str
+    state: str
+    jobs: int
+
+
 class JobBook(Protocol):
     """Where job records live (the Django app's is :class:`django_celery_guardrails.jobs.DjangoJobBook`)."""
 
@@ -133,6 +182,14 @@ class JobBook(Protocol):
 
     def progress(self, *, job_id: str, done: int, total: int | None) -> None:
         """Record the body's progress."""
+        ...
+
+    def describe(self, job_id: str) -> JobView | None:
+        """The job ``job_id`` as it is now; None when there is none (or the id is not one)."""
+        ...
+
+    def counts(self) -> list[JobCount]:
+        """How many jobs each task has in each state (kept jobs: terminal ones until they are pruned)."""
         ...
 
 

@@ -66,6 +66,7 @@ KIT_HELPERS = (
     "assert_single_effect",
     "assert_dead_lettered",
     "assert_no_loss",
+    "assert_job",
 )
 #: A test file is parsed only when its bytes hold one of these.
 KIT_WORDS = (

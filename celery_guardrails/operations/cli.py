@@ -17,6 +17,11 @@ average; ``--json`` prints the same as JSON. It exits 1 when the report misses t
 axis below ``--min-score`` (default 3) or an average below ``--min-average`` (default 4.0); 2 when the guardrails
 settings themselves are invalid. ``--source DIR`` names the folder of the project's code (default: the current
 directory, or Django's ``BASE_DIR``).
+
+``job <id>`` prints one job (``task.submit()``) as the registered job book reads it
+(:mod:`celery_guardrails.operations.job_text`): state, attempt, progress, times, error, its dead letter, and its
+history; ``--json`` prints the same as JSON. Exit 1 when there is no such job; 2 when the app keeps no jobs (no
+job book: the Django app is not installed, or Django is not set up by the app's module).
 """
 
 from __future__ import annotations
@@ -105,6 +110,35 @@ def audit(ctx: click.Context, as_json: bool, min_score: int, min_average: float,
     click.echo(text)
     if not report.passed(min_score=min_score, min_average=min_average):
         ctx.exit(1)
+
+
+@guardrails.command(name="job")
+@click.argument("job_id")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of text.")
+@click.pass_context
+def job(ctx: click.Context, job_id: str, as_json: bool) -> None:
+    """One job: its state, progress, times, error, dead letter and history."""
+    from celery_guardrails.guardrails.jobs import registered_book
+    from celery_guardrails.operations import job_text
+
+    app = ctx.obj.app
+    try:  # a Django project's app sets Django up as its modules are imported (Celery's Django fixup)
+        app.loader.import_default_modules()
+    except Exception as exc:
+        click.echo(f"warning: importing the app's task modules failed: {exc!r}", err=True)
+    book = registered_book()
+    if book is None:
+        click.echo(
+            "error: this app keeps no jobs: add 'django_celery_guardrails' to INSTALLED_APPS and set "
+            "DJANGO_SETTINGS_MODULE for the app's module (its Celery app sets Django up)",
+            err=True,
+        )
+        ctx.exit(2)
+    found = book.describe(job_id.strip())
+    if found is None:
+        click.echo(f"error: no job {job_text.shown(job_id)}", err=True)
+        ctx.exit(1)
+    click.echo(job_text.as_json(found) if as_json else job_text.render(found))
 
 
 def _loop(app: Any, names: list[str], *, as_json: bool, watch: bool, interval: float, reads: int | None) -> bool:

@@ -23,6 +23,8 @@ gauges
     celery_guardrails_ordering_keys_waiting                     ordering keys waiting for a missing earlier
                                                                 message (a guarded task has ordering_key)
     celery_guardrails_ordering_oldest_wait_seconds              the longest wait's age (0: none waits)
+    celery_guardrails_jobs{task,state}                          jobs kept in each state (task.submit(); with a
+                                                                job book: the Django app), every state named
     celery_guardrails_collector_source_up{source}               1: the source was read in this scrape, 0: not
     celery_guardrails_collector_errors_total{source}            sources that could not be read, since start
 
@@ -53,6 +55,8 @@ logger = logging.getLogger(__name__)
 
 PREFIX = "celery_guardrails_"
 CIRCUIT_STATES = (CLOSED, OPEN, HALF_OPEN)
+#: The source name of the job counts (read from the registered job book, not by status.gather).
+JOBS_SOURCE = "jobs"
 
 
 class StateCollector(Collector):
@@ -104,6 +108,15 @@ class StateCollector(Collector):
             families += _outbox_families(status.outbox)
         if status.ordering is not None:
             families += _ordering_families(status.ordering)
+        sources = list(status_module.SOURCES)
+        book = _job_book()
+        if book is not None:
+            sources.append(JOBS_SOURCE)
+            counts = status_module.attempt(JOBS_SOURCE, book.counts, status.errors, app=self.app)
+            if counts is None:
+                self.errors[JOBS_SOURCE] += 1
+            else:
+                families += _job_families(counts)
         up = GaugeMetricFamily(
             PREFIX + "collector_source_up",
             "1: the source was read in this scrape; 0: it could not be",
@@ -112,7 +125,7 @@ class StateCollector(Collector):
         errors = CounterMetricFamily(
             PREFIX + "collector_errors", "Scrapes in which the source could not be read", labels=["source"]
         )
-        for source in status_module.SOURCES:
+        for source in sources:
             up.add_metric([source], 0 if source in status.errors else 1)
             errors.add_metric([source], self.errors[source])
         return [*families, up, errors]
@@ -197,6 +210,26 @@ def _ordering_families(ordering: Any) -> list[Metric]:
     )
     age.add_metric([], ordering.oldest_age or 0.0)
     return [waiting, age]
+
+
+def _job_book() -> Any:
+    """The registered job book (the Django app's), or None: no gauge of jobs without one."""
+    from celery_guardrails.guardrails.jobs import registered_book
+
+    return registered_book()
+
+
+def _job_families(counts: Any) -> list[Metric]:
+    from celery_guardrails.guardrails.jobs import STATES
+
+    family = GaugeMetricFamily(PREFIX + "jobs", "Jobs kept in each state, per task", labels=["task", "state"])
+    found: dict[tuple[str, str], int] = {(count.task, count.state): count.jobs for count in counts}
+    # Every state of every task that has jobs, 0 when none is in it: a rate or an alert on one state finds its
+    # series before the first job reaches it.
+    for task in sorted({task for task, _ in found}):
+        for state in STATES:
+            family.add_metric([task, state], found.get((task, state), 0))
+    return [family]
 
 
 def _close_database() -> None:

@@ -33,6 +33,13 @@ QUEUE_WAIT = f"{PREFIX}task_queue_wait_seconds"
 QUEUE_WAIT_UNKNOWN = f"{PREFIX}task_queue_wait_unknown_total"
 MESSAGES_PUBLISHED = f"{PREFIX}messages_published_total"
 MESSAGES_COMPLETED = f"{PREFIX}messages_completed_total"
+JOB_TIME_TO_TERMINAL = f"{PREFIX}job_time_to_terminal_seconds"
+#: The gauge of jobs by task and state, read from the job book at scrape time (:mod:`.collectors`).
+JOBS = f"{PREFIX}jobs"
+
+#: Buckets of the time from a job's submit to its final state, in seconds (1 s to a day): a job a user polls
+#: takes seconds to hours, longer than one delivery (``metrics_buckets``), and waits and retries count in it.
+JOB_BUCKETS = (1.0, 5.0, 15.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0, 3600.0, 7200.0, 21600.0, 86400.0)
 
 SUCCEEDED = "succeeded"
 SKIPPED = "skipped"
@@ -70,6 +77,10 @@ FAMILIES: dict[str, tuple[str, str]] = {
     ),
     MESSAGES_PUBLISHED: ("counter", "Task messages published by this process."),
     MESSAGES_COMPLETED: ("counter", "Guarded deliveries that ended: success, final failure, or a retry published."),
+    JOB_TIME_TO_TERMINAL: (
+        "histogram",
+        "Time from a job's submit to its final state (succeeded, failed, dead_lettered, cancelled), by task and state.",
+    ),
 }
 
 #: The environment variable that switches prometheus_client to multiprocess mode (read as it is imported).
@@ -86,6 +97,7 @@ class Instruments:
     queue_wait_unknown: Any
     published: Any
     completed: Any
+    job_time_to_terminal: Any
 
 
 #: This process's metrics, apart from prometheus_client's global REGISTRY (a project's own metrics stay
@@ -157,8 +169,26 @@ def instruments(app: Any) -> Instruments:
                     task_queue,
                     registry=REGISTRY,
                 ),
+                job_time_to_terminal=Histogram(
+                    JOB_TIME_TO_TERMINAL,
+                    FAMILIES[JOB_TIME_TO_TERMINAL][1],
+                    ("task", "state"),
+                    buckets=JOB_BUCKETS,
+                    registry=REGISTRY,
+                ),
             )
         return _instruments
+
+
+def job_finished(app: Any, *, task: str, state: str, seconds: float, job_id: str = "") -> None:
+    """A job reached its final ``state`` ``seconds`` after it was submitted: observed in the time-to-terminal
+    histogram when ``metrics`` is on (the job book calls this once the state is committed). Never raises."""
+    if not enabled(app):
+        return
+    try:
+        instruments(app).job_time_to_terminal.labels(*label_values(app, task, state)).observe(max(0.0, seconds))
+    except Exception as error:
+        recording_failed(error, "a job's end", job_id or None)
 
 
 def recording_failed(error: BaseException, kind: str, task_id: str | None) -> None:

@@ -39,6 +39,13 @@ never by task id or tenant (a label per id would make a time series per message)
     Messages this process published (guarded or not: arrival).
 ``celery_guardrails_messages_completed_total`` (counter; task, queue)
     Guarded deliveries that ended on a worker: success, final failure, or a retry published (throughput).
+``celery_guardrails_job_time_to_terminal_seconds`` (histogram; task, state)
+    From a job's submit to its final state (``succeeded``, ``failed``, ``dead_lettered``, ``cancelled``),
+    observed by the job book once that state is committed (on the worker; for a cancel, where it was asked). A
+    replayed job is observed again as it ends again, from the same submit. Buckets: 1 s to a day.
+
+The gauge of jobs by task and state (``celery_guardrails_jobs``) is read from the database at scrape time by
+:class:`celery_guardrails.operations.collectors.StateCollector`.
 
 Label values are redacted (:func:`label_values`): a queue is the publisher's routing key and a dead letter's
 reason may come from a message header, free text either way, so they lose what
@@ -75,6 +82,8 @@ from celery_guardrails.operations.instruments import (
     DUPLICATE_SKIPPED,
     FAILED,
     FAMILIES,
+    JOB_TIME_TO_TERMINAL,
+    JOBS,
     MESSAGES_COMPLETED,
     MESSAGES_PUBLISHED,
     MULTIPROC_DIR,
@@ -93,6 +102,7 @@ from celery_guardrails.operations.instruments import (
     available,
     enabled,
     instruments,
+    job_finished,
     label_values,
     queue_of,
     recording_failed,
@@ -256,6 +266,8 @@ __all__ = [
     "DUPLICATE_SKIPPED",
     "FAILED",
     "FAMILIES",
+    "JOBS",
+    "JOB_TIME_TO_TERMINAL",
     "MESSAGES_COMPLETED",
     "MESSAGES_PUBLISHED",
     "MULTIPROC_DIR",
@@ -278,6 +290,7 @@ __all__ = [
     "enabled",
     "exposition",
     "instruments",
+    "job_finished",
     "label_values",
     "metrics_registry",
     "queue_of",

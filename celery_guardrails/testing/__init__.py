@@ -12,7 +12,8 @@ functions):
 
 * :func:`deliver_twice`, :func:`crash_mid_task`, :func:`poison`, :func:`out_of_order`,
   :func:`deploy_during_processing`, :func:`store_outage`;
-* :func:`assert_single_effect`, :func:`assert_dead_lettered`, :func:`assert_no_loss`.
+* :func:`assert_single_effect`, :func:`assert_dead_lettered`, :func:`assert_no_loss`;
+* :func:`assert_job` (needs no kit: any test with the Django app and a worker).
 
 The guide is ``docs/testing.md``.
 """
@@ -21,7 +22,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from celery_guardrails.testing.assertions import assert_dead_lettered, assert_no_loss, assert_single_effect
+from celery_guardrails.testing.assertions import (
+    assert_dead_lettered,
+    assert_job,
+    assert_no_loss,
+    assert_single_effect,
+)
 from celery_guardrails.testing.current import current_kit
 from celery_guardrails.testing.kit import Captured, Kit, KitError, Release, Report
 from celery_guardrails.testing.worker import GuardedWorker, WorkerFailed
@@ -69,6 +75,7 @@ __all__ = [
     "Report",
     "WorkerFailed",
     "assert_dead_lettered",
+    "assert_job",
     "assert_no_loss",
     "assert_single_effect",
     "crash_mid_task",

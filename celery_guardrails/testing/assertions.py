@@ -1,10 +1,12 @@
-"""The test kit's assertions: one effect, a dead letter with its reason, nothing lost.
+"""The test kit's assertions: one effect, a dead letter with its reason, nothing lost, a job in its state.
 
-Each fails with an ``AssertionError`` that says what the kit's worker did with the messages concerned.
+Each fails with an ``AssertionError`` that says what the kit's worker did with the messages concerned (a job:
+its history).
 """
 
 from __future__ import annotations
 
+import time
 from typing import TYPE_CHECKING, Any
 
 from celery_guardrails.testing import events
@@ -89,3 +91,62 @@ def assert_no_loss(*task_ids: str, kit: Kit | None = None) -> dict[str, str]:
     if lost:
         raise AssertionError(f"{len(lost)} message(s) lost:\n" + "\n".join(lost) + f"\n{kit.describe()}")
     return verdicts
+
+
+#: Seconds :func:`assert_job` waits by default, and between two reads of the job.
+JOB_TIMEOUT = 30.0
+JOB_POLL = 0.05
+
+
+def _job_history(view: Any) -> str:
+    from celery_guardrails.operations.job_text import moment, shown
+
+    lines = [
+        f"  {moment(str(entry.get('at') or ''))}  {shown(entry.get('state', ''))}  attempt {entry.get('attempt', '?')}"
+        + (f"  {shown(entry['detail'])}" if entry.get("detail") else "")
+        for entry in view.history
+    ]
+    error = f"\n  error: {shown(view.error)}" if view.error else ""
+    letter = f"\n  dead letter: {shown(view.dead_letter_task_id)}" if view.dead_letter_task_id else ""
+    return "\n".join(lines) + error + letter
+
+
+def assert_job(job: Any, *, state: str, timeout: float = JOB_TIMEOUT) -> Any:
+    """Wait until the job ``job`` (a ``Job`` as ``task.submit()`` returns it, or its id) is in ``state``, and
+    return how the job book reads it then (a :class:`~celery_guardrails.guardrails.jobs.JobView`); a ``Job``
+    given is refreshed too (``refresh_from_db``).
+
+    Read through the registered job book (the Django app's), so from the test's own database connection: with
+    pytest-django, a worker sees the test's rows only under ``django_db(transaction=True)``. Fails with an
+    ``AssertionError`` that shows the job's history when ``timeout`` seconds pass first, at once when the job
+    reached another final state (only a replay moves it on from there: assert after the replay returns), and
+    when there is no such job. ``state`` is one of :data:`~celery_guardrails.guardrails.jobs.STATES`."""
+    from celery_guardrails.guardrails.jobs import STATES, TERMINAL, registered_book
+
+    if state not in STATES:
+        raise ValueError(f"state must be one of {', '.join(STATES)}, got {state!r:.80}")
+    book = registered_book()
+    if book is None:
+        raise AssertionError("no job book is registered: add 'django_celery_guardrails' to INSTALLED_APPS")
+    job_id = str(getattr(job, "id", job))
+    deadline = time.monotonic() + timeout
+    while True:
+        view = book.describe(job_id)
+        if view is None:
+            raise AssertionError(f"no job {job_id}")
+        if view.state == state:
+            break
+        if view.state in TERMINAL:
+            raise AssertionError(
+                f"job {job_id} ({view.task_name}) ended {view.state}, not {state}:\n{_job_history(view)}"
+            )
+        if time.monotonic() > deadline:
+            raise AssertionError(
+                f"job {job_id} ({view.task_name}) is {view.state}, not {state}, after {timeout:g}s:\n"
+                f"{_job_history(view)}"
+            )
+        time.sleep(JOB_POLL)
+    refresh = getattr(job, "refresh_from_db", None)
+    if callable(refresh):
+        refresh()
+    return view

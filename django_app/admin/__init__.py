@@ -6,6 +6,7 @@ registers every one of them; each lives in its own module:
 - :mod:`.dead_letters`: the dead letters' change list, record page and overview;
 - :mod:`.dead_letter_actions`: their actions (replay, discard, resolve) and the replay, edit-and-replay pages;
 - :mod:`.scheduled_runs`: the run ledger and the schedule-health page;
+- :mod:`.jobs`: the jobs (``task.submit()``), read only, and their action "Cancel selected jobs";
 - :mod:`.tables`: idempotency keys, concurrency slots, the outbox, the dependencies' states;
 - :mod:`.pages`: the dashboard and Waiting pages, in place of a change list;
 - :mod:`.common`: how every page shows a long value and a tenant.
@@ -36,6 +37,7 @@ from .dead_letter_actions import (
     DeadLetterActions,
 )
 from .dead_letters import DeadLetterAdmin
+from .jobs import JobAdmin
 from .pages import DashboardAdmin, PageAdmin, WaitingAdmin
 from .scheduled_runs import ScheduledRunAdmin
 from .tables import EPOCH_FIELDS, ConcurrencySlotAdmin, DependencyStateAdmin, IdempotencyKeyAdmin, OutboxMessageAdmin
@@ -53,6 +55,7 @@ __all__ = [
     "DeadLetterAdmin",
     "DependencyStateAdmin",
     "IdempotencyKeyAdmin",
+    "JobAdmin",
     "OutboxMessageAdmin",
     "PageAdmin",
     "ScheduledRunAdmin",

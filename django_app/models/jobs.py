@@ -157,6 +157,7 @@ class Job(models.Model):
                 row.record(CANCELLED, detail=f"cancelled while {row.state}", now=now)
                 task_id = row.task_id
                 transaction.on_commit(lambda: _revoke(app, task_id))
+                finished(row)
             elif row.state == RUNNING and row.cancel_requested_at is None:
                 row.cancel_requested_at = now
                 entry = {"state": RUNNING, "at": now.isoformat(timespec="milliseconds"), "attempt": row.attempt}
@@ -164,6 +165,21 @@ class Job(models.Model):
             row.save()
         self.refresh_from_db()
         return cancelled
+
+
+def finished(job: Job) -> None:
+    """``job`` was written in a final state: its time from submit to that state is observed in the metrics once
+    the write commits (at once outside a transaction; never if it rolls back). Never raises."""
+    from celery import current_app
+
+    from celery_guardrails.operations.instruments import job_finished
+
+    if job.finished_at is None:
+        return
+    task, state, job_id = job.task_name, job.state, str(job.id)
+    seconds = (job.finished_at - job.created_at).total_seconds()
+    app = current_app._get_current_object()
+    transaction.on_commit(lambda: job_finished(app, task=task, state=state, seconds=seconds, job_id=job_id))
 
 
 def _revoke(app: Any, task_id: str) -> None:

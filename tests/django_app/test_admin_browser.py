@@ -22,7 +22,7 @@ from django.db import connection
 from celery_guardrails import tenant_context
 from celery_guardrails.operations import activity
 from celery_guardrails.runtime.outcomes import REASONS
-from django_celery_guardrails.models import DeadLetter
+from django_celery_guardrails.models import DeadLetter, Job
 from tests.conftest import Sink
 from tests.django_app.test_health import fill_ledger, use_app
 from tests.proj import tasks
@@ -324,6 +324,25 @@ def wide_records(monkeypatch: pytest.MonkeyPatch) -> DeadLetter:
             first_failed_at=now,
             last_failed_at=now,
         )
+    for n in range(3):
+        # Jobs of the same long task and tenant: one running with progress, one dead-lettered linking its record
+        job = Job(
+            task_name=record.task_name if record else "",
+            task_id=str(uuid.uuid4()),
+            tenant=f"tenant-{uuid.uuid4().hex}",
+            created_at=now - timedelta(minutes=5),
+            updated_at=now,
+            progress_done=1200 * n,
+            progress_total=1_000_000,
+        )
+        job.record("queued", attempt=0, detail="submitted", now=now - timedelta(minutes=5))
+        job.record("running", attempt=1, now=now - timedelta(minutes=4))
+        job.record("waiting", attempt=1, detail="retry_budget_exhausted: payments-platform-team", now=now)
+        if n == 2 and record is not None:
+            job.record("dead_lettered", attempt=5, detail="retry_budget_exhausted", now=now)
+            job.dead_letter_task_id = record.task_id
+            job.error = record.exc_message
+        job.save(force_insert=True)
     User.objects.create_superuser("admin", "admin@example.com", "pw-for-tests")
     assert record is not None
     return record
@@ -339,6 +358,8 @@ def test_the_admin_pages_fit_a_1366_pixel_screen(wide_records: DeadLetter, live_
         "edit and replay": f"/admin/guardrails/deadletter/{wide_records.pk}/edit-and-replay/",
         "run ledger": "/admin/guardrails/scheduledrun/",
         "schedule health": "/admin/guardrails/scheduledrun/health/",
+        "jobs": "/admin/guardrails/job/",
+        "job": f"/admin/guardrails/job/{Job.objects.filter(state='dead_lettered').get().pk}/change/",
     }
     too_wide = {}
     for name, path in pages.items():

@@ -71,13 +71,14 @@ def test_prune_deletes_only_what_is_past_retention() -> None:
         "activity_counts": 0,
         "activity_batches": 0,
         "queue_samples": 0,
+        "jobs": 0,
     }
     out = StringIO()
     call_command("guardrails_prune", stdout=out)
     assert out.getvalue().strip() == (
         "Deleted 3 idempotency key(s), 1 processed-message record(s), 3 closed dead letter(s) and 2 "
         "scheduled-run record(s); 0 checkpoint(s), 0 lost slot holder(s) and 0 idle ordering key(s); 0 activity "
-        "count(s), 0 activity batch id(s) and 0 queue sample(s)."
+        "count(s), 0 activity batch id(s) and 0 queue sample(s); 0 finished job(s)."
     )
     assert sorted(ScheduledRun.objects.values_list("schedule", flat=True)) == ["nightly", "quarterly"]
     assert sorted(IdempotencyKey.objects.values_list("key", flat=True)) == ["fresh", "running"]
@@ -94,6 +95,7 @@ def test_prune_deletes_only_what_is_past_retention() -> None:
         "activity_counts": 0,
         "activity_batches": 0,
         "queue_samples": 0,
+        "jobs": 0,
     }
 
 
@@ -112,6 +114,7 @@ def test_the_prune_task_for_beat() -> None:
         "activity_counts": 0,
         "activity_batches": 0,
         "queue_samples": 0,
+        "jobs": 0,
     }
 
 

@@ -12,6 +12,7 @@ import re
 import time
 import uuid
 from datetime import timedelta
+from typing import Any
 
 import pytest
 from django.test import Client
@@ -22,6 +23,7 @@ from django_celery_guardrails.models import (
     ConcurrencySlot,
     DeadLetter,
     DependencyState,
+    Job,
     OutboxMessage,
 )
 from django_celery_guardrails.store import DjangoStore
@@ -35,7 +37,7 @@ DJANGO_FORMAT = re.compile(r"\b(?:Jan|Feb|March|April|May|June|July|Aug|Sept|Oct
 
 
 @pytest.fixture
-def rows() -> dict[str, int]:
+def rows() -> dict[str, Any]:
     """One row of each table the admin lists, none with a tenant, and a dependency whose circuit is open."""
     now = timezone.now()
     letter = DeadLetter.objects.create(
@@ -56,11 +58,20 @@ def rows() -> dict[str, int]:
     OutboxMessage.objects.create(task_name="shop.tasks.charge", task_id="t-1", body="[[], {}]", available_at=now)
     DependencyState.objects.create(dependency="payments-api", circuit="open", open_until=time.time() + 240)
     DjangoStore().run_record("nightly report", time.time() - 3600, status="missed", now=time.time(), reason="down")
-    return {"dead letter": letter.pk}
+    job = Job(
+        task_name="shop.tasks.build_report",
+        task_id=str(uuid.uuid4()),
+        created_at=now - timedelta(minutes=2),
+        updated_at=now,
+    )
+    job.record("queued", attempt=0, detail="submitted", now=now - timedelta(minutes=2))
+    job.record("succeeded", attempt=1, now=now)
+    job.save(force_insert=True)
+    return {"dead letter": letter.pk, "job": job.pk}
 
 
 def test_every_page_writes_a_moment_one_way_and_an_absent_tenant_as_a_dash(
-    admin_client: Client, rows: dict[str, int]
+    admin_client: Client, rows: dict[str, Any]
 ) -> None:
     # Given a row of each table, none with a tenant
     pages = {
@@ -72,6 +83,8 @@ def test_every_page_writes_a_moment_one_way_and_an_absent_tenant_as_a_dash(
         "outbox": reverse("admin:guardrails_outboxmessage_changelist"),
         "dependencies": reverse("admin:guardrails_dependencystate_changelist"),
         "run ledger": reverse("admin:guardrails_scheduledrun_changelist"),
+        "jobs": reverse("admin:guardrails_job_changelist"),
+        "job": reverse("admin:guardrails_job_change", args=[rows["job"]]),
     }
     # When an admin opens every page that shows them
     found = {}
@@ -90,6 +103,7 @@ def test_every_page_writes_a_moment_one_way_and_an_absent_tenant_as_a_dash(
         "dead letters": "owner_and_tenant",
         "concurrency slots": "tenant_shown",
         "outbox": "tenant_shown",
+        "jobs": "tenant_shown",
     }.items():
         cell = re.search(rf'<td class="field-{column}">(.*?)</td>', admin_client.get(pages[name]).content.decode())
         assert cell is not None and re.sub(r"<[^>]+>", " ", cell.group(1)).split()[-1] == "-", name

@@ -13,8 +13,8 @@ from ..arguments import AGE_HELP, age
 class Command(BaseCommand):
     help = (
         "Delete idempotency records (and claims whose lease ran out long ago), closed and replayed dead letters, "
-        "old scheduled-run records, stale checkpoints, lost slot holders and idle ordering keys past their "
-        "retention (never open dead letters)."
+        "old scheduled-run records, stale checkpoints, lost slot holders, idle ordering keys and finished jobs "
+        "past their retention (never open dead letters, never unfinished jobs)."
     )
 
     def add_arguments(self, parser: CommandParser) -> None:
@@ -23,7 +23,8 @@ class Command(BaseCommand):
             default=None,
             metavar="AGE",
             help=f"One age for every table: {AGE_HELP} (default: idempotency_retention, 7 days; "
-            "dead_letter_retention, 90 days; the ledger's 90 days; activity_retention, 2 days).",
+            "dead_letter_retention, 90 days; the ledger's 90 days; activity_retention, 2 days; "
+            "job_retention, 30 days).",
         )
         parser.add_argument("--dry-run", action="store_true", help="Count what would be deleted; delete nothing.")
 
@@ -37,5 +38,5 @@ class Command(BaseCommand):
             f"{counts['scheduled_runs']} scheduled-run record(s); {counts['checkpoints']} checkpoint(s), "
             f"{counts['lost_slot_holders']} lost slot holder(s) and {counts['ordering_keys']} idle ordering key(s); "
             f"{counts['activity_counts']} activity count(s), {counts['activity_batches']} activity batch id(s) and "
-            f"{counts['queue_samples']} queue sample(s)."
+            f"{counts['queue_samples']} queue sample(s); {counts['jobs']} finished job(s)."
         )
