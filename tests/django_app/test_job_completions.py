@@ -183,3 +183,21 @@ def test_a_terminal_job_is_not_moved_by_a_completion() -> None:
     for tenant in (None, "globex"):
         with tenant_context(tenant), pytest.raises(RecordNotThereYet):
             apply_completion(done.pk, output_ref="s3://a.csv")
+
+
+@pytest.mark.parametrize("job_id, output_ref", [("../42", "s3://a.csv"), (None, "s3://a.csv"), ("JOB", "a\x00b")])
+def test_a_malformed_completion_is_a_dead_letter_and_changes_no_job(
+    celery_app: Any, celery_worker: Any, job_id: Any, output_ref: str
+) -> None:
+    # Given a job of acme, and a completion sent by hand (not through report_completion) with a bad id or reference
+    job = make_job(tenant="acme")
+    job_id = str(job.pk) if job_id == "JOB" else job_id
+    with tenant_context("acme"):
+        result = celery_app.send_task(COMPLETION_TASK, args=(job_id,), kwargs={"output_ref": output_ref})
+    # Then it fails at once: one dead letter, permanent, and the job is unchanged
+    with pytest.raises(ValueError):
+        result.get(timeout=TIMEOUT)
+    (letter,) = DeadLetter.objects.filter(task_id=result.id)
+    assert (letter.reason, letter.attempts) == ("permanent", 1)
+    job.refresh_from_db()
+    assert (job.state, job.output_ref) == ("queued", "")
