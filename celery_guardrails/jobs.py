@@ -1,15 +1,19 @@
 """Jobs a user can poll, for code that runs where the job records are not: completions over the queue.
 
 A worker that has no database credentials (a sandbox holding only the broker URL: a plain ``Celery(broker=...)``
-app, no Django) reports that it finished a job's work with :func:`report_completion`. It publishes one message,
-task ``guardrails.job_completion`` (:data:`COMPLETION_TASK`), on ``job_completion_queue``: the job's id and the
-reference to its output as arguments, the tenant in the ``guardrails`` header (:mod:`celery_guardrails.runtime.headers`)
-with a correlation id. The trusted consumer (the Django app registers it: ``django_celery_guardrails.tasks``)
-restores that tenant before it reads, looks for the job in that tenant's jobs only, waits for a job not readable
-yet (``record_wait``, then a dead letter ``record_missing``) and marks it ``succeeded`` with the output reference,
-once: a duplicate changes nothing.
+app, no Django) reports that it finished a job's work with :func:`report_completion`. It publishes one message of
+the task ``django_celery_guardrails.job_completion`` (:data:`COMPLETION_TASK`) on ``job_completion_queue``: the
+job's id and the reference to its output as arguments, the tenant in the ``guardrails`` header
+(:mod:`celery_guardrails.runtime.headers`) with a correlation id. The trusted consumer (the Django app registers
+it: ``django_celery_guardrails.tasks``, see ``django_celery_guardrails.completions``) restores that tenant before
+it reads, looks for the job among that tenant's jobs only, waits for a job not readable yet (``record_wait``, then
+a dead letter ``record_missing``) and marks it ``succeeded`` with the output reference, once: a duplicate changes
+nothing, a terminal job is not moved.
 
-The states and the job book are those of :mod:`celery_guardrails.guardrails.jobs`, re-exported here.
+Run the consumer only where the job records are: ``job_completion_queue`` is a queue the sandboxed worker does not
+consume (a worker without the consumer would take the message and drop it as an unregistered task).
+
+The job states are those of :mod:`celery_guardrails.guardrails.jobs`, re-exported here.
 """
 
 from __future__ import annotations
@@ -39,8 +43,9 @@ from celery_guardrails.guardrails.jobs import (
 from celery_guardrails.options import APP, Option, app_value, checks, declare
 from celery_guardrails.runtime import headers
 
-#: The name the trusted consumer of completions is registered under.
-COMPLETION_TASK = "guardrails.job_completion"
+#: The name the trusted consumer of completions is registered under (the Django app's, named as its prune task: the
+#: audit grades the project's tasks, not the extension's).
+COMPLETION_TASK = "django_celery_guardrails.job_completion"
 #: Characters of an output reference at most (the job record's column holds 500).
 OUTPUT_REF_LIMIT = 500
 #: Control characters (NUL among them) a database may refuse: an output reference never holds them.

@@ -1,5 +1,5 @@
 """The trusted consumer of completions over the queue (:func:`celery_guardrails.jobs.report_completion`): the
-task ``guardrails.job_completion`` (:mod:`.tasks`) applies each with :func:`apply_completion`.
+task ``django_celery_guardrails.job_completion`` (:mod:`.tasks`) applies each with :func:`apply_completion`.
 
 * The tenant is the message's, restored before the body reads anything (context propagation); the job is looked
   for among that tenant's jobs only, so a completion never reaches another tenant's job: one that names another
