@@ -1,4 +1,4 @@
-"""Jobs a user can poll, in a Django project: the 202 that hands a job over, its status view, its completions.
+"""Jobs a user can poll, in a Django project: the 202 that hands a job over, and its status view.
 
 * :func:`accepted`: the answer of a view that submitted a job: ``202 Accepted``, ``Location`` the job's status
   URL, a small JSON body (``id``, ``state``, ``status_url``).
