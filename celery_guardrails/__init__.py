@@ -7,9 +7,9 @@ may not have committed yet with :func:`require` (``self.require(...)``).
 """
 
 # The option schema is declared by the modules that own the options (celery_guardrails.options.schema): most are
-# imported through GuardedTask; broker, gate, outbox and watchdog are not, and are imported here so that the schema
-# is complete once the package is.
-from celery_guardrails import broker  # noqa: F401
+# imported through GuardedTask; broker, gate, jobs (completions), outbox and watchdog are not, and are imported here
+# so that the schema is complete once the package is.
+from celery_guardrails import broker, jobs  # noqa: F401
 from celery_guardrails.exceptions import (
     BudgetExhaustedError,
     ConcurrencyKeyError,
