@@ -197,7 +197,8 @@ def hand_off(
     """Submit a job whose work runs where the job records are not: a sandboxed worker with no database, another
     service. The job is written in the caller's transaction, with the caller's tenant (or ``tenant``) and
     correlation id, and the message of task ``name`` is sent to ``queue`` once that transaction commits, with the
-    job's id and the tenant in its ``guardrails`` header. No guardrail runs there to move the job: it reads
+    job's id and the tenant in its ``guardrails`` header and the job's id as the keyword argument ``job_id`` (what
+    the worker there passes to ``report_completion``). No guardrail runs there to move the job: it reads
     ``queued`` until its completion arrives (``celery_guardrails.jobs.report_completion``), which the trusted
     consumer applies once."""
     from celery import current_app
@@ -233,7 +234,7 @@ def hand_off(
             app.send_task(
                 name,
                 args=tuple(args),
-                kwargs=dict(kwargs or {}),
+                kwargs={**(kwargs or {}), "job_id": str(job.id)},
                 task_id=task_id,
                 queue=queue,
                 headers={headers.HEADER: header},

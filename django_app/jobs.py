@@ -29,7 +29,7 @@ from celery_guardrails.foundation.context import current_tenant
 from celery_guardrails.guardrails.jobs import CANCELLED, RETRYING, RUNNING, SUCCEEDED, TERMINAL, WAITING
 from celery_guardrails.options import django_settings, load
 
-from .job_book import DjangoJobBook
+from .job_book import DjangoJobBook, hand_off
 from .models import Job
 from .scoping import may_see
 
@@ -53,6 +53,7 @@ __all__ = [
     "JobStatusView",
     "accepted",
     "default_reader",
+    "hand_off",
     "may_read",
     "retry_after",
     "status",

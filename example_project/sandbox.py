@@ -24,8 +24,8 @@ COMPLETIONS = os.environ["EXAMPLE_QUEUE"]
 
 
 @app.task(name="sandbox.render_invoice")
-def render_invoice(job_id: str, order_id: int, tenant: str) -> str:
-    """Render the invoice of ``order_id`` (a file here) and report the job done."""
+def render_invoice(order_id: int, tenant: str, *, job_id: str) -> str:
+    """Render the invoice of ``order_id`` (a file here) and report the job done (``job_id``: hand_off adds it)."""
     path = f"invoices/{tenant}/{order_id}.pdf"
     report_completion(job_id, output_ref=path, tenant=tenant, app=app, queue=COMPLETIONS)
     return path

@@ -14,6 +14,7 @@ import sys
 import time
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -23,10 +24,11 @@ from django.utils import timezone
 from celery_guardrails import RecordNotThereYet, signals, tenant_context
 from celery_guardrails.jobs import COMPLETION_TASK
 from django_celery_guardrails.completions import COMPLETED_DETAIL, apply_completion
+from django_celery_guardrails.jobs import hand_off
 from django_celery_guardrails.models import DeadLetter, Job
 from django_celery_guardrails.tasks import job_completion
 from tests.support.waiting import wait_for
-from tests.support.workers import ROOT, proj_env
+from tests.support.workers import ROOT, WorkerProcess, proj_env
 
 pytestmark = pytest.mark.django_db(transaction=True)
 TIMEOUT = 30
@@ -203,3 +205,32 @@ def test_a_malformed_completion_is_a_dead_letter_and_changes_no_job(
     assert (letter.reason, letter.attempts) == ("permanent", 1)
     job.refresh_from_db()
     assert (job.state, job.output_ref) == ("queued", "")
+
+
+def test_a_job_handed_off_to_a_sandboxed_worker_reads_queued_until_its_completion_is_applied(
+    celery_app: Any, celery_worker: Any, queue_name: str, tmp_path: Path
+) -> None:
+    # Given a sandboxed worker (a plain Celery app: no Django, no database settings) on a queue of its own
+    sandbox_queue = f"{queue_name}-sandbox"
+    env = {
+        name: value
+        for name, value in os.environ.items()
+        if not name.startswith(("GUARDRAILS_TEST_DB", "PG", "DATABASE", "DJANGO"))
+    }
+    env.update(proj_env(queue=sandbox_queue, django=False), GUARDRAILS_TEST_COMPLETIONS=queue_name)
+    with WorkerProcess(
+        app="tests.proj.sandbox_worker", queue=sandbox_queue, log_path=tmp_path / "sandbox.log", env=env
+    ):
+        # When the shop hands a job over to it, in a transaction of tenant acme
+        with tenant_context("acme"), transaction.atomic():
+            job = hand_off("tests.sandbox.render", (7, "acme"), queue=sandbox_queue, app=celery_app)
+            # Then the job is written with the transaction, queued, and nothing was sent yet
+            assert (job.state, job.tenant, job.task_name) == ("queued", "acme", "tests.sandbox.render")
+        # And once committed, the sandbox does the work and reports it; the trusted worker applies it once
+        wait_for("the job succeeded", lambda: Job.objects.get(pk=job.pk).state == "succeeded", timeout=TIMEOUT)
+    job.refresh_from_db()
+    assert job.output_ref == "renders/acme/7.pdf"
+    assert [(e["state"], e.get("detail", "")) for e in job.history] == [
+        ("queued", "handed off"),
+        ("succeeded", COMPLETED_DETAIL),
+    ]
