@@ -119,6 +119,7 @@ def start_worker(
     queue: str = "",
     name: str = "demo",
     env: dict[str, str] | None = None,
+    app: str = "example_project",
 ) -> subprocess.Popen[bytes]:
     with log_path.open("wb") as log:
         worker = subprocess.Popen(
@@ -127,7 +128,7 @@ def start_worker(
                 "-m",
                 "celery",
                 "-A",
-                "example_project",
+                app,
                 "worker",
                 "-P",
                 pool,
@@ -365,6 +366,9 @@ def main() -> None:
         hostile_input(app, log_path)
         ordering_gap(app, log_path)
         unpublishable(app)
+        from example_project.demo_jobs import DemoTools, jobs
+
+        jobs(DemoTools(wait_for=wait_for, start_worker=start_worker, stop=stop, var=VAR), client)
 
         print("\n-- the worker's log lines for request demo-req-42 (tenant and correlation id on each line)")
         for line in log_path.read_text(errors="replace").splitlines():

@@ -8,4 +8,5 @@ urlpatterns = [
     path("guardrails/", include("django_celery_guardrails.urls")),
     path("orders/<int:order_id>/receipt", views.send_receipt_view, name="send-receipt"),
     path("orders/<int:order_id>/charge", views.charge_order_view, name="charge-order"),
+    path("reports/<int:report_id>", views.report_view, name="report"),
 ]

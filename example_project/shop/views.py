@@ -5,7 +5,8 @@ from django.views.decorators.csrf import csrf_exempt
 from django.views.decorators.http import require_POST
 
 from celery_guardrails import MissingTenantError, current_correlation_id, current_tenant
-from example_project.shop.tasks import charge_order, send_receipt
+from django_celery_guardrails.jobs import accepted
+from example_project.shop.tasks import build_report, charge_order, send_receipt
 
 
 @csrf_exempt
@@ -37,3 +38,14 @@ def charge_order_view(request: HttpRequest, order_id: int) -> JsonResponse:
     except MissingTenantError as exc:
         return JsonResponse({"error": str(exc)}, status=400)
     return JsonResponse({"task_id": result.id, "tenant": current_tenant()}, status=202)
+
+
+@csrf_exempt
+@require_POST
+def report_view(request: HttpRequest, report_id: int) -> JsonResponse:
+    """Submit a tenant's report as a job: 202 with the job's status URL (guardrails/jobs/<id>/) to poll."""
+    try:
+        job = build_report.submit(report_id, seconds=float(request.GET.get("seconds", "1")))
+    except MissingTenantError as exc:
+        return JsonResponse({"error": str(exc)}, status=400)
+    return accepted(job, request=request)

@@ -49,6 +49,15 @@ def test_demo_prints_the_context_seen_inside_the_worker(tmp_path: Path) -> None:
 
 def check_output(out: str) -> None:
     assert "== broker: Kombu filesystem transport" in out
+    # Jobs a user can poll (#32): 202 with the status URL, polled to succeeded with its progress, another tenant's
+    # 404; a sandbox's completion that came before its record, waited for and applied once
+    assert re.search(r"web:    HTTP 202, Location http://testserver/guardrails/jobs/[0-9a-f-]{36}/", out)
+    assert re.search(r"polled: queued -> (running -> )?succeeded; progress 4/4", out)
+    assert "history: queued, running, succeeded" in out
+    assert "tenant globex asks for acme's job: HTTP 404" in out
+    assert re.search(r"the completion came first: it waits \(later: guardrails\.Job matching pk='[0-9a-f-]{36}'", out)
+    assert "job: queued, succeeded; output invoices/acme/99.pdf" in out
+    assert "the same completion sent again: job still succeeded, 1 succeeded entry in its history" in out
     assert "worker: tenant=acme, correlation id=demo-req-42" in out
     assert "web:    HTTP 400: example_project.shop.tasks.send_receipt requires a tenant" in out
     assert "worker: refused without running, state FAILURE: MissingTenantError" in out
@@ -269,10 +278,11 @@ def waits_without_a_deadline(source: str) -> list[str]:
 
 def test_every_wait_of_the_demo_has_a_deadline() -> None:
     # When the demo's source is read
-    source = (ROOT / "example_project" / "demo.py").read_text()
-    # Then every loop that polls or sleeps is bounded by a deadline (the wait_for helper, or its own), and every
-    # blocking call has a timeout: a demo on a shared database cannot freeze silently (#30 point 11)
-    assert waits_without_a_deadline(source) == []
+    for name in ("demo.py", "demo_jobs.py"):
+        source = (ROOT / "example_project" / name).read_text()
+        # Then every loop that polls or sleeps is bounded by a deadline (the wait_for helper, or its own), and
+        # every blocking call has a timeout: a demo on a shared database cannot freeze silently (#30 point 11)
+        assert waits_without_a_deadline(source) == [], name
     # And the check finds an unbounded wait where there is one
     assert waits_without_a_deadline("while not done():\n    time.sleep(1)\nresult.get()\n") == [
         "line 1: a while loop with no deadline",
