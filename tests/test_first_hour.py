@@ -786,7 +786,7 @@ def test_the_docs_settings_and_task_blocks_run_in_the_quick_start_s_project(
     settings, tasks = docs_blocks()
     assert {name for name, _ in settings} >= {"context_40", "context_58", "scheduled_work_7"}
     # (the test kit page's keyed charge_order, wherever the page has it)
-    charge = next(name for name, text in tasks if name.startswith("testing_") and "idempotency_key=\"charge:" in text)
+    charge = next(name for name, text in tasks if name.startswith("testing_") and 'idempotency_key="charge:' in text)
     assert {name for name, _ in tasks} >= {"index_24", "idempotency_3", "retries_72", charge}
     project.manage("migrate")
     # (the project's own names: the tenant resolver a settings block names, the task a beat entry names)
