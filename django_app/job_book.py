@@ -8,6 +8,8 @@ leaves ``failed`` or ``dead_lettered``).
 from __future__ import annotations
 
 import logging
+import os
+import threading
 from datetime import UTC, datetime
 from typing import Any
 
@@ -129,6 +131,9 @@ class DjangoJobBook:
             if move.dead_letter:
                 job.dead_letter_task_id = move.dead_letter
             job.due_at = datetime.fromtimestamp(move.due, UTC) if move.due is not None else None
+            latest = _PROGRESS.take(str(job.pk)) if move.state in TERMINAL else None
+            if latest is not None:
+                job.progress_done, job.progress_total = latest
             job.record(move.state, attempt=move.attempt or None, detail=move.detail, now=now)
             job.save()
         if move.state in TERMINAL:
@@ -136,9 +141,14 @@ class DjangoJobBook:
         return True
 
     def progress(self, *, job_id: str, done: int, total: int | None) -> None:
-        Job.objects.filter(pk=job_id).exclude(state__in=sorted(TERMINAL)).update(
-            progress_done=done, progress_total=total, updated_at=timezone.now()
-        )
+        from django.db import connection
+
+        if connection.in_atomic_block:
+            # Written here, it would wait for the body's transaction to commit (an atomic job's progress would
+            # read 0 until the end): a thread of its own writes it, on a connection of its own.
+            _PROGRESS.put(job_id, done, total)
+            return
+        _write_progress(job_id, done, total)
 
     def describe(self, job_id: str) -> JobView | None:
         try:
@@ -178,6 +188,61 @@ def view(job: Job) -> JobView:
         cancel_requested_at=_iso(job.cancel_requested_at),
         history=tuple(entry for entry in (job.history or []) if isinstance(entry, dict)),
     )
+
+
+def _write_progress(job_id: str, done: int, total: int | None) -> None:
+    Job.objects.filter(pk=job_id).exclude(state__in=sorted(TERMINAL)).update(
+        progress_done=done, progress_total=total, updated_at=timezone.now()
+    )
+
+
+class _ProgressWriter:
+    """Writes the progress bodies report from inside a transaction, from one thread per process, the latest of
+    each job at once (a view of the work: a write that fails is one warning; on SQLite, which has one writer,
+    it lands when the body's transaction ends)."""
+
+    def __init__(self) -> None:
+        self._pending: dict[str, tuple[int, int | None]] = {}
+        #: The latest progress put of each job, until its final state is written (which takes it along).
+        self._latest: dict[str, tuple[int, int | None]] = {}
+        self._ready = threading.Condition()
+        self._pid: int | None = None
+
+    def put(self, job_id: str, done: int, total: int | None) -> None:
+        with self._ready:
+            self._pending[job_id] = self._latest[job_id] = (done, total)
+            if self._pid != os.getpid():  # none yet, or the parent's (a forked child has none running)
+                self._pid = os.getpid()
+                threading.Thread(target=self._run, name="guardrails-job-progress", daemon=True).start()
+            self._ready.notify()
+
+    def take(self, job_id: str) -> tuple[int, int | None] | None:
+        """The latest progress put of ``job_id`` (None: none), forgotten: its final state is being written with
+        it (a write the thread has yet to make then finds the job final and changes nothing)."""
+        with self._ready:
+            self._pending.pop(job_id, None)
+            return self._latest.pop(job_id, None)
+
+    def _run(self) -> None:
+        from django.db import connection
+
+        from celery_guardrails.foundation.forks import quiet
+
+        while True:
+            with self._ready:
+                while not self._pending:
+                    self._ready.wait()
+                batch, self._pending = self._pending, {}
+            with quiet():
+                for job_id, (done, total) in batch.items():
+                    try:
+                        _write_progress(job_id, done, total)
+                    except Exception as exc:
+                        logger.warning("Job %s: progress %s/%s not written (%r)", job_id, done, total, exc)
+                connection.close()
+
+
+_PROGRESS = _ProgressWriter()
 
 
 def replayed(*, job_id: str, task_id: str) -> bool:

@@ -7,6 +7,7 @@ before its effect committed (read from a second connection while the body holds 
 from __future__ import annotations
 
 import json
+import time
 import uuid
 from pathlib import Path
 from typing import Any
@@ -108,6 +109,55 @@ def test_a_wait_a_retry_and_progress_are_followed_to_succeeded(celery_worker: An
     assert details == ["submitted", "", "RetryLater", "", "TransientError", "", ""]
     # And its progress is the last step reported, its error cleared by the success
     assert (job.progress_done, job.progress_total, job.error, job.due_at) == (5, 5, "", None)
+
+
+def test_a_job_deferred_by_an_open_circuit_reads_waiting_until_it_runs(
+    celery_app: Any, celery_worker: Any, sink: Sink
+) -> None:
+    from celery_guardrails import budget_status
+    from tests.celery_guardrails.guardrails.test_budget import fail_twice
+
+    # Given a dependency whose breaker two transient failures opened, for 2 s of the guardrails' clock (which
+    # stands still until the test moves it)
+    clock = [float(int(time.time()))]
+    celery_app.conf.guardrails = {
+        **celery_app.conf.guardrails,
+        "circuit_threshold": 2,
+        "circuit_open_seconds": 2.0,
+        "clock": lambda: clock[0],
+    }
+    dependency = f"storage-{uuid.uuid4().hex[:8]}"
+    fail_twice(sink, dependency)
+    wait_for("the circuit open", lambda: budget_status(dependency, app=celery_app)["circuit"] == "open")
+    # When a job of that dependency is submitted
+    job = django_tasks.build_report.apply_async((name(), sink.key), job=True, dependency=dependency)
+    # Then it waits for the circuit, no attempt spent, its body not run
+    job = settled(job, "waiting")
+    assert (job.detail, job.attempt) == ("circuit", 1) and job.due_at is not None
+    # And once the open time has passed, it runs as the probe and succeeds
+    clock[0] += 2.0
+    job = settled(job, "succeeded")
+    seen = states(job)
+    assert seen[0] == "queued" and set(seen[1:-2]) == {"waiting"} and seen[-2:] == ["running", "succeeded"]
+
+
+def test_progress_is_written_at_most_once_an_interval_and_at_once_when_it_reaches_its_total(
+    celery_app: Any, celery_worker: Any, sink: Sink
+) -> None:
+    # Given progress written at most once an hour
+    celery_app.conf.guardrails = {**celery_app.conf.guardrails, "job_progress_interval": 3600.0}
+    # When a job reports steps 1 to 4 of 5, then stalls
+    job = django_tasks.build_report.submit(name(), sink.key, items=5, stall_at=4, hold=2.0)
+    wait_for("the body stalled", lambda: sink.client.llen(f"{sink.key}:holding") == 1, timeout=TIMEOUT)
+    # Then only the first report was written, though the body's transaction is still open (a thread of its own
+    # writes it; SQLite has one writer: there it lands when the transaction ends)
+    if connection.vendor != "sqlite":
+        wait_for("the first report", lambda: Job.objects.get(pk=job.pk).progress_done is not None, timeout=TIMEOUT)
+        row = Job.objects.get(pk=job.pk)
+        assert (row.progress_done, row.progress_total) == (1, 5)
+    # And the last, which reaches the total, is written at once
+    job = settled(job, "succeeded")
+    assert (job.progress_done, job.progress_total) == (5, 5)
 
 
 def test_a_dead_lettered_job_links_its_dead_letter_and_its_replay_is_the_same_job(

@@ -285,11 +285,12 @@ def build_report(
     fail: int = 0,
     items: int = 0,
     hold: float = 0.0,
+    stall_at: int = 0,
 ) -> dict[str, Any]:
     """A job: one Effect row per report, committed with its key and its success (atomic). Its runs are counted;
     the first ``later`` ask to run later, the next ``fail`` fail transiently; while ``{sink}:broken`` is set a
     run fails permanently. It reports ``items`` steps of progress; its first run may hold ``hold`` seconds after
-    its effect (uncommitted)."""
+    its effect (uncommitted), or, with ``stall_at``, right after reporting that step of its progress."""
     from celery_guardrails import PermanentError, RetryLater, TransientError
     from tests.testapp.models import Effect
 
@@ -304,8 +305,11 @@ def build_report(
         raise PermanentError("the report's template is broken")
     for step in range(items):
         self.job.progress(step + 1, items)
+        if step + 1 == stall_at:
+            client.rpush(f"{sink}:holding", 1)
+            time.sleep(hold)
     Effect.objects.create(key=name)
-    if hold and runs == 1:
+    if hold and runs == 1 and not stall_at:
         client.rpush(f"{sink}:holding", 1)
         time.sleep(hold)
     return {"ref": f"reports/{name}.csv"}
