@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import re
 import uuid
+from dataclasses import dataclass
 from typing import Any
 
 from celery_guardrails.foundation.context import (
@@ -82,10 +83,18 @@ DECLARED = declare(
 )
 
 
-def checked_completion(job_id: Any, output_ref: Any) -> tuple[str, str]:
-    """``(job id, output reference)`` as a completion carries them: the id a UUID (in its canonical text), the
-    reference 1 to OUTPUT_REF_LIMIT characters with no control character; ValueError otherwise. Both ends check:
-    the consumer cannot trust what a sandbox sent."""
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Completion:
+    """A job's completion as it travels: the job's id (a UUID, in its canonical text) and its output reference."""
+
+    job_id: str
+    output_ref: str
+
+
+def checked_completion(job_id: Any, output_ref: Any) -> Completion:
+    """The completion of ``job_id`` with ``output_ref``, checked: the id a UUID, the reference 1 to
+    OUTPUT_REF_LIMIT characters with no control character; ValueError otherwise. Both ends check: the consumer
+    cannot trust what a sandbox sent."""
     try:
         canonical = str(uuid.UUID(str(job_id)))
     except (ValueError, TypeError, AttributeError):
@@ -94,7 +103,7 @@ def checked_completion(job_id: Any, output_ref: Any) -> tuple[str, str]:
         raise ValueError(f"output_ref must be a str of 1 to {OUTPUT_REF_LIMIT} characters, got {output_ref!r:.80}")
     if _CONTROL.search(output_ref):
         raise ValueError(f"output_ref may not hold control characters, got {output_ref!r:.80}")
-    return canonical, output_ref
+    return Completion(job_id=canonical, output_ref=output_ref)
 
 
 def report_completion(
@@ -109,7 +118,7 @@ def report_completion(
     ``tenant`` is the job's tenant (None: a job without one); the consumer looks for the job among that tenant's
     only. ValueError for a job id that is not a UUID or a bad output reference,
     :class:`~celery_guardrails.exceptions.ContextError` for a tenant id that cannot travel: nothing is sent."""
-    job, ref = checked_completion(job_id, output_ref)
+    completion = checked_completion(job_id, output_ref)
     if tenant is not None:
         validate_tenant(tenant)
     if app is None:
@@ -127,7 +136,11 @@ def report_completion(
     # the call (another tenant's task) out of a completion for a job without one.
     with tenant_context(tenant):
         return app.send_task(
-            COMPLETION_TASK, args=(job,), kwargs={"output_ref": ref}, queue=target, headers={headers.HEADER: header}
+            COMPLETION_TASK,
+            args=(completion.job_id,),
+            kwargs={"output_ref": completion.output_ref},
+            queue=target,
+            headers={headers.HEADER: header},
         )
 
 
@@ -145,6 +158,7 @@ __all__ = [
     "SUCCEEDED",
     "TERMINAL",
     "WAITING",
+    "Completion",
     "checked_completion",
     "report_completion",
 ]

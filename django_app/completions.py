@@ -44,7 +44,8 @@ def apply_completion(job_id: Any, *, output_ref: Any) -> str:
     The job is looked for among the current tenant's jobs only: one of another tenant is not there, as one not
     committed yet is not: :class:`~celery_guardrails.exceptions.RecordNotThereYet` (the message waits for up to
     ``record_wait``, then is dead-lettered ``record_missing``). ValueError for a malformed id or reference."""
-    job_id, output_ref = checked_completion(job_id, output_ref)
+    checked = checked_completion(job_id, output_ref)
+    job_id, output_ref = checked.job_id, checked.output_ref
     tenant = current_tenant()
     # A plain read first (no write lock held while the job may not be committed yet, and none for a duplicate).
     job = require(Job.objects.of_tenant(tenant), pk=job_id)

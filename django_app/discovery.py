@@ -45,11 +45,22 @@ class Discovery:
         return f"importing the task module{where} failed: {self.error}"
 
 
+def in_a_worker(app: Any) -> bool:
+    """Whether this process is a worker of ``app``, which imported the task modules as it started. Importing them
+    again there is not harmless: Celery's Django fixup answers the import with ``django.setup()``, which applies
+    ``LOGGING`` again, onto the ``sys.stderr`` the worker redirected into its own logger (worker_redirect_stdouts):
+    from then on the worker's log lines were lost (seen in the demo: silent after the outbox relay met a task no
+    worker had), and it runs the system checks once more."""
+    return bool(getattr(app.loader, "worker_initialized", False))
+
+
 def import_task_modules(app: Any) -> Discovery:
     """Import ``app``'s task modules as a worker does, once per app and process; never raises (see above)."""
     done = getattr(app, _ATTRIBUTE, None)
     if done is not None:
         return done  # type: ignore[no-any-return]
+    if in_a_worker(app):
+        return Discovery(module="", error="")  # imported as the worker started
     with _lock:
         done = getattr(app, _ATTRIBUTE, None)
         if done is None:

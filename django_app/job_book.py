@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
@@ -133,7 +134,7 @@ class DjangoJobBook:
             job.due_at = datetime.fromtimestamp(move.due, UTC) if move.due is not None else None
             latest = _PROGRESS.take(str(job.pk)) if move.state in TERMINAL else None
             if latest is not None:
-                job.progress_done, job.progress_total = latest
+                job.progress_done, job.progress_total = latest.done, latest.total
             job.record(move.state, attempt=move.attempt or None, detail=move.detail, now=now)
             job.save()
         if move.state in TERMINAL:
@@ -196,27 +197,35 @@ def _write_progress(job_id: str, done: int, total: int | None) -> None:
     )
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Progress:
+    """How far a job's body is, as it reported."""
+
+    done: int
+    total: int | None
+
+
 class _ProgressWriter:
     """Writes the progress bodies report from inside a transaction, from one thread per process, the latest of
     each job at once (a view of the work: a write that fails is one warning; on SQLite, which has one writer,
     it lands when the body's transaction ends)."""
 
     def __init__(self) -> None:
-        self._pending: dict[str, tuple[int, int | None]] = {}
+        self._pending: dict[str, Progress] = {}
         #: The latest progress put of each job, until its final state is written (which takes it along).
-        self._latest: dict[str, tuple[int, int | None]] = {}
+        self._latest: dict[str, Progress] = {}
         self._ready = threading.Condition()
         self._pid: int | None = None
 
     def put(self, job_id: str, done: int, total: int | None) -> None:
         with self._ready:
-            self._pending[job_id] = self._latest[job_id] = (done, total)
+            self._pending[job_id] = self._latest[job_id] = Progress(done=done, total=total)
             if self._pid != os.getpid():  # none yet, or the parent's (a forked child has none running)
                 self._pid = os.getpid()
                 threading.Thread(target=self._run, name="guardrails-job-progress", daemon=True).start()
             self._ready.notify()
 
-    def take(self, job_id: str) -> tuple[int, int | None] | None:
+    def take(self, job_id: str) -> Progress | None:
         """The latest progress put of ``job_id`` (None: none), forgotten: its final state is being written with
         it (a write the thread has yet to make then finds the job final and changes nothing)."""
         with self._ready:
@@ -234,11 +243,11 @@ class _ProgressWriter:
                     self._ready.wait()
                 batch, self._pending = self._pending, {}
             with quiet():
-                for job_id, (done, total) in batch.items():
+                for job_id, progress in batch.items():
                     try:
-                        _write_progress(job_id, done, total)
+                        _write_progress(job_id, progress.done, progress.total)
                     except Exception as exc:
-                        logger.warning("Job %s: progress %s/%s not written (%r)", job_id, done, total, exc)
+                        logger.warning("Job %s: progress %s not written (%r)", job_id, progress, exc)
                 connection.close()
 
 

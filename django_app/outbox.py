@@ -68,6 +68,7 @@ from celery_guardrails.options import OPTIONS, app_value
 from celery_guardrails.runtime import headers
 from celery_guardrails.runtime.outbox import RelayPublisher
 
+from .discovery import in_a_worker
 from .models import OutboxMessage
 
 if TYPE_CHECKING:
@@ -162,7 +163,8 @@ def _task(app: Any, name: str) -> Any:
     the project's task modules are imported the way a worker imports them (``autodiscover_tasks`` imports only
     in a worker or when asked: a web process may never have imported the module that defines it)."""
     task = app.tasks.get(name)
-    if task is None and not getattr(app, "_guardrails_outbox_imported", False):
+    # (Not in a worker, which imported them as it started: see discovery.in_a_worker.)
+    if task is None and not in_a_worker(app) and not getattr(app, "_guardrails_outbox_imported", False):
         app._guardrails_outbox_imported = True
         try:
             app.loader.import_default_modules()

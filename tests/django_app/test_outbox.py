@@ -434,3 +434,30 @@ def test_1000_transactions_half_rolled_back_the_relay_killed_twice_each_committe
     assert kills == 2
     effects = list(Effect.objects.filter(key__startswith=sink.key).values_list("key", flat=True))
     assert sorted(effects) == sorted(committed)
+
+
+def test_a_workers_relay_meeting_a_task_no_worker_has_leaves_the_workers_log_as_it_was(
+    celery_app: Any, queue_name: str, sink: Sink, tmp_path: Path
+) -> None:
+    # Given an outbox row of a task no process has (a web process of the next release wrote it)
+    row = OutboxMessage.objects.create(
+        task_name="tests.proj.tasks.of_the_next_release",
+        task_id=str(uuid.uuid4()),
+        body="[[], {}]",
+        available_at=timezone.now(),
+    )
+    env = proj_env(
+        queue=queue_name,
+        django=True,
+        GUARDRAILS_TEST_GUARDRAILS=json.dumps({"store": "django", "outbox_relay_interval": 0.2}),
+    )
+    with WorkerProcess(app=PROJ_APP, queue=queue_name, log_path=tmp_path / "worker.log", env=env) as worker:
+        # When the worker's relay has tried to publish it (and failed: the task is unknown)
+        wait_for("the relay's try", lambda: OutboxMessage.objects.get(pk=row.pk).attempts >= 1)
+        # Then the worker's log still gets its lines: a task run after it is logged as it ends (importing the
+        # task modules again, in a worker, re-applied Django's LOGGING onto the stderr the worker had redirected)
+        result = tasks.observe.apply_async(kwargs={"sink": sink.key})
+        result.get(timeout=30)
+        wait_for("the task's line in the worker's log", lambda: f"{result.id}] succeeded" in worker.log, timeout=15)
+        # And the system checks did not run again in the worker
+        assert "System check identified" not in worker.log
