@@ -66,6 +66,12 @@ SLOW_FIRST = (
     "tests/example_project/test_demo.py",  # 120 s
     "tests/django_app/test_alerts.py",  # 80 s
     "tests/celery_guardrails/runtime/test_headers.py",  # 67 s
+    # (real prefork workers, each test 15 to 30 s: handed out early, so that none is the pass's last)
+    "tests/django_app/test_waiting.py",
+    "tests/django_app/test_activity.py",
+    "tests/django_app/test_jobs.py",
+    "tests/django_app/test_checkpoint.py",
+    "tests/celery_guardrails/broker/test_quorum.py",
 )
 
 
