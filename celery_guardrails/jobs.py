@@ -126,12 +126,7 @@ def report_completion(
 
         app = current_app._get_current_object()
     target = queue or app_value(app, "job_completion_queue") or app.conf.task_default_queue
-    header: dict[str, Any] = {
-        headers.VERSION_FIELD: headers.VERSION,
-        headers.CORRELATION_ID: current_correlation_id() or new_correlation_id(),
-    }
-    if tenant is not None:
-        header[headers.TENANT] = tenant
+    header = headers.context(tenant=tenant, correlation_id=current_correlation_id() or new_correlation_id())
     # The tenant is the caller's word, not the context's: tenant_context(None) keeps a tenant of the code around
     # the call (another tenant's task) out of a completion for a job without one.
     with tenant_context(tenant):

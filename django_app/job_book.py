@@ -58,18 +58,10 @@ class DjangoJobBook:
         tenant = options.get("tenant") or current_tenant() or ""
         correlation_id = options.get("correlation_id") or current_correlation_id() or ""
         through_outbox = TaskOptions(task=task, call={})["job_outbox"]
-        now = timezone.now()
         with transaction.atomic():
-            job = Job(
-                task_name=task.name,
-                task_id=task_id,
-                tenant=tenant,
-                correlation_id=correlation_id,
-                created_at=now,
-                updated_at=now,
+            job = Job.submitted(
+                task_name=task.name, task_id=task_id, tenant=tenant, correlation_id=correlation_id, detail="submitted"
             )
-            job.record(QUEUED, attempt=0, detail="submitted", now=now)
-            job.save(force_insert=True)
             message_headers = dict(options.pop("headers", None) or {})
             message_headers[headers.HEADER] = {
                 **headers.from_message_headers(message_headers),
@@ -286,23 +278,11 @@ def hand_off(
         validate_tenant(tenant)
     correlation_id = current_correlation_id() or ""
     task_id = uuid()
-    now = timezone.now()
     with transaction.atomic():
-        job = Job(
-            task_name=name,
-            task_id=task_id,
-            tenant=tenant,
-            correlation_id=correlation_id,
-            created_at=now,
-            updated_at=now,
+        job = Job.submitted(
+            task_name=name, task_id=task_id, tenant=tenant, correlation_id=correlation_id, detail="handed off"
         )
-        job.record(QUEUED, attempt=0, detail="handed off", now=now)
-        job.save(force_insert=True)
-        header: dict[str, Any] = {headers.VERSION_FIELD: headers.VERSION, headers.JOB: str(job.id)}
-        if tenant:
-            header[headers.TENANT] = tenant
-        if correlation_id:
-            header[headers.CORRELATION_ID] = correlation_id
+        header = {**headers.context(tenant=tenant, correlation_id=correlation_id), headers.JOB: str(job.id)}
 
         def send() -> None:
             app.send_task(

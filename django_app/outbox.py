@@ -329,11 +329,7 @@ def _failure(task: Any, row: OutboxMessage, exc: Exception, *, moment: datetime)
         # replayable (and no sealed copy is made of them), never as an empty call a replay would run.
         args, kwargs = [row.body.encode("utf-8", "backslashreplace")], {}
     options = dict(row.options or {})
-    header: dict[str, Any] = {headers.VERSION_FIELD: headers.VERSION}
-    if row.tenant:
-        header[headers.TENANT] = row.tenant
-    if row.correlation_id:
-        header[headers.CORRELATION_ID] = row.correlation_id
+    header = headers.context(tenant=row.tenant, correlation_id=row.correlation_id)
     call = {name: value for name, value in options.items() if name in OPTIONS}
     if call:
         header[headers.OPTIONS] = call

@@ -28,7 +28,6 @@ class DemoTools:
 
 def jobs(tools: DemoTools, client: Any) -> None:
     from django.contrib.auth.models import User
-    from django.utils import timezone
 
     from celery_guardrails.jobs import COMPLETION_TASK, report_completion
     from django_celery_guardrails.models import Job, WaitingMessage
@@ -85,17 +84,14 @@ def jobs(tools: DemoTools, client: Any) -> None:
         wait = tools.wait_for("the completion to find no job yet", waiting, timeout=30)
         print(f"   the completion came first: it waits ({wait.reason}: {wait.detail})")
         tools.wait_for("2 s after the send", lambda: time.monotonic() - published >= 2.0, timeout=10, every=0.05)
-        moment = timezone.now()
-        late = Job(
+        late = Job.submitted(
             id=job_id,
             task_name="sandbox.render_invoice",
             task_id=uuid.uuid4().hex,
             tenant="acme",
-            created_at=moment,
-            updated_at=moment,
+            correlation_id="",
+            detail="handed off",
         )
-        late.record("queued", attempt=0, detail="handed off", now=moment)
-        late.save(force_insert=True)
         print(f"   job {job_id}: its record committed 2 s after the send")
         tools.wait_for("the completion applied", lambda: Job.objects.get(pk=job_id).state == "succeeded", timeout=60)
         late.refresh_from_db()

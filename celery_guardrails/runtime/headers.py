@@ -340,6 +340,17 @@ def record_since(header: Mapping[str, Any]) -> float | None:
     return float(value)
 
 
+def context(*, tenant: str | None, correlation_id: str | None) -> dict[str, Any]:
+    """A new header carrying a tenant and a correlation id (either left out when empty), for a message published
+    outside a guarded publish (a completion, a hand-off, a record of a row that never became a message)."""
+    header: dict[str, Any] = {VERSION_FIELD: VERSION}
+    if tenant:
+        header[TENANT] = tenant
+    if correlation_id:
+        header[CORRELATION_ID] = correlation_id
+    return header
+
+
 _JOB_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")
 
 

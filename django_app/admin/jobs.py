@@ -267,6 +267,7 @@ class JobAdmin(CheckedChangeList, TenantScopedAdmin):
         context = {
             **self.admin_site.each_context(request),
             "title": "Are you sure you want to cancel these jobs?",
+            "action": "cancel_selected",
             "jobs": shown,
             "count": count,
             "more": count - len(shown),

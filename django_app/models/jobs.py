@@ -123,6 +123,25 @@ class Job(models.Model):
     def __str__(self) -> str:
         return f"job {self.id} {self.task_name} ({self.state})"
 
+    @classmethod
+    def submitted(
+        cls, *, task_name: str, task_id: str, tenant: str, correlation_id: str, detail: str, **fields: Any
+    ) -> Job:
+        """A new job, ``queued`` with ``detail``, inserted (in the caller's transaction when there is one)."""
+        now = timezone.now()
+        job = cls(
+            task_name=task_name,
+            task_id=task_id,
+            tenant=tenant,
+            correlation_id=correlation_id,
+            created_at=now,
+            updated_at=now,
+            **fields,
+        )
+        job.record(QUEUED, attempt=0, detail=detail, now=now)
+        job.save(force_insert=True)
+        return job
+
     @property
     def terminal(self) -> bool:
         """Whether the job is in a final state (a replay may still move a failed or dead-lettered one)."""
