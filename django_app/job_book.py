@@ -155,7 +155,8 @@ class DjangoJobBook:
         return [JobCount(task=row["task_name"], state=row["state"], jobs=row["n"]) for row in rows]
 
 
-def _iso(moment: Any) -> str | None:
+def iso(moment: Any) -> str | None:
+    """A moment as JSON and the core's views carry it (ISO 8601), None for none."""
     return moment.isoformat() if moment is not None else None
 
 
@@ -175,10 +176,10 @@ def view(job: Job) -> JobView:
         error=job.error,
         dead_letter_task_id=job.dead_letter_task_id,
         created_at=job.created_at.isoformat(),
-        started_at=_iso(job.started_at),
-        finished_at=_iso(job.finished_at),
-        due_at=_iso(job.due_at),
-        cancel_requested_at=_iso(job.cancel_requested_at),
+        started_at=iso(job.started_at),
+        finished_at=iso(job.finished_at),
+        due_at=iso(job.due_at),
+        cancel_requested_at=iso(job.cancel_requested_at),
         history=tuple(entry for entry in (job.history or []) if isinstance(entry, dict)),
     )
 

@@ -29,7 +29,7 @@ from celery_guardrails.foundation.context import current_tenant
 from celery_guardrails.guardrails.jobs import CANCELLED, RETRYING, RUNNING, SUCCEEDED, TERMINAL, WAITING
 from celery_guardrails.options import django_settings, load
 
-from .job_book import DjangoJobBook, hand_off
+from .job_book import DjangoJobBook, hand_off, iso
 from .models import Job
 from .scoping import may_see
 
@@ -116,10 +116,6 @@ def may_read(request: HttpRequest, job: Any) -> bool:
 # The status.
 
 
-def _iso(moment: Any) -> str | None:
-    return moment.isoformat() if moment is not None else None
-
-
 def status(job: Any) -> dict[str, Any]:
     """What the status view answers about ``job`` (JSON values)."""
     return {
@@ -132,11 +128,11 @@ def status(job: Any) -> dict[str, Any]:
         "detail": job.detail,
         "error": job.error,
         "output_ref": job.output_ref,
-        "submitted_at": _iso(job.created_at),
-        "started_at": _iso(job.started_at),
-        "updated_at": _iso(job.updated_at),
-        "finished_at": _iso(job.finished_at),
-        "due_at": _iso(job.due_at),
+        "submitted_at": iso(job.created_at),
+        "started_at": iso(job.started_at),
+        "updated_at": iso(job.updated_at),
+        "finished_at": iso(job.finished_at),
+        "due_at": iso(job.due_at),
     }
 
 
@@ -153,7 +149,7 @@ def retry_after(job: Any, *, now: Any = None) -> int | None:
 
 
 def _etag(job: Any) -> str:
-    seen = f"{job.pk}|{job.state}|{_iso(job.updated_at)}|{job.output_ref}|{job.progress_done}|{job.attempt}"
+    seen = f"{job.pk}|{job.state}|{iso(job.updated_at)}|{job.output_ref}|{job.progress_done}|{job.attempt}"
     return '"' + hashlib.sha256(seen.encode()).hexdigest()[:32] + '"'
 
 
