@@ -20,7 +20,8 @@ _CHECKOUT = hashlib.sha256(os.path.dirname(os.path.dirname(os.path.abspath(__fil
 if DB == "postgres":
     DATABASES = {
         "default": {
-            "ENGINE": "django.db.backends.postgresql",
+            # Django's backend, emptying the tables between tests with DELETE (tests/support/postgresql).
+            "ENGINE": "tests.support.postgresql",
             # A test can route a worker through a proxy it cuts, to take the database away from it.
             "CONN_MAX_AGE": 0,
             "NAME": "guardrails",
