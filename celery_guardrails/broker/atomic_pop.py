@@ -163,17 +163,6 @@ class Channel(kombu_redis.Channel):  # type: ignore[misc]
         self.client.connection.send_command("BLMOVE", first, first, "RIGHT", "RIGHT", wait)
         return None
 
-    def close(self) -> None:
-        # kombu reads a pending BRPOP's reply before it closes the channel, since that reply may hold a message
-        # BRPOP took off its queue: a warm shutdown waits out the wait. The atomic pop's wait (BLMOVE of a list's
-        # tail onto itself) takes nothing, so its reply is dropped with its connection instead (kombu still
-        # reads BRPOP's, after a refusal). A closing channel reads nothing more, so the connection is not reused.
-        waiting = self._in_poll if self._atomic else None
-        if waiting:  # the connection the wait was sent on (kombu: False or None when none is pending)
-            self._in_poll = None
-            waiting.disconnect()
-        super().close()
-
     def _brpop_read(self, **options: Any) -> bool:
         if not self._atomic:
             return super()._brpop_read(**options)  # type: ignore[no-any-return]

@@ -16,7 +16,6 @@ import json
 import logging
 import os
 import signal
-import threading
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -377,31 +376,6 @@ def test_a_flushed_script_cache_is_loaded_again(broker_client: redis.Redis, chan
             connection.drain_events(timeout=1)
     # Then the next pop loaded the script again and took the message
     assert got == [1, 2]
-
-
-def test_closing_a_channel_that_waits_for_its_queue_drops_the_wait_and_takes_nothing(
-    broker_client: redis.Redis, channel_on: Any, queue_name: str
-) -> None:
-    # Given a channel waiting for its empty queue, its wait on the server longer than any test (an hour)
-    name = f"gr-close-{uuid.uuid4().hex[:8]}"
-    connection, channel = channel_on(BROKER_URLS["redis"], client_name=name, guardrails_pop_wait=3600)
-    got: list[Any] = []
-    channel.basic_consume(queue_name, False, got.append, "consumer")
-    with contextlib.suppress(TimeoutError):
-        connection.drain_events(timeout=0.2)
-    wait_for("the channel blocked on its queue", lambda: blocked_on(broker_client, name) == "blmove")
-    # When the channel is closed, as a worker's warm shutdown closes its connection
-    closing = threading.Thread(target=channel.close, daemon=True)
-    closing.start()
-    closing.join(60)
-    # Then it closed without waiting out the wait (kombu reads a pending BRPOP's reply first: an hour here),
-    # the server no longer holds the wait, and a message published afterwards stays in its queue for the next
-    # consumer: the dropped wait took nothing
-    assert not closing.is_alive(), "the close waited for the pending pop's reply"
-    wait_for("the wait gone from the server", lambda: blocked_on(broker_client, name) is None)
-    _, other = channel_on(BROKER_URLS["redis"])
-    publish(other, queue_name, {"job": 1})
-    assert broker_client.llen(queue_name) == 1 and got == []
 
 
 @pytest.mark.parametrize("refused", [["-blmove"], ["-evalsha", "-script"]], ids=["blmove", "script"])
