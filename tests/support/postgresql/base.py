@@ -6,7 +6,8 @@ Django's flush truncates every table of the project (about 60, with their indexe
 PostgreSQL gives each a new file and syncs them at commit, about 0.3 s on a quiet host and seconds under the
 suite's load. The tables a test leaves hold a few rows, which ``DELETE`` removes in a few milliseconds. Nothing
 else differs (the foreign keys are deferred, so the order of the tables does not matter within the flush's
-transaction); sequences are not reset either way (``reset_sequences`` asks for Django's own flush).
+transaction); sequences are not reset either way (``reset_sequences`` asks for Django's own flush). The content
+types and permissions, which the flush's ``post_migrate`` signal would write again the same, are kept.
 """
 
 from __future__ import annotations
@@ -14,6 +15,9 @@ from __future__ import annotations
 from typing import Any
 
 from django.db.backends.postgresql import base, operations
+
+#: Rows the migrations make and the flush's post_migrate signal makes again, the same, after every flush: kept.
+KEPT = frozenset({"django_content_type", "auth_permission"})
 
 
 class DatabaseOperations(operations.DatabaseOperations):  # type: ignore[misc]
@@ -24,7 +28,11 @@ class DatabaseOperations(operations.DatabaseOperations):  # type: ignore[misc]
             return super().sql_flush(  # type: ignore[no-any-return]
                 style, tables, reset_sequences=reset_sequences, allow_cascade=allow_cascade
             )
-        return [f"{style.SQL_KEYWORD('DELETE FROM')} {style.SQL_FIELD(self.quote_name(table))};" for table in tables]
+        return [
+            f"{style.SQL_KEYWORD('DELETE FROM')} {style.SQL_FIELD(self.quote_name(table))};"
+            for table in tables
+            if table not in KEPT
+        ]
 
 
 class DatabaseWrapper(base.DatabaseWrapper):  # type: ignore[misc]
