@@ -14,8 +14,6 @@ import socket
 from pathlib import Path
 from typing import Any
 
-import pytest
-
 HOST = "127.0.0.1"
 PORTS = {"redis": 6379, "postgres": 5432, "rabbitmq": 5672}
 
@@ -132,6 +130,10 @@ def require(service: str) -> None:
     """Skip (locally) or fail (CI) the calling test when ``service`` does not answer."""
     if answers(service):
         return
+    # (pytest imported here: the test settings import this module in every worker subprocess, which runs no test;
+    # pytest was a fifth of a second of each one's start.)
+    import pytest
+
     message = f"{service} is not answering on {HOST}:{PORTS[service]}; start it with `make services`"
     if os.environ.get("CI"):
         pytest.fail(message + " (CI is set, so this is a failure)", pytrace=False)
