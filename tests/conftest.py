@@ -192,15 +192,16 @@ def celery_worker(
 
     for module in celery_includes:
         celery_app.loader.import_task_module(module)
-    with start_worker(celery_app, pool=celery_worker_pool, **celery_worker_parameters) as worker:
-        yield worker
-        hub = getattr(worker, "hub", None)  # None where the pool runs no event loop (threads: a 2 s drain)
-        if hub is not None:
-            readable, writable = os.pipe()
-            state.should_terminate = 0  # as start_worker's exit does, before the wake
-            hub.add_reader(readable, lambda: None)
-            os.write(writable, b"x")
-    if hub is not None:
+    readable, writable = os.pipe()
+    try:
+        with start_worker(celery_app, pool=celery_worker_pool, **celery_worker_parameters) as worker:
+            yield worker
+            hub = getattr(worker, "hub", None)  # None where the pool runs no event loop (threads: a 2 s drain)
+            if hub is not None:
+                state.should_terminate = 0  # as start_worker's exit does, before the wake
+                hub.add_reader(readable, lambda: None)
+                os.write(writable, b"x")
+    finally:
         os.close(readable)
         os.close(writable)
 
