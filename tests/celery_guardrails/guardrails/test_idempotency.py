@@ -256,7 +256,8 @@ def test_sigkill_mid_body_redelivery_takes_over_the_expired_lease(
     )
     result = tasks.charge.delay(oid, sink.key, hold=60)
     with WorkerProcess(app=PROJ_APP, queue=queue_name, log_path=tmp_path / "first.log", env=env) as first:
-        sink.wait(1)
+        # (the effect, not the run's report: the body reports first, and a kill between the two made no effect)
+        wait_for("the first run's effect", lambda: effects(sink) == 1)
         first.kill()
         first.wait(15)
     # When another worker starts: the message comes back after the visibility timeout, the lease has expired
