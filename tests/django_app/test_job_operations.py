@@ -30,6 +30,7 @@ from django_celery_guardrails.models import Job
 from tests.conftest import Sink
 from tests.django_app.test_legible_pages import MOMENT
 from tests.proj import django_tasks
+from tests.support import zygote
 from tests.support.waiting import BOUND
 from tests.support.workers import PROJ_APP, ROOT, proj_env
 
@@ -53,12 +54,10 @@ def name() -> str:
 def job_command(queue: str, *args: str) -> subprocess.CompletedProcess[str]:
     """``celery -A tests.proj.app guardrails job ...`` with the test Django settings (the app's module sets
     Django up, as a Django project's Celery app does), on this test's database."""
-    return subprocess.run(
+    return zygote.run(
         [sys.executable, "-m", "celery", "-A", PROJ_APP, "guardrails", "job", *args],
         cwd=ROOT,
         env={**os.environ, "PYTHONPATH": str(ROOT), **proj_env(queue=queue, django=True)},
-        capture_output=True,
-        text=True,
         timeout=BOUND,
     )
 

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from types import TracebackType
 
+from tests.support import zygote
 from tests.support.services import BROKER_URLS, REDIS_URL
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -72,7 +73,7 @@ class CeleryProcess:
         self.command = [sys.executable, "-m", "celery", *command]
         self.log_path = log_path
         self.env = {**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}
-        self.process: subprocess.Popen[bytes] | None = None
+        self.process: subprocess.Popen[bytes] | zygote.ForkedProcess | None = None
 
     @property
     def log(self) -> str:
@@ -81,15 +82,7 @@ class CeleryProcess:
     def start(self, timeout: float = 45.0) -> CeleryProcess:
         STARTED.append(self)
         with self.log_path.open("wb") as out:
-            self.process = subprocess.Popen(
-                self.command,
-                cwd=ROOT,
-                env=self.env,
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                start_new_session=True,
-            )
+            self.process = zygote.spawn(self.command, cwd=ROOT, env=self.env, stdout=out.fileno(), stderr=out.fileno())
         if self.ready_text is None:
             return self
         deadline = time.monotonic() + timeout

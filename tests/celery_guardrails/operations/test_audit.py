@@ -26,6 +26,7 @@ from celery_guardrails.operations import audit_source
 from celery_guardrails.operations.audit import audit, graded_tasks, render, report_of, retry_rules
 from celery_guardrails.runtime.install import warn_about
 from celery_guardrails.testing import entry
+from tests.support import zygote
 from tests.support.audit_apps import (
     AXES,
     BROKER,
@@ -45,12 +46,10 @@ from tests.support.workers import ROOT
 
 
 def audit_command(app: str, *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
+    return zygote.run(
         [sys.executable, "-m", "celery", "-A", f"tests.support.audit_apps:{app}", "guardrails", "audit", *args],
         cwd=ROOT,
         env={**os.environ, "PYTHONPATH": str(ROOT)},
-        capture_output=True,
-        text=True,
         timeout=BOUND,
     )
 

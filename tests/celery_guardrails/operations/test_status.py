@@ -20,6 +20,7 @@ from celery_guardrails.stores.base import OutcomeCount, QueueSample
 from celery_guardrails.stores.redis import RedisStore
 from tests.conftest import BOTH_BROKERS
 from tests.proj import tasks
+from tests.support import zygote
 from tests.support.services import REDIS_URL
 from tests.support.stores import forget
 from tests.support.waiting import BOUND, wait_for
@@ -35,14 +36,7 @@ def environment(queue: str, broker: str = "redis") -> dict[str, str]:
 
 
 def run(*args: str, queue: str, broker: str = "redis") -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        command(*args),
-        cwd=ROOT,
-        env=environment(queue, broker),
-        capture_output=True,
-        text=True,
-        timeout=BOUND,
-    )
+    return zygote.run(command(*args), cwd=ROOT, env=environment(queue, broker), timeout=BOUND)
 
 
 @BOTH_BROKERS
@@ -132,7 +126,7 @@ def test_a_broker_that_cannot_be_reached_is_named_and_the_command_exits_1(celery
     env = {**environment(queue_name), "GUARDRAILS_TEST_BROKER_URL": "redis://127.0.0.1:1/0"}
 
     # When the status is read once
-    done = subprocess.run(command("--json"), cwd=ROOT, env=env, capture_output=True, text=True, timeout=BOUND)
+    done = zygote.run(command("--json"), cwd=ROOT, env=env, timeout=BOUND)
 
     # Then it prints what it read, names the queues as not read, exits 1, and prints no traceback
     assert done.returncode == 1
@@ -166,12 +160,11 @@ def test_rates_in_and_out_from_the_activity_the_workers_keep(celery_app: Any, qu
     }
     try:
         # When the status is printed, as JSON and as the table
-        printed = json.loads(
-            subprocess.run(
-                command("--json"), cwd=ROOT, env=env, capture_output=True, text=True, timeout=BOUND, check=True
-            ).stdout
-        )
-        table = subprocess.run(command(), cwd=ROOT, env=env, capture_output=True, text=True, timeout=BOUND, check=True)
+        done = zygote.run(command("--json"), cwd=ROOT, env=env, timeout=BOUND)
+        done.check_returncode()
+        printed = json.loads(done.stdout)
+        table = zygote.run(command(), cwd=ROOT, env=env, timeout=BOUND)
+        table.check_returncode()
     finally:
         forget("redis", f"guardrails:{{activity}}:{int(base // 3600 * 3600)}")
     # Then out is 10 a minute and in 14 (out plus the depth's change of 20 over 5 minutes)

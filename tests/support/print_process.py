@@ -1,0 +1,30 @@
+"""Run by tests/test_fork_server.py: prints what a process started as ``python -m`` can see of itself."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+if __name__ == "__main__":
+    if sys.argv[1:] == ["--sleep"]:
+        time.sleep(60)
+    from django.conf import settings
+
+    print(
+        json.dumps(
+            {
+                "argv": sys.argv,
+                "probe": os.environ.get("GUARDRAILS_FORK_PROBE"),
+                "cwd": os.getcwd(),
+                "path": sys.path,
+                "pid": os.getpid(),
+                "sid": os.getsid(0),
+                "parent": os.getppid(),
+                "settings_configured": settings.configured,
+            }
+        )
+    )
+    print("to stderr", file=sys.stderr)
+    sys.exit(3)
