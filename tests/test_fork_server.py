@@ -41,8 +41,8 @@ def test_a_child_sees_what_python_m_would_have_given_it(tmp_path: Path) -> None:
     # again as a plain `python -m` subprocess
     forked = run_printer(tmp_path, forked=True)
     plain = run_printer(tmp_path, forked=False)
-    # Then the child saw the same argv, environment, directory and import path, with Django's settings not
-    # configured, in a session of its own under the server
+    # Then the child saw the same argv, environment, directory, import path and signal dispositions, with
+    # Django's settings not configured, in a session of its own under the server
     assert forked["probe"] == "probe"
     assert {name: forked[name] for name in plain if name not in ("pid", "sid", "parent")} == {
         name: plain[name] for name in plain if name not in ("pid", "sid", "parent")

@@ -15,6 +15,7 @@ from django.core.management import call_command
 from django.core.management.base import CommandError
 
 from django_celery_guardrails.models import DeadLetter, SealedMessage
+from tests.support import zygote
 from tests.support.waiting import BOUND, wait_for
 from tests.support.workers import ROOT, proj_env
 
@@ -61,10 +62,11 @@ def manage(*arguments: str) -> subprocess.Popen[str]:
 )
 def test_bad_input_is_one_line_and_a_non_zero_exit(arguments: list[str], says: str) -> None:
     # When the command is given a bad value
-    process = manage(*arguments)
-    out, err = process.communicate(timeout=BOUND)
+    env = {**os.environ, **proj_env(queue="gr-test-commands", django=True), "PYTHONPATH": str(ROOT)}
+    done = zygote.run([sys.executable, "-m", "django", *arguments], cwd=ROOT, env=env, timeout=BOUND)
+    out, err = done.stdout, done.stderr
     # Then it exits 1 with one line that names the option, and no traceback
-    assert process.returncode == 1, (out, err)
+    assert done.returncode == 1, (out, err)
     assert err.count("\n") == 1 and err.startswith("CommandError: ") and says in err, err
     assert "Traceback" not in out + err
 

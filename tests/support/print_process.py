@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 import time
 
@@ -23,6 +24,10 @@ if __name__ == "__main__":
                 "sid": os.getsid(0),
                 "parent": os.getppid(),
                 "settings_configured": settings.configured,
+                "signals": {
+                    name: str(signal.getsignal(getattr(signal, name)))
+                    for name in ("SIGINT", "SIGTERM", "SIGCHLD", "SIGPIPE", "SIGXFSZ", "SIGHUP", "SIGUSR1")
+                },
             }
         )
     )

@@ -167,9 +167,11 @@ def _child(request: dict[str, object], out_fd: int, err_fd: int, closing: Sequen
     """In the forked child: become the process ``python -m <module> <args>`` would have been, then run it."""
     code = 1
     try:
+        # Undo what the server changed, back to what a fresh interpreter sets up (SIGPIPE and SIGXFSZ stay
+        # ignored, as Python leaves them).
         signal.set_wakeup_fd(-1)
-        for number in (signal.SIGCHLD, signal.SIGINT, signal.SIGTERM, signal.SIGPIPE):
-            signal.signal(number, signal.SIG_DFL)
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
         for fd in closing:
             with contextlib.suppress(OSError):
                 os.close(fd)
