@@ -18,13 +18,14 @@ from tests.support.workers import ROOT
 PRINT_ITSELF = "tests.support.print_process"
 
 
-def run_printer(tmp_path: Path, *, forked: bool) -> dict[str, object]:
+def run_printer(tmp_path: Path, *, forked: bool, flag: str) -> dict[str, object]:
     env = {
         **os.environ,
         "PYTHONPATH": os.pathsep.join([str(tmp_path), str(ROOT)]),
         "GUARDRAILS_FORK_PROBE": "probe",
     }
-    command = [sys.executable, "-m", PRINT_ITSELF, "an argument"]
+    target = PRINT_ITSELF if flag == "-m" else f"from {PRINT_ITSELF} import main; main()"
+    command = [sys.executable, flag, target, "an argument"]
     if forked:
         done = zygote.run(command, cwd=tmp_path, env=env, timeout=30)
     else:
@@ -34,13 +35,14 @@ def run_printer(tmp_path: Path, *, forked: bool) -> dict[str, object]:
     return dict(json.loads(done.stdout))
 
 
-def test_a_child_sees_what_python_m_would_have_given_it(tmp_path: Path) -> None:
+@pytest.mark.parametrize("flag", ["-m", "-c"])
+def test_a_child_sees_what_python_m_or_c_would_have_given_it(tmp_path: Path, flag: str) -> None:
     # Given the fork server of this test process
     server = zygote.server()
-    # When a module is run through it with a variable, a working directory and a PYTHONPATH of its own, and
+    # When a module (or code) is run through it with a variable, a working directory and a PYTHONPATH of its own, and
     # again as a plain `python -m` subprocess
-    forked = run_printer(tmp_path, forked=True)
-    plain = run_printer(tmp_path, forked=False)
+    forked = run_printer(tmp_path, forked=True, flag=flag)
+    plain = run_printer(tmp_path, forked=False, flag=flag)
     # Then the child saw the same argv, environment, directory, import path and signal dispositions, with
     # Django's settings not configured, in a session of its own under the server
     assert forked["probe"] == "probe"
@@ -78,5 +80,7 @@ def test_a_variable_read_at_import_is_not_forked() -> None:
     assert server.can_fork({**os.environ})
     assert not server.can_fork({**os.environ, "PROMETHEUS_MULTIPROC_DIR": "/tmp/x"})
     assert not server.can_fork({**os.environ, "PYTHONHASHSEED": "7"})
-    # And a command that is not `python -m` is not forkable
-    assert not zygote.forkable([sys.executable, "-c", "pass"])
+    # And only this interpreter's `-m` and `-c` are forkable
+    assert zygote.forkable([sys.executable, "-c", "pass"])
+    assert not zygote.forkable([sys.executable, "script.py"])
+    assert not zygote.forkable(["python3", "-m", "celery"])

@@ -1,4 +1,5 @@
-"""Run by tests/test_fork_server.py: prints what a process started as ``python -m`` can see of itself."""
+"""Run by tests/test_fork_server.py: prints what a process started as ``python -m`` (or ``python -c`` calling
+:func:`main`) can see of itself."""
 
 from __future__ import annotations
 
@@ -8,7 +9,8 @@ import signal
 import sys
 import time
 
-if __name__ == "__main__":
+
+def main() -> None:
     if sys.argv[1:] == ["--sleep"]:
         time.sleep(60)
     from django.conf import settings
@@ -33,3 +35,7 @@ if __name__ == "__main__":
     )
     print("to stderr", file=sys.stderr)
     sys.exit(3)
+
+
+if __name__ == "__main__":
+    main()

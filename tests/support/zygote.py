@@ -1,13 +1,15 @@
-"""A fork server for the suite's ``python -m ...`` subprocesses: one interpreter per test process that has
-imported Celery, kombu, billiard, redis-py, amqp, psycopg and Django's non-model modules once, and forks a child
-for each worker, beat or CLI start a test asks for.
+"""A fork server for the suite's ``python -m ...`` and ``python -c ...`` subprocesses: one interpreter per test
+process that has imported Celery, kombu, billiard, redis-py, amqp, psycopg and Django's non-model modules once,
+and forks a child for each worker, beat or CLI start a test asks for.
 
 Why: the suite starts a few hundred ``celery worker``/``beat`` processes and each spent about 1 s of CPU
 importing the same libraries before it did anything (2 s with Django). The child is still a real process of
 its own: its own pid and session (``setsid``, so ``killpg`` takes it and its pool children, as with
 ``start_new_session``), its own environment, working directory, ``sys.argv`` and ``sys.path``, its output in
-the test's log file, and it runs the module's ``__main__`` exactly as ``python -m`` does (``runpy``). What it
-shares with its siblings is only the imported, untouched library code.
+the test's log file, and it runs the module's ``__main__`` as ``python -m`` does (``runpy``) or the code in a
+fresh ``__main__`` as ``python -c`` does. What it shares with its siblings is only the imported, untouched
+library code: a test whose child checks which modules are loaded (that Django is not, say) keeps a plain
+subprocess.
 
 What is preloaded is library code and the project modules Celery's command line loads through its
 ``celery.commands`` entry point (``celery_guardrails.operations.cli``), never a settings module or a test app. A
@@ -37,6 +39,7 @@ import sys
 import tempfile
 import threading
 import traceback
+import types
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -164,7 +167,8 @@ def _receive(control: socket.socket) -> tuple[dict[str, object], list[int]] | No
 
 
 def _child(request: dict[str, object], out_fd: int, err_fd: int, closing: Sequence[int], base_path: list[str]) -> None:
-    """In the forked child: become the process ``python -m <module> <args>`` would have been, then run it."""
+    """In the forked child: become the process ``python -m <module> <args>`` (or ``-c <code>``) would have
+    been, then run it."""
     code = 1
     try:
         # Undo what the server changed, back to what a fresh interpreter sets up (SIGPIPE and SIGXFSZ stay
@@ -188,11 +192,17 @@ def _child(request: dict[str, object], out_fd: int, err_fd: int, closing: Sequen
         os.environ.clear()
         os.environ.update(env)
         extra = [path for path in env.get("PYTHONPATH", "").split(os.pathsep) if path]
-        sys.path[:] = [cwd, *extra, *base_path]
-        module = str(request["module"])
-        sys.argv = [module, *request["args"]]  # type: ignore[misc]
+        flag, target = str(request["flag"]), str(request["target"])
+        # As the interpreter sets them: `-m` puts the working directory first on the path, `-c` an empty entry.
+        sys.path[:] = [cwd if flag == "-m" else "", *extra, *base_path]
+        sys.argv = [target if flag == "-m" else "-c", *request["args"]]  # type: ignore[misc]
         try:
-            runpy.run_module(module, run_name="__main__", alter_sys=True)
+            if flag == "-m":
+                runpy.run_module(target, run_name="__main__", alter_sys=True)
+            else:
+                main = types.ModuleType("__main__")
+                sys.modules["__main__"] = main
+                exec(compile(target, "<string>", "exec"), main.__dict__)
             code = 0
         except SystemExit as exit_:
             if exit_.code is None:
@@ -266,18 +276,28 @@ def serve(control: socket.socket) -> None:
             if received is None:
                 return
             request, fds = received
+            if len(fds) != 3:  # not this server's protocol (a test process of another checkout's code)
+                for fd in fds:
+                    os.close(fd)
+                continue
             answer_fd, out_fd, err_fd = fds
             answer = socket.socket(fileno=answer_fd)
+            label = f"{request.get('flag')} {str(request.get('target'))[:40]!r} {_test_of(request)}"
             pid = os.fork()
             if pid == 0:
                 others = [held.fileno() for held in children.values()]
                 _child(request, out_fd, err_fd, [control.fileno(), wake_r, wake_w, answer_fd, *others], base_path)
             os.close(out_fd)
             os.close(err_fd)
-            answer.sendall(_STATUS.pack(pid))
             children[pid] = answer
-            env_of = request["env"]
-            accounts[pid] = f"{request['module']} {(env_of or {}).get('PYTEST_CURRENT_TEST', '')}"  # type: ignore[attr-defined]
+            accounts[pid] = label
+            with contextlib.suppress(OSError):  # the test process is gone: the child is reaped all the same
+                answer.sendall(_STATUS.pack(pid))
+
+
+def _test_of(request: dict[str, object]) -> str:
+    env = request.get("env")
+    return str(env.get("PYTEST_CURRENT_TEST", "")) if isinstance(env, dict) else ""
 
 
 # --- the test process's side ----------------------------------------------------------------------------------
@@ -366,10 +386,12 @@ class ForkServer:
     def start(
         self, command: Sequence[str], *, cwd: Path, env: dict[str, str], log_fd: int, err_fd: int | None = None
     ) -> ForkedProcess:
-        """Start ``command`` (``python -m <module> ...``), its output (and its error output, unless ``err_fd``
-        is given) into ``log_fd``."""
-        module, args = _module_of(command)
-        request = pickle.dumps({"module": module, "args": list(args), "cwd": str(cwd), "env": env})
+        """Start ``command`` (``python -m <module> ...`` or ``python -c <code> ...``), its output (and its error
+        output, unless ``err_fd`` is given) into ``log_fd``."""
+        if not forkable(command):
+            raise ValueError(f"the fork server runs `{sys.executable} -m <module> ...` or `-c <code> ...`: {command}")
+        flag, target, *args = command[1:]
+        request = pickle.dumps({"flag": flag, "target": target, "args": args, "cwd": str(cwd), "env": env})
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         self._broken = True  # until the pid is back
         try:
@@ -409,12 +431,6 @@ def _server_env() -> dict[str, str]:
     return env
 
 
-def _module_of(command: Sequence[str]) -> tuple[str, Sequence[str]]:
-    if len(command) < 3 or command[0] != sys.executable or command[1] != "-m":
-        raise ValueError(f"the fork server runs `{sys.executable} -m <module> ...` only, not {command}")
-    return command[2], command[3:]
-
-
 def enabled() -> bool:
     """Whether the suite's subprocesses start from the fork server (``GUARDRAILS_TEST_FORK=0``: each one a
     fresh interpreter, as before, to compare or to rule the server out)."""
@@ -422,7 +438,8 @@ def enabled() -> bool:
 
 
 def forkable(command: Sequence[str]) -> bool:
-    return len(command) >= 3 and command[0] == sys.executable and command[1] == "-m"
+    """Whether the fork server can run ``command``: this interpreter with ``-m <module>`` or ``-c <code>``."""
+    return len(command) >= 3 and command[0] == sys.executable and command[1] in ("-m", "-c")
 
 
 def spawn(
