@@ -21,6 +21,11 @@ def add_options(parser: pytest.Parser) -> None:
     )
     parser.addini("guardrails_pool", default="prefork", help="celery-guardrails: the kit worker's pool")
     parser.addini("guardrails_concurrency", default="2", help="celery-guardrails: the kit worker's concurrency")
+    parser.addini(
+        "guardrails_launcher",
+        default="",
+        help="celery-guardrails: what starts the kit's worker process (module:callable; default a subprocess)",
+    )
     parser.getgroup("celery-guardrails").addoption(
         "--guardrails-kit", action="store_true", default=False, help="enable the celery-guardrails test kit"
     )

@@ -26,7 +26,7 @@ from celery.signals import before_task_publish
 from celery_guardrails.testing import events
 from celery_guardrails.testing.proxy import TcpProxy
 from celery_guardrails.testing.reports import Captured, KitError, Report
-from celery_guardrails.testing.worker import GuardedWorker
+from celery_guardrails.testing.worker import GuardedWorker, Launcher, start_process
 
 #: Seconds a helper waits for the deliveries it caused to end before it fails (a machine that has stopped,
 #: not a measure of speed).
@@ -47,6 +47,7 @@ class KitHarness:
         concurrency: int = 2,
         databases: dict[str, dict[str, Any]] | None = None,
         settle_bound: float = SETTLE_BOUND,
+        launcher: Launcher = start_process,
     ) -> None:
         self.celery_app = celery_app
         self.folder = folder
@@ -69,6 +70,7 @@ class KitHarness:
             pool=pool,
             concurrency=concurrency,
             env=env,
+            launcher=launcher,
         )
 
     # -- set-up ------------------------------------------------------------------------------------------

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, cast
 
 import pytest
 
@@ -26,6 +26,7 @@ import celery_guardrails.testing as testing
 from celery_guardrails.testing import entry
 from celery_guardrails.testing.current import set_current
 from celery_guardrails.testing.kit import Kit
+from celery_guardrails.testing.worker import Launcher, start_process
 
 _kit_key = pytest.StashKey[Kit]()
 
@@ -132,6 +133,21 @@ def _databases(request: pytest.FixtureRequest) -> dict[str, dict[str, Any]]:
     return found
 
 
+def _launcher(path: str) -> Launcher:
+    """The ``guardrails_launcher`` ini option's callable (``module:callable``), or the default subprocess."""
+    if not path:
+        return start_process
+    from celery.utils.imports import symbol_by_name
+
+    try:
+        found = symbol_by_name(path)
+    except (ImportError, AttributeError, ValueError) as error:
+        raise testing.KitError(f"guardrails_launcher = {path}: {error}") from error
+    if not callable(found):
+        raise testing.KitError(f"guardrails_launcher = {path}: not a callable")
+    return cast(Launcher, found)
+
+
 @pytest.fixture
 def guardrails_kit(request: pytest.FixtureRequest, guardrails_kit_app: Any, tmp_path: Any) -> Iterator[Kit]:
     options = _marker(request)
@@ -146,6 +162,7 @@ def guardrails_kit(request: pytest.FixtureRequest, guardrails_kit_app: Any, tmp_
         pool=options.get("pool") or _ini(request.config, "guardrails_pool") or "prefork",
         concurrency=int(options.get("concurrency") or _ini(request.config, "guardrails_concurrency") or 2),
         databases=_databases(request),
+        launcher=_launcher(_ini(request.config, "guardrails_launcher")),
     )
     request.node.stash[_kit_key] = kit
     set_current(kit)

@@ -10,9 +10,9 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from celery_guardrails.testing import events
 
@@ -20,6 +20,37 @@ from celery_guardrails.testing import events
 START_BOUND = 90.0
 #: The pools a kit worker can run.
 POOLS = ("solo", "threads", "prefork")
+
+
+class Started(Protocol):
+    """What the kit needs of a started worker process: what :class:`subprocess.Popen` offers."""
+
+    pid: int
+    returncode: int | None
+
+    def poll(self) -> int | None: ...
+
+    def wait(self, timeout: float | None = None) -> int: ...
+
+
+#: Starts the worker's command: ``launcher(command, env=..., stdout=<descriptor>)``.
+Launcher = Callable[..., Started]
+
+
+def start_process(command: Sequence[str], *, env: dict[str, str], stdout: int) -> subprocess.Popen[bytes]:
+    """The default launcher: ``command`` as a subprocess in a session of its own (so that one ``killpg`` takes
+    the main process and every pool child), its output and errors to ``stdout``, no input.
+
+    Another launcher (the ``guardrails_launcher`` ini option) must do the same: a process of its own, in a new
+    session, with exactly this environment; it may start it differently (under coverage, from a fork server)."""
+    return subprocess.Popen(
+        list(command),
+        env=env,
+        stdout=stdout,
+        stderr=subprocess.STDOUT,
+        stdin=subprocess.DEVNULL,
+        start_new_session=True,
+    )
 
 
 class WorkerFailed(AssertionError):
@@ -41,6 +72,7 @@ class GuardedWorker:
         concurrency: int = 2,
         env: dict[str, str] | None = None,
         arguments: Sequence[str] = (),
+        launcher: Launcher = start_process,
     ) -> None:
         if pool not in POOLS:
             raise ValueError(f"pool {pool!r}: one of {', '.join(POOLS)}")
@@ -48,7 +80,8 @@ class GuardedWorker:
         self.pool, self.concurrency = pool, concurrency
         self.env = dict(env or {})
         self.arguments = list(arguments)
-        self.process: subprocess.Popen[bytes] | None = None
+        self.launcher = launcher
+        self.process: Started | None = None
         #: The node name, kept across restarts as a restarted worker's is: the guardrails judge a claim left by
         #: a process of this very worker (gone after a kill) by it, and take it over at once.
         self.name = f"kit-{uuid.uuid4().hex[:8]}@%h"
@@ -118,14 +151,7 @@ class GuardedWorker:
             **self.env,
         }
         with self.log_path.open("wb") as out:
-            self.process = subprocess.Popen(
-                self.command(),
-                env=environment,
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                start_new_session=True,
-            )
+            self.process = self.launcher(self.command(), env=environment, stdout=out.fileno())
         deadline = time.monotonic() + timeout
         while self._ready_count() <= ready_before:
             if self.process.poll() is not None:

@@ -458,6 +458,14 @@ def spawn(
     )
 
 
+def kit_launcher(
+    command: Sequence[str], *, env: dict[str, str], stdout: int
+) -> subprocess.Popen[bytes] | ForkedProcess:
+    """The test kit's launcher for this suite (``guardrails_launcher`` in pyproject.toml): its worker from the fork
+    server, in the test's working directory, errors with the output."""
+    return spawn(command, cwd=Path.cwd(), env=env, stdout=stdout, stderr=stdout)
+
+
 def run(command: Sequence[str], *, cwd: Path, env: dict[str, str], timeout: float) -> subprocess.CompletedProcess[str]:
     """``subprocess.run(command, capture_output=True, text=True, timeout=timeout)`` through :func:`spawn`; on a
     timeout the child's whole process group is SIGKILLed."""
