@@ -262,7 +262,12 @@ def test_the_kit_settings_shown_are_the_plugins_ini_options(pytestconfig: pytest
     parser.read_string(block.text)
     # When each key is looked up among the ini options pytest knows (the kit's entry point adds them)
     # Then each is one (getini raises ValueError for an unknown name)
-    assert set(parser["pytest"]) == {"guardrails_app", "guardrails_pool", "guardrails_concurrency"}
+    assert set(parser["pytest"]) == {
+        "guardrails_app",
+        "guardrails_pool",
+        "guardrails_concurrency",
+        "guardrails_launcher",
+    }
     for name in parser["pytest"]:
         pytestconfig.getini(name)
 
