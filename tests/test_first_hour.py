@@ -38,7 +38,9 @@ README = (ROOT / "README.md").read_text()
 #: What the tests write into the project's files after the README's text.
 OURS = "# --- added by tests/test_first_hour.py, not from the README: "
 
-pytestmark = pytest.mark.timeout(300)
+# One test process runs the module (make test: --dist loadgroup): its tests share the venv fixture, and spread
+# over the processes they sat side by side for the one that built it, three processes waiting 42 s each.
+pytestmark = [pytest.mark.timeout(300), pytest.mark.xdist_group("first-hour")]
 
 
 # ---------------------------------------------------------------------------------------------------- the README
