@@ -19,8 +19,10 @@ class GuardrailsConfig(AppConfig):
 
         from . import checks  # noqa: F401  (registers the system checks)
         from .scoping import create_permissions
+        from .signals import connect as connect_signals
 
         post_migrate.connect(create_permissions, sender=self)
+        connect_signals()
         # The core reaches this app's store, dead-letter sink, outbox and job book through what it registers
         # here: the core does not import this app.
         from celery_guardrails import stores

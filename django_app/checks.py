@@ -11,6 +11,11 @@ guardrails.W002  no ``seal_keys``: dead letters keep no sealed copy, so a record
                  redacted cannot be replayed.
 guardrails.W003  a setting that is allowed but weakens a guardrail: ``redact_keys`` empty (in
                  ``CELERY_GUARDRAILS`` or on a task), so nothing is redacted by name.
+guardrails.W006  the guardrails store is the Django database on a server, and Celery's Django fixup closes its
+                 connections before and after every task (``CELERY_DB_REUSE_MAX`` unset; no Django pool, or
+                 the prefork pool, whose fixup closes the pool with every task): each guarded task opens a new
+                 connection. The audit's rule GA006 (:func:`celery_guardrails.operations.audit.connection_rules`),
+                 for the app's ``worker_pool``; a worker says it at start for the pool it runs.
 guardrails.E010  ``admin_tenants`` names a callable that cannot be imported or is not callable (a bad value
                  is E001): until it is fixed, admin users who are scoped by it see nothing.
 guardrails.I001  beat entries (``CELERY_BEAT_SCHEDULE``) and django-celery-beat periodic tasks with no policy
@@ -38,6 +43,8 @@ placement, is W10x; GA8xx, tests, W18x):
     GA004 W104  waits on a result (script)  GA405 -     no seal_keys: W002 says it (not twice)
     GA005 W105  RabbitMQ without publisher
                 confirms
+    GA006 -     connections closed around
+                every task: W006 says it
     GA009 W109  source not read whole       GA501 W151  Redis visibility_timeout not longer than a limit
     GA101 W111  plain Celery task           GA502 W152  prefetch above 1 with long tasks
     GA102 W112  no max_payload_bytes        GA503 W153  ordering_key without idempotency_key
@@ -83,6 +90,8 @@ from celery_guardrails.options import OPTIONS, django_settings, validate_task, w
 AUDIT_IDS: dict[str, str | None] = {
     **{f"GA{axis}0{number}": f"guardrails.W1{axis}{number}" for axis in range(9) for number in range(1, 10)},
     "GA405": None,
+    # The Django store's connections closed around every task: W006 in plain `check` (the same rule).
+    "GA006": None,
     # An empty redact_keys is W003 in plain `check` (the same rule: celery_guardrails.options.weak_settings).
     "GA106": None,
     # Plain `check` names the entries watched with the default policy (I001); an opted-out entry is a choice.
@@ -250,6 +259,22 @@ def check_seal_keys(app_configs: Any = None, **kwargs: Any) -> list[Warning]:
             "and worker processes, and read it in CELERY_GUARDRAILS['seal_keys'] (README: Quick start).",
             id="guardrails.W002",
         )
+    ]
+
+
+@register(Tags.compatibility)
+def check_connections(app_configs: Any = None, **kwargs: Any) -> list[Warning]:
+    try:
+        from celery_guardrails.operations.audit import connection_rules
+
+        from .health import celery_app
+
+        found = connection_rules(celery_app())
+    except Exception:  # a check never raises: an app that cannot be loaded is no finding
+        return []
+    return [
+        Warning(f"{finding.message} ({finding.code})", hint=finding.fix, obj=finding.subject, id="guardrails.W006")
+        for finding in found
     ]
 
 

@@ -75,6 +75,11 @@ CELERY_TASK_DEFAULT_QUEUE = os.environ.get("EXAMPLE_QUEUE", "example")
 CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
 # Django's LOGGING (below) formats the worker's log lines too, with the guardrails context on each line.
 CELERY_WORKER_HIJACK_ROOT_LOGGER = False
+# Keep a worker's database connection across tasks: Celery's Django fixup otherwise closes it before and after
+# every task, and the guardrails' Django store pays a new connection per task on a database server (the system
+# check guardrails.W006; docs/performance.md has the cost). A connection the server dropped is closed before
+# the next task all the same (django_celery_guardrails.signals).
+CELERY_DB_REUSE_MAX = 1000
 
 # The external payments provider (the demo starts a flaky stand-in and points this at it).
 PAYMENTS_URL = os.environ.get("EXAMPLE_PAYMENTS_URL", "http://127.0.0.1:8765")

@@ -75,7 +75,7 @@ class GuardrailsBootstep(bootsteps.Step):  # type: ignore[misc]
             "; ".join(broker_changes(app, atomic=atomic)),
             sorted(settings),
         )
-        warn_about(app, guarded)
+        warn_about(app, guarded, pool=getattr(parent, "pool_cls", None))
         super().__init__(parent, **kwargs)
 
 
@@ -98,7 +98,7 @@ def broker_changes(app: Any, *, atomic: bool) -> list[str]:
     return said
 
 
-def warn_about(app: Any, guarded: list[Any]) -> None:
+def warn_about(app: Any, guarded: list[Any], *, pool: Any = None) -> None:
     """Start-up warnings: the audit's own rules (:func:`celery_guardrails.operations.audit.startup_rules` and
     :func:`~celery_guardrails.operations.audit.owner_rules`), so a worker says at start what the audit grades,
     with the same thresholds; an error (the zero rule) as an error, a warning as a warning, the information too
@@ -116,7 +116,7 @@ def warn_about(app: Any, guarded: list[Any]) -> None:
         )
     levels = {ERROR: logging.ERROR, WARNING: logging.WARNING}
     try:
-        findings = startup_rules(app)
+        findings = startup_rules(app, pool=pool)
     except Exception as exc:  # a start-up warning never stops a worker: say it could not be read, and go on
         logger.warning("celery-guardrails: the audit's rules could not be read: %r", exc)
         findings = []

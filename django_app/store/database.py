@@ -16,7 +16,10 @@ from typing import ParamSpec, TypeVar
 
 from django.db import DatabaseError
 
+from celery_guardrails.exceptions import StoreUnavailableError
 from celery_guardrails.stores.database import failure
+
+from ..signals import drop_broken_connections
 
 __all__ = ["failure", "to_datetime", "to_seconds", "translated"]
 
@@ -33,7 +36,10 @@ def translated(what: str) -> Callable[[Callable[P, T]], Callable[P, T]]:
             try:
                 return operation(*args, **kwargs)
             except DatabaseError as exc:
-                raise failure(what, exc) from exc
+                error = failure(what, exc)
+                if isinstance(error, StoreUnavailableError):
+                    drop_broken_connections()  # kept by CELERY_DB_REUSE_MAX, it would fail every task after
+                raise error from exc
 
         return run
 

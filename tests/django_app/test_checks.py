@@ -50,8 +50,8 @@ def test_every_audit_code_has_its_system_check_id_and_is_in_the_table() -> None:
     assert len(codes) == len(set(codes)) and {code[2] for code in codes} == set("012345678")
     # Then each has its id by the rule, guardrails.W1 + axis digit + number (GA0xx -> W10x, GA8xx -> W18x), but
     # GA405, which W002 says already, GA607, which the plain check's I001 says, and GA608 (an opt-out, a choice)
-    # (and GA106, which W003 says)
-    quiet = ("GA106", "GA405", "GA607", "GA608")
+    # (and GA106, which W003 says, and GA006, which W006 says)
+    quiet = ("GA006", "GA106", "GA405", "GA607", "GA608")
     expected = {code: None if code in quiet else f"guardrails.W1{code[2]}{code[4]}" for code in codes}
     assert {code: AUDIT_IDS[code] for code in codes} == expected
     # And the checks' docstring table lists every code with that id
@@ -200,3 +200,82 @@ def test_plain_check_names_each_entry_and_row_watched_with_the_default_policy() 
         "1 beat entry is not watched, no missed-run detection: beat entry 'plain' (its task tests.checks.plain is a "
         "plain Celery task (not a GuardedTask))."
     )
+
+
+POSTGRES = {"ENGINE": "django.db.backends.postgresql", "NAME": "shop"}
+
+
+def django_store_app(**conf: Any) -> Any:
+    """A Celery app (on the Django store unless ``conf`` says) with Celery's Django fixup, as a Django project's
+    celery.py makes it."""
+    from celery import Celery
+
+    app = Celery("connections", set_as_current=False, fixups=["celery.fixups.django:fixup"])
+    app.conf.update({"guardrails": {"store": "django"}, **conf})
+    return app
+
+
+@pytest.mark.parametrize(
+    ("conf", "pool", "database", "found"),
+    [
+        # no reuse, no pool: a connection per task, whatever the worker's pool
+        ({}, None, POSTGRES, "no Django pool takes the closed connection back"),
+        ({}, "threads", POSTGRES, "no Django pool takes the closed connection back"),
+        # Django's pool under prefork: Celery closes the pool itself after every task
+        ({}, "prefork", {**POSTGRES, "OPTIONS": {"pool": True}}, "celery/celery#10554"),
+        # Django's pool with threads or solo: the close hands the connection back
+        ({}, "threads", {**POSTGRES, "OPTIONS": {"pool": True}}, None),
+        ({}, "solo", {**POSTGRES, "OPTIONS": {"pool": True}}, None),
+        # CELERY_DB_REUSE_MAX: Celery keeps them
+        ({"CELERY_DB_REUSE_MAX": 1000}, "prefork", POSTGRES, None),
+        # SQLite: a file, no server's connection
+        ({}, "prefork", {"ENGINE": "django.db.backends.sqlite3", "NAME": "db.sqlite3"}, None),
+    ],
+)
+def test_the_django_store_with_connections_closed_around_every_task_is_found_with_its_cause(
+    conf: dict[str, Any], pool: str | None, database: dict[str, Any], found: str | None
+) -> None:
+    # Given a Django project's app on the Django store, its database and the worker's pool
+    app = django_store_app(**conf)
+    # When the connection rule reads them
+    findings = audit.connection_rules(app, pool=pool, database=database)
+    # Then it finds GA006 with the cause, or nothing where the connection is kept or cheap
+    if found is None:
+        assert findings == []
+    else:
+        (finding,) = findings
+        assert (finding.code, finding.severity, finding.subject) == ("GA006", "warning", "CELERY_DB_REUSE_MAX")
+        assert found in finding.message and "CELERY_DB_REUSE_MAX" in finding.fix and "pool" in finding.fix
+
+
+def test_the_connection_rule_reads_nothing_on_a_redis_store_or_without_celery_s_django_fixup() -> None:
+    from celery import Celery
+
+    # Given the Redis store, or an app Celery's Django fixup does not watch (nothing closes its connections)
+    on_redis = django_store_app(guardrails={"store": "redis://127.0.0.1:6379/1"})
+    unwatched = Celery("plain", set_as_current=False, fixups=[])
+    unwatched.conf.guardrails = {"store": "django"}
+    # Then neither is a finding
+    assert audit.connection_rules(on_redis, database=POSTGRES) == []
+    assert audit.connection_rules(unwatched, database=POSTGRES) == []
+
+
+def test_plain_check_says_w006_for_the_project_s_app_and_its_worker_pool(settings: Any) -> None:
+    # Given the example project on a database server (the PostgreSQL pass; the SQLite pass skips it) with its
+    # CELERY_DB_REUSE_MAX taken away
+    from celery import current_app
+
+    if "sqlite" in settings.DATABASES["default"]["ENGINE"]:
+        pytest.skip("SQLite: a file, no server's connection (runs in the PostgreSQL pass)")
+    app = current_app._get_current_object()
+    kept = app.conf.get("CELERY_DB_REUSE_MAX")
+    assert kept, "the example project keeps its connections (settings.CELERY_DB_REUSE_MAX)"
+    app.conf["CELERY_DB_REUSE_MAX"] = None
+    try:
+        # Then `manage.py check` warns, with the fix as the hint
+        (warning,) = [m for m in run_checks() if m.id == "guardrails.W006"]
+    finally:
+        app.conf["CELERY_DB_REUSE_MAX"] = kept
+    assert "(GA006)" in warning.msg and "CELERY_DB_REUSE_MAX" in (warning.hint or "")
+    # And with it back, nothing
+    assert "guardrails.W006" not in ids()

@@ -39,7 +39,15 @@ def proxy() -> Iterator[TcpProxy]:
 
 
 @pytest.fixture
-def worker(celery_app: Any, proxy: TcpProxy, queue_name: str, tmp_path: Path) -> Iterator[WorkerProcess]:
+def reuse_max(request: pytest.FixtureRequest) -> str:
+    """CELERY_DB_REUSE_MAX for the worker ("": unset, Celery closes the connections around every task)."""
+    return str(getattr(request, "param", ""))
+
+
+@pytest.fixture
+def worker(
+    celery_app: Any, proxy: TcpProxy, queue_name: str, tmp_path: Path, reuse_max: str
+) -> Iterator[WorkerProcess]:
     """A prefork worker on the Django store, its database connection through ``proxy``."""
     env = proj_env(
         queue=queue_name,
@@ -48,6 +56,7 @@ def worker(celery_app: Any, proxy: TcpProxy, queue_name: str, tmp_path: Path) ->
         GUARDRAILS_TEST_GUARDRAILS=json.dumps(
             {"store": "django", "dead_letter_sinks": ["django"], "seal_keys": [SEAL_KEY]}
         ),
+        GUARDRAILS_TEST_DB_REUSE_MAX=reuse_max,
     )
     with WorkerProcess(app=PROJ_APP, queue=queue_name, log_path=tmp_path / "worker.log", env=env) as process:
         yield process  # type: ignore[misc]
@@ -90,6 +99,25 @@ def test_database_cut_at_the_claim_the_message_comes_back_and_runs_once(
     assert [r["run"] for r in sink.items()] == [1]
     assert Effect.objects.filter(key=key).count() == 1
     assert not DeadLetter.objects.filter(task_id=result.id).exists()
+
+
+@pytest.mark.parametrize("reuse_max", ["1000"], indirect=True)
+def test_a_connection_kept_across_tasks_that_the_database_dropped_is_replaced_before_the_next_task(
+    worker: WorkerProcess, proxy: TcpProxy, sink: Sink
+) -> None:
+    # Given a worker that keeps its database connection across tasks (CELERY_DB_REUSE_MAX, as guardrails.W006
+    # advises), which has run a keyed task on it
+    first = uuid.uuid4().hex
+    committed_once(django_tasks.write_effect.delay(first, sink.key), first)
+    # When the database drops every connection (a restart) and answers again at once
+    proxy.cut()
+    proxy.restore()
+    # Then the next keyed task runs once on a new connection: its first delivery meets the dropped one at the
+    # claim, before its body, and comes back (no attempt spent) once it is closed (Celery would keep it for
+    # 2 x 1000 tasks, each failing on it)
+    key = uuid.uuid4().hex
+    committed_once(django_tasks.write_effect.delay(key, sink.key), key)
+    assert [r["run"] for r in sink.items()] == [1, 2]  # (the sink's count of bodies run: one per task)
 
 
 def test_database_cut_at_the_completion_rolls_the_effect_back_and_the_message_commits_it_once_later(

@@ -4,6 +4,7 @@ Configured from the environment: GUARDRAILS_TEST_BROKER_URL, GUARDRAILS_TEST_RED
 GUARDRAILS_TEST_QUEUE, GUARDRAILS_TEST_GUARDRAILS (JSON for app.conf.guardrails), GUARDRAILS_TEST_ACCEPT (JSON
 for accept_content), GUARDRAILS_TEST_BEAT (JSON
 for beat_schedule entries: {"name": {"task": ..., "schedule": seconds, "kwargs": {...}, "options": {...}}}),
+GUARDRAILS_TEST_DB_REUSE_MAX (Celery's CELERY_DB_REUSE_MAX),
 GUARDRAILS_TEST_QUORUM (an exchange type, "topic" or "direct": the queue is a RabbitMQ quorum queue bound to an
 exchange of that type named after it; see tests.support.quorum).
 """
@@ -32,6 +33,8 @@ if os.environ.get("GUARDRAILS_TEST_QUORUM"):
     from tests.support.quorum import quorum_queues
 
     app.conf.task_queues = quorum_queues(app.conf.task_default_queue, os.environ["GUARDRAILS_TEST_QUORUM"])
+if os.environ.get("GUARDRAILS_TEST_DB_REUSE_MAX"):  # Celery's Django fixup reads it by this name
+    app.conf["CELERY_DB_REUSE_MAX"] = int(os.environ["GUARDRAILS_TEST_DB_REUSE_MAX"])
 app.conf.guardrails = {"store": redis_url, **json.loads(os.environ.get("GUARDRAILS_TEST_GUARDRAILS", "{}"))}
 
 if "GUARDRAILS_TEST_SIGNAL_SINK" in os.environ:

@@ -117,7 +117,14 @@ def own_tasks(app: Celery, prefix: str) -> Celery:
     """Keep only the app's own tasks (and Celery's): every ``shared_task`` imported in this process (the
     example project's, the suite's) is added to every app as it is finalised, and would be graded too. The app's
     default modules are imported first, as the audit imports them (with DJANGO_SETTINGS_MODULE set, Celery's
-    Django fixup brings the project's tasks in then)."""
+    Django fixup brings the project's tasks in then).
+
+    Each keeps its database connections across tasks (``CELERY_DB_REUSE_MAX``, unless it says otherwise): in the
+    suite's process the store is the Django database, on PostgreSQL in one pass and SQLite in the other, so the
+    connection rule (GA006) would be found in one and not the other. Its own tests give it the database it reads
+    (tests/django_app/test_checks.py)."""
+    if app.conf.get("CELERY_DB_REUSE_MAX") is None:
+        app.conf["CELERY_DB_REUSE_MAX"] = 1000
     app.loader.import_default_modules()
     for name in list(app.tasks):
         if not name.startswith((prefix, "celery.")):

@@ -32,6 +32,9 @@ placement (what runs in the background, and how a request hands it over)
                    ``confirm_publish``, Celery's default): a publish the broker refuses (an exchange that does not
                    exist) returns as if sent, the message is lost, and the refusal fails the next publish on its
                    channel instead (the outbox relay confirms its own publishes whatever this says)
+    GA006 warning  the Django store on a database server whose connections Celery's Django fixup closes before
+                   and after every task (no ``CELERY_DB_REUSE_MAX``; no Django pool, or the prefork pool, which
+                   closes the pool with every task: celery/celery#10554): a new connection per guarded task
     GA009 info     the source was not read whole (the scan's bound, or no such folder): the rest is not graded
 message design
     GA101 warning  a task that is a plain ``celery.Task``, not a ``GuardedTask`` (no context, no retry gate, no
@@ -114,7 +117,8 @@ with many call sites costs its axis once.
 
 A worker logs the audit's own findings as it starts (:func:`celery_guardrails.runtime.install.warn_about`): the
 retry rules (GA201, GA202, GA3xx: :func:`retry_rules`), the visibility rule (GA501: :func:`visibility_rules`),
-the redaction rule (GA106: :func:`redaction_rules`), the owner rule (GA401: :func:`owner_rules`) and, from its
+the redaction rule (GA106: :func:`redaction_rules`), the connection rule (GA006: :func:`connection_rules`,
+for the worker's own pool), the owner rule (GA401: :func:`owner_rules`) and, from its
 consumer, the RabbitMQ consumer-timeout rule (GA504: :func:`consumer_timeout_rules`), so what a
 worker warns about and what the audit grades is one rule, written once, with one threshold.
 
@@ -147,7 +151,7 @@ from celery_guardrails.operations.audit.model import (
     report_of,
 )
 from celery_guardrails.operations.audit.ordering import LONG_TASK, consumer_timeout_rules, visibility_rules
-from celery_guardrails.operations.audit.placement import SHOWN_SITES
+from celery_guardrails.operations.audit.placement import SHOWN_SITES, connection_rules
 from celery_guardrails.operations.audit.rendering import as_json, render
 from celery_guardrails.operations.audit.retries import CELERY_RETRY_DELAY, MAX_RETRIES, retry_rules
 from celery_guardrails.operations.audit.retry_calls import BROAD, RetryCode, retry_code
@@ -177,6 +181,7 @@ __all__ = [
     "RetryCode",
     "as_json",
     "audit",
+    "connection_rules",
     "consumer_timeout_rules",
     "graded_tasks",
     "owner_rules",

@@ -18,7 +18,7 @@ from celery_guardrails.operations.audit.message_design import message_design_rul
 from celery_guardrails.operations.audit.model import Finding, Report, report_of
 from celery_guardrails.operations.audit.observability import observability_rules
 from celery_guardrails.operations.audit.ordering import ordering_rules, visibility_rules
-from celery_guardrails.operations.audit.placement import placement_rules
+from celery_guardrails.operations.audit.placement import connection_rules, placement_rules
 from celery_guardrails.operations.audit.retries import retry_rules
 from celery_guardrails.operations.audit.scheduling import schedule_rules
 from celery_guardrails.operations.audit.tasks import graded_tasks
@@ -83,12 +83,18 @@ def source_walks(source: str | os.PathLike[str] | None = None) -> tuple[audit_so
     return walked, audit_source.walk(base.parent)
 
 
-def startup_rules(app: Any) -> list[Finding]:
+def startup_rules(app: Any, *, pool: Any = None) -> list[Finding]:
     """The audit's rules a worker logs as it starts (:func:`celery_guardrails.runtime.install.warn_about`), for
-    the app's graded tasks: the retry rules (GA201, GA202, GA3xx), the visibility rule (GA501) and the redaction
-    rule (GA106). The owner rule (GA401) is logged there too, as one line naming every task."""
+    the app's graded tasks: the retry rules (GA201, GA202, GA3xx), the visibility rule (GA501), the redaction
+    rule (GA106) and the connection rule (GA006, for the worker's ``pool``). The owner rule (GA401) is logged
+    there too, as one line naming every task."""
     tasks = graded_tasks(app)
     from celery_guardrails.runtime.pipeline import is_guarded
 
     guarded = [task for task in tasks if is_guarded(task)]
-    return retry_rules(app, tasks) + visibility_rules(app, tasks) + redaction_rules(app, guarded)
+    return (
+        retry_rules(app, tasks)
+        + visibility_rules(app, tasks)
+        + redaction_rules(app, guarded)
+        + connection_rules(app, pool=pool)
+    )

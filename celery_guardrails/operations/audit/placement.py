@@ -1,12 +1,13 @@
 """The placement axis (GA0xx): what runs in the background and how a request hands it over. The app's config
-(``task_always_eager``, RabbitMQ without publisher confirms) and the project's source as
-:mod:`celery_guardrails.operations.audit_source` reads it (publishes inside a database transaction, waits on a
-task's result in a request or in a script), one finding per file with its lines.
+(``task_always_eager``, RabbitMQ without publisher confirms, the Django store on a database whose connections
+Celery closes around every task) and the project's source as :mod:`celery_guardrails.operations.audit_source`
+reads it (publishes inside a database transaction, waits on a task's result in a request or in a script), one
+finding per file with its lines.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 from celery_guardrails.operations import audit_source
@@ -32,10 +33,64 @@ def _lines(sites: list[audit_source.Site]) -> str:
     return ("line " if len(sites) == 1 else "lines ") + shown + more
 
 
+def connection_rules(app: Any, *, pool: Any = None, database: Mapping[str, Any] | None = None) -> list[Finding]:
+    """GA006: the Django store on a database server while Celery's Django fixup closes the database connections
+    before and after every task: ``CELERY_DB_REUSE_MAX`` unset, and no Django pool (Django 5.1+, ``OPTIONS:
+    {"pool": True}``) that the close hands the connection back to; under prefork, Celery closes that pool with
+    every task too (celery/celery#10554). Each guarded task then opens a connection of its own (docs/performance.md
+    measures it). ``pool``: the worker's pool (its ``pool_cls``), else the app's ``worker_pool``; ``database``:
+    the settings of the store's database, else Django's ``DATABASES["default"]``. The audit's finding, the system
+    check ``guardrails.W006`` and a worker's start-up warning."""
+    from celery_guardrails.exceptions import ConfigurationError
+    from celery_guardrails.operations.alert_channels import django_configured
+    from celery_guardrails.stores import store_url
+
+    try:
+        if store_url(app) != "django" or not django_configured():
+            return []
+    except ConfigurationError:
+        return []
+    # (Celery keeps its fixups in app._fixups, no public name; without its Django fixup nothing closes them)
+    fixups = getattr(app, "_fixups", None) or []
+    if app.conf.get("CELERY_DB_REUSE_MAX") or not any(type(f).__name__ == "DjangoFixup" for f in fixups):
+        return []
+    if database is None:
+        from django.conf import settings
+
+        database = settings.DATABASES.get("default", {})
+    if "sqlite" in str(database.get("ENGINE", "")):
+        return []  # a file opened, not a server's connection
+    chosen = pool if pool is not None else app.conf.worker_pool
+    name = chosen if isinstance(chosen, str) else f"{getattr(chosen, '__module__', '')}.{chosen!r}"
+    prefork = "prefork" in name.lower()
+    pooled = bool((database.get("OPTIONS") or {}).get("pool"))
+    if pooled and not prefork:
+        return []
+    why = (
+        "Django's pool is on, but under the prefork pool Celery closes the pool itself after every task "
+        "(celery/celery#10554)"
+        if pooled
+        else "no Django pool takes the closed connection back"
+    )
+    return [
+        finding(
+            "GA006",
+            WARNING,
+            "CELERY_DB_REUSE_MAX",
+            "the guardrails store is the Django database, and Celery's Django fixup closes its connections before "
+            f"and after every task (CELERY_DB_REUSE_MAX is unset; {why}): each guarded task opens a new "
+            "connection, milliseconds of its own on PostgreSQL (docs/performance.md)",
+            "set CELERY_DB_REUSE_MAX (e.g. 1000: Celery then closes them every 2,000 tasks; the guardrails drop a "
+            "broken connection before each task); or, with a threads or solo pool, Django's pool "
+            "(DATABASES['default']['OPTIONS']['pool'] = True, Django 5.1+ and psycopg 3)",
+        )
+    ]
+
+
 def placement_rules(app: Any, walked: audit_source.Walk) -> list[Finding]:
-    """Placement (GA0xx): eager tasks, publishers without confirms, and the source's publishes inside a
-    transaction and waits on a result, one finding per file."""
-    found = []
+    """Placement (GA0xx): eager tasks, publishers without confirms, the Django store's connections closed around
+    every task, and the source's publishes inside a transaction and waits on a result, one finding per file."""
+    found = connection_rules(app)
     if app.conf.task_always_eager:
         found.append(
             finding(
