@@ -65,11 +65,14 @@ def interpreter(version: str) -> str:
     return found[-1] if found else shutil.which(f"python{version}") or f"python{version}"
 
 
-def installer() -> tuple[str, ...]:
-    """uv's pip, beside this environment's Python (the test extra has it; about 2 s a combination against pip's
-    15 to 20 s of CPU, with make test's passes beside it), else this environment's pip."""
+def install_into(python: Path) -> tuple[str, ...]:
+    """The install command into the environment of ``python``: uv's pip, beside this environment's Python (the
+    test extra has it; about 2 s a combination against pip's 15 to 20 s of CPU, beside make test's passes), else
+    this environment's pip."""
     uv = Path(sys.executable).with_name("uv")
-    return (str(uv), "pip") if uv.exists() else (sys.executable, "-m", "pip")
+    if uv.exists():
+        return (str(uv), "pip", "install", "--python", str(python))
+    return (sys.executable, "-m", "pip", "--python", str(python), "install")
 
 
 def _release(path: str) -> tuple[int, ...]:
@@ -102,10 +105,7 @@ def smoke(session: nox.Session, combination: str) -> None:
         # up and upgrading one per combination (make test makes two fresh ones beside the suite's passes).
         session.run(interpreter(chosen.python), "-m", "venv", "--without-pip", str(venv), external=True)
     session.run(
-        *installer(),
-        "--python",
-        str(python),
-        "install",
+        *install_into(python),
         "--quiet",
         "-e",
         f"{ROOT}[suite]",
