@@ -4,6 +4,7 @@ its check id."""
 from __future__ import annotations
 
 import re
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +17,20 @@ from celery_guardrails import GuardedTask
 from celery_guardrails.operations import audit
 from django_celery_guardrails import checks
 from django_celery_guardrails.checks import AUDIT_IDS
+
+
+@pytest.fixture(autouse=True)
+def project_app() -> Iterator[Any]:
+    """The example project's Celery app, current as in its own processes (the checks read the current app;
+    an earlier test in the same process may have left another one current)."""
+    from celery import current_app
+
+    from example_project.celery_app import app
+
+    before = current_app._get_current_object()
+    app.set_current()
+    yield app
+    before.set_current()
 
 
 def ids() -> list[str]:
@@ -260,14 +275,12 @@ def test_the_connection_rule_reads_nothing_on_a_redis_store_or_without_celery_s_
     assert audit.connection_rules(unwatched, database=POSTGRES) == []
 
 
-def test_plain_check_says_w006_for_the_project_s_app_and_its_worker_pool(settings: Any) -> None:
+def test_plain_check_says_w006_for_the_project_s_app_and_its_worker_pool(settings: Any, project_app: Any) -> None:
     # Given the example project on a database server (the PostgreSQL pass; the SQLite pass skips it) with its
     # CELERY_DB_REUSE_MAX taken away
-    from celery import current_app
-
     if "sqlite" in settings.DATABASES["default"]["ENGINE"]:
         pytest.skip("SQLite: a file, no server's connection (runs in the PostgreSQL pass)")
-    app = current_app._get_current_object()
+    app = project_app
     kept = app.conf.get("CELERY_DB_REUSE_MAX")
     assert kept, "the example project keeps its connections (settings.CELERY_DB_REUSE_MAX)"
     app.conf["CELERY_DB_REUSE_MAX"] = None
