@@ -2,7 +2,7 @@
 
 Configured from the environment by bench.py: BENCH_REDIS_URL (broker, results), BENCH_QUEUE, BENCH_STORE
 ("redis" or "django"; the Django database is bench.settings'), BENCH_RUN (keeps idempotency keys of
-different runs apart).
+different runs apart), BENCH_DB_REUSE_MAX (Celery's CELERY_DB_REUSE_MAX).
 
 Every task takes ``done``: the name of a Redis list the task pushes its number to when it is given one
 (the last task of a batch), so a batch whose results are ignored is waited for without a result backend.
@@ -34,6 +34,11 @@ app.conf.update(
         **json.loads(os.environ.get("BENCH_GUARDRAILS", "{}")),
     },
 )
+
+# Django-store variants (bench.py): Celery's Django fixup keeps the connections for this many tasks (unset: it
+# closes them before and after every task).
+if os.environ.get("BENCH_DB_REUSE_MAX"):
+    app.conf["CELERY_DB_REUSE_MAX"] = int(os.environ["BENCH_DB_REUSE_MAX"])
 
 _client: list[Any] = []
 

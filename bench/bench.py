@@ -12,7 +12,8 @@ printed, with their range: this machine's speed drifts by more than the differen
 * Django store on PostgreSQL, in a database made for the run on the local server (BENCH_PG_HOST,
   BENCH_PG_PORT, BENCH_PG_USER) and dropped after it: a task that INSERTs one row, plain Celery in a
   transaction of its own against a keyed GuardedTask with ``atomic=True`` (the key's completion commits in
-  the body's transaction) and without. BENCH_CONN_MAX_AGE sets Django's CONN_MAX_AGE (default 0).
+  the body's transaction) and without. BENCH_CONN_MAX_AGE sets Django's CONN_MAX_AGE (default 0). It also
+  counts the database sessions opened per task (PostgreSQL's ``pg_stat_database.sessions``).
 * Django store on SQLite (a fresh file): the no-op kinds, and the INSERT kinds.
 
 One more Redis-store worker: ``redis_kombu_pop`` pops with kombu's ``BRPOP`` (``broker_atomic_pop`` off; every
@@ -25,7 +26,11 @@ same kind in every round (which goes first alternates); the figure is the median
 worker's time over the "on" worker's (1.00: the setting costs nothing), with its range, over
 BENCH_PAIR_ROUNDS rounds (24).
 
-BENCH_STORES defaults to ``redis,redis_kombu_pop,pair_metrics,pair_activity,postgres,sqlite``.
+BENCH_STORES defaults to ``redis,redis_kombu_pop,pair_metrics,pair_activity,postgres,postgres_reuse,postgres_pool,
+sqlite``: ``postgres`` with Celery's default (the Django fixup closes the connections before and after every
+task), ``postgres_reuse`` with ``CELERY_DB_REUSE_MAX=1000``, ``postgres_pool`` with Django's pool (a solo worker:
+under prefork Celery closes the pool with every task, celery/celery#10554). Every ratio has beside it the time the
+kind adds to each task over its baseline, in microseconds (median of the rounds' differences).
 
 BENCH_STORES picks workers. Prints ratios; asserts nothing.
 """
@@ -83,7 +88,19 @@ WORKERS: dict[str, list[Group]] = {
     ],
     "postgres": [
         Group(
-            "Django store (PostgreSQL), one INSERT per task",
+            "Django store (PostgreSQL), one INSERT per task, connections closed around every task (Celery's default)",
+            ["plain_insert", "guarded_key_atomic_insert", "guarded_key_insert"],
+        ),
+    ],
+    "postgres_reuse": [
+        Group(
+            "Django store (PostgreSQL), one INSERT per task, CELERY_DB_REUSE_MAX=1000",
+            ["plain_insert", "guarded_key_atomic_insert", "guarded_key_insert"],
+        ),
+    ],
+    "postgres_pool": [
+        Group(
+            "Django store (PostgreSQL), one INSERT per task, Django's pool (solo worker)",
             ["plain_insert", "guarded_key_atomic_insert", "guarded_key_insert"],
         ),
     ],
@@ -103,11 +120,23 @@ def redis_stats(client: Any) -> tuple[int, int]:
 
 @dataclass
 class Measured:
-    """One kind's end-to-end seconds in each round, and its Redis commands and script calls in the last."""
+    """One kind's end-to-end seconds in each round; its Redis commands, script calls and database sessions in the
+    last."""
 
     seconds: list[float] = field(default_factory=list)
     commands: int = 0
     scripts: int = 0
+    sessions: int = 0
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Batch:
+    """N tasks of one kind, published and waited for: seconds end to end, and what they cost the services."""
+
+    seconds: float
+    commands: int
+    scripts: int
+    sessions: int
 
 
 def pg_admin(statement: str) -> None:
@@ -124,7 +153,7 @@ def django_env(store: str, scratch: Path) -> dict[str, str]:
         "EXAMPLE_VAR_DIR": str(scratch),
         "EXAMPLE_SQLITE_PATH": str(scratch / "bench.sqlite3"),
     }
-    if store == "postgres":
+    if store.startswith("postgres"):
         name = f"guardrails_bench_{uuid.uuid4().hex[:12]}"
         pg_admin(f'CREATE DATABASE "{name}"')
         env.update({"BENCH_PG_NAME": name, "BENCH_PG_HOST": PG["host"], "BENCH_PG_PORT": PG["port"]})
@@ -132,14 +161,26 @@ def django_env(store: str, scratch: Path) -> dict[str, str]:
     return env
 
 
-def measure(
-    bench_app: Any, client: Any, group: Group, name: str, first: int, *, queue: str | None = None
-) -> tuple[float, int, int]:
+def pg_sessions() -> int:
+    """Sessions opened so far on the worker's PostgreSQL database (BENCH_PG_NAME), 0 without one."""
+    if not os.environ.get("BENCH_PG_NAME"):
+        return 0
+    import psycopg
+
+    with psycopg.connect(dbname="postgres", autocommit=True, connect_timeout=5, **PG) as admin:
+        found = admin.execute(
+            "SELECT sessions FROM pg_stat_database WHERE datname = %s", (os.environ["BENCH_PG_NAME"],)
+        ).fetchone()
+    return int(found[0]) if found else 0
+
+
+def measure(bench_app: Any, client: Any, group: Group, name: str, first: int, *, queue: str | None = None) -> Batch:
     """Publish N tasks of kind ``name`` (numbered from ``first``; to ``queue``, default the app's) and wait until
-    all ran: (seconds, commands, scripts)."""
+    all ran."""
     task = getattr(bench_app, name)
     done = f"bench-done-{uuid.uuid4().hex[:8]}"
     before = redis_stats(client)
+    sessions = pg_sessions()
     start = time.perf_counter()
     pending = [task.apply_async((first + i, done if i == N - 1 else ""), queue=queue) for i in range(N)]
     if group.stored:
@@ -154,11 +195,19 @@ def measure(
     # (which paid for this kind's unsubscribes).
     del pending
     gc.collect()
-    return seconds, after[0] - before[0], after[1] - before[1]
+    return Batch(
+        seconds=seconds,
+        commands=after[0] - before[0],
+        scripts=after[1] - before[1],
+        # (a session's count is flushed when it ends: the worker's open one is counted in the next batch)
+        sessions=pg_sessions() - sessions,
+    )
 
 
 #: The guardrails settings of a worker variant (bench/app.py reads them from BENCH_GUARDRAILS).
 VARIANTS = {"redis_kombu_pop": {"broker_atomic_pop": False}}
+#: The environment of a Django-store variant: connections kept across tasks, or Django's pool.
+DATABASE_VARIANTS = {"postgres_reuse": {"BENCH_DB_REUSE_MAX": "1000"}, "postgres_pool": {"BENCH_PG_POOL": "1"}}
 
 
 def run_worker(store: str, groups: list[Group]) -> dict[str, Measured]:
@@ -179,6 +228,7 @@ def run_worker(store: str, groups: list[Group]) -> dict[str, Measured]:
     env.pop("DJANGO_SETTINGS_MODULE", None)
     if not store.startswith("redis"):
         env.update(django_env(store, scratch))
+        env.update(DATABASE_VARIANTS.get(store, {}))
     try:
         if not store.startswith("redis"):  # the worker sets Django up (Celery's fixup) on the migrated database
             manage = [sys.executable, str(ROOT / "example_project" / "manage.py")]
@@ -223,6 +273,8 @@ def stop_worker(worker: subprocess.Popen[bytes]) -> None:
 
 def _run_worker(env: dict[str, str], groups: list[Group]) -> dict[str, Measured]:
     os.environ.update({k: env[k] for k in ("BENCH_STORE", "BENCH_QUEUE", "BENCH_RUN", "BENCH_GUARDRAILS")})
+    if env.get("BENCH_PG_NAME"):  # its sessions are counted (pg_sessions)
+        os.environ["BENCH_PG_NAME"] = env["BENCH_PG_NAME"]
     sys.modules.pop("bench.app", None)  # this run's queue and store (one store per process anyway)
     import redis
 
@@ -239,9 +291,10 @@ def _run_worker(env: dict[str, str], groups: list[Group]) -> dict[str, Measured]
             shift = round_ % len(kinds)
             for index, (group, name) in enumerate(kinds[shift:] + kinds[:shift]):
                 first = (round_ * len(kinds) + index + 1) * N
-                seconds, commands, scripts = measure(bench_app, client, group, name, first)
-                results[name].seconds.append(seconds)
-                results[name].commands, results[name].scripts = commands, scripts
+                batch = measure(bench_app, client, group, name, first)
+                results[name].seconds.append(batch.seconds)
+                results[name].commands, results[name].scripts = batch.commands, batch.scripts
+                results[name].sessions = batch.sessions
         return results
     finally:
         stop_worker(worker)
@@ -312,8 +365,8 @@ def run_pair(pair: Pair) -> dict[str, dict[str, list[float]]]:
                 for name in group.kinds:
                     for side in sides:
                         first += N
-                        seconds, _, _ = measure(bench_app, client, group, name, first, queue=envs[side]["BENCH_QUEUE"])
-                        found[name][side].append(seconds)
+                        batch = measure(bench_app, client, group, name, first, queue=envs[side]["BENCH_QUEUE"])
+                        found[name][side].append(batch.seconds)
         return found
     finally:
         for worker in workers.values():
@@ -332,25 +385,30 @@ def report_pair(pair: Pair, found: dict[str, dict[str, list[float]]]) -> None:
         )
 
 
-def report(group: Group, results: dict[str, Measured], *, counts: bool) -> None:
+def report(group: Group, results: dict[str, Measured], *, counts: bool, sessions: bool = False) -> None:
     """Per kind: its best time; throughput as the median over rounds of the baseline's time over its time in
     the same round (paired, so a slow spell of the machine slows both), with the lowest and highest."""
     base = results[group.kinds[0]]
     print(f"\n{group.title} (against {group.kinds[0]})")
     print(
-        f"{'kind':<26} {'best s':>7} {'tasks/s':>8} {'throughput':>10} {'(range)':>11}"
+        f"{'kind':<26} {'best s':>7} {'tasks/s':>8} {'throughput':>10} {'(range)':>11} {'+us/task':>8}"
         + (f" {'+cmds/task':>10} {'+round trips/task':>17}" if counts else "")
+        + (f" {'sessions/task':>13}" if sessions else "")
     )
     for name in group.kinds:
         kind = results[name]
         ratios = [b / s for b, s in zip(base.seconds, kind.seconds, strict=True)]
+        # The time this kind adds to each task over the baseline, in microseconds, paired by round (median).
+        added = [(s - b) / N * 1e6 for b, s in zip(base.seconds, kind.seconds, strict=True)]
         best = min(kind.seconds)
         line = (
             f"{name:<26} {best:>7.3f} {N / best:>8.0f} {statistics.median(ratios):>10.2f} "
-            f"{f'{min(ratios):.2f}-{max(ratios):.2f}':>11}"
+            f"{f'{min(ratios):.2f}-{max(ratios):.2f}':>11} {statistics.median(added):>8.0f}"
         )
         if counts:
             line += f" {(kind.commands - base.commands) / N:>10.2f} {(kind.scripts - base.scripts) / N:>17.2f}"
+        if sessions:
+            line += f" {kind.sessions / N:>13.2f}"
         print(line)
 
 
@@ -372,14 +430,14 @@ def main() -> None:
             report_pair(pair, run_pair(pair))
             sys.stdout.flush()
             return
-        if store == "postgres" and not pg_answers():
+        if store.startswith("postgres") and not pg_answers():
             return
         results = run_worker(store, WORKERS[store])
         for group in WORKERS[store]:
-            report(group, results, counts=store.startswith("redis"))
+            report(group, results, counts=store.startswith("redis"), sessions=store.startswith("postgres"))
         sys.stdout.flush()
         return
-    default = "redis,redis_kombu_pop,pair_metrics,pair_activity,postgres,sqlite"
+    default = "redis,redis_kombu_pop,pair_metrics,pair_activity,postgres,postgres_reuse,postgres_pool,sqlite"
     stores = [s for s in os.environ.get("BENCH_STORES", default).split(",") if s]
     print(
         f"{N} tasks per kind, one `celery worker -P solo` process per store, broker and results on {REDIS}; "

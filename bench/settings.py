@@ -1,7 +1,8 @@
 """Django settings of ``make bench``'s Django-store workers: the example project's, with the bench's database.
 
 BENCH_PG_NAME: a PostgreSQL database on BENCH_PG_HOST:BENCH_PG_PORT (user BENCH_PG_USER), else the SQLite file
-EXAMPLE_SQLITE_PATH. BENCH_CONN_MAX_AGE: Django's CONN_MAX_AGE for PostgreSQL (default 0).
+EXAMPLE_SQLITE_PATH. BENCH_CONN_MAX_AGE: Django's CONN_MAX_AGE for PostgreSQL (default 0); BENCH_PG_POOL: Django's
+connection pool on (Django 5.1+, psycopg_pool).
 """
 
 import os
@@ -19,5 +20,6 @@ if os.environ.get("BENCH_PG_NAME"):
             "HOST": os.environ.get("BENCH_PG_HOST", "127.0.0.1"),
             "PORT": os.environ.get("BENCH_PG_PORT", "5432"),
             "CONN_MAX_AGE": int(os.environ.get("BENCH_CONN_MAX_AGE", "0")),
+            "OPTIONS": {"pool": True} if os.environ.get("BENCH_PG_POOL") else {},
         }
     }
