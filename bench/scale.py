@@ -298,19 +298,24 @@ def seal_charges() -> None:
     """Each charge record's sealed copy (its real card token), written with COPY."""
     from django.db import connection
 
-    from celery_guardrails.foundation.sealing import sealer_for
+    from celery_guardrails.foundation.sealing import Binding, sealer_for
 
     sealer = sealer_for(current_app())
     assert sealer is not None
     with connection.cursor() as cursor:
-        cursor.execute("SELECT id, args, header FROM guardrails_deadletter WHERE task_name = %s", [CHARGE])
+        cursor.execute(
+            "SELECT id, args, header, task_id, task_name, tenant FROM guardrails_deadletter WHERE task_name = %s",
+            [CHARGE],
+        )
         rows = cursor.fetchall()
         now = datetime.now(UTC)
         with cursor.copy("COPY guardrails_sealedmessage (dead_letter_id, token, sealed_at) FROM STDIN") as copy:
-            for pk, args, header in rows:
+            for pk, args, header, task_id, task_name, tenant in rows:
                 args = args if isinstance(args, list) else __import__("json").loads(args)
                 header = header if isinstance(header, dict) else __import__("json").loads(header)
-                token = sealer.seal(args=args, kwargs={"card_token": f"tok_{pk:08d}"}, header=header)
+                # Bound to its record, as a worker seals a failure's copy (a replay opens it only for that record).
+                record = Binding(task_id=task_id, task_name=task_name, tenant=tenant or "")
+                token = sealer.seal(args=args, kwargs={"card_token": f"tok_{pk:08d}"}, header=header, record=record)
                 copy.write_row((pk, token, now))
 
 
