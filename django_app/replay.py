@@ -136,7 +136,8 @@ def replay_dead_letters(
     Records are handled :data:`BATCH` at a time, in id order; ``progress(done, total)`` is called after each
     batch (the command prints it)."""
     _check_permission(user)
-    app = app or current_app
+    # The app itself, not Celery's proxy: each record's plan and publish read it (about 50 us a read through it).
+    app = app or current_app._get_current_object()
     ids = (
         list(queryset_or_ids.order_by("pk").values_list("pk", flat=True))
         if isinstance(queryset_or_ids, QuerySet)

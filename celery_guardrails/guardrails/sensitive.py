@@ -9,6 +9,7 @@ is stored in clear, so one that names a secret is refused when the task's option
 
 from __future__ import annotations
 
+import functools
 import re
 from string import Formatter
 from typing import Any
@@ -35,6 +36,12 @@ SENSITIVE_KEYS = (
 )
 
 
+#: Names remembered with their words and verdicts: a task's few argument names come back with every publish (two
+#: regular expressions per name and per entry cost about 170 us an argument, most of a replay's own time).
+NAMES_REMEMBERED = 4096
+
+
+@functools.lru_cache(maxsize=NAMES_REMEMBERED)
 def words(name: str) -> tuple[str, ...]:
     """A name's words: lower case, split at underscores, hyphens, dots, spaces and camelCase humps."""
     spaced = re.sub(r"([a-z0-9])([A-Z])", r"\1_\2", name)
@@ -43,6 +50,11 @@ def words(name: str) -> tuple[str, ...]:
 
 def matches(name: str, entries: tuple[str, ...]) -> str | None:
     """The first entry of ``entries`` whose words appear in ``name``'s, in a row; None when none does."""
+    return _matches(name, tuple(entries))
+
+
+@functools.lru_cache(maxsize=NAMES_REMEMBERED)
+def _matches(name: str, entries: tuple[str, ...]) -> str | None:
     found = words(name)
     for entry in entries:
         wanted = words(entry)
