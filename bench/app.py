@@ -129,3 +129,26 @@ def guarded_key_atomic_insert(n: int, done: str = "") -> int:
 def guarded_key_insert(n: int, done: str = "") -> int:
     insert(n)
     return finished(n, done)
+
+
+# The peers a keyed task is compared with (bench.py's redis_peers worker), on the same Redis: celery-once
+# (an enqueue-time lock, released when the task returns) and celery-singleton (the same, and a duplicate publish
+# gets the queued task's result). Each is keyed on ``n`` as guarded_key is. Imported only where installed (the
+# suite extra has them).
+try:
+    from celery_once import QueueOnce
+    from celery_singleton import Singleton
+except ImportError:  # pragma: no cover - the bench's own environment has them
+    pass
+else:
+    app.conf.ONCE = {"backend": "celery_once.backends.Redis", "settings": {"url": REDIS, "default_timeout": 3600}}
+    app.conf.singleton_backend_url = REDIS
+    app.conf.singleton_key_prefix = f"bench-{RUN}-singleton:"
+
+    @app.task(base=QueueOnce, once={"graceful": True, "keys": ["n"]})
+    def celery_once(n: int, done: str = "") -> int:
+        return finished(n, done)
+
+    @app.task(base=Singleton, unique_on=["n"])
+    def celery_singleton(n: int, done: str = "") -> int:
+        return finished(n, done)

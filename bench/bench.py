@@ -26,11 +26,13 @@ same kind in every round (which goes first alternates); the figure is the median
 worker's time over the "on" worker's (1.00: the setting costs nothing), with its range, over
 BENCH_PAIR_ROUNDS rounds (24).
 
-BENCH_STORES defaults to ``redis,redis_kombu_pop,pair_metrics,pair_activity,postgres,postgres_reuse,postgres_pool,
-sqlite``: ``postgres`` with Celery's default (the Django fixup closes the connections before and after every
-task), ``postgres_reuse`` with ``CELERY_DB_REUSE_MAX=1000``, ``postgres_pool`` with Django's pool (a solo worker:
-under prefork Celery closes the pool with every task, celery/celery#10554). Every ratio has beside it the time the
-kind adds to each task over its baseline, in microseconds (median of the rounds' differences).
+BENCH_STORES defaults to ``redis,redis_peers,redis_kombu_pop,pair_metrics,pair_activity,postgres,postgres_reuse,
+postgres_pool,sqlite``. ``redis_peers`` puts a keyed GuardedTask beside celery-once and celery-singleton on the
+same Redis and worker, with 20% of the messages duplicates, and prints what each guarantees. ``postgres`` runs
+with Celery's default (the Django fixup closes the connections before and after every task), ``postgres_reuse``
+with ``CELERY_DB_REUSE_MAX=1000``, ``postgres_pool`` with Django's pool (a solo worker: under prefork Celery
+closes the pool with every task, celery/celery#10554). Every ratio has beside it the time the kind adds to each
+task over its baseline, in microseconds (median of the rounds' differences).
 
 BENCH_STORES picks workers. Prints ratios; asserts nothing.
 """
@@ -66,11 +68,26 @@ PG = {
 
 @dataclass(frozen=True)
 class Group:
-    """Kinds compared with one baseline (the first kind); ``stored``: wait for results, else for ``done``."""
+    """Kinds compared with one baseline (the first kind); ``stored``: wait for results, else for ``done``;
+    ``duplicates``: every fifth message repeats the one before it (20% duplicates, published while the first
+    is still queued or running)."""
 
     title: str
     kinds: list[str]
     stored: bool = True
+    duplicates: bool = False
+
+
+#: What each kind of the peers' group guarantees, printed beside its speed.
+GUARANTEES = {
+    "plain": "nothing: every duplicate runs",
+    "guarded_key": "a key runs its body once while it is retained (7 days): duplicate publishes, redeliveries "
+    "after a crash, retries and replays skip a completed key (the worker checks; duplicates are published)",
+    "celery_once": "a duplicate publish is refused while the first is queued or running (a Redis lock, released "
+    "as the task returns); a later publish, or a redelivered message, runs again",
+    "celery_singleton": "a duplicate publish gets the queued task's result while it is queued or running (a Redis "
+    "lock); a later publish, or a redelivered message, runs again",
+}
 
 
 #: Per worker (store): its groups.
@@ -85,6 +102,14 @@ WORKERS: dict[str, list[Group]] = {
     "redis_kombu_pop": [
         Group("Redis store, results stored, kombu's BRPOP (broker_atomic_pop off)", ["plain", "guarded"]),
         Group("Redis store, results ignored, kombu's BRPOP", ["plain_ignored", "guarded_ignored"], False),
+    ],
+    "redis_peers": [
+        Group(
+            "Keyed tasks against celery-once 3.0.1 and celery-singleton 0.3.1, 20% duplicates, Redis store, "
+            "results stored",
+            ["plain", "guarded_key", "celery_once", "celery_singleton"],
+            duplicates=True,
+        ),
     ],
     "postgres": [
         Group(
@@ -182,7 +207,8 @@ def measure(bench_app: Any, client: Any, group: Group, name: str, first: int, *,
     before = redis_stats(client)
     sessions = pg_sessions()
     start = time.perf_counter()
-    pending = [task.apply_async((first + i, done if i == N - 1 else ""), queue=queue) for i in range(N)]
+    numbers = [first + (i - 1 if group.duplicates and i % 5 == 0 and i else i) for i in range(N)]
+    pending = [task.apply_async((n, done if i == N - 1 else ""), queue=queue) for i, n in enumerate(numbers)]
     if group.stored:
         for result in pending:
             result.get(timeout=300)
@@ -435,9 +461,15 @@ def main() -> None:
         results = run_worker(store, WORKERS[store])
         for group in WORKERS[store]:
             report(group, results, counts=store.startswith("redis"), sessions=store.startswith("postgres"))
+            if group.duplicates:
+                print("what each guarantees:")
+                for name in group.kinds:
+                    print(f"  {name:<17} {GUARANTEES[name]}")
         sys.stdout.flush()
         return
-    default = "redis,redis_kombu_pop,pair_metrics,pair_activity,postgres,postgres_reuse,postgres_pool,sqlite"
+    default = (
+        "redis,redis_peers,redis_kombu_pop,pair_metrics,pair_activity,postgres,postgres_reuse,postgres_pool,sqlite"
+    )
     stores = [s for s in os.environ.get("BENCH_STORES", default).split(",") if s]
     print(
         f"{N} tasks per kind, one `celery worker -P solo` process per store, broker and results on {REDIS}; "
