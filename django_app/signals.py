@@ -16,23 +16,25 @@ import contextlib
 import logging
 from typing import Any
 
-from django.db import DatabaseError, connections
+from django.db import connections
 
 logger = logging.getLogger(__name__)
 
 
 def drop_broken_connections(**_: Any) -> None:
     """Close this thread's database connections that have seen an error and no longer answer (outside a
-    transaction: one inside it is the transaction's to end). Never raises: a delivery goes on either way."""
-    for connection in connections.all(initialized_only=True):
-        if connection.connection is None or not connection.errors_occurred or connection.in_atomic_block:
-            continue
-        with contextlib.suppress(DatabaseError, Exception):
-            if connection.is_usable():
-                connection.errors_occurred = False
+    transaction: one inside it is the transaction's to end). Never raises: it runs on the store's failure path,
+    where an error of its own would take the place of the store's (an outage, which gives the message back)."""
+    with contextlib.suppress(Exception):
+        for connection in connections.all(initialized_only=True):
+            if connection.connection is None or not connection.errors_occurred or connection.in_atomic_block:
                 continue
-            logger.info("Database connection %r is broken: closed, the next query connects again", connection.alias)
-            connection.close()
+            with contextlib.suppress(Exception):
+                if connection.is_usable():
+                    connection.errors_occurred = False
+                    continue
+                logger.info("Database connection %r is broken: closed, the next query connects again", connection.alias)
+                connection.close()
 
 
 def connect() -> None:

@@ -60,9 +60,8 @@ def connection_rules(app: Any, *, pool: Any = None, database: Mapping[str, Any] 
         database = settings.DATABASES.get("default", {})
     if "sqlite" in str(database.get("ENGINE", "")):
         return []  # a file opened, not a server's connection
-    chosen = pool if pool is not None else app.conf.worker_pool
-    name = chosen if isinstance(chosen, str) else f"{getattr(chosen, '__module__', '')}.{chosen!r}"
-    prefork = "prefork" in name.lower()
+    # A name ("prefork") or the worker's class (celery.concurrency.prefork.TaskPool), as Celery tells them apart.
+    prefork = "prefork" in str(pool if pool is not None else app.conf.worker_pool).lower()
     pooled = bool((database.get("OPTIONS") or {}).get("pool"))
     if pooled and not prefork:
         return []
