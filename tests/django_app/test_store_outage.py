@@ -120,6 +120,22 @@ def test_a_connection_kept_across_tasks_that_the_database_dropped_is_replaced_be
     assert [r["run"] for r in sink.items()] == [1, 2]  # (the sink's count of bodies run: one per task)
 
 
+@pytest.mark.parametrize("reuse_max", ["1000"], indirect=True)
+def test_a_body_that_met_a_dropped_connection_leaves_the_next_task_a_new_one(
+    worker: WorkerProcess, proxy: TcpProxy
+) -> None:
+    key = uuid.uuid4().hex
+    # Given a worker that keeps its database connection across tasks, whose plain task has read through it
+    assert django_tasks.count_effects.delay(key).get(timeout=TIMEOUT) == 0
+    # When the database drops every connection and answers again, and a body meets the dropped one first
+    proxy.cut()
+    proxy.restore()
+    with pytest.raises(Exception, match=r"(?i)connection|server closed|terminat"):  # the body's OperationalError
+        django_tasks.count_effects.delay(key).get(timeout=TIMEOUT)
+    # Then the next task's body reads on a new connection (the broken one was closed before it began)
+    assert django_tasks.count_effects.delay(key).get(timeout=TIMEOUT) == 0
+
+
 def test_database_cut_at_the_completion_rolls_the_effect_back_and_the_message_commits_it_once_later(
     worker: WorkerProcess, proxy: TcpProxy, sink: Sink
 ) -> None:

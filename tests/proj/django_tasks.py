@@ -313,3 +313,12 @@ def build_report(
         client.rpush(f"{sink}:holding", 1)
         time.sleep(hold)
     return {"ref": f"reports/{name}.csv"}
+
+
+@shared_task
+def count_effects(key: str) -> int:
+    """A plain Celery task that reads the database in its body (no guardrail touches it): the Effect rows of
+    ``key``."""
+    from tests.testapp.models import Effect
+
+    return Effect.objects.filter(key=key).count()
