@@ -41,6 +41,7 @@ kept, since it cannot know whether the caller will ack).
 from __future__ import annotations
 
 import logging
+import os
 from queue import Empty
 from time import monotonic, time
 from typing import Any
@@ -102,8 +103,23 @@ return 1
 """
 
 
+#: Tags of deliveries this process consumed whose message the guardrails store has acked already (with its
+#: key's completion: see celery_guardrails.guardrails.acks): the worker's ack then only forgets them.
+ACKED_BY_STORE: set[str] = set()
+#: The process whose channel consumes (set as it waits for messages): only there does the worker ack a delivery
+#: itself (a prefork child's deliveries are acked by the main process, which cannot see a child's set).
+_consumer_pid = 0
+
+
+def consumes_here() -> bool:
+    """Whether this process's worker consumes with :class:`Channel` (solo and threads pools: the tasks run where
+    their messages are acked)."""
+    return _consumer_pid == os.getpid()
+
+
 class QoS(kombu_redis.QoS):  # type: ignore[misc]
-    """kombu's QoS, except that a delivery the pop script already recorded is not written to Redis again."""
+    """kombu's QoS, except that a delivery the pop script already recorded is not written to Redis again, and a
+    message the guardrails store acked (:data:`ACKED_BY_STORE`) is not removed again."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -115,6 +131,20 @@ class QoS(kombu_redis.QoS):  # type: ignore[misc]
             VirtualQoS.append(self, message, delivery_tag)  # only the in-memory map of held deliveries
             return
         super().append(message, delivery_tag)
+
+    def ack(self, delivery_tag: str) -> None:
+        if delivery_tag in ACKED_BY_STORE:
+            ACKED_BY_STORE.discard(delivery_tag)
+            VirtualQoS.ack(self, delivery_tag)  # only the in-memory map: Redis holds nothing of it any more
+            return
+        super().ack(delivery_tag)
+
+    def reject(self, delivery_tag: str, requeue: bool = False) -> None:
+        if delivery_tag in ACKED_BY_STORE:  # acked with its completion: there is nothing to give back
+            ACKED_BY_STORE.discard(delivery_tag)
+            VirtualQoS.ack(self, delivery_tag)
+            return
+        super().reject(delivery_tag, requeue=requeue)
 
 
 class Channel(kombu_redis.Channel):  # type: ignore[misc]
@@ -146,8 +176,10 @@ class Channel(kombu_redis.Channel):  # type: ignore[misc]
         return True
 
     def _brpop_start(self, timeout: float | None = None) -> None:
+        global _consumer_pid
         if not self._atomic:
             return super()._brpop_start(timeout)  # type: ignore[no-any-return]
+        _consumer_pid = os.getpid()
         queues = self._queue_cycle.consume(len(self.active_queues))
         if not queues:
             return None

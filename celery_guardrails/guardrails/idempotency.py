@@ -47,6 +47,7 @@ from celery_guardrails import signals
 from celery_guardrails.exceptions import DuplicateOfFailureError, IdempotencyKeyError, RetryLater, StoreError
 from celery_guardrails.foundation.context import current_tenant
 from celery_guardrails.foundation.redaction import redacted_error
+from celery_guardrails.guardrails.acks import ride
 from celery_guardrails.guardrails.keys import KEY_MAX_LENGTH as KEY_MAX_LENGTH
 from celery_guardrails.guardrails.keys import STORED_MAX_LENGTH as STORED_MAX_LENGTH
 from celery_guardrails.guardrails.keys import render_key as render_key
@@ -56,7 +57,7 @@ from celery_guardrails.guardrails.keys import validate_key as validate_key
 from celery_guardrails.guardrails.retries import retry_later
 from celery_guardrails.options import APP, CALL, TASK, Option, checks, declare, resolve
 from celery_guardrails.runtime import headers
-from celery_guardrails.runtime.delivery import Completion, HeldKey, Hold, delivery, view
+from celery_guardrails.runtime.delivery import Completion, HeldKey, Hold, RidingCompletion, delivery, view
 from celery_guardrails.runtime.heartbeats import HEARTBEATS as HEARTBEATS
 from celery_guardrails.runtime.heartbeats import Beat as Beat
 from celery_guardrails.runtime.heartbeats import Heartbeats as Heartbeats
@@ -341,15 +342,26 @@ class Idempotency(Guardrail):
             with heartbeat(store, key, owner, lease=lease):
                 yield
             # The body returned: its effect happened, so the key is completed now, whatever Celery does with
-            # the result. The answer is read in on_success / on_failure, before the ack; a store that cannot
-            # take it now is asked again there (never a reason to run the body again).
+            # the result (or with the ack, in one step, when nothing waits between: guardrails.acks). The answer
+            # is read in on_success / on_failure, before the ack; a store that cannot take it now is asked again
+            # there (never a reason to run the body again).
             summary = _summary(state.retval)
+            state.forget(owner)  # the key is being completed: a later re-publish must not release it
+            riding = RidingCompletion(
+                key=key,
+                owner=owner,
+                summary=summary,
+                retention=retention,
+                settle=functools.partial(self._settle, task, key, owner, summary),
+                lost=functools.partial(_taken_over, task, key),
+            )
+            if ride(task, state, riding):
+                return  # completed with the ack, after every success hook (celery_guardrails.guardrails.acks)
             try:
                 wait = store.begin_complete(key, owner=owner, now=time.time(), summary=summary, retention=retention)
             except StoreError as exc:
                 wait = functools.partial(_raise, exc)
             state.completion = Completion(key=key, answer=wait)
-            state.forget(owner)  # the key is being completed: a later re-publish must not release it
             return
         with heartbeat(store, key, owner, lease=lease):
             from django.db import DatabaseError, transaction
@@ -386,7 +398,10 @@ class Idempotency(Guardrail):
         state = delivery(task)
         pending = state.completion
         if pending is None:
-            return False
+            if state.riding is None:
+                return False
+            state.claim = None  # completed with the ack (celery_guardrails.guardrails.acks), after this hook
+            return True
         state.completion = None
         owner = state.claim.owner if state.claim else ""
         state.claim = None
@@ -397,6 +412,20 @@ class Idempotency(Guardrail):
         if done is False:
             _taken_over(task, pending.key)
         return True
+
+    def _settle(self, task: GuardedTask, key: str, owner: str, summary: str, error: BaseException) -> None:
+        """A completion that was to ride the ack, made on its own (the ack could not carry it: ``error``); the
+        worker acks afterwards."""
+        logger.info("Task %s[%s]: key %s completed without the ack (%s)", task.name, task.request.id, key, error)
+        retention = view(task).options["idempotency_retention"]
+        try:
+            done: bool | None = get_store(task.app).complete(
+                key, owner=owner, now=time.time(), summary=summary, retention=retention
+            )
+        except StoreError as exc:
+            done = self._complete_when_back(task, key, owner, exc)
+        if done is False:
+            _taken_over(task, key)
 
     def _complete_when_back(self, task: GuardedTask, key: str, owner: str, error: StoreError) -> bool | None:
         """Ask the store to complete ``key`` until it answers (whether it did) or the lease is over (None)."""

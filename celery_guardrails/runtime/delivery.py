@@ -58,6 +58,22 @@ class Completion:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class RidingCompletion:
+    """The completion of a claimed key that rides the ack (see :mod:`celery_guardrails.guardrails.acks`): made
+    with it, after every success hook, in one step on the store that is also the broker."""
+
+    key: str
+    owner: str
+    summary: str
+    #: Seconds the completed key is kept.
+    retention: float
+    #: Settles the completion when the store could not make it (the store error): the worker acks afterwards.
+    settle: Callable[[BaseException], Any]
+    #: Says that the key was taken over before its completion (the store did not complete it).
+    lost: Callable[[], Any]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class RunSlot:
     """A schedule's run slot a delivery holds (see :mod:`celery_guardrails.guardrails.scheduled_runs`)."""
 
@@ -126,6 +142,8 @@ class Delivery:
     claim: HeldKey | None = None
     #: The completion sent as the body returned.
     completion: Completion | None = None
+    #: The completion that rides the ack instead (the store is the broker's Redis, nothing else to settle).
+    riding: RidingCompletion | None = None
     #: The schedule's run slot held.
     slot: RunSlot | None = None
     #: The scheduled period this delivery runs.

@@ -20,6 +20,7 @@ from kombu.exceptions import EncodeError
 
 from celery_guardrails.exceptions import GuardrailsError, StoreError, StoreUnavailableError, UnpublishableError
 from celery_guardrails.foundation.faults import fault_point
+from celery_guardrails.guardrails.acks import StoreAck
 from celery_guardrails.guardrails.budget import RetryBudget
 from celery_guardrails.guardrails.concurrency import ConcurrencyLimit
 from celery_guardrails.guardrails.contract import PayloadContract
@@ -94,7 +95,9 @@ class GuardedTask(DeferredPublish, Task):  # type: ignore[misc]
     #: atomic job reads succeeded when its effect and key commit. Checkpoints stays innermost.
     #: Waiting comes next: it removes the waiting row of a message that was re-published with a countdown before
     #: any guardrail could re-publish it again (which writes the row anew; see celery_guardrails.guardrails.waiting).
+    #: StoreAck is before them all: a completion that rides the ack is made after every other success hook.
     guardrails: ClassVar[tuple[Guardrail, ...]] = (
+        StoreAck(),
         Metrics(),
         Waiting(),
         ContextPropagation(),

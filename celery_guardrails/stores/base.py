@@ -82,6 +82,19 @@ class Claim:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class BrokerAck:
+    """The ack of one message on a Redis broker, made by a Redis store on the same server (see
+    :mod:`celery_guardrails.guardrails.acks`): kombu's record of the delivery, removed as kombu's ack removes it."""
+
+    #: kombu's hash of deliveries handed out and not acked (``unacked``, under its ``global_keyprefix``).
+    unacked: str
+    #: kombu's index of the same deliveries by time (``unacked_index``).
+    index: str
+    #: The delivery's tag.
+    tag: str
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class StoredCheckpoint:
     """A long job's checkpoint as the store holds it (see :mod:`celery_guardrails.runtime.checkpoint`)."""
 

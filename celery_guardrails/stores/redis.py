@@ -23,7 +23,9 @@ from celery_guardrails.stores.redis_checkpoint import (
 from celery_guardrails.stores.redis_client import connect, is_cluster
 from celery_guardrails.stores.redis_client import failure as failure
 from celery_guardrails.stores.redis_idempotency import (
+    _ACK,
     _CLAIM,
+    _COMPLETE_ACK,
     _COUNT,
     _DUE,
     _IF_OWNER,
@@ -196,6 +198,8 @@ class RedisStore(
         self._outcome = self.client.register_script(_OUTCOME)
         self._claim = self.client.register_script(_CLAIM)
         self._if_owner = self.client.register_script(_IF_OWNER)
+        self._ack = self.client.register_script(_ACK)
+        self._complete_ack = self.client.register_script(_COMPLETE_ACK)
         self._reopen = self.client.register_script(_REOPEN)
         self._count = self.client.register_script(_COUNT)
         self._throttle = self.client.register_script(_THROTTLE)

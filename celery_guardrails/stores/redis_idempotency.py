@@ -15,7 +15,7 @@ from typing import Any
 
 from celery_guardrails.exceptions import StoreError
 from celery_guardrails.options import masked
-from celery_guardrails.stores.base import Claim
+from celery_guardrails.stores.base import BrokerAck, Claim
 from celery_guardrails.stores.redis_client import failure
 from celery_guardrails.stores.redis_lane import Lane
 
@@ -91,6 +91,27 @@ redis.call('HDEL', key, 'lease_until')
 redis.call('EXPIRE', key, tonumber(ARGV[7]))
 return 1
 """
+
+
+# The ack of a message on the broker's Redis (KEYS: kombu's unacked hash, its index; ARGV: the delivery tag), as
+# kombu's QoS.ack removes it. Returns 1 when the delivery was still recorded.
+_ACK_LINES = """
+redis.call('ZREM', KEYS[#KEYS], ARGV[#ARGV])
+return redis.call('HDEL', KEYS[#KEYS - 1], ARGV[#ARGV])
+"""
+_ACK = _ACK_LINES
+
+# A completion (_IF_OWNER's, KEYS[1]) and the ack of its message (KEYS[2], KEYS[3]; ARGV[8] the tag) in one step:
+# the message is removed only with the completion durable, and no worker can die between the two. The message is
+# acked whatever the completion answers (a key taken over is only logged, as when the worker acks itself).
+# Returns {completed, acked}.
+_COMPLETE_ACK = (
+    "local function finish()\n"
+    + _IF_OWNER
+    + "\nend\nlocal done = finish()\nlocal function ack()\n"
+    + _ACK_LINES
+    + "\nend\nreturn {done, ack()}\n"
+)
 
 
 # A delivery counter: one more, and its expiry, atomically (a script, not MULTI: a cluster client's pipeline
@@ -176,6 +197,8 @@ class RedisIdempotency:
     _errors: tuple[type[BaseException], ...]
     _claim: Any
     _if_owner: Any
+    _ack: Any
+    _complete_ack: Any
     _reopen: Any
     _count: Any
     _throttle: Any
@@ -187,15 +210,16 @@ class RedisIdempotency:
     def _failure(self, exc: BaseException) -> StoreError:
         return failure("Redis store", self.url, exc)
 
-    def _eval(self, script: Any, key: str, args: list[Any]) -> Any:
+    def _eval(self, script: Any, key: str | list[str], args: list[Any]) -> Any:
         """Run a registered script on this thread's lane (see :mod:`~celery_guardrails.stores.redis_lane`)."""
+        keys = [key] if isinstance(key, str) else key
         try:
             if self._lane.available:
                 try:
-                    return self._lane.call("EVALSHA", script.sha, 1, key, *args)
+                    return self._lane.call("EVALSHA", script.sha, len(keys), *keys, *args)
                 except self._errors:  # NOSCRIPT (nothing ran) or a broken connection: the client loads, retries
                     pass
-            return script(keys=[key], args=args)
+            return script(keys=keys, args=args)
         except self._errors as exc:
             raise self._failure(exc) from exc
 
@@ -277,6 +301,20 @@ class RedisIdempotency:
             return self.complete(key, owner=owner, now=now, summary=summary, retention=retention)
 
         return wait
+
+    def complete_and_ack(
+        self, key: str, *, owner: str, now: float, summary: str, retention: float, ack: BrokerAck
+    ) -> bool:
+        """Complete ``key`` and ack the message of ``ack`` in one script (see :data:`_COMPLETE_ACK`): the store is
+        the broker's own Redis. Whether the key was completed (the message is acked either way). A repeat after
+        a lost answer completes nothing new and finds the message acked."""
+        args = [*_finish(owner, "completed", summary, self._now(now), retention), ack.tag]
+        done, _ = self._eval(self._complete_ack, [IDEM_PREFIX + key, ack.unacked, ack.index], args)
+        return bool(done)
+
+    def ack(self, ack: BrokerAck) -> bool:
+        """Ack the message of ``ack`` on the broker's Redis, as kombu does; whether it was still recorded."""
+        return bool(self._eval(self._ack, [ack.unacked, ack.index], [ack.tag]))
 
     def fail(self, key: str, *, owner: str, now: float, reason: str, retention: float) -> bool:
         return bool(self._run(self._if_owner, key, _finish(owner, "failed", reason, self._now(now), retention)))

@@ -4,7 +4,8 @@ Configured from the environment: GUARDRAILS_TEST_BROKER_URL, GUARDRAILS_TEST_RED
 GUARDRAILS_TEST_QUEUE, GUARDRAILS_TEST_GUARDRAILS (JSON for app.conf.guardrails), GUARDRAILS_TEST_ACCEPT (JSON
 for accept_content), GUARDRAILS_TEST_BEAT (JSON
 for beat_schedule entries: {"name": {"task": ..., "schedule": seconds, "kwargs": {...}, "options": {...}}}),
-GUARDRAILS_TEST_DB_REUSE_MAX (Celery's CELERY_DB_REUSE_MAX),
+GUARDRAILS_TEST_DB_REUSE_MAX (Celery's CELERY_DB_REUSE_MAX), GUARDRAILS_TEST_KILL_AFTER (a task name: the worker
+process SIGKILLs itself at that task's ``task_postrun``, after every hook),
 GUARDRAILS_TEST_QUORUM (an exchange type, "topic" or "direct": the queue is a RabbitMQ quorum queue bound to an
 exchange of that type named after it; see tests.support.quorum).
 """
@@ -36,6 +37,17 @@ if os.environ.get("GUARDRAILS_TEST_QUORUM"):
 if os.environ.get("GUARDRAILS_TEST_DB_REUSE_MAX"):  # Celery's Django fixup reads it by this name
     app.conf["CELERY_DB_REUSE_MAX"] = int(os.environ["GUARDRAILS_TEST_DB_REUSE_MAX"])
 app.conf.guardrails = {"store": redis_url, **json.loads(os.environ.get("GUARDRAILS_TEST_GUARDRAILS", "{}"))}
+
+if "GUARDRAILS_TEST_KILL_AFTER" in os.environ:  # SIGKILL this worker process once that task's hooks all ran
+    import signal
+
+    from celery.signals import task_postrun
+
+    def _kill_after(sender: object = None, **_: object) -> None:
+        if getattr(sender, "name", None) == os.environ["GUARDRAILS_TEST_KILL_AFTER"]:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    task_postrun.connect(_kill_after, weak=False)
 
 if "GUARDRAILS_TEST_SIGNAL_SINK" in os.environ:
     import redis

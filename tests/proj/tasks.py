@@ -242,6 +242,18 @@ def charge(
     return f"charged {order_id}"
 
 
+@shared_task(base=GuardedTask, bind=True, idempotency_key="charge:{order_id}", ignore_result=True)
+def charge_quietly(self: GuardedTask, order_id: int, sink: str, gate: str | None = None) -> None:
+    """A keyed charge whose result is ignored (its completion may ride the ack: celery_guardrails.guardrails.acks):
+    ``INCR <sink>:effects``, then, on its first run, an optional wait for an item on the Redis list ``gate``."""
+    client = redis.Redis.from_url(REDIS_URL)
+    runs = client.incr(f"{sink}:runs")
+    seen(self, sink, run=runs, tag=(self.request.properties or {}).get("delivery_tag"))
+    client.incr(f"{sink}:effects")
+    if gate and runs == 1 and client.blpop([gate], timeout=120) is None:
+        raise RuntimeError(f"gate {gate} never opened")
+
+
 @shared_task(base=GuardedTask, bind=True)
 def scheduled_job(
     self: GuardedTask, sink: str, hold: float = 0.0, since: datetime | None = None, gate: str | None = None

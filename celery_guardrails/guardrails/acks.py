@@ -1,0 +1,179 @@
+"""The completion with the ack: where the guardrails store is the broker's own Redis, a keyed task's completion
+and its message's ack are one script, one round trip, instead of two (and kombu's ack).
+
+A worker acks a message on a Redis broker by removing kombu's record of its delivery: the ``unacked`` hash and
+its ``unacked_index`` (kombu's ``QoS.ack``, which makes a new client for each ack). A keyed delivery also
+completes its key before that ack (:mod:`celery_guardrails.guardrails.idempotency`). When the store is a Redis
+store on the broker's server and database (the same host, port, database and user in both URLs), the store does
+both in one step, as the last success hook of the delivery: the completion is durable before the message is
+removed, and no worker can die between the two. The worker's own ack then only forgets the delivery
+(:class:`celery_guardrails.broker.atomic_pop.QoS`).
+
+Only where nothing else waits between the body's return and the ack, so that moving the completion from the
+body's return to the ack moves it past nothing: results ignored (nothing stored in between), no callback or
+chain to publish, no ordering turn, job, run slot, concurrency slot, budget admission or checkpoint to settle.
+A worker killed between the body's return and this step leaves the key claimed by a process that is gone: the
+redelivery takes it over and runs the body again, the window between the effect and the completion that the
+Redis store always had (a body that hands ``self.request.idempotency_key`` to its provider closes it). And only
+where the task runs in the process that consumes its message: the solo and threads pools, with the atomic pop
+(``broker_atomic_pop``); a prefork child's message is acked by the main process, which completes nothing.
+Anywhere else, and with ``store_acks=False``, the completion is sent as the body returns and the worker acks as
+Celery does.
+
+Task signal handlers that run after the success hooks (``task_success``, ``after_return``, ``task_postrun``) run
+after this ack, as they run after the key's completion on the other path.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING, Any
+
+from celery.app.task import get_actual_ignore_result
+
+from celery_guardrails.broker import atomic_pop
+from celery_guardrails.options import APP, Option, app_value, checks, declare
+from celery_guardrails.runtime.checkpoint import REQUEST_ATTRIBUTE as CHECKPOINT
+from celery_guardrails.runtime.delivery import Delivery, RidingCompletion, delivery
+from celery_guardrails.runtime.pipeline import Guardrail
+from celery_guardrails.stores import get_store
+from celery_guardrails.stores.base import BrokerAck
+
+if TYPE_CHECKING:
+    from celery_guardrails.runtime.pipeline import Task as GuardedTask
+
+logger = logging.getLogger(__name__)
+
+DECLARED = declare(
+    Option(
+        name="store_acks",
+        default=True,
+        doc="Where the guardrails store is the broker's own Redis (same host, port, database and user), a keyed "
+        "task whose results are ignored completes its key and acks its message in one script, one round trip "
+        "(solo and threads pools with broker_atomic_pop). False: the completion as the body returns, and "
+        "Celery's ack. See celery_guardrails.guardrails.acks.",
+        check=checks.boolean,
+        scopes=frozenset({APP}),
+    ),
+)
+
+#: The connection settings that make two Redis URLs the same database for this purpose.
+SAME = ("host", "port", "db", "username", "path")
+#: kombu's names of its delivery records (transport options), and their defaults (kombu 5.7).
+UNACKED, UNACKED_INDEX = "unacked", "unacked_index"
+
+#: By (app, store): kombu's two record keys on the store's server, or None when the store is not the broker's.
+_SHARED: dict[tuple[int, int], tuple[Any, Any, tuple[str, str] | None]] = {}
+
+
+def shared_records(app: Any, store: Any) -> tuple[str, str] | None:
+    """kombu's ``unacked`` and ``unacked_index`` keys when ``store`` is a Redis store on the database of ``app``'s
+    broker, and that broker is consumed with the atomic pop (kombu's record layout); else None. Read once."""
+    found = _SHARED.get((id(app), id(store)))
+    if found is not None and found[0] is app and found[1] is store:
+        return found[2]
+    records = _records(app, store)
+    _SHARED[(id(app), id(store))] = (app, store, records)
+    return records
+
+
+def _records(app: Any, store: Any) -> tuple[str, str] | None:
+    from celery_guardrails.stores.redis import RedisStore
+
+    if not isinstance(store, RedisStore) or not store._lane.available:  # a cluster, green threads
+        return None
+    if app.conf.broker_transport != atomic_pop.TRANSPORT:
+        return None
+    url = app.conf.broker_read_url or app.conf.broker_url
+    if not isinstance(url, str) or ";" in url or not url.startswith("redis://"):
+        return None
+    try:
+        import redis
+
+        broker = redis.ConnectionPool.from_url(url).connection_kwargs
+    except Exception:  # a URL redis-py reads otherwise than kombu: not judged the same
+        return None
+    mine = store.client.connection_pool.connection_kwargs
+    if any(broker.get(name) != mine.get(name) for name in SAME) or broker.get("password") != mine.get("password"):
+        return None
+    options = app.conf.broker_transport_options or {}
+    prefix = str(options.get("global_keyprefix") or "")
+    unacked = str(options.get("unacked_key", UNACKED))
+    return prefix + unacked, prefix + str(options.get("unacked_index_key", UNACKED_INDEX))
+
+
+def broker_ack(task: GuardedTask) -> BrokerAck | None:
+    """The ack the store can make for the message of the delivery ``task`` runs, or None (see the module
+    docstring)."""
+    request = task.request
+    if not atomic_pop.consumes_here() or request.called_directly or request.is_eager:
+        return None
+    if not getattr(task, "acks_late", False) or not app_value(task.app, "store_acks"):
+        return None
+    tag = (getattr(request, "properties", None) or {}).get("delivery_tag")
+    if not isinstance(tag, str) or not tag:
+        return None
+    records = shared_records(task.app, get_store(task.app))
+    if records is None:
+        return None
+    return BrokerAck(unacked=records[0], index=records[1], tag=tag)
+
+
+def nothing_between(task: GuardedTask, state: Delivery) -> bool:
+    """Whether nothing of this delivery has to be settled between its body's return and its ack (see the module
+    docstring): its completion may then wait for the ack."""
+    request = task.request
+    if not get_actual_ignore_result(task, request) or request.callbacks or request.chain:
+        return False
+    if state.ordering or state.job or state.slot or state.period or state.concurrency or state.dependency:
+        return False
+    return getattr(request, CHECKPOINT, None) is None
+
+
+def ride(task: GuardedTask, state: Delivery, riding: RidingCompletion) -> bool:
+    """Let ``riding`` wait for the ack when it can (True: it will be made there, by :class:`StoreAck`)."""
+    if not nothing_between(task, state) or broker_ack(task) is None:
+        return False
+    state.riding = riding
+    return True
+
+
+class StoreAck(Guardrail):
+    """Makes a riding completion with its message's ack, after every other success hook (it is first in the
+    pipeline, so its after-hooks run last)."""
+
+    def on_success(self, task: GuardedTask, retval: Any) -> None:
+        state = delivery(task)
+        riding, state.riding = state.riding, None
+        if riding is None:
+            return
+        ack = broker_ack(task)
+        try:
+            if ack is None:  # cannot happen (it was asked as the body returned): complete it the plain way
+                raise LookupError("the store cannot ack this delivery")
+            store: Any = get_store(task.app)  # a RedisStore: broker_ack made sure
+            done = store.complete_and_ack(
+                riding.key,
+                owner=riding.owner,
+                now=time.time(),
+                summary=riding.summary,
+                retention=riding.retention,
+                ack=ack,
+            )
+        except Exception as exc:  # the message stays unacked until the completion is settled; the worker acks
+            riding.settle(exc)
+            return
+        atomic_pop.ACKED_BY_STORE.add(ack.tag)
+        if not done:
+            riding.lost()
+
+    def on_failure(self, task: GuardedTask, exc: BaseException, einfo: Any) -> None:
+        # The body returned but Celery failed afterwards: the completion is made without the ack (Celery acks).
+        state = delivery(task)
+        riding, state.riding = state.riding, None
+        if riding is not None:
+            riding.settle(exc)
+
+
+__all__ = ["DECLARED", "StoreAck", "broker_ack", "nothing_between", "ride", "shared_records"]

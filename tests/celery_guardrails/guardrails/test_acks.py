@@ -1,0 +1,215 @@
+"""The completion with the ack (celery_guardrails.guardrails.acks): where the store is the broker's Redis, a keyed
+task whose results are ignored completes its key and acks its message in one script. On the store, then on real
+solo workers whose store and broker are the same Redis: SIGKILLed right after that step, and with the Redis cut
+away as the body returns.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+from celery import Celery
+
+from celery_guardrails.broker import atomic_pop
+from celery_guardrails.guardrails.acks import shared_records
+from celery_guardrails.stores.base import BrokerAck
+from celery_guardrails.stores.redis import RedisStore
+from tests.conftest import Sink
+from tests.proj import tasks
+from tests.support.proxy import TcpProxy
+from tests.support.services import REDIS_URL
+from tests.support.waiting import wait_for
+from tests.support.workers import PROJ_APP, WorkerProcess, proj_env
+
+TIMEOUT = 60
+
+
+@pytest.fixture
+def store() -> RedisStore:
+    return RedisStore(REDIS_URL)
+
+
+@pytest.fixture
+def oid() -> int:
+    return random.randrange(10**9)
+
+
+def recorded(client: Any, ack: BrokerAck) -> tuple[bool, bool]:
+    """Whether kombu's two records of the delivery are there: (in the unacked hash, in its index)."""
+    return bool(client.hexists(ack.unacked, ack.tag)), client.zscore(ack.index, ack.tag) is not None
+
+
+def delivery_recorded(store: RedisStore) -> BrokerAck:
+    """A delivery recorded as kombu records one handed out (in private keys of this test)."""
+    run = uuid.uuid4().hex
+    ack = BrokerAck(unacked=f"gr-test-unacked-{run}", index=f"gr-test-unacked-index-{run}", tag=f"tag-{run}")
+    store.client.hset(ack.unacked, ack.tag, "[message]")
+    store.client.zadd(ack.index, {ack.tag: 1.0})
+    return ack
+
+
+# -- the store ---------------------------------------------------------------------------------------------
+
+
+def test_complete_and_ack_completes_the_key_and_removes_the_delivery_in_one_step(store: RedisStore) -> None:
+    # Given a claimed key and its message's delivery recorded by kombu
+    key, ack = f"acks-{uuid.uuid4().hex}", delivery_recorded(store)
+    store.claim(key, owner="w:1:t:1", now=1000.0, lease=60, retention=600)
+    # When the owner completes it with the ack
+    done = store.complete_and_ack(key, owner="w:1:t:1", now=1001.0, summary="'ok'", retention=600, ack=ack)
+    # Then the key is completed and neither of kombu's records is left
+    assert done is True
+    assert store.inspect(key)["state"] == "completed"  # type: ignore[index]
+    assert recorded(store.client, ack) == (False, False)
+    # And a repeat by the same owner (its first answer lost) completes nothing new and finds nothing to ack
+    assert store.complete_and_ack(key, owner="w:1:t:1", now=1002.0, summary="'ok'", retention=600, ack=ack) is True
+    assert store.inspect(key)["completed_at"] == "1001.0"  # type: ignore[index]
+
+
+def test_a_key_taken_over_is_not_completed_but_the_message_is_acked(store: RedisStore) -> None:
+    # Given a key another delivery took over
+    key, ack = f"acks-{uuid.uuid4().hex}", delivery_recorded(store)
+    store.claim(key, owner="w:1:t:1", now=1000.0, lease=1, retention=600)
+    store.claim(key, owner="w:2:t:2", now=1010.0, lease=60, retention=600)
+    # When the first owner completes it with the ack
+    done = store.complete_and_ack(key, owner="w:1:t:1", now=1011.0, summary="'ok'", retention=600, ack=ack)
+    # Then the key stays the other delivery's, and the message is acked as the worker would ack it
+    assert done is False
+    assert store.inspect(key)["owner"] == "w:2:t:2"  # type: ignore[index]
+    assert recorded(store.client, ack) == (False, False)
+
+
+def test_ack_removes_both_records_and_says_whether_the_delivery_was_there(store: RedisStore) -> None:
+    ack = delivery_recorded(store)
+    assert store.ack(ack) is True
+    assert recorded(store.client, ack) == (False, False)
+    assert store.ack(ack) is False
+
+
+# -- when the store is the broker's -----------------------------------------------------------------------
+
+
+def app_on(broker: str, *, transport: str | None = atomic_pop.TRANSPORT, **options: Any) -> Celery:
+    app = Celery(f"acks-{uuid.uuid4().hex[:6]}", broker=broker)
+    app.conf.broker_transport = transport
+    app.conf.broker_transport_options = options
+    return app
+
+
+#: Brokers named by how they differ from the store's URL (each test process has a database of its own).
+BROKERS = {
+    "same": lambda url: url,
+    "another database": lambda url: url.rsplit("/", 1)[0] + "/15",
+    "another port": lambda url: url.replace(":6379", ":6380"),
+    "a failover list": lambda url: f"{url};{url}",
+}
+
+
+@pytest.mark.parametrize(
+    ("broker", "transport", "options", "expected"),
+    [
+        ("same", atomic_pop.TRANSPORT, {}, ("unacked", "unacked_index")),
+        ("same", atomic_pop.TRANSPORT, {"global_keyprefix": "p:"}, ("p:unacked", "p:unacked_index")),
+        ("same", atomic_pop.TRANSPORT, {"unacked_key": "u", "unacked_index_key": "ui"}, ("u", "ui")),
+        # another database of the same server, another port, kombu's own pop: not the broker's records
+        ("another database", atomic_pop.TRANSPORT, {}, None),
+        ("another port", atomic_pop.TRANSPORT, {}, None),
+        ("same", None, {}, None),
+        ("a failover list", atomic_pop.TRANSPORT, {}, None),
+    ],
+)
+def test_the_store_acks_only_on_the_brokers_own_database(
+    store: RedisStore, broker: str, transport: str | None, options: dict[str, str], expected: Any
+) -> None:
+    assert shared_records(app_on(BROKERS[broker](REDIS_URL), transport=transport, **options), store) == expected
+
+
+# -- on a real worker -------------------------------------------------------------------------------------------
+
+
+def solo_worker(
+    queue: str, tmp_path: Path, *, url: str = REDIS_URL, store_acks: bool = True, **extra: str
+) -> WorkerProcess:
+    """A solo worker whose broker and store are ``url`` (the same Redis)."""
+    guardrails = {"store": url, "idempotency_lease": 6.0, "store_acks": store_acks}
+    env = proj_env(
+        queue=queue, GUARDRAILS_TEST_BROKER_URL=url, GUARDRAILS_TEST_GUARDRAILS=json.dumps(guardrails), **extra
+    )
+    return WorkerProcess(app=PROJ_APP, queue=queue, pool="solo", log_path=tmp_path / "worker.log", env=env)
+
+
+def key_of(oid: int) -> str:
+    return f"tests.proj.tasks.charge_quietly:-:charge:{oid}"
+
+
+def effects(sink: Sink) -> int:
+    return int(sink.client.get(f"{sink.key}:effects") or 0)
+
+
+def in_unacked(tag: str) -> bool:
+    return bool(redis.Redis.from_url(REDIS_URL).hexists("unacked", tag))
+
+
+@pytest.mark.parametrize("store_acks", [True, False])
+def test_a_worker_killed_after_the_completion_leaves_no_message_between_it_and_the_ack(
+    celery_app: Any, queue_name: str, sink: Sink, oid: int, tmp_path: Path, store_acks: bool
+) -> None:
+    # Given a solo worker whose store is the broker's Redis, SIGKILLed once a keyed task's hooks have all run
+    # (Celery's task_postrun: after the completion, before Celery's own ack)
+    kill = "tests.proj.tasks.charge_quietly"
+    with solo_worker(queue_name, tmp_path, store_acks=store_acks, GUARDRAILS_TEST_KILL_AFTER=kill) as worker:
+        # When a keyed task whose results are ignored runs there
+        tasks.charge_quietly.delay(oid, sink.key)
+        wait_for("the worker killed", lambda: worker.process.poll() is not None, timeout=TIMEOUT)  # type: ignore[union-attr]
+    # Then the effect happened once and the key is completed
+    assert effects(sink) == 1
+    assert RedisStore(REDIS_URL).inspect(key_of(oid))["state"] == "completed"  # type: ignore[index]
+    tag = sink.items()[0]["tag"]
+    if store_acks:
+        # and the message was acked with the completion: nothing of it is left to deliver again
+        assert not in_unacked(tag)
+    else:
+        # (without it, the classic window: completed but not acked, so the broker delivers it again later,
+        # and that delivery is skipped as a duplicate)
+        assert in_unacked(tag)
+        redis.Redis.from_url(REDIS_URL).hdel("unacked", tag)
+
+
+def test_the_redis_cut_as_the_body_returns_the_completion_lands_once_it_is_back(
+    celery_app: Any, queue_name: str, sink: Sink, oid: int, tmp_path: Path, proxy: TcpProxy
+) -> None:
+    # Given a solo worker whose broker and store are the same Redis, through a proxy, running a keyed task held
+    # at a gate after its effect
+    url = REDIS_URL.replace("127.0.0.1:6379", f"127.0.0.1:{proxy.port}")
+    gate = f"{sink.key}:gate"
+    with solo_worker(queue_name, tmp_path, url=url) as worker:
+        tasks.charge_quietly.delay(oid, sink.key, gate)
+        wait_for("the body ran", lambda: effects(sink) == 1, timeout=TIMEOUT)
+        # When the Redis is cut away just as the body returns
+        proxy.cut()
+        sink.client.rpush(gate, "go")
+        # Then the worker keeps asking to complete the key, and completes it once the Redis is back
+        wait_for("the completion retried", lambda: "not completed yet" in worker.log, timeout=TIMEOUT)
+        proxy.restore()
+        wait_for(
+            "the key completed",
+            lambda: (RedisStore(REDIS_URL).inspect(key_of(oid)) or {}).get("state") == "completed",
+            timeout=TIMEOUT,
+        )
+        # And the message is gone from the broker without a second run (a redelivery is skipped as a duplicate)
+        tag = sink.items()[0]["tag"]
+        wait_for("the message acked", lambda: not in_unacked(tag), timeout=TIMEOUT)
+    assert effects(sink) == 1 and [item["run"] for item in sink.items()] == [1]
+
+
+@pytest.fixture(autouse=True)
+def _no_leftover_gates(sink: Sink) -> Iterator[None]:
+    yield
+    sink.client.delete(f"{sink.key}:gate")
