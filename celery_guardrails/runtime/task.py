@@ -37,7 +37,7 @@ from celery_guardrails.guardrails.tenancy import TenantGuard
 from celery_guardrails.guardrails.waiting import Waiting
 from celery_guardrails.operations.metrics import Metrics
 from celery_guardrails.options import OPTIONS, check_call_options, settings_snapshot
-from celery_guardrails.runtime import headers, outbox
+from celery_guardrails.runtime import headers, outbox, request_stack
 from celery_guardrails.runtime.checkpoint import Checkpoint, Checkpoints, checkpoint_of
 from celery_guardrails.runtime.deferred import DeferredPublish
 from celery_guardrails.runtime.delivery import Delivery, begin, delivery, view
@@ -202,6 +202,7 @@ class GuardedTask(DeferredPublish, Task):  # type: ignore[misc]
     @classmethod
     def on_bound(cls, app: Any) -> None:
         install(app)
+        request_stack.install(cls)  # task.request in a fraction of Celery's time (runtime/request_stack.py)
         # A duplicate of a message whose key failed for good is refused by design (its dead letter is the record):
         # Celery logs an exception in ``throws`` as one INFO line "raised expected", not an ERROR with a
         # traceback. Added to what the task declares itself.
