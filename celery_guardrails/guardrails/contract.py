@@ -275,23 +275,30 @@ def _leaves(signatures: Any, depth: int = 0) -> Iterator[Mapping[str, Any]]:
 #: big is the size limit's business; on the worker, the pool's hand-over is guarded whatever it holds).
 NESTING_BUDGET = 1_000_000
 _CONTAINERS = (Mapping, list, tuple, set, frozenset)
+#: Types that hold nothing: told apart by their type alone (an ABC's isinstance costs several times more, and
+#: this check runs on every value of every message a worker takes).
+_SCALARS = frozenset({str, int, float, bool, type(None), bytes})
+
+
+def _container(value: Any) -> bool:
+    return type(value) not in _SCALARS and isinstance(value, _CONTAINERS)
 
 
 def nesting_over(values: Iterator[Any] | tuple[Any, ...] | list[Any], limit: int) -> int | None:
     """The nesting depth reached past ``limit`` by any of ``values`` (a list of numbers is 1 level), or None when
     none goes deeper (or :data:`NESTING_BUDGET` items were looked at first). A loop, not a recursion: it takes
     any depth, and stops at the first level past the limit."""
-    stack = [(value, 1) for value in values if isinstance(value, _CONTAINERS)]
+    stack = [(value, 1) for value in values if _container(value)]
     seen = 0
     while stack:
         value, depth = stack.pop()
         if depth > limit:
             return depth
-        items = value.values() if isinstance(value, Mapping) else value
+        items = value.values() if type(value) is dict or isinstance(value, Mapping) else value
         seen += len(value)
         if seen > NESTING_BUDGET:
             return None
-        stack.extend((item, depth + 1) for item in items if isinstance(item, _CONTAINERS))
+        stack.extend((item, depth + 1) for item in items if _container(item))
     return None
 
 
