@@ -1,33 +1,37 @@
-"""The completion with the ack: where the guardrails store is the broker's own Redis, a keyed task's completion
-and its message's ack are one script, one round trip, instead of two (and kombu's ack).
+"""The ack on the store: where the guardrails store is the broker's own Redis, a guarded task's message is acked
+by the store, and a keyed task's completion rides that ack: one script, one round trip, instead of two.
 
 A worker acks a message on a Redis broker by removing kombu's record of its delivery: the ``unacked`` hash and
 its ``unacked_index`` (kombu's ``QoS.ack``, which makes a new client for each ack). A keyed delivery also
 completes its key before that ack (:mod:`celery_guardrails.guardrails.idempotency`). When the store is a Redis
-store on the broker's server and database (the same host, port, database and user in both URLs), the store does
-both in one step, as the last success hook of the delivery: the completion is durable before the message is
-removed, and no worker can die between the two. The worker's own ack then only forgets the delivery
-(:class:`celery_guardrails.broker.atomic_pop.QoS`).
+store on the broker's server and database (the same host, port, database and user in both URLs), the store makes
+the ack itself, on its own connection, as the last success hook of a guarded delivery (:class:`StoreAck`); the
+worker's own ack then only forgets the delivery (:class:`celery_guardrails.broker.atomic_pop.QoS`).
 
-Only where nothing else waits between the body's return and the ack, so that moving the completion from the
-body's return to the ack moves it past nothing: results ignored (nothing stored in between), no callback or
-chain to publish, no ordering turn, job, run slot, concurrency slot, budget admission or checkpoint to settle.
-A worker killed between the body's return and this step leaves the key claimed by a process that is gone: the
-redelivery takes it over and runs the body again, the window between the effect and the completion that the
-Redis store always had (a body that hands ``self.request.idempotency_key`` to its provider closes it). And only
-where the task runs in the process that consumes its message: the solo and threads pools, with the atomic pop
-(``broker_atomic_pop``); a prefork child's message is acked by the main process, which completes nothing.
-Anywhere else, and with ``store_acks=False``, the completion is sent as the body returns and the worker acks as
-Celery does.
+A keyed delivery's completion rides that ack (one script: the completion is durable before the message is
+removed, and no worker can die between the two) where nothing else waits between the body's return and the ack,
+so that moving the completion from the body's return to the ack moves it past nothing: results ignored (nothing
+stored in between), no callback or chain to publish, no ordering turn, job, run slot, concurrency slot, budget
+admission or checkpoint to settle. A worker killed between the body's return and this step leaves the key
+claimed by a process that is gone: the redelivery takes it over and runs the body again, the window between the
+effect and the completion that the Redis store always had (a body that hands ``self.request.idempotency_key`` to
+its provider closes it). Any other keyed delivery sends its completion as its body returns, as before, and reads
+its answer before the ack.
+
+Only where the task runs in the process that consumes its message: the solo and threads pools, with the atomic
+pop (``broker_atomic_pop``); a prefork child's message is acked by the main process, as Celery does. Anywhere
+else, and with ``store_acks=False``, the worker acks as Celery does. Only successes: a failure, a retry or a
+dead letter is acked (or given back) by the worker as before.
 
 Task signal handlers that run after the success hooks (``task_success``, ``after_return``, ``task_postrun``) run
-after this ack, as they run after the key's completion on the other path.
+after this ack (with Celery's ack, before it).
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from celery.app.task import get_actual_ignore_result
@@ -49,10 +53,10 @@ DECLARED = declare(
     Option(
         name="store_acks",
         default=True,
-        doc="Where the guardrails store is the broker's own Redis (same host, port, database and user), a keyed "
-        "task whose results are ignored completes its key and acks its message in one script, one round trip "
-        "(solo and threads pools with broker_atomic_pop). False: the completion as the body returns, and "
-        "Celery's ack. See celery_guardrails.guardrails.acks.",
+        doc="Where the guardrails store is the broker's own Redis (same host, port, database and user), the store "
+        "acks a guarded task's message as it succeeds, and a keyed task whose results are ignored completes its "
+        "key and acks its message in one script, one round trip (solo and threads pools with broker_atomic_pop). "
+        "False: the completion as the body returns, and Celery's ack. See celery_guardrails.guardrails.acks.",
         check=checks.boolean,
         scopes=frozenset({APP}),
     ),
@@ -131,42 +135,51 @@ def nothing_between(task: GuardedTask, state: Delivery) -> bool:
     return getattr(request, CHECKPOINT, None) is None
 
 
-def ride(task: GuardedTask, state: Delivery, riding: RidingCompletion) -> bool:
-    """Let ``riding`` wait for the ack when it can (True: it will be made there, by :class:`StoreAck`)."""
-    if not nothing_between(task, state) or broker_ack(task) is None:
+def ride(task: GuardedTask, state: Delivery, riding: Callable[[BrokerAck], RidingCompletion]) -> bool:
+    """Let the completion ``riding`` makes wait for the ack when it can (True: it will be made there, by
+    :class:`StoreAck`)."""
+    if not nothing_between(task, state):
         return False
-    state.riding = riding
+    ack = broker_ack(task)
+    if ack is None:
+        return False
+    state.riding = riding(ack)
     return True
 
 
 class StoreAck(Guardrail):
-    """Makes a riding completion with its message's ack, after every other success hook (it is first in the
-    pipeline, so its after-hooks run last)."""
+    """Acks a guarded delivery that succeeded on the store, with the completion that rides it, after every other
+    success hook (it is first in the pipeline, so its after-hooks run last)."""
 
     def on_success(self, task: GuardedTask, retval: Any) -> None:
         state = delivery(task)
         riding, state.riding = state.riding, None
-        if riding is None:
+        ack = riding.ack if riding is not None else broker_ack(task)
+        if ack is None:
             return
-        ack = broker_ack(task)
+        store: Any = get_store(task.app)  # a RedisStore: broker_ack made sure
+        done = True
         try:
-            if ack is None:  # cannot happen (it was asked as the body returned): complete it the plain way
-                raise LookupError("the store cannot ack this delivery")
-            store: Any = get_store(task.app)  # a RedisStore: broker_ack made sure
-            done = store.complete_and_ack(
-                riding.key,
-                owner=riding.owner,
-                now=time.time(),
-                summary=riding.summary,
-                retention=riding.retention,
-                ack=ack,
-            )
-        except Exception as exc:  # the message stays unacked until the completion is settled; the worker acks
-            riding.settle(exc)
+            if riding is None:
+                store.ack(ack)
+            else:
+                done = store.complete_and_ack(
+                    riding.key,
+                    owner=riding.owner,
+                    now=time.time(),
+                    summary=riding.summary,
+                    retention=riding.retention,
+                    ack=ack,
+                )
+        except Exception as exc:  # the message stays unacked (its completion settled first); the worker acks
+            if riding is not None:
+                riding.settle(exc)
+            else:
+                logger.info("Task %s[%s]: not acked on the store (%s); the worker acks it", task.name, ack.tag, exc)
             return
         atomic_pop.ACKED_BY_STORE.add(ack.tag)
         if not done:
-            riding.lost()
+            riding.lost()  # type: ignore[union-attr]
 
     def on_failure(self, task: GuardedTask, exc: BaseException, einfo: Any) -> None:
         # The body returned but Celery failed afterwards: the completion is made without the ack (Celery acks).

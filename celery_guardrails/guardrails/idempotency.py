@@ -347,7 +347,8 @@ class Idempotency(Guardrail):
             # there (never a reason to run the body again).
             summary = _summary(state.retval)
             state.forget(owner)  # the key is being completed: a later re-publish must not release it
-            riding = RidingCompletion(
+            riding = functools.partial(
+                RidingCompletion,
                 key=key,
                 owner=owner,
                 summary=summary,
@@ -355,7 +356,7 @@ class Idempotency(Guardrail):
                 settle=functools.partial(self._settle, task, key, owner, summary),
                 lost=functools.partial(_taken_over, task, key),
             )
-            if ride(task, state, riding):
+            if ride(task, state, lambda ack: riding(ack=ack)):
                 return  # completed with the ack, after every success hook (celery_guardrails.guardrails.acks)
             try:
                 wait = store.begin_complete(key, owner=owner, now=time.time(), summary=summary, retention=retention)

@@ -71,6 +71,8 @@ class RidingCompletion:
     settle: Callable[[BaseException], Any]
     #: Says that the key was taken over before its completion (the store did not complete it).
     lost: Callable[[], Any]
+    #: The ack it rides (a ``celery_guardrails.stores.base.BrokerAck``).
+    ack: Any
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

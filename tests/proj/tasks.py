@@ -248,7 +248,7 @@ def charge_quietly(self: GuardedTask, order_id: int, sink: str, gate: str | None
     ``INCR <sink>:effects``, then, on its first run, an optional wait for an item on the Redis list ``gate``."""
     client = redis.Redis.from_url(REDIS_URL)
     runs = client.incr(f"{sink}:runs")
-    seen(self, sink, run=runs, tag=(self.request.properties or {}).get("delivery_tag"))
+    seen(self, sink, run=runs)
     client.incr(f"{sink}:effects")
     if gate and runs == 1 and client.blpop([gate], timeout=120) is None:
         raise RuntimeError(f"gate {gate} never opened")

@@ -21,7 +21,7 @@ from celery_guardrails.broker import atomic_pop
 from celery_guardrails.guardrails.acks import shared_records
 from celery_guardrails.stores.base import BrokerAck
 from celery_guardrails.stores.redis import RedisStore
-from tests.conftest import Sink
+from tests.conftest import Sink, unacked
 from tests.proj import tasks
 from tests.support.proxy import TcpProxy
 from tests.support.services import REDIS_URL
@@ -153,33 +153,43 @@ def effects(sink: Sink) -> int:
     return int(sink.client.get(f"{sink.key}:effects") or 0)
 
 
-def in_unacked(tag: str) -> bool:
-    return bool(redis.Redis.from_url(REDIS_URL).hexists("unacked", tag))
+#: Each kind of guarded task the store acks: (task name, its call, its key's prefix or None).
+KINDS = {
+    "keyed, results ignored (completion rides the ack)": (
+        "charge_quietly",
+        lambda oid, sink: (oid, sink),
+        "charge",
+    ),
+    "keyed, results stored (completed as it returns)": ("charge", lambda oid, sink: (oid, sink), "charge"),
+    "not keyed": ("behave", lambda oid, sink: (sink, ["ok"]), None),
+}
 
 
-@pytest.mark.parametrize("store_acks", [True, False])
-def test_a_worker_killed_after_the_completion_leaves_no_message_between_it_and_the_ack(
-    celery_app: Any, queue_name: str, sink: Sink, oid: int, tmp_path: Path, store_acks: bool
+@pytest.mark.parametrize("store_acks", [True, False], ids=["store_acks", "celery_acks"])
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_a_worker_killed_after_the_last_hook_leaves_no_message_to_deliver_again(
+    celery_app: Any, queue_name: str, sink: Sink, oid: int, tmp_path: Path, store_acks: bool, kind: str
 ) -> None:
-    # Given a solo worker whose store is the broker's Redis, SIGKILLed once a keyed task's hooks have all run
+    # Given a solo worker whose store is the broker's Redis, SIGKILLed once a guarded task's hooks have all run
     # (Celery's task_postrun: after the completion, before Celery's own ack)
-    kill = "tests.proj.tasks.charge_quietly"
-    with solo_worker(queue_name, tmp_path, store_acks=store_acks, GUARDRAILS_TEST_KILL_AFTER=kill) as worker:
-        # When a keyed task whose results are ignored runs there
-        tasks.charge_quietly.delay(oid, sink.key)
+    name, call, key = KINDS[kind]
+    task = getattr(tasks, name)
+    with solo_worker(queue_name, tmp_path, store_acks=store_acks, GUARDRAILS_TEST_KILL_AFTER=task.name) as worker:
+        # When the task runs there
+        result = task.apply_async(call(oid, sink.key))
         wait_for("the worker killed", lambda: worker.process.poll() is not None, timeout=TIMEOUT)  # type: ignore[union-attr]
-    # Then the effect happened once and the key is completed
-    assert effects(sink) == 1
-    assert RedisStore(REDIS_URL).inspect(key_of(oid))["state"] == "completed"  # type: ignore[index]
-    tag = sink.items()[0]["tag"]
+    # Then the body ran once, and a keyed task's key is completed
+    assert len(sink.items()) == 1
+    if key is not None:
+        assert RedisStore(REDIS_URL).inspect(f"{task.name}:-:{key}:{oid}")["state"] == "completed"  # type: ignore[index]
     if store_acks:
-        # and the message was acked with the completion: nothing of it is left to deliver again
-        assert not in_unacked(tag)
+        # and the store acked the message: nothing of it is left to deliver again
+        assert not unacked(result.id)
     else:
-        # (without it, the classic window: completed but not acked, so the broker delivers it again later,
-        # and that delivery is skipped as a duplicate)
-        assert in_unacked(tag)
-        redis.Redis.from_url(REDIS_URL).hdel("unacked", tag)
+        # (Celery's ack had not come: the broker delivers the message again later, a keyed one is then skipped)
+        assert unacked(result.id)
+        client = redis.Redis.from_url(REDIS_URL)
+        client.hdel("unacked", *[tag for tag, raw in client.hgetall("unacked").items() if result.id.encode() in raw])
 
 
 def test_the_redis_cut_as_the_body_returns_the_completion_lands_once_it_is_back(
@@ -190,7 +200,7 @@ def test_the_redis_cut_as_the_body_returns_the_completion_lands_once_it_is_back(
     url = REDIS_URL.replace("127.0.0.1:6379", f"127.0.0.1:{proxy.port}")
     gate = f"{sink.key}:gate"
     with solo_worker(queue_name, tmp_path, url=url) as worker:
-        tasks.charge_quietly.delay(oid, sink.key, gate)
+        result = tasks.charge_quietly.delay(oid, sink.key, gate)
         wait_for("the body ran", lambda: effects(sink) == 1, timeout=TIMEOUT)
         # When the Redis is cut away just as the body returns
         proxy.cut()
@@ -204,8 +214,7 @@ def test_the_redis_cut_as_the_body_returns_the_completion_lands_once_it_is_back(
             timeout=TIMEOUT,
         )
         # And the message is gone from the broker without a second run (a redelivery is skipped as a duplicate)
-        tag = sink.items()[0]["tag"]
-        wait_for("the message acked", lambda: not in_unacked(tag), timeout=TIMEOUT)
+        wait_for("the message acked", lambda: not unacked(result.id), timeout=TIMEOUT)
     assert effects(sink) == 1 and [item["run"] for item in sink.items()] == [1]
 
 
