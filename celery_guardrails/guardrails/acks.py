@@ -34,8 +34,6 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from celery.app.task import get_actual_ignore_result
-
 from celery_guardrails.broker import atomic_pop
 from celery_guardrails.options import APP, Option, app_value, checks, declare
 from celery_guardrails.runtime.checkpoint import REQUEST_ATTRIBUTE as CHECKPOINT
@@ -128,11 +126,19 @@ def nothing_between(task: GuardedTask, state: Delivery) -> bool:
     """Whether nothing of this delivery has to be settled between its body's return and its ack (see the module
     docstring): its completion may then wait for the ack."""
     request = task.request
-    if not get_actual_ignore_result(task, request) or request.callbacks or request.chain:
+    if not _results_ignored(task, request) or request.callbacks or request.chain:
         return False
     if state.ordering or state.job or state.slot or state.period or state.concurrency or state.dependency:
         return False
     return getattr(request, CHECKPOINT, None) is None
+
+
+def _results_ignored(task: GuardedTask, request: Any) -> bool:
+    """Whether Celery surely stores no result for this delivery: the task ignores results, and the message did not
+    ask for one. (Celery 5.5.3's tracer reads only the task's ``ignore_result``; later ones let the message's own
+    value win, ``celery.app.task.get_actual_ignore_result``: both store nothing then.)"""
+    explicit = getattr(request, "__dict__", {}).get("ignore_result")
+    return bool(getattr(task, "ignore_result", False)) and explicit is not False
 
 
 def ride(task: GuardedTask, state: Delivery, riding: Callable[[BrokerAck], RidingCompletion]) -> bool:
