@@ -74,6 +74,8 @@ def configure() -> str:
     for folder in folders.values():
         folder.mkdir(parents=True, exist_ok=True)
     os.environ["EXAMPLE_BROKER_URL"] = "filesystem://"
+    # kombu's transport, with each message file written whole before a consumer can take it (celery/kombu#1551)
+    os.environ["EXAMPLE_BROKER_TRANSPORT"] = "example_project.filesystem_broker:Transport"
     os.environ["EXAMPLE_BROKER_TRANSPORT_OPTIONS"] = json.dumps(
         {
             "data_folder_in": str(folders["messages"]),

@@ -16,6 +16,7 @@ from celery_guardrails.jobs import report_completion
 app = Celery("sandbox", broker=os.environ["EXAMPLE_BROKER_URL"])
 app.conf.update(
     broker_transport_options=json.loads(os.environ.get("EXAMPLE_BROKER_TRANSPORT_OPTIONS", "{}")),
+    broker_transport=os.environ.get("EXAMPLE_BROKER_TRANSPORT") or None,
     task_default_queue=f"{os.environ['EXAMPLE_QUEUE']}-sandbox",
     broker_connection_retry_on_startup=True,
 )

@@ -69,6 +69,8 @@ STATIC_URL = "static/"
 CELERY_BROKER_URL = os.environ.get("EXAMPLE_BROKER_URL", "redis://127.0.0.1:6379/14")
 CELERY_RESULT_BACKEND = os.environ.get("EXAMPLE_RESULT_BACKEND", "redis://127.0.0.1:6379/14")
 CELERY_BROKER_TRANSPORT_OPTIONS = json.loads(os.environ.get("EXAMPLE_BROKER_TRANSPORT_OPTIONS", "{}"))
+# (demo.py without Redis: kombu's filesystem transport, each message file written whole; filesystem_broker.py)
+CELERY_BROKER_TRANSPORT = os.environ.get("EXAMPLE_BROKER_TRANSPORT") or None
 # (demo.py gives each run its own key prefix here and above: a Redis database shared with another run is safe.)
 CELERY_RESULT_BACKEND_TRANSPORT_OPTIONS = json.loads(os.environ.get("EXAMPLE_RESULT_BACKEND_TRANSPORT_OPTIONS", "{}"))
 CELERY_TASK_DEFAULT_QUEUE = os.environ.get("EXAMPLE_QUEUE", "example")
