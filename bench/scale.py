@@ -239,7 +239,11 @@ def load_dead_letters() -> None:
                     ELSE '{}'::jsonb END,
                false, tenant, cid,
                CASE WHEN task = %(charge)s THEN task || ':' || tenant || ':charge:' || i ELSE '' END,
-               jsonb_build_object('v', 1, 'tenant', tenant, 'cid', cid, 'attempt', attempts),
+               -- the header a GuardedTask's publish gives every message (its payload version, when it went
+               -- out; a keyed task's key), as the worker records it with the failure
+               jsonb_build_object('v', 1, 'tenant', tenant, 'cid', cid, 'attempt', attempts, 'pv', 1,
+                                  'pub', extract(epoch FROM last - attempts * interval '30 seconds'))
+               || CASE WHEN task = %(charge)s THEN jsonb_build_object('idem', 'charge:' || i) ELSE '{}'::jsonb END,
                reason, 'requests.exceptions.ConnectionError',
                'HTTPSConnectionPool(host=''api.example.com'', port=443): Max retries exceeded with url: /v1/x/' || i,
                %(traceback)s || '    raise ConnectionError(e, request=request) (record ' || i || ')',
