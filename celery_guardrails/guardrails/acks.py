@@ -141,15 +141,15 @@ def _results_ignored(task: GuardedTask, request: Any) -> bool:
     return bool(getattr(task, "ignore_result", False)) and explicit is not False
 
 
-def ride(task: GuardedTask, state: Delivery, riding: Callable[[BrokerAck], RidingCompletion]) -> bool:
-    """Let the completion ``riding`` makes wait for the ack when it can (True: it will be made there, by
+def ride(task: GuardedTask, state: Delivery, riding: Callable[..., RidingCompletion]) -> bool:
+    """Let the completion ``riding(ack=...)`` makes wait for the ack when it can (True: it will be made there, by
     :class:`StoreAck`)."""
     if not nothing_between(task, state):
         return False
     ack = broker_ack(task)
     if ack is None:
         return False
-    state.riding = riding(ack)
+    state.riding = riding(ack=ack)
     return True
 
 
@@ -188,7 +188,15 @@ class StoreAck(Guardrail):
             riding.lost()  # type: ignore[union-attr]
 
     def on_failure(self, task: GuardedTask, exc: BaseException, einfo: Any) -> None:
-        # The body returned but Celery failed afterwards: the completion is made without the ack (Celery acks).
+        # The body returned but the delivery failed afterwards (Celery, or a guardrail unwinding): the completion
+        # is made without the ack, and the worker acks (or gives the message back) as it decided.
+        self._settle(task, exc)
+
+    def on_retry(self, task: GuardedTask, exc: BaseException, einfo: Any) -> None:
+        self._settle(task, exc)
+
+    @staticmethod
+    def _settle(task: GuardedTask, exc: BaseException) -> None:
         state = delivery(task)
         riding, state.riding = state.riding, None
         if riding is not None:

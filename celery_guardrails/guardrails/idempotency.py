@@ -356,7 +356,7 @@ class Idempotency(Guardrail):
                 settle=functools.partial(self._settle, task, key, owner, summary),
                 lost=functools.partial(_taken_over, task, key),
             )
-            if ride(task, state, lambda ack: riding(ack=ack)):
+            if ride(task, state, riding):
                 return  # completed with the ack, after every success hook (celery_guardrails.guardrails.acks)
             try:
                 wait = store.begin_complete(key, owner=owner, now=time.time(), summary=summary, retention=retention)
@@ -423,12 +423,12 @@ class Idempotency(Guardrail):
             done: bool | None = get_store(task.app).complete(
                 key, owner=owner, now=time.time(), summary=summary, retention=retention
             )
-        except StoreError as exc:
+        except Exception as exc:  # whatever it is, the effect happened: asked again until the lease is over
             done = self._complete_when_back(task, key, owner, exc)
         if done is False:
             _taken_over(task, key)
 
-    def _complete_when_back(self, task: GuardedTask, key: str, owner: str, error: StoreError) -> bool | None:
+    def _complete_when_back(self, task: GuardedTask, key: str, owner: str, error: BaseException) -> bool | None:
         """Ask the store to complete ``key`` until it answers (whether it did) or the lease is over (None)."""
         options = view(task).options
         store = get_store(task.app)
