@@ -135,14 +135,22 @@ def test_the_store_acks_only_on_the_brokers_own_database(
 
 
 def solo_worker(
-    queue: str, tmp_path: Path, *, url: str = REDIS_URL, store_acks: bool = True, **extra: str
+    queue: str,
+    tmp_path: Path,
+    *,
+    url: str = REDIS_URL,
+    store_acks: bool = True,
+    pool: str = "solo",
+    concurrency: int = 1,
+    **extra: str,
 ) -> WorkerProcess:
-    """A solo worker whose broker and store are ``url`` (the same Redis)."""
+    """A solo worker (or ``pool``) whose broker and store are ``url`` (the same Redis)."""
     guardrails = {"store": url, "idempotency_lease": 6.0, "store_acks": store_acks}
     env = proj_env(
         queue=queue, GUARDRAILS_TEST_BROKER_URL=url, GUARDRAILS_TEST_GUARDRAILS=json.dumps(guardrails), **extra
     )
-    return WorkerProcess(app=PROJ_APP, queue=queue, pool="solo", log_path=tmp_path / "worker.log", env=env)
+    log = tmp_path / "worker.log"
+    return WorkerProcess(app=PROJ_APP, queue=queue, pool=pool, concurrency=concurrency, log_path=log, env=env)
 
 
 def key_of(oid: int) -> str:
@@ -222,3 +230,30 @@ def test_the_redis_cut_as_the_body_returns_the_completion_lands_once_it_is_back(
 def _no_leftover_gates(sink: Sink) -> Iterator[None]:
     yield
     sink.client.delete(f"{sink.key}:gate")
+
+
+@pytest.mark.parametrize(("pool", "concurrency"), [("threads", 4), ("prefork", 2)])
+def test_on_threads_and_prefork_every_message_is_acked_once_and_every_key_completed_once(
+    celery_app: Any, queue_name: str, sink: Sink, tmp_path: Path, pool: str, concurrency: int
+) -> None:
+    # Given a worker of that pool whose store is the broker's Redis (threads: the store acks, each thread on its
+    # own connection; prefork: the children complete their keys, the main process acks as Celery does)
+    oids = [random.randrange(10**9) for _ in range(40)]
+    with solo_worker(queue_name, tmp_path, pool=pool, concurrency=concurrency) as worker:
+        # When keyed tasks whose results are ignored, and keyed tasks whose results are stored, run there at once
+        quiet = [tasks.charge_quietly.delay(oid, sink.key) for oid in oids[:20]]
+        stored = [tasks.charge.delay(oid, sink.key) for oid in oids[20:]]
+        assert [result.get(timeout=TIMEOUT) for result in stored] == [f"charged {oid}" for oid in oids[20:]]
+        wait_for("every body ran", lambda: effects(sink) == 40, timeout=TIMEOUT)
+        # Then every message is acked, and the worker met no error on the way (the start-up audit logs its own)
+        wait_for("every message acked", lambda: not any(unacked(r.id) for r in quiet + stored), timeout=TIMEOUT)
+        for trouble in ("Traceback", "not acked on the store", "not completed yet", "taken over"):
+            assert trouble not in worker.log
+    # And each key is completed, each body ran once
+    store = RedisStore(REDIS_URL)
+    names = ["charge_quietly"] * 20 + ["charge"] * 20
+    assert all(
+        (store.inspect(f"tests.proj.tasks.{name}:-:charge:{oid}") or {}).get("state") == "completed"
+        for name, oid in zip(names, oids, strict=True)
+    )
+    assert effects(sink) == 40 and len(sink.items()) == 40
