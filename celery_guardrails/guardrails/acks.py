@@ -29,6 +29,7 @@ after this ack (with Celery's ack, before it).
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections.abc import Callable
@@ -65,19 +66,12 @@ SAME = ("host", "port", "db", "username", "path")
 #: kombu's names of its delivery records (transport options), and their defaults (kombu 5.7).
 UNACKED, UNACKED_INDEX = "unacked", "unacked_index"
 
-#: By (app, store): kombu's two record keys on the store's server, or None when the store is not the broker's.
-_SHARED: dict[tuple[int, int], tuple[Any, Any, tuple[str, str] | None]] = {}
 
-
+@functools.lru_cache(maxsize=64)
 def shared_records(app: Any, store: Any) -> tuple[str, str] | None:
     """kombu's ``unacked`` and ``unacked_index`` keys when ``store`` is a Redis store on the database of ``app``'s
     broker, and that broker is consumed with the atomic pop (kombu's record layout); else None. Read once."""
-    found = _SHARED.get((id(app), id(store)))
-    if found is not None and found[0] is app and found[1] is store:
-        return found[2]
-    records = _records(app, store)
-    _SHARED[(id(app), id(store))] = (app, store, records)
-    return records
+    return _records(app, store)
 
 
 def _records(app: Any, store: Any) -> tuple[str, str] | None:
@@ -116,7 +110,8 @@ def broker_ack(task: GuardedTask) -> BrokerAck | None:
     tag = (getattr(request, "properties", None) or {}).get("delivery_tag")
     if not isinstance(tag, str) or not tag:
         return None
-    records = shared_records(task.app, get_store(task.app))
+    store: Any = get_store(task.app)  # a store instance: hashable by identity, like the app
+    records = shared_records(task.app, store)
     if records is None:
         return None
     return BrokerAck(unacked=records[0], index=records[1], tag=tag)
@@ -144,9 +139,11 @@ def _results_ignored(task: GuardedTask, request: Any) -> bool:
 def ride(task: GuardedTask, state: Delivery, riding: Callable[..., RidingCompletion]) -> bool:
     """Let the completion ``riding(ack=...)`` makes wait for the ack when it can (True: it will be made there, by
     :class:`StoreAck`)."""
-    if not nothing_between(task, state):
+    try:
+        ack = broker_ack(task) if nothing_between(task, state) else None
+    except Exception:  # the body returned: whatever this meets, the key is completed the usual way
+        logger.warning("Task %s[%s]: its completion cannot ride the ack", task.name, task.request.id, exc_info=True)
         return False
-    ack = broker_ack(task)
     if ack is None:
         return False
     state.riding = riding(ack=ack)

@@ -21,6 +21,7 @@ from typing import Any
 
 from celery_guardrails.foundation.redaction import Redactor
 from celery_guardrails.runtime.view import DeliveryView
+from celery_guardrails.stores.base import BrokerAck
 
 logger = logging.getLogger(__name__)
 
@@ -71,8 +72,8 @@ class RidingCompletion:
     settle: Callable[[BaseException], Any]
     #: Says that the key was taken over before its completion (the store did not complete it).
     lost: Callable[[], Any]
-    #: The ack it rides (a ``celery_guardrails.stores.base.BrokerAck``).
-    ack: Any
+    #: The ack it rides.
+    ack: BrokerAck
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

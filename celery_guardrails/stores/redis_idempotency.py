@@ -95,11 +95,10 @@ return 1
 
 # The ack of a message on the broker's Redis (KEYS: kombu's unacked hash, its index; ARGV: the delivery tag), as
 # kombu's QoS.ack removes it. Returns 1 when the delivery was still recorded.
-_ACK_LINES = """
+_ACK = """
 redis.call('ZREM', KEYS[#KEYS], ARGV[#ARGV])
 return redis.call('HDEL', KEYS[#KEYS - 1], ARGV[#ARGV])
 """
-_ACK = _ACK_LINES
 
 # A completion (_IF_OWNER's, KEYS[1]) and the ack of its message (KEYS[2], KEYS[3]; ARGV[8] the tag) in one step:
 # the message is removed only with the completion durable, and no worker can die between the two. The message is
@@ -109,7 +108,7 @@ _COMPLETE_ACK = (
     "local function finish()\n"
     + _IF_OWNER
     + "\nend\nlocal done = finish()\nlocal function ack()\n"
-    + _ACK_LINES
+    + _ACK
     + "\nend\nreturn {done, ack()}\n"
 )
 
