@@ -374,6 +374,37 @@ def test_a_replay_of_many_records_goes_in_batches_reports_progress_and_publishes
     assert waiting_messages(broker, queue_name) == 1203
 
 
+@pytest.mark.parametrize("one_statement", [True, False], ids=["update-returning", "update-then-read"])
+def test_a_batch_claim_wins_only_the_records_still_open_each_with_its_own_task_id(
+    monkeypatch: pytest.MonkeyPatch, one_statement: bool
+) -> None:
+    from django_celery_guardrails import replay
+
+    # Given four open records, planned for a replay, each given its new task id
+    monkeypatch.setattr(replay, "_claims_in_one_statement", lambda: one_statement)
+    records = open_letters(4)
+    planned = [replay._Claimed(record, replay.plan(record), f"new-{record.pk}") for record in records]
+    # And another replay that moved the second one first
+    DeadLetter.objects.filter(pk=records[1].pk).update(status="replayed", replayed_task_id="someone-else")
+    # When this replay claims the batch
+    user = User.objects.create_user(f"u{uuid.uuid4().hex[:8]}")
+    won = replay._claim(planned, user)
+    # Then it wins the three still open, and each holds its own new task id, with who and when
+    assert [item.record.pk for item in won] == [records[0].pk, records[2].pk, records[3].pk]
+    rows = DeadLetter.objects.filter(pk__in=[r.pk for r in records]).order_by("pk")
+    assert [(row.status, row.replayed_task_id) for row in rows] == [
+        ("replayed", f"new-{records[0].pk}"),
+        ("replayed", "someone-else"),
+        ("replayed", f"new-{records[2].pk}"),
+        ("replayed", f"new-{records[3].pk}"),
+    ]
+    assert {row.handled_by for row in rows if row.pk != records[1].pk} == {user.username}
+    assert all(row.handled_at is not None for row in rows if row.pk != records[1].pk)
+    # And a second replay of the same batch (its own new task ids) wins nothing
+    again = [replay._Claimed(item.record, item.message, f"again-{item.record.pk}") for item in planned]
+    assert replay._claim(again, user) == []
+
+
 def test_the_command_prints_progress_and_the_admin_logs_many_replays_in_few_inserts(
     celery_app: Any, broker: str, queue_name: str
 ) -> None:
