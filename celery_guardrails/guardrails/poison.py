@@ -25,17 +25,22 @@ For the worker to give such a message back, ``GuardedTask`` acks late and reject
 from __future__ import annotations
 
 import logging
+import time
 from typing import TYPE_CHECKING, Any
 
 from celery_guardrails.broker.delays import delivery_count
-from celery_guardrails.exceptions import PoisonMessageError, StoreError
-from celery_guardrails.guardrails.idempotency import fail_abandoned
+from celery_guardrails.exceptions import IdempotencyKeyError, PoisonMessageError, StoreError
+from celery_guardrails.foundation.context import current_tenant
+from celery_guardrails.guardrails.idempotency import claim_key, original_task_id
+from celery_guardrails.guardrails.keys import render_key, scoped_key
 from celery_guardrails.options import APP, TASK, Option, checks, declare
 from celery_guardrails.runtime import headers
 from celery_guardrails.runtime.delivery import ATTRIBUTE, Delivery, delivery, view
+from celery_guardrails.runtime.heartbeats import delivery_owner
 from celery_guardrails.runtime.outcomes import POISON, attempt_record, fail_finally
 from celery_guardrails.runtime.pipeline import Guardrail, Publication
 from celery_guardrails.stores import get_store
+from celery_guardrails.stores.base import ACQUIRED, BUSY
 
 if TYPE_CHECKING:
     from celery_guardrails.runtime.pipeline import Task as GuardedTask
@@ -57,6 +62,43 @@ DECLARED = declare(
         scopes=frozenset({TASK, APP}),
     ),
 )
+
+
+def fail_abandoned(task: GuardedTask, args: tuple[Any, ...], kwargs: dict[str, Any], *, reason: str) -> None:
+    """Mark failed the key a message's dead deliveries left claimed, when the message is dead-lettered before
+    it could claim (a poison message): left claimed, the key would say a run is still going, and a copy of the
+    message would wait on it. A key held by a live delivery (another copy), completed or failed is left as it
+    is. Raises StoreError like any claim."""
+    request = task.request
+    header = view(task).header
+    key = header.get(headers.IDEMPOTENCY_KEY)
+    if key is None:
+        spec = view(task).options["idempotency_key"]
+        if spec is None:
+            return
+        try:
+            key = render_key(task, spec, args, kwargs)
+        except IdempotencyKeyError:
+            return
+    scoped = scoped_key(task.name, current_tenant(), key)
+    store = get_store(task.app)
+    owner = delivery_owner(request)
+    claim, _ = claim_key(task, store, scoped, owner=owner, header=header, now=time.time())
+    if claim.state == BUSY and original_task_id(claim.owner) == request.id:
+        # Held by an earlier delivery of this very message, on another worker (holder_gone judges only this
+        # worker's processes): it is the message being dead-lettered, so that delivery is taken to be over.
+        options = view(task).options
+        claim = store.claim(
+            scoped,
+            owner=owner,
+            now=time.time(),
+            lease=options["idempotency_lease"],
+            retention=options["idempotency_retention"],
+            replaces=claim.owner,
+        )
+    if claim.state == ACQUIRED:
+        retention = view(task).options["idempotency_retention"]
+        store.fail(scoped, owner=owner, now=time.time(), reason=reason[:200], retention=retention)
 
 
 class PoisonMessages(Guardrail):
