@@ -35,11 +35,12 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 import os
 import time
 from collections.abc import Iterator, Mapping
 from contextlib import AbstractContextManager, contextmanager
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from celery.utils.saferepr import saferepr
 
@@ -48,6 +49,7 @@ from celery_guardrails.exceptions import DuplicateOfFailureError, IdempotencyKey
 from celery_guardrails.foundation.context import current_tenant
 from celery_guardrails.foundation.redaction import redacted_error
 from celery_guardrails.guardrails.acks import ride
+from celery_guardrails.guardrails.effect_keys import with_the_effect
 from celery_guardrails.guardrails.keys import KEY_MAX_LENGTH as KEY_MAX_LENGTH
 from celery_guardrails.guardrails.keys import STORED_MAX_LENGTH as STORED_MAX_LENGTH
 from celery_guardrails.guardrails.keys import render_key as render_key
@@ -196,43 +198,6 @@ def claim_key(
     return claim, gone
 
 
-def fail_abandoned(task: GuardedTask, args: tuple[Any, ...], kwargs: dict[str, Any], *, reason: str) -> None:
-    """Mark failed the key a message's dead deliveries left claimed, when the message is dead-lettered before
-    it could claim (a poison message): left claimed, the key would say a run is still going, and a copy of the
-    message would wait on it. A key held by a live delivery (another copy), completed or failed is left as it
-    is. Raises StoreError like any claim."""
-    request = task.request
-    header = view(task).header
-    key = header.get(headers.IDEMPOTENCY_KEY)
-    if key is None:
-        spec = view(task).options["idempotency_key"]
-        if spec is None:
-            return
-        try:
-            key = render_key(task, spec, args, kwargs)
-        except IdempotencyKeyError:
-            return
-    scoped = scoped_key(task.name, current_tenant(), key)
-    store = get_store(task.app)
-    owner = delivery_owner(request)
-    claim, _ = claim_key(task, store, scoped, owner=owner, header=header, now=time.time())
-    if claim.state == BUSY and original_task_id(claim.owner) == request.id:
-        # Held by an earlier delivery of this very message, on another worker (holder_gone judges only this
-        # worker's processes): it is the message being dead-lettered, so that delivery is taken to be over.
-        options = view(task).options
-        claim = store.claim(
-            scoped,
-            owner=owner,
-            now=time.time(),
-            lease=options["idempotency_lease"],
-            retention=options["idempotency_retention"],
-            replaces=claim.owner,
-        )
-    if claim.state == ACQUIRED:
-        retention = view(task).options["idempotency_retention"]
-        store.fail(scoped, owner=owner, now=time.time(), reason=reason[:200], retention=retention)
-
-
 def _raise(error: BaseException) -> bool:
     raise error
 
@@ -244,6 +209,17 @@ def _taken_over(task: GuardedTask, key: str) -> None:
         task.request.id,
         key,
     )
+
+
+def _wait_for_holder(task: GuardedTask, scoped: str, claim: Claim, *, now: float, until: float) -> NoReturn:
+    """Held by another delivery: look again soon, then less and less often (retry_later_delay doubling), never
+    later than just after its lease would run out if its worker has died. A wait behind a live lease spends no
+    attempt and not retry_later_max (each wait is bounded by the holder's lease)."""
+    header = view(task).header
+    wait = RetryLater(f"idempotency key {scoped} is held by another delivery ({claim.owner or 'a transaction'})")
+    soon = view(task).options["retry_later_delay"] * 2 ** min(headers.counter(header, headers.BUSY), 16)
+    delay = max(0.1, min(soon, until - now + 0.5))
+    retry_later(task, wait, delay=delay, rule="idempotency:busy", counter=headers.BUSY)
 
 
 class Idempotency(Guardrail):
@@ -289,6 +265,15 @@ class Idempotency(Guardrail):
         delivery(task).key = scoped  # the body reads an opaque key made from it (celery_guardrails.runtime.effects)
         store = get_store(task.app)
         owner = delivery_owner(request)
+        if with_the_effect(task, store):  # claimed as its body's transaction begins (guardrails.effect_keys)
+            delivery(task).claim = HeldKey(key=scoped, owner=owner, with_the_effect=True)
+            return
+        self._claim(task, store, scoped, owner)
+
+    def _claim(self, task: GuardedTask, store: Store, scoped: str, owner: str) -> None:
+        """Claim ``scoped`` apart from the body; raises what ends the delivery unless it was acquired."""
+        request = task.request
+        header = view(task).header
         now = time.time()
         claim, gone = claim_key(task, store, scoped, owner=owner, header=header, now=now)
         if claim.state == ACQUIRED:
@@ -317,13 +302,7 @@ class Idempotency(Guardrail):
             # A client waiting on the duplicate sees the original's failure (its dead letter is the record).
             delivery(task).ended = "duplicate"
             raise DuplicateOfFailureError(scoped, original, claim.reason)
-        # Held by another delivery: look again soon, then less and less often (retry_later_delay doubling),
-        # never later than just after its lease would run out if its worker has died. A wait behind a live
-        # lease spends no attempt and not retry_later_max (each wait is bounded by the holder's lease).
-        wait = RetryLater(f"idempotency key {scoped} is held by another delivery ({claim.owner})")
-        soon = options["retry_later_delay"] * 2 ** min(headers.counter(header, headers.BUSY), 16)
-        delay = max(0.1, min(soon, claim.lease_until - now + 0.5))
-        retry_later(task, wait, delay=delay, rule="idempotency:busy", counter=headers.BUSY)
+        _wait_for_holder(task, scoped, claim, now=now, until=claim.lease_until)
 
     def body_context(self, task: GuardedTask) -> AbstractContextManager[Any] | None:
         claim = delivery(task).claim
@@ -364,6 +343,19 @@ class Idempotency(Guardrail):
                 wait = functools.partial(_raise, exc)
             state.completion = Completion(key=key, answer=wait)
             return
+        held = state.claim
+        if held is not None and held.with_the_effect:
+            state.claim = None  # nothing held until the key is written
+            with store.written_with_the_effect(key, owner=owner, now=time.time()) as claim:  # type: ignore[attr-defined]
+                if claim is not None and claim.state == ACQUIRED:
+                    state.claim = held  # a final failure of the body writes it failed (on_failure)
+                    yield  # the body, in the transaction that wrote its key completed
+            if claim is not None and claim.state == ACQUIRED:
+                state.claim = None  # committed: completed with the effect
+                return
+            if claim is not None:  # another delivery's transaction is writing it now: no lease to wait out
+                _wait_for_holder(task, key, claim, now=time.time(), until=math.inf)
+            self._claim(task, store, key, owner)  # the key exists: claimed the usual way (raises unless held)
         with heartbeat(store, key, owner, lease=lease):
             from django.db import DatabaseError, transaction
 
@@ -479,10 +471,10 @@ class Idempotency(Guardrail):
         if claim is not None:
             key, owner = claim.key, claim.owner
             state.forget(owner)
-            get_store(task.app).fail(
-                key,
-                owner=owner,
-                now=time.time(),
-                reason=redacted_error(task, exc, keep=200),  # kept in the key's row: redacted
-                retention=view(task).options["idempotency_retention"],
-            )
+            store = get_store(task.app)
+            reason = redacted_error(task, exc, keep=200)  # kept in the key's row: redacted
+            if claim.with_the_effect:  # rolled back with the effect: written failed now
+                store.fail_with_the_effect(key, owner=owner, now=time.time(), reason=reason)  # type: ignore[attr-defined]
+                return
+            retention = view(task).options["idempotency_retention"]
+            store.fail(key, owner=owner, now=time.time(), reason=reason, retention=retention)

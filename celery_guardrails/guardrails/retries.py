@@ -54,7 +54,7 @@ from celery_guardrails.runtime.outcomes import (
     fail_finally,
     republish,
 )
-from celery_guardrails.runtime.pipeline import Guardrail
+from celery_guardrails.runtime.pipeline import Guardrail, SkipBody
 
 if TYPE_CHECKING:
     from celery_guardrails.runtime.pipeline import Task as GuardedTask
@@ -175,6 +175,10 @@ class Retries(Guardrail):
             # the task's doing, GuardedTask settles it. One the body raised (a guarded publish from the task's own
             # code, say) is classified like any error: retried only when that is safe.
             if isinstance(exc, StoreError) and exc is not delivery(task).body_error:
+                raise
+            # A guardrail inside decided before the body (a key claimed as the body's transaction began: a
+            # duplicate skipped, or of a failure): nothing ran to classify.
+            if isinstance(exc, SkipBody) or (delivery(task).ended and not delivery(task).body_ran):
                 raise
             self.handle(task, exc)  # raises what ends the delivery, unless exc is Celery's own control flow
             if isinstance(exc, RetryRequested):

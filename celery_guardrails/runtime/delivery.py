@@ -47,6 +47,9 @@ class HeldKey:
     key: str
     #: Who holds it: this delivery (:func:`celery_guardrails.guardrails.idempotency.delivery_owner`).
     owner: str
+    #: Not claimed yet: it is written with the effect, in the body's transaction
+    #: (:mod:`celery_guardrails.guardrails.effect_keys`).
+    with_the_effect: bool = False
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -422,8 +422,11 @@ class GuardedTask(DeferredPublish, Task):  # type: ignore[misc]
         try:
             for guardrail in overriding(self.guardrails, "before_run"):
                 guardrail.before_run(self, args, kwargs)
-        except SkipBody as skip:
+            return self._run_body(state, args, kwargs)
+        except SkipBody as skip:  # from a before_run, or a body context that decided before the body
             return skip.result
+
+    def _run_body(self, state: Delivery, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         with ExitStack() as stack:
             for guardrail in overriding(self.guardrails, "body_context"):
                 context = guardrail.body_context(self)

@@ -14,18 +14,20 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from django.db import IntegrityError, connection, transaction
+from django.db import DatabaseError, IntegrityError, connection, transaction
 from django.db.models import Q
 from django.utils import timezone
 
+from celery_guardrails.exceptions import StoreUnavailableError
 from celery_guardrails.stores.base import ACQUIRED, BUSY, COMPLETED, FAILED, Claim
 
 from ..models import IdempotencyKey
-from .database import to_datetime, translated
+from ..signals import drop_broken_connections
+from .database import failure, to_datetime, translated
 
 
 def _quoted(*names: str) -> list[str]:
@@ -61,6 +63,27 @@ def _finish_sql(vendor: str, column: str) -> str:
     return (
         f"UPDATE {table} SET {state} = %s, {lease_until} = NULL, {text} = %s, {finished_at} = %s "
         f"WHERE {key} = %s AND {owner} = %s AND {state} = 'claimed'"
+    )
+
+
+#: The advisory locks of keys written with their effect: the first of the two keys PostgreSQL's lock takes ("grl"),
+#: the second a hash of the scoped key. A hash another key shares only makes one of them wait its turn.
+LOCK_SPACE = 0x67726C
+
+
+@functools.cache
+def _with_the_effect_sql(state: str) -> str:
+    """A key written as ``state`` inside the caller's transaction, unless another transaction holds its lock
+    (then nothing is written): one statement answering (lock taken, row written)."""
+    table, key, state_column, owner, lease_until, created_at = _quoted(
+        "key", "state", "owner", "lease_until", "created_at"
+    )
+    return (
+        "WITH guard AS (SELECT pg_try_advisory_xact_lock(%s, hashtext(%s)) AS taken), "
+        f"written AS (INSERT INTO {table} ({key}, {state_column}, {owner}, {lease_until}, summary, reason, "
+        f"{created_at}, finished_at) SELECT %s, '{state}', %s, NULL, '', %s, %s, %s FROM guard WHERE guard.taken "
+        f"ON CONFLICT ({key}) DO NOTHING RETURNING 1) "
+        "SELECT (SELECT taken FROM guard), (SELECT count(*) FROM written)"
     )
 
 
@@ -130,6 +153,49 @@ class DjangoIdempotency:
         with savepoint, connection.cursor() as cursor:
             cursor.execute(_claim_sql(vendor, atomic and not nested and vendor == "postgresql"), values)
             return bool(cursor.rowcount == 1)
+
+    @contextlib.contextmanager
+    def written_with_the_effect(self, key: str, *, owner: str, now: float) -> Iterator[Claim | None]:
+        """The body's transaction, its first statement ``key`` written completed by ``owner`` (PostgreSQL, an
+        ``atomic`` task: :mod:`celery_guardrails.guardrails.effect_keys`). It commits with the effect or not at
+        all, so the key needs no lease and no second write. Yields ACQUIRED (written: run the body inside), BUSY
+        (another transaction is writing it now: its transaction-level advisory lock is taken, and this one does
+        not wait on the row) or None (the key exists: claim it the usual way). The caller's block ending without
+        an error commits. A database error opening the transaction, writing the key or committing is the
+        store's (:func:`failure`); one the body raises is its own."""
+        stage = "open a transaction for a key"
+        try:
+            with transaction.atomic():
+                moment = connection.ops.adapt_datetimefield_value(to_datetime(now))
+                stage = "claim a key with its effect"
+                claim = self._write(key, "completed", owner=owner, moment=moment, now=now, reason="")
+                stage = ""
+                yield claim
+                stage = "commit an effect with its key"
+        except DatabaseError as exc:
+            if not stage:  # the body's own database error: classified like any other failure
+                raise
+            error = failure(stage, exc)
+            if isinstance(error, StoreUnavailableError):
+                drop_broken_connections()
+            raise error from exc
+
+    @translated("fail a key written with its effect")
+    def fail_with_the_effect(self, key: str, *, owner: str, now: float, reason: str) -> bool:
+        """A key claimed with its effect whose body failed for good: the effect and the key were rolled back
+        together, so the key is written failed now (as a claim made apart would have been marked). False when a
+        row is there already (another delivery wrote it) or another transaction is writing it."""
+        moment = connection.ops.adapt_datetimefield_value(to_datetime(now))
+        claim = self._write(key, "failed", owner=owner, moment=moment, now=now, reason=reason[:200])
+        return claim is not None and claim.state == ACQUIRED
+
+    def _write(self, key: str, state: str, *, owner: str, moment: Any, now: float, reason: str) -> Claim | None:
+        with connection.cursor() as cursor:
+            cursor.execute(_with_the_effect_sql(state), [LOCK_SPACE, key, key, owner, reason, moment, moment])
+            taken, written = cursor.fetchone()
+        if not taken:
+            return Claim(state=BUSY, lease_until=now)
+        return Claim(state=ACQUIRED) if written else None
 
     def _owned(self, key: str, owner: str) -> Any:
         return IdempotencyKey.objects.filter(key=key, owner=owner, state="claimed")

@@ -27,8 +27,14 @@ def test_the_django_store_has_every_operation_of_the_redis_store() -> None:
     def public(cls: type) -> set[str]:
         return {name for name in dir(cls) if not name.startswith("_")}
 
-    # The database-only ones: a helper thread's connection, and whether a release would be rolled back.
-    assert public(DjangoStore) - public(RedisStore) == {"close_thread", "in_transaction"}
+    # The database-only ones: a helper thread's connection, whether a release would be rolled back, and a key
+    # written in the effect's own transaction (celery_guardrails.guardrails.effect_keys).
+    assert public(DjangoStore) - public(RedisStore) == {
+        "close_thread",
+        "in_transaction",
+        "written_with_the_effect",
+        "fail_with_the_effect",
+    }
     # The Redis-only ones: the ack of a message on the broker's own Redis (celery_guardrails.guardrails.acks).
     assert public(RedisStore) - public(DjangoStore) == {"ack", "complete_and_ack"}
 

@@ -322,3 +322,21 @@ def count_effects(key: str) -> int:
     from tests.testapp.models import Effect
 
     return Effect.objects.filter(key=key).count()
+
+
+@shared_task(base=GuardedTask, bind=True, idempotency_key="scripted-effect:{key}", atomic=True, backoff_base=0.05)
+def write_effect_scripted(self: GuardedTask, key: str, sink: str, script: list[str]) -> str:
+    """Insert one Effect row, then end the run as the script says for this run: "transient" (a retry),
+    "permanent" (a final failure) or "ok"; runs past the script end as its last step."""
+    from celery_guardrails import PermanentError, TransientError
+    from tests.testapp.models import Effect
+
+    runs = int(redis.Redis.from_url(REDIS_URL).incr(f"{sink}:runs"))
+    seen(self, sink, run=runs)
+    Effect.objects.create(key=key)
+    step = script[min(runs, len(script)) - 1]
+    if step == "transient":
+        raise TransientError("provider busy")
+    if step == "permanent":
+        raise PermanentError("refused for good")
+    return "written"

@@ -1,0 +1,102 @@
+"""A keyed atomic task's key written in its effect's own transaction (PostgreSQL): one statement, no lease, and
+every way a delivery ends leaves the key and the effect agreeing (celery_guardrails.guardrails.effect_keys)."""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+import pytest
+from django.db import connection
+
+from celery_guardrails.exceptions import DuplicateOfFailureError
+from tests.conftest import Sink
+from tests.proj import django_tasks
+from tests.support.waiting import wait_for
+from tests.testapp.models import Effect
+
+pytestmark = [pytest.mark.django_db(transaction=True)]
+TIMEOUT = 30
+
+
+@pytest.fixture(autouse=True)
+def postgresql_only() -> None:
+    if connection.vendor != "postgresql":
+        pytest.skip("the key is written with the effect on PostgreSQL (elsewhere it is claimed apart)")
+
+
+@pytest.fixture
+def celery_app(celery_app: Any) -> Any:
+    celery_app.conf.guardrails = {**celery_app.conf.guardrails, "store": "django"}
+    return celery_app
+
+
+@pytest.fixture
+def celery_includes() -> list[str]:
+    return ["tests.proj.tasks", "tests.proj.django_tasks"]
+
+
+def key_row(name: str, key: str) -> Any:
+    from django_celery_guardrails.models import IdempotencyKey
+
+    return IdempotencyKey.objects.filter(key=f"tests.proj.django_tasks.{name}:-:{key}").first()
+
+
+def test_a_retried_run_leaves_no_claim_and_its_retry_writes_the_key_with_the_one_effect(
+    celery_worker: Any, sink: Sink
+) -> None:
+    # Given a keyed atomic task whose first run writes its effect and then fails transiently
+    key = uuid.uuid4().hex
+    result = django_tasks.write_effect_scripted.delay(key, sink.key, ["transient", "ok"])
+    # When its retry runs
+    assert result.get(timeout=TIMEOUT) == "written"
+    # Then the body ran twice, the first run's effect and key were rolled back together, and the key is
+    # completed once with the one effect
+    assert [item["run"] for item in sink.items()] == [1, 2]
+    assert Effect.objects.filter(key=key).count() == 1
+    row = key_row("write_effect_scripted", f"scripted-effect:{key}")
+    assert (row.state, row.lease_until) == ("completed", None)
+
+
+def test_a_final_failure_writes_the_key_failed_and_a_duplicate_fails_without_running(
+    celery_worker: Any, sink: Sink
+) -> None:
+    # Given a keyed atomic task whose run writes its effect and then fails for good
+    key = uuid.uuid4().hex
+    with pytest.raises(Exception, match="refused for good"):
+        django_tasks.write_effect_scripted.delay(key, sink.key, ["permanent"]).get(timeout=TIMEOUT)
+    # Then its effect was rolled back, and its key written failed afterwards (as a claim made apart is marked;
+    # in on_failure, which Celery calls after it stored the failed result)
+    assert Effect.objects.filter(key=key).count() == 0
+    row = wait_for("the key failed", lambda: key_row("write_effect_scripted", f"scripted-effect:{key}"))
+    assert row.state == "failed" and "refused for good" in row.reason
+    # When a duplicate is delivered, Then it fails as a duplicate of that failure without running the body
+    with pytest.raises(DuplicateOfFailureError):
+        django_tasks.write_effect_scripted.delay(key, sink.key, ["ok"]).get(timeout=TIMEOUT)
+    assert [item["run"] for item in sink.items()] == [1]
+
+
+@pytest.mark.parametrize("celery_worker_pool", ["threads"], indirect=True)
+@pytest.mark.parametrize("celery_worker_parameters", [{"concurrency": 2}], indirect=True)
+def test_a_duplicate_delivered_while_the_key_is_being_written_comes_back_later_without_waiting_on_it(
+    celery_worker: Any, sink: Sink, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Given a keyed atomic task holding at a gate, its key and effect written and not committed yet
+    key, gate = uuid.uuid4().hex, f"{sink.key}:gate"
+    first = django_tasks.write_effect.delay(key, sink.key, gate=gate)
+    assert sink.client.blpop([f"{gate}:written"], timeout=TIMEOUT) is not None
+    # When a duplicate is delivered to the other thread meanwhile
+    caplog.set_level("INFO")
+    duplicate = django_tasks.write_effect.delay(key, sink.key)
+    # Then it does not wait on the uncommitted row: it is put off (the lock of the writing transaction is taken)
+    for _ in range(200):
+        if "held by another delivery (a transaction)" in caplog.text:
+            break
+        sink.client.blpop([f"{sink.key}:never"], timeout=0.05)
+    assert "held by another delivery (a transaction)" in caplog.text
+    # When the first commits, Then the duplicate, back later, is skipped as completed: one effect, one run
+    sink.client.rpush(gate, "go")
+    assert first.get(timeout=TIMEOUT) == "written"
+    assert duplicate.get(timeout=TIMEOUT) == "written"
+    assert [item["run"] for item in sink.items()] == [1]
+    assert Effect.objects.filter(key=key).count() == 1
