@@ -74,16 +74,14 @@ LOCK_SPACE = 0x67726C
 @functools.cache
 def _with_the_effect_sql(state: str) -> str:
     """A key written as ``state`` inside the caller's transaction, unless another transaction holds its lock
-    (then nothing is written): one statement answering (lock taken, row written)."""
+    (then nothing is written; nor when the key exists): one INSERT."""
     table, key, state_column, owner, lease_until, created_at = _quoted(
         "key", "state", "owner", "lease_until", "created_at"
     )
     return (
-        "WITH guard AS (SELECT pg_try_advisory_xact_lock(%s, hashtext(%s)) AS taken), "
-        f"written AS (INSERT INTO {table} ({key}, {state_column}, {owner}, {lease_until}, summary, reason, "
-        f"{created_at}, finished_at) SELECT %s, '{state}', %s, NULL, '', %s, %s, %s FROM guard WHERE guard.taken "
-        f"ON CONFLICT ({key}) DO NOTHING RETURNING 1) "
-        "SELECT (SELECT taken FROM guard), (SELECT count(*) FROM written)"
+        f"INSERT INTO {table} ({key}, {state_column}, {owner}, {lease_until}, summary, reason, {created_at}, "
+        f"finished_at) SELECT %s, '{state}', %s, NULL, '', %s, %s, %s "
+        f"WHERE pg_try_advisory_xact_lock(%s, hashtext(%s)) ON CONFLICT ({key}) DO NOTHING"
     )
 
 
@@ -191,11 +189,14 @@ class DjangoIdempotency:
 
     def _write(self, key: str, state: str, *, owner: str, moment: Any, now: float, reason: str) -> Claim | None:
         with connection.cursor() as cursor:
-            cursor.execute(_with_the_effect_sql(state), [LOCK_SPACE, key, key, owner, reason, moment, moment])
-            taken, written = cursor.fetchone()
-        if not taken:
-            return Claim(state=BUSY, lease_until=now)
-        return Claim(state=ACQUIRED) if written else None
+            cursor.execute(_with_the_effect_sql(state), [key, owner, reason, moment, moment, LOCK_SPACE, key])
+            if cursor.rowcount == 1:
+                return Claim(state=ACQUIRED)
+            # Nothing written: the lock was another transaction's, or the key exists (a lock this transaction
+            # took is taken again: advisory locks count per session). Asked apart: the uncommon case.
+            cursor.execute("SELECT pg_try_advisory_xact_lock(%s, hashtext(%s))", [LOCK_SPACE, key])
+            (taken,) = cursor.fetchone()
+        return None if taken else Claim(state=BUSY, lease_until=now)
 
     def _owned(self, key: str, owner: str) -> Any:
         return IdempotencyKey.objects.filter(key=key, owner=owner, state="claimed")

@@ -100,3 +100,49 @@ def test_a_duplicate_delivered_while_the_key_is_being_written_comes_back_later_w
     assert duplicate.get(timeout=TIMEOUT) == "written"
     assert [item["run"] for item in sink.items()] == [1]
     assert Effect.objects.filter(key=key).count() == 1
+
+
+def test_the_store_writes_a_key_with_the_effect_busy_while_another_transaction_writes_it_and_none_once_it_exists() -> (
+    None
+):
+    import threading
+
+    from django_celery_guardrails.store import DjangoStore
+
+    store, key = DjangoStore(), f"tests.with-effect:-:{uuid.uuid4().hex}"
+    seen: list[Any] = []
+
+    def another_delivery() -> None:
+        try:
+            with store.written_with_the_effect(key, owner="other", now=1.0) as claim:
+                seen.append(claim)
+        finally:
+            connection.close()
+
+    def other_thread() -> None:
+        thread = threading.Thread(target=another_delivery)
+        thread.start()
+        thread.join(TIMEOUT)
+
+    # Given a transaction that wrote a new key with its effect, not committed yet
+    with store.written_with_the_effect(key, owner="first", now=1.0) as claim:
+        assert claim is not None and claim.state == "acquired"
+        # When another connection asks meanwhile, Then it is told the key is busy at once (no wait on the row)
+        other_thread()
+        assert seen[-1] is not None and seen[-1].state == "busy"
+    # When the first commits, Then the key is there, completed, and another delivery is told it exists
+    assert key_row_of(key).state == "completed"
+    other_thread()
+    assert seen[-1] is None
+    # And a failure written with the effect writes a key that is not there, and never over one that is
+    failed = f"tests.with-effect:-:{uuid.uuid4().hex}"
+    assert store.fail_with_the_effect(failed, owner="o", now=2.0, reason="refused") is True
+    assert (key_row_of(failed).state, key_row_of(failed).reason) == ("failed", "refused")
+    assert store.fail_with_the_effect(key, owner="o", now=2.0, reason="refused") is False
+    assert key_row_of(key).state == "completed"
+
+
+def key_row_of(key: str) -> Any:
+    from django_celery_guardrails.models import IdempotencyKey
+
+    return IdempotencyKey.objects.get(key=key)
