@@ -21,7 +21,8 @@ scheduled period, no concurrency or exclusive key): those decide about a deliver
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from contextlib import AbstractContextManager
+from typing import TYPE_CHECKING, Protocol, cast
 
 from celery_guardrails.guardrails.concurrency import NAMESPACES
 from celery_guardrails.runtime import headers
@@ -29,7 +30,23 @@ from celery_guardrails.runtime.delivery import view
 
 if TYPE_CHECKING:
     from celery_guardrails.runtime.pipeline import Task as GuardedTask
-    from celery_guardrails.stores.base import Store
+    from celery_guardrails.stores.base import Claim, Store
+
+
+class WritesWithTheEffect(Protocol):
+    """A store that writes a key in the effect's own transaction (the Django store on PostgreSQL)."""
+
+    def written_with_the_effect(self, key: str, *, owner: str, now: float) -> AbstractContextManager[Claim | None]:
+        """The body's transaction, its first statement the key written completed: ACQUIRED, BUSY or None (it
+        exists)."""
+
+    def fail_with_the_effect(self, key: str, *, owner: str, now: float, reason: str) -> bool:
+        """The key written failed after its effect was rolled back; False when a row is there or being written."""
+
+
+def effect_store(store: Store) -> WritesWithTheEffect:
+    """``store``, which :func:`with_the_effect` found able to write a key with the effect."""
+    return cast(WritesWithTheEffect, store)
 
 
 def with_the_effect(task: GuardedTask, store: Store) -> bool:

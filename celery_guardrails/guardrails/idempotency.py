@@ -24,7 +24,8 @@
 
 Guarantees. With the Django store and ``atomic=True`` the body runs in ``transaction.atomic()`` and the
 completion mark commits in the same transaction as the database effect: it happens exactly once (a delivery
-that lost its lease rolls back). Otherwise (Redis, or effects outside the database) a worker that dies after
+that lost its lease rolls back); on PostgreSQL the key is written with the effect, claimed by the transaction's
+first statement (:mod:`celery_guardrails.guardrails.effect_keys`). Otherwise (Redis, or effects outside the database) a worker that dies after
 the effect and before the completion mark leaves a window: the next delivery takes over and runs the body
 again. Close it with a natural key on the effect or the provider's own idempotency key (pass it
 ``self.request.idempotency_key``): a body that hands its key on may also be retried after an ambiguous failure
@@ -49,7 +50,7 @@ from celery_guardrails.exceptions import DuplicateOfFailureError, IdempotencyKey
 from celery_guardrails.foundation.context import current_tenant
 from celery_guardrails.foundation.redaction import redacted_error
 from celery_guardrails.guardrails.acks import ride
-from celery_guardrails.guardrails.effect_keys import with_the_effect
+from celery_guardrails.guardrails.effect_keys import effect_store, with_the_effect
 from celery_guardrails.guardrails.keys import KEY_MAX_LENGTH as KEY_MAX_LENGTH
 from celery_guardrails.guardrails.keys import STORED_MAX_LENGTH as STORED_MAX_LENGTH
 from celery_guardrails.guardrails.keys import render_key as render_key
@@ -346,7 +347,7 @@ class Idempotency(Guardrail):
         held = state.claim
         if held is not None and held.with_the_effect:
             state.claim = None  # nothing held until the key is written
-            with store.written_with_the_effect(key, owner=owner, now=time.time()) as claim:  # type: ignore[attr-defined]
+            with effect_store(store).written_with_the_effect(key, owner=owner, now=time.time()) as claim:
                 if claim is not None and claim.state == ACQUIRED:
                     state.claim = held  # a final failure of the body writes it failed (on_failure)
                     yield  # the body, in the transaction that wrote its key completed
@@ -474,7 +475,7 @@ class Idempotency(Guardrail):
             store = get_store(task.app)
             reason = redacted_error(task, exc, keep=200)  # kept in the key's row: redacted
             if claim.with_the_effect:  # rolled back with the effect: written failed now
-                store.fail_with_the_effect(key, owner=owner, now=time.time(), reason=reason)  # type: ignore[attr-defined]
+                effect_store(store).fail_with_the_effect(key, owner=owner, now=time.time(), reason=reason)
                 return
             retention = view(task).options["idempotency_retention"]
             store.fail(key, owner=owner, now=time.time(), reason=reason, retention=retention)
