@@ -7,7 +7,8 @@ commits with the effect or is rolled back with it, so it needs no lease, no hear
 the transaction runs, no other delivery can see the row; a transaction-level advisory lock on the key (taken in
 the same statement) tells a concurrent delivery that it is held, without waiting on the row: that one comes back
 later (``RetryLater``), as it does behind any live claim. A key that exists already (completed, failed, or claimed
-the usual way) is claimed the usual way, after this transaction ends with nothing written.
+the usual way) is claimed the usual way, after this transaction ends with nothing written. A claim made the usual
+way while such a transaction runs (a job's delivery of the same key, say) waits on the row until it ends.
 
 What it changes: a worker that dies in the body leaves no claim behind (its transaction is rolled back with the
 connection): the next delivery claims the key at once. A final failure writes the key failed afterwards, in a
