@@ -25,11 +25,12 @@
 Guarantees. With the Django store and ``atomic=True`` the body runs in ``transaction.atomic()`` and the
 completion mark commits in the same transaction as the database effect: it happens exactly once (a delivery
 that lost its lease rolls back); on PostgreSQL the key is written with the effect, claimed by the transaction's
-first statement (:mod:`celery_guardrails.guardrails.effect_keys`). Otherwise (Redis, or effects outside the database) a worker that dies after
-the effect and before the completion mark leaves a window: the next delivery takes over and runs the body
-again. Close it with a natural key on the effect or the provider's own idempotency key (pass it
-``self.request.idempotency_key``): a body that hands its key on may also be retried after an ambiguous failure
-(:mod:`celery_guardrails.runtime.gate`); a keyed body that does not is retried only before its first effect.
+first statement (:mod:`celery_guardrails.guardrails.effect_keys`). Otherwise (Redis, or effects outside the
+database) a worker that dies after the effect and before the completion mark leaves a window: the next delivery
+takes over and runs the body again. Close it with a natural key on the effect or the provider's own idempotency
+key (pass it ``self.request.idempotency_key``): a body that hands its key on may also be retried after an
+ambiguous failure (:mod:`celery_guardrails.runtime.gate`); a keyed body that does not is retried only before its
+first effect.
 """
 
 from __future__ import annotations
