@@ -164,9 +164,8 @@ class DjangoIdempotency:
         stage = "open a transaction for a key"
         try:
             with transaction.atomic():
-                moment = connection.ops.adapt_datetimefield_value(to_datetime(now))
                 stage = "claim a key with its effect"
-                claim = self._write(key, "completed", owner=owner, moment=moment, now=now, reason="")
+                claim = self._write(key, "completed", owner=owner, now=now, reason="")
                 stage = ""
                 yield claim
                 stage = "commit an effect with its key"
@@ -183,11 +182,11 @@ class DjangoIdempotency:
         """A key claimed with its effect whose body failed for good: the effect and the key were rolled back
         together, so the key is written failed now (as a claim made apart would have been marked). False when a
         row is there already (another delivery wrote it) or another transaction is writing it."""
-        moment = connection.ops.adapt_datetimefield_value(to_datetime(now))
-        claim = self._write(key, "failed", owner=owner, moment=moment, now=now, reason=reason[:200])
+        claim = self._write(key, "failed", owner=owner, now=now, reason=reason[:200])
         return claim is not None and claim.state == ACQUIRED
 
-    def _write(self, key: str, state: str, *, owner: str, moment: Any, now: float, reason: str) -> Claim | None:
+    def _write(self, key: str, state: str, *, owner: str, now: float, reason: str) -> Claim | None:
+        moment = connection.ops.adapt_datetimefield_value(to_datetime(now))
         with connection.cursor() as cursor:
             cursor.execute(_with_the_effect_sql(state), [key, owner, reason, moment, moment, LOCK_SPACE, key])
             if cursor.rowcount == 1:

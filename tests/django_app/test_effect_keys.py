@@ -89,11 +89,7 @@ def test_a_duplicate_delivered_while_the_key_is_being_written_comes_back_later_w
     caplog.set_level("INFO")
     duplicate = django_tasks.write_effect.delay(key, sink.key)
     # Then it does not wait on the uncommitted row: it is put off (the lock of the writing transaction is taken)
-    for _ in range(200):
-        if "held by another delivery (a transaction)" in caplog.text:
-            break
-        sink.client.blpop([f"{sink.key}:never"], timeout=0.05)
-    assert "held by another delivery (a transaction)" in caplog.text
+    wait_for("the duplicate put off", lambda: "held by another delivery (a transaction)" in caplog.text, timeout=10)
     # When the first commits, Then the duplicate, back later, is skipped as completed: one effect, one run
     sink.client.rpush(gate, "go")
     assert first.get(timeout=TIMEOUT) == "written"
