@@ -2,11 +2,12 @@
 
 ``replay_dead_letters(queryset_or_ids, *, user=None, tenant=None, allow_not_idempotent=False)`` re-publishes
 each open record's task with its original arguments, tenant, correlation id, per-call options and idempotency
-key (a failed key is reopened deliberately), a fresh attempt count, and links the new task id to the record
-(status ``replayed``). ``replay_with_changes(pk, *, user=None, tenant=None, args=None, kwargs=None,
-allow_not_idempotent=False)`` replays one record with a fix (the admin's "edit and replay"). Arguments come
-from the record's sealed copy when it has one (:mod:`celery_guardrails.foundation.sealing`): a record whose secrets were
-redacted for display replays with the real values. :func:`plan` says, without publishing, what a replay would
+key (a failed key is reopened deliberately, even when its run writes it failed after the replay), a fresh
+attempt count, and links the new task id to the record (status ``replayed``). ``replay_with_changes(pk, *,
+user=None, tenant=None, args=None, kwargs=None, allow_not_idempotent=False)`` replays one record with a fix (the
+admin's "edit and replay"). Arguments come from the record's sealed copy when it has one
+(:mod:`celery_guardrails.foundation.sealing`): a record whose secrets were redacted for display replays with
+the real values. :func:`plan` says, without publishing, what a replay would
 do (the command's ``--dry-run``); :func:`outlooks` says it for the pages and ``guardrails_deadletters show``.
 
 Safe to run twice: each record moves from ``open`` to ``replayed`` by a conditional UPDATE before anything
@@ -37,7 +38,7 @@ from typing import Any
 from celery import current_app
 from celery.utils import uuid
 from django.core.exceptions import PermissionDenied
-from django.db import connection
+from django.db import DatabaseError, close_old_connections, connection
 from django.db.models import CharField, QuerySet
 from django.db.models.expressions import RawSQL
 from django.utils import timezone
@@ -248,6 +249,7 @@ def _plan(
             "would run it with placeholders"
         )
     header = {k: v for k, v in header.items() if k not in FRESH}
+    header[headers.REPLAY_OF] = record.task_id  # its key, failed by that run even after this, is reopened
     if (new_args, new_kwargs) != (base_args, base_kwargs):
         header.pop(headers.IDEMPOTENCY_KEY, None)  # made again from the new arguments when published
     if tenant is not None:
@@ -460,8 +462,6 @@ def _put_back(task_ids: dict[int, str]) -> None:
     """Open records whose replay was not published again (each still holding the task id it claimed). The
     database may be what failed: a few tries, then an error that names the records and the task ids they
     claim, for someone to reopen them by hand."""
-    from django.db import DatabaseError, close_old_connections
-
     if not task_ids:
         return
     for attempt in range(1, PUT_BACK_TRIES + 1):

@@ -197,6 +197,14 @@ def claim_key(
         claim = store.claim(
             scoped, owner=owner, now=now, lease=lease, retention=retention, replaces=claim.owner, atomic=atomic
         )
+    elif claim.state == FAILED and claim.owner and header.get(headers.REPLAY_OF) == original_task_id(claim.owner):
+        # The replay of the run that failed the key: its dead letter was durable (and replayed) before that run
+        # wrote the key failed, so the replay's own reopen found nothing to reopen. Reopened now, as it meant.
+        logger.info(
+            "Task %s[%s]: key %s reopened for the replay of %s", task.name, task.request.id, scoped, claim.owner
+        )
+        store.reopen(scoped)
+        claim = store.claim(scoped, owner=owner, now=now, lease=lease, retention=retention, atomic=atomic)
     return claim, gone
 
 

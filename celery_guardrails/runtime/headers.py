@@ -39,6 +39,8 @@ is a flat mapping (an AMQP table on RabbitMQ, a JSON object on Redis)::
         "rec_wait": 2,          # ... and the waits for it so far (absent: 0)
         "job": "0b7c...",       # a job a user polls (see celery_guardrails.jobs): its id, kept across retries,
                                 # waits and replays; the worker writes the job's state as the message runs
+        "replay_of": "5d1e...", # a replay of a dead letter: the task id of the failed run it replays (a key
+                                # that run wrote failed is reopened by this message, whenever that write lands)
     }
 
 An attempt record: ``{"n": 1, "start": "2026-11-30T08:00:00.123+00:00", "end": "...", "host": "celery@web1",
@@ -100,6 +102,12 @@ Version history:
   for. A malformed ``job`` (not 1 to 64 letters, digits, ``-`` or ``_``) is treated as missing: the message runs,
   its job is not written. A release that does not know it keeps it; its job then stays ``queued``.
 
+* ``1`` (0.12): ``replay_of`` added on a replay's message (see :mod:`django_celery_guardrails.replay`): the task
+  id of the dead-lettered run it replays. The record is durable (and can be replayed) a moment before that run
+  writes its idempotency key failed; a replay that finds the key failed by that very run reopens it. Malformed
+  (not 1 to 200 characters of text): treated as missing. A release that does not know it keeps it; its replay
+  then runs only if the key was reopened before it was written failed (the replay reopens failed keys itself).
+
 Compatibility rules:
 
 * A message without the header (published by plain Celery, another service or an older release) is handled
@@ -159,6 +167,7 @@ REDELIVERIES = "redeliv"
 RECORD_SINCE = "rec_since"
 RECORD_WAITS = "rec_wait"
 JOB = "job"
+REPLAY_OF = "replay_of"
 
 #: Latest period a header may name (9999-12-31T23:59:59Z, as far as a datetime goes).
 PERIOD_MAX = 253_402_300_799
@@ -250,6 +259,9 @@ def sanitise(raw: Mapping[str, Any], *, task_id: str | None = None) -> dict[str,
         _drop(clean, RECORD_SINCE, task_id)
     if JOB in clean and job_id(clean) is None:
         _drop(clean, JOB, task_id)
+    replayed = clean.get(REPLAY_OF)
+    if REPLAY_OF in clean and not (isinstance(replayed, str) and 0 < len(replayed) <= 200):
+        _drop(clean, REPLAY_OF, task_id)
     if HISTORY in clean:
         records = attempt_records(clean[HISTORY])
         if records is None:

@@ -20,9 +20,10 @@ from django.core.management.base import CommandError
 from django.test import Client
 from django.urls import reverse
 
-from celery_guardrails import tenant_context
+from celery_guardrails import signals, tenant_context
 from celery_guardrails.runtime.effects import provider_key
 from celery_guardrails.runtime.outcomes import NOT_IDEMPOTENT
+from celery_guardrails.stores import get_store
 from django_celery_guardrails.models import DeadLetter
 from django_celery_guardrails.replay import (
     NOT_IDEMPOTENT_REFUSAL,
@@ -110,6 +111,41 @@ def test_two_replays_in_parallel_publish_once(celery_worker: Any, celery_app: An
         ["already handled by someone else"],
         ["status is replayed"],
     )
+
+
+@pytest.mark.parametrize("store", ["redis", "django"])
+def test_a_replay_published_before_its_run_wrote_the_key_failed_reopens_the_key_and_runs(
+    celery_worker: Any, celery_app: Any, sink: Sink, oid: int, store: str
+) -> None:
+    if store == "django":
+        celery_app.conf.guardrails = {**celery_app.conf.guardrails, "store": "django"}
+    # Given a charge that fails for good, whose worker, once the dead letter is durable, is held until the
+    # record has been replayed: its key is written failed only after the replay's publish (the window between)
+    first_id, recorded, replayed = str(uuid.uuid4()), threading.Event(), threading.Event()
+
+    def hold(sender: Any = None, failure: Any = None, **_: Any) -> None:
+        if failure.task_id == first_id:
+            recorded.set()
+            replayed.wait(TIMEOUT)
+
+    signals.final_failure.connect(hold, weak=False)
+    try:
+        first = tasks.charge.apply_async((oid, sink.key, ["permanent", "ok"]), task_id=first_id)
+        assert recorded.wait(TIMEOUT)
+        record = DeadLetter.objects.get(task_id=first_id)
+        key = get_store(celery_app).inspect(record.idempotency_key)
+        assert key is not None and key["state"] == "claimed"  # not failed yet: nothing for the replay to reopen
+        # When it is replayed then, and the worker goes on to write the key failed
+        ((_, task_id),) = replay_dead_letters([record.pk]).replayed
+    finally:
+        replayed.set()
+        signals.final_failure.disconnect(hold)
+    with pytest.raises(Exception, match="card refused"):
+        first.get(timeout=TIMEOUT)
+    # Then the replay reopens the key its original failed, runs, and the provider saw one charge
+    assert celery_app.AsyncResult(task_id).get(timeout=TIMEOUT) == f"charged {oid}"
+    assert [item["run"] for item in sink.items()] == [1, 2] and int(sink.client.get(f"{sink.key}:effects")) == 1
+    assert get_store(celery_app).inspect(record.idempotency_key)["state"] == "completed"
 
 
 def test_replay_refused_without_permission_and_for_unknown_tasks(celery_worker: Any, sink: Sink, oid: int) -> None:

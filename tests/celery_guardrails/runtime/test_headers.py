@@ -213,6 +213,7 @@ def test_sanitise_never_raises_and_keeps_only_what_the_contract_allows(raw: dict
     assert "hist" not in clean or all(isinstance(r, dict) for r in clean["hist"])
     assert "hist" not in clean or all(headers.attempt_records([r]) == [r] for r in clean["hist"])  # checked once
     assert "gave_up" not in clean or all(isinstance(o, str) for o in clean["gave_up"])
+    assert "replay_of" not in clean or (isinstance(clean["replay_of"], str) and 0 < len(clean["replay_of"]) <= 200)
     # a pending dead letter is kept whatever it holds (its guardrail checks it): its body ran already
     assert ("dl" in clean) == (raw.get("dl") is not None)
     headers.counter(clean, "attempt")
@@ -240,6 +241,15 @@ def test_a_malformed_publish_time_is_dropped_and_reads_as_unknown(value: Any, ke
     clean = headers.sanitise({"v": 1, "pub": value})
     assert ("pub" in clean) is kept
     assert headers.published_at(clean) == (float(value) if kept else None)
+
+
+@pytest.mark.parametrize(
+    ("value", "kept"), [("5d1e-task-id", True), ("x" * 200, True), ("", False), ("x" * 201, False), (42, False)]
+)
+def test_a_malformed_replay_of_is_dropped(value: Any, kept: bool) -> None:
+    # Given a replay's header naming the run it replays as this value, When it is sanitised, Then it is kept only
+    # when it is a task id's text (a dropped one reopens nothing: the replay then runs as any duplicate would)
+    assert (headers.REPLAY_OF in headers.sanitise({"v": 1, headers.REPLAY_OF: value})) is kept
 
 
 def test_every_publish_stamps_its_own_publish_time(celery_app: Any) -> None:
