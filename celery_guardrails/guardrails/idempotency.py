@@ -242,7 +242,9 @@ class Idempotency(Guardrail):
             if spec is None:
                 return
             header[headers.IDEMPOTENCY_KEY] = render_key(task, spec, publication.args, publication.kwargs)
-        if resolve(task, "dedupe_on_publish", publication.call) and publication.task_id:
+        # A replay is published on purpose under a new task id: never taken for a duplicate of its original.
+        replay = headers.REPLAY_OF in header
+        if resolve(task, "dedupe_on_publish", publication.call) and publication.task_id and not replay:
             key = scoped_key(task.name, header.get(headers.TENANT), header[headers.IDEMPOTENCY_KEY])
             earlier = get_store(task.app).reserve_publish(
                 key, task_id=publication.task_id, ttl=resolve(task, "dedupe_ttl", publication.call)

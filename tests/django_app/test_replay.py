@@ -148,6 +148,24 @@ def test_a_replay_published_before_its_run_wrote_the_key_failed_reopens_the_key_
     assert get_store(celery_app).inspect(record.idempotency_key)["state"] == "completed"
 
 
+def test_a_replay_of_a_message_published_with_dedupe_on_publish_is_published_and_runs(
+    celery_worker: Any, celery_app: Any, sink: Sink, oid: int
+) -> None:
+    # Given a dead letter of a message published with dedupe_on_publish (its key's publish is remembered for an
+    # hour, and the per-call option travels in its header)
+    first = tasks.charge.apply_async((oid, sink.key, ["permanent", "ok"]), dedupe_on_publish=True)
+    with pytest.raises(Exception, match="card refused"):
+        first.get(timeout=TIMEOUT)
+    record = DeadLetter.objects.get(task_id=first.id)
+    # When it is replayed within that hour
+    ((_, task_id),) = replay_dead_letters([record.pk]).replayed
+    # Then the replay is published under its own task id (not taken for a duplicate of the first publish), runs,
+    # and the provider saw one charge
+    assert task_id != first.id
+    assert celery_app.AsyncResult(task_id).get(timeout=TIMEOUT) == f"charged {oid}"
+    assert int(sink.client.get(f"{sink.key}:effects")) == 1
+
+
 def test_replay_refused_without_permission_and_for_unknown_tasks(celery_worker: Any, sink: Sink, oid: int) -> None:
     record = dead_letter(sink, oid)
     with pytest.raises(PermissionDenied):
