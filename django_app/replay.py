@@ -180,7 +180,7 @@ def replay_with_changes(
     the arguments change, the idempotency key is made again from the new ones. A ``not_idempotent`` record is
     refused unless ``allow_not_idempotent=True``: new arguments do not undo what the failed run may have done."""
     _check_permission(user)
-    app = app or current_app
+    app = app or current_app._get_current_object()  # the app, not the proxy (as above)
     ids, refused = replayable([pk], user=user, tenant=tenant)  # admin_tenants: what the user may not see
     result = ReplayResult(skipped=refused)
     for _, batch in read_batches(ids):
