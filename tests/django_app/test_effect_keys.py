@@ -12,6 +12,7 @@ from django.db import connection
 from celery_guardrails.exceptions import DuplicateOfFailureError
 from tests.conftest import Sink
 from tests.proj import django_tasks
+from tests.support.dead_letters import held_once_recorded
 from tests.support.waiting import wait_for
 from tests.testapp.models import Effect
 
@@ -147,9 +148,6 @@ def key_row_of(key: str) -> Any:
 def test_a_replay_published_before_the_failed_run_wrote_its_key_reopens_it_and_writes_the_effect_once(
     celery_app: Any, celery_worker: Any, sink: Sink
 ) -> None:
-    import threading
-
-    from celery_guardrails import signals
     from django_celery_guardrails.models import DeadLetter
     from django_celery_guardrails.replay import replay_dead_letters
 
@@ -157,23 +155,12 @@ def test_a_replay_published_before_the_failed_run_wrote_its_key_reopens_it_and_w
     # Given a keyed atomic task whose run fails for good, its worker held once the dead letter is durable: its
     # effect and key were rolled back together, and the key is written failed only after the replay's publish
     key, first_id = uuid.uuid4().hex, str(uuid.uuid4())
-    recorded, replayed = threading.Event(), threading.Event()
-
-    def hold(sender: Any = None, failure: Any = None, **_: Any) -> None:
-        if failure.task_id == first_id:
-            recorded.set()
-            replayed.wait(TIMEOUT)
-
-    signals.final_failure.connect(hold, weak=False)
-    try:
+    with held_once_recorded(first_id, timeout=TIMEOUT) as recorded:
         first = django_tasks.write_effect_scripted.apply_async((key, sink.key, ["permanent", "ok"]), task_id=first_id)
         assert recorded.wait(TIMEOUT)
         assert key_row("write_effect_scripted", f"scripted-effect:{key}") is None  # nothing yet to reopen
         # When it is replayed then, and the worker goes on to write the key failed
         ((_, task_id),) = replay_dead_letters([DeadLetter.objects.get(task_id=first_id).pk]).replayed
-    finally:
-        replayed.set()
-        signals.final_failure.disconnect(hold)
     with pytest.raises(Exception, match="refused for good"):
         first.get(timeout=TIMEOUT)
     # Then the replay reopens the key its original failed, runs, and writes the one effect with its key

@@ -20,7 +20,7 @@ from django.core.management.base import CommandError
 from django.test import Client
 from django.urls import reverse
 
-from celery_guardrails import signals, tenant_context
+from celery_guardrails import tenant_context
 from celery_guardrails.runtime.effects import provider_key
 from celery_guardrails.runtime.outcomes import NOT_IDEMPOTENT
 from celery_guardrails.stores import get_store
@@ -35,6 +35,7 @@ from django_celery_guardrails.replay import (
 )
 from tests.conftest import Sink
 from tests.proj import tasks
+from tests.support.dead_letters import held_once_recorded
 
 pytestmark = pytest.mark.django_db(transaction=True)
 TIMEOUT = 30
@@ -121,15 +122,8 @@ def test_a_replay_published_before_its_run_wrote_the_key_failed_reopens_the_key_
         celery_app.conf.guardrails = {**celery_app.conf.guardrails, "store": "django"}
     # Given a charge that fails for good, whose worker, once the dead letter is durable, is held until the
     # record has been replayed: its key is written failed only after the replay's publish (the window between)
-    first_id, recorded, replayed = str(uuid.uuid4()), threading.Event(), threading.Event()
-
-    def hold(sender: Any = None, failure: Any = None, **_: Any) -> None:
-        if failure.task_id == first_id:
-            recorded.set()
-            replayed.wait(TIMEOUT)
-
-    signals.final_failure.connect(hold, weak=False)
-    try:
+    first_id = str(uuid.uuid4())
+    with held_once_recorded(first_id, timeout=TIMEOUT) as recorded:
         first = tasks.charge.apply_async((oid, sink.key, ["permanent", "ok"]), task_id=first_id)
         assert recorded.wait(TIMEOUT)
         record = DeadLetter.objects.get(task_id=first_id)
@@ -137,9 +131,6 @@ def test_a_replay_published_before_its_run_wrote_the_key_failed_reopens_the_key_
         assert key is not None and key["state"] == "claimed"  # not failed yet: nothing for the replay to reopen
         # When it is replayed then, and the worker goes on to write the key failed
         ((_, task_id),) = replay_dead_letters([record.pk]).replayed
-    finally:
-        replayed.set()
-        signals.final_failure.disconnect(hold)
     with pytest.raises(Exception, match="card refused"):
         first.get(timeout=TIMEOUT)
     # Then the replay reopens the key its original failed, runs, and the provider saw one charge

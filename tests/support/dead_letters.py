@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import json
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
+from celery_guardrails import signals
 from celery_guardrails.runtime.dead_letters import STREAM
 from celery_guardrails.stores import get_store
 
@@ -32,3 +36,23 @@ def has_dead_letter(app: Any, task_id: str) -> bool:
     except AssertionError:
         return False
     return True
+
+
+@contextmanager
+def held_once_recorded(task_id: str, *, timeout: float) -> Iterator[threading.Event]:
+    """While the block runs, the worker that fails ``task_id`` finally waits once its dead letter is durable
+    (``final_failure``), before the rest of its failure (the key written failed, Celery's ``on_failure``): the
+    window a replay made at once falls into. Yields the event set when the worker got there."""
+    recorded, released = threading.Event(), threading.Event()
+
+    def hold(sender: Any = None, failure: Any = None, **_: Any) -> None:
+        if failure.task_id == task_id:
+            recorded.set()
+            released.wait(timeout)
+
+    signals.final_failure.connect(hold, weak=False)
+    try:
+        yield recorded
+    finally:
+        released.set()
+        signals.final_failure.disconnect(hold)
