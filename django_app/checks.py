@@ -68,6 +68,7 @@ placement, is W10x; GA8xx, tests, W18x):
     GA308 W138  more than 10 retries
     GA309 W139  never retried automatically
     GA504 W154  RabbitMQ: time_limit unset or over the consumer_timeout
+    GA203 W123  atomic=True without idempotency_key: no transaction at all
 
 The audit check never raises: an app that cannot be loaded or audited gives no audit warnings (an invalid
 ``CELERY_GUARDRAILS`` is E001).

@@ -62,6 +62,7 @@ PLANTED = {
     ("GA201", "bad.unsafe"),  # retry_unsafe without a key
     ("GA201", "bad.keyless"),  # idempotent without a key
     ("GA202", "bad.slow"),  # keyed, but its body never hands the key on (nor atomic, nor marked)
+    ("GA203", "bad.report"),  # atomic=True without a key: no transaction at all
     ("GA301", "bad.unsafe"),  # retry_unsafe: the zero rule
     ("GA302", "bad.early"),  # acks_late off
     ("GA303", "bad.plain_late"),  # acks_late without reject_on_worker_lost
@@ -211,7 +212,7 @@ def bad_app() -> Celery:
     )
     def versions(self: Any) -> None: ...
 
-    @app.task(shared=False, name="bad.report", base=GuardedTask, bind=True, owner="ops")
+    @app.task(shared=False, name="bad.report", base=GuardedTask, bind=True, owner="ops", atomic=True)
     def report(self: Any) -> None: ...
 
     return own_tasks(app, "bad.")

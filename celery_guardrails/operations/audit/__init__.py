@@ -53,6 +53,8 @@ idempotency enforced
     GA202 warning  a keyed task whose key never reaches its effect: not ``atomic``, its code never reads
                    ``self.request.idempotency_key``, its body marks no effect: the key skips a duplicate of a
                    completed run only, and the task is never retried automatically
+    GA203 warning  ``atomic=True`` without ``idempotency_key``: ``atomic`` commits a key with the body's writes,
+                   so with no key the body runs in no transaction (a failure keeps what it wrote)
 retry policy with classification
     GA301 error    ``retry_unsafe``: retried after failures that may have acted although not idempotent (zero rule)
     GA302 warning  a guarded task with ``acks_late`` off: acked before it ran
@@ -116,7 +118,7 @@ be read; when it cannot (not migrated), policies that name a row are assumed to 
 with many call sites costs its axis once.
 
 A worker logs the audit's own findings as it starts (:func:`celery_guardrails.runtime.install.warn_about`): the
-retry rules (GA201, GA202, GA3xx: :func:`retry_rules`), the visibility rule (GA501: :func:`visibility_rules`),
+retry rules (GA201, GA202, GA203, GA3xx: :func:`retry_rules`), the visibility rule (GA501: :func:`visibility_rules`),
 the redaction rule (GA106: :func:`redaction_rules`), the connection rule (GA006: :func:`connection_rules`,
 for the worker's own pool), the owner rule (GA401: :func:`owner_rules`) and, from its
 consumer, the RabbitMQ consumer-timeout rule (GA504: :func:`consumer_timeout_rules`), so what a

@@ -1,4 +1,4 @@
-"""The retry rules (GA201, GA202, GA3xx): the idempotency and retry-policy axes, about running a body again. A
+"""The retry rules (GA201, GA202, GA203, GA3xx): the idempotency and retry-policy axes, about running a body again. A
 guarded task retried on ambiguous errors with no key, or with ``retry_unsafe`` (the zero rule); a key that never
 reaches its effect; a plain Celery task retried at all (the zero rule), at a fixed interval, on any error or
 without end; ``acks_late`` without ``reject_on_worker_lost``. :func:`retry_rules` is both the audit's and what a
@@ -99,9 +99,21 @@ def _guarded_retries(app: Any, task: Any) -> list[Finding]:
                 f"drop retry_unsafe and make a re-run safe: {_gate_fix()}",
             )
         )
+    atomic = bool(resolve(task, "atomic", {}))
+    if atomic and not keyed:
+        found.append(
+            finding(
+                "GA203",
+                WARNING,
+                task.name,
+                "atomic=True without an idempotency_key does nothing: atomic commits a key with the body's database "
+                "writes, so with no key the body runs in no transaction, and a failure keeps what it wrote",
+                'set idempotency_key="<name>:{<argument>}" (the body then runs in one transaction with its key), or '
+                "drop atomic=True and open `with transaction.atomic():` in the body",
+            )
+        )
     marks = marks_effects(TaskOptions(task=task))
     if not (idempotent or unsafe or marks):
-        atomic = bool(resolve(task, "atomic", {}))
         if keyed and not atomic and not reads_key(task):
             found.append(
                 finding(
