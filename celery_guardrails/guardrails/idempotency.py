@@ -110,8 +110,9 @@ DECLARED = declare(
     Option(
         name="atomic",
         default=False,
-        doc="Django store: run the body in transaction.atomic() and commit the completion mark in the "
-        "same transaction as the effect (exactly once for database effects).",
+        doc="Django store, keyed tasks: run the body in transaction.atomic() and commit the completion mark in "
+        "the same transaction as the effect (exactly once for database effects). Without an idempotency_key it "
+        "does nothing (audit GA203).",
         check=checks.boolean,
         scopes=frozenset({TASK, APP}),
     ),
