@@ -86,8 +86,15 @@ class ScheduledRuns(Guardrail):
             # Leases are real time (the heartbeat renews them with time.time()), whatever the clock option.
             claim = store.claim(slot_key(name), owner=owner, now=time.time(), lease=lease, retention=lease)
             if claim.state != ACQUIRED:
-                behind_catch_up = not catch_up and claim.owner.endswith(CATCH_UP_OWNER)
-                self._overlapping(task, name, period, policy, claim.lease_until, behind_catch_up=behind_catch_up)
+                if not catch_up and claim.owner.endswith(CATCH_UP_OWNER):
+                    why = "a catch-up run is still going (the current period waits for it)"
+                elif headers.REPLAY_OF in header:
+                    # A replay is a run someone asked for: it waits its turn, never skipped as an overlap (its
+                    # record would read replayed, its period skipped, and nothing would have run).
+                    why = "a replay waits for it"
+                else:
+                    why = None
+                self._overlapping(task, name, period, policy, claim.lease_until, waits=why)
             state.slot = RunSlot(key=slot_key(name), owner=owner, lease=lease)
             state.holds.append(Hold(owner, lambda: store.release(slot_key(name), owner=owner)))
         store.run_start(name, period, task_id=request.id, now=now(task.app))
@@ -99,14 +106,16 @@ class ScheduledRuns(Guardrail):
                 kwargs["since"] = request.since
 
     def _overlapping(
-        self, task: GuardedTask, name: str, period: int, policy: SchedulePolicy, until: float, *, behind_catch_up: bool
+        self, task: GuardedTask, name: str, period: int, policy: SchedulePolicy, until: float, *, waits: str | None
     ) -> None:
-        if policy.overlap == "skip" and not behind_catch_up:
+        """The slot is another run's: skip this period (overlap=skip) or put it off; ``waits`` says why it is put
+        off whatever the policy (behind a catch-up, a replay), None: as the policy says."""
+        if policy.overlap == "skip" and waits is None:
             reason = "the previous run was still going (overlap=skip)"
             logger.warning("Scheduled run %s of %r skipped: %s", moment(period), name, reason)
             get_store(task.app).run_finish(name, period, status=SKIPPED_OVERLAP, now=now(task.app), reason=reason)
             raise SkipBody(None)  # a success: the period key is completed, a re-dispatch is a duplicate
-        why = "a catch-up run is still going (the current period waits for it)" if behind_catch_up else "overlap=queue"
+        why = waits or "overlap=queue"
         wait = RetryLater(f"scheduled run {name!r}: the previous run is still going ({why})")
         delay = max(0.5, min(until - time.time() + 0.5, view(task).options["retry_later_delay"]))
         # A wait behind a live run slot, like one behind a held key: bounded by that run's lease, not by

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -21,6 +22,7 @@ from django.test import Client
 from django.urls import reverse
 
 from celery_guardrails import tenant_context
+from celery_guardrails.guardrails.scheduled_runs import slot_key
 from celery_guardrails.runtime.effects import provider_key
 from celery_guardrails.runtime.outcomes import NOT_IDEMPOTENT
 from celery_guardrails.stores import get_store
@@ -36,6 +38,7 @@ from django_celery_guardrails.replay import (
 from tests.conftest import Sink
 from tests.proj import tasks
 from tests.support.dead_letters import held_once_recorded
+from tests.support.waiting import wait_for
 
 pytestmark = pytest.mark.django_db(transaction=True)
 TIMEOUT = 30
@@ -153,6 +156,39 @@ def test_a_replay_of_a_message_published_with_dedupe_on_publish_is_published_and
     # Then the replay is published under its own task id (not taken for a duplicate of the first publish), runs,
     # and the provider saw one charge
     assert task_id != first.id
+    assert celery_app.AsyncResult(task_id).get(timeout=TIMEOUT) == f"charged {oid}"
+    assert int(sink.client.get(f"{sink.key}:effects")) == 1
+
+
+@pytest.mark.parametrize("celery_worker_pool", ["threads"], indirect=True)
+@pytest.mark.parametrize("celery_worker_parameters", [{"concurrency": 2}], indirect=True)
+def test_a_replayed_scheduled_run_waits_for_the_run_of_its_schedule_that_is_going_instead_of_being_skipped(
+    celery_worker: Any, celery_app: Any, sink: Sink, oid: int, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Given a scheduled run of one period (an entry on the default policy: overlap=skip) that failed for good
+    schedule, period = f"nightly-{uuid.uuid4().hex[:8]}", int(time.time()) // 60 * 60
+
+    def of(due: int) -> dict[str, Any]:
+        return {"guardrails": {"sched": schedule, "period": due}}
+
+    first = tasks.charge.apply_async((oid, sink.key, ["permanent", "ok"]), headers=of(period - 3600))
+    with pytest.raises(Exception, match="card refused"):
+        first.get(timeout=TIMEOUT)
+    record = DeadLetter.objects.get(task_id=first.id)
+    # And the next period's run of the same schedule going on, held at a gate
+    gate = f"{sink.key}:gate"
+    running = tasks.scheduled_job.apply_async((sink.key,), {"gate": gate}, headers=of(period))
+    store = get_store(celery_app)
+    wait_for("the next period's run holds the schedule", lambda: store.inspect(slot_key(schedule)))
+    # When the failed period is replayed meanwhile
+    caplog.set_level("INFO")
+    ((_, task_id),) = replay_dead_letters([record.pk]).replayed
+    # Then the replay is put off behind the run that is going, not skipped as an overlap
+    wait_for("the replay put off", lambda: "a replay waits for it" in caplog.text)
+    assert "skipped" not in caplog.text
+    # And once that run ends, the replay runs: the card is charged once
+    sink.client.rpush(gate, "go")
+    assert running.get(timeout=TIMEOUT)["period"] == period
     assert celery_app.AsyncResult(task_id).get(timeout=TIMEOUT) == f"charged {oid}"
     assert int(sink.client.get(f"{sink.key}:effects")) == 1
 
