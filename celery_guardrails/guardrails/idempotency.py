@@ -189,15 +189,19 @@ def claim_key(
     """Claim ``scoped`` for this delivery, taking it over at once from a holder known to be over; returns the
     claim and whether it was such a takeover."""
     options = view(task).options
-    lease = options["idempotency_lease"]
-    retention = options["idempotency_retention"]
-    atomic = bool(options["atomic"])
-    claim = store.claim(scoped, owner=owner, now=now, lease=lease, retention=retention, atomic=atomic)
+    claim_it = functools.partial(
+        store.claim,
+        scoped,
+        owner=owner,
+        now=now,
+        lease=options["idempotency_lease"],
+        retention=options["idempotency_retention"],
+        atomic=bool(options["atomic"]),
+    )
+    claim = claim_it()
     gone = claim.state == BUSY and holder_gone(claim.owner, task.request, header)
     if gone:  # an earlier delivery that is known to be over: no need to wait out its lease
-        claim = store.claim(
-            scoped, owner=owner, now=now, lease=lease, retention=retention, replaces=claim.owner, atomic=atomic
-        )
+        claim = claim_it(replaces=claim.owner)
     elif claim.state == FAILED and claim.owner and header.get(headers.REPLAY_OF) == original_task_id(claim.owner):
         # The replay of the run that failed the key: its dead letter was durable (and replayed) before that run
         # wrote the key failed, so the replay's own reopen found nothing to reopen. Reopened now, as it meant.
@@ -205,7 +209,7 @@ def claim_key(
             "Task %s[%s]: key %s reopened for the replay of %s", task.name, task.request.id, scoped, claim.owner
         )
         store.reopen(scoped)
-        claim = store.claim(scoped, owner=owner, now=now, lease=lease, retention=retention, atomic=atomic)
+        claim = claim_it()
     return claim, gone
 
 
