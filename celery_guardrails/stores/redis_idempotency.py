@@ -29,38 +29,43 @@ IDEM_PREFIX = "guardrails:idem:"
 PUBLISH_PREFIX = "guardrails:published:"
 DELIVERIES_PREFIX = "guardrails:deliveries:"
 
-# Idempotency keys: a hash {state, owner, lease_until, summary, reason, completed_at}.
-# ARGV: owner, now, lease, retention
-_CLAIM = """
-local key = KEYS[1]
-local owner, now, lease, retention = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4])
-local replaces = ARGV[5] or ''
-local state = redis.call('HGET', key, 'state')
-if not state then
-  redis.call('HSET', key, 'state', 'claimed', 'owner', owner, 'lease_until', string.format('%.6f', now + lease))
+# Idempotency keys: a hash {state, owner, lease_until, summary, reason, completed_at}. The claim is a Lua function,
+# so that the atomic pop can claim with it too (celery_guardrails.guardrails.pop_claims): one text of the rule.
+CLAIM_FUNCTION = """
+local function claim(key, owner, now, lease, retention, replaces)
+  local state = redis.call('HGET', key, 'state')
+  if not state then
+    redis.call('HSET', key, 'state', 'claimed', 'owner', owner, 'lease_until', string.format('%.6f', now + lease))
+    redis.call('EXPIRE', key, retention)
+    return {'acquired', '0', '0', ''}
+  end
+  if state == 'completed' or state == 'failed' then
+    local done = redis.call('HMGET', key, 'summary', 'reason', 'owner')
+    local text = done[1]
+    if state == 'failed' then text = done[2] end
+    return {state, '0', '0', text or '', done[3] or ''}
+  end
+  local fields = redis.call('HMGET', key, 'lease_until', 'owner')
+  local lease_until = tonumber(fields[1])
+  if fields[2] == owner then
+    -- this delivery asking again (its first answer was lost): it holds the claim
+    redis.call('HSET', key, 'lease_until', string.format('%.6f', now + lease))
+    return {'acquired', '0', '0', ''}
+  end
+  if lease_until > now and (replaces == '' or fields[2] ~= replaces) then
+    return {'busy', '0', string.format('%.6f', lease_until), fields[2] or ''}
+  end
+  redis.call('HSET', key, 'owner', owner, 'lease_until', string.format('%.6f', now + lease))
   redis.call('EXPIRE', key, retention)
-  return {'acquired', '0', '0', ''}
+  return {'acquired', '1', '0', ''}
 end
-if state == 'completed' or state == 'failed' then
-  local done = redis.call('HMGET', key, 'summary', 'reason', 'owner')
-  local text = done[1]
-  if state == 'failed' then text = done[2] end
-  return {state, '0', '0', text or '', done[3] or ''}
-end
-local fields = redis.call('HMGET', key, 'lease_until', 'owner')
-local lease_until = tonumber(fields[1])
-if fields[2] == owner then
-  -- this delivery asking again (its first answer was lost): it holds the claim
-  redis.call('HSET', key, 'lease_until', string.format('%.6f', now + lease))
-  return {'acquired', '0', '0', ''}
-end
-if lease_until > now and (replaces == '' or fields[2] ~= replaces) then
-  return {'busy', '0', string.format('%.6f', lease_until), fields[2] or ''}
-end
-redis.call('HSET', key, 'owner', owner, 'lease_until', string.format('%.6f', now + lease))
-redis.call('EXPIRE', key, retention)
-return {'acquired', '1', '0', ''}
 """
+
+# ARGV: owner, now, lease, retention, replaces (optional)
+_CLAIM = (
+    CLAIM_FUNCTION
+    + "return claim(KEYS[1], ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4]), ARGV[5] or '')\n"
+)
 
 # ARGV: owner, then the fields to set; succeeds only while ``owner`` holds the claim. A finish repeated by the
 # owner that made it (its first answer was lost with the connection) succeeds again and changes nothing.
