@@ -30,6 +30,10 @@ the worker, reading it with Python, takes back a real kombu message from that li
 in one more step (:data:`RESCUE`), then delivers it as any other (a worker that dies between the two steps
 leaves it in :data:`MALFORMED_KEY`, not lost).
 
+A :class:`PopHook` given in the transport options at worker start-up (:data:`HOOK_OPTION`) takes one more step
+in the same script with each message taken, and hears when its delivery ends (acked, rejected, given back): the
+claim of a keyed message's idempotency key (:mod:`celery_guardrails.guardrails.pop_claims`).
+
 The worker uses it when ``broker_atomic_pop`` is on (the default) and the broker URL is ``redis://`` with no
 ``broker_transport`` set (:func:`configure`). Not covered: ``rediss://`` and ``sentinel://`` brokers (set
 ``broker_transport`` to this module's ``Transport`` for ``rediss://``), a Redis that refuses ``BLMOVE`` or the
@@ -44,7 +48,7 @@ import logging
 import os
 from queue import Empty
 from time import monotonic, time
-from typing import Any
+from typing import Any, Protocol
 
 from kombu.transport import redis as _kombu_redis
 from kombu.transport import virtual as _virtual
@@ -67,10 +71,12 @@ MALFORMED_KEY = "guardrails.malformed_messages"
 #: Seconds the channel waits for its first queue before it looks at every list again.
 DEFAULT_WAIT = 0.25
 
-#: KEYS: the unacked hash, the unacked index, the malformed list, then the lists to pop from, in order.
-#: ARGV: the time to score the delivery with (the worker's clock, as kombu scores its index).
-#: Returns {list, item}, {"", list, item} for an item moved aside as malformed, or false when every list is empty.
-POP = """
+#: The pop's loop. KEYS: the unacked hash, the unacked index, the malformed list, then the lists to pop from, in
+#: order. ARGV[1]: the time to score the delivery with (the worker's clock, as kombu scores its index); the rest
+#: are a hook's (:class:`PopHook`). Returns {list, item, ...} (the hook's ``after_pop`` answer appended), {"", list,
+#: item} for an item moved aside as malformed, or false when every list is empty. Run after a definition of
+#: ``after_pop(message)`` (:data:`NO_STEP`, or a hook's).
+POP_LOOP = """
 for i = 4, #KEYS do
   local item = redis.call('RPOP', KEYS[i])
   if item then
@@ -86,11 +92,17 @@ for i = 4, #KEYS do
     redis.call('ZADD', KEYS[2], ARGV[1], tag)
     local record = '[' .. item .. ',' .. cjson.encode(exchange) .. ',' .. cjson.encode(routing_key) .. ']'
     redis.call('HSET', KEYS[1], tag, record)
+    local extra = after_pop(message)
+    if extra then return {KEYS[i], item, unpack(extra)} end
     return {KEYS[i], item}
   end
 end
 return false
 """
+#: The step of a pop with no hook: nothing.
+NO_STEP = "local function after_pop(message) return nil end\n"
+#: The pop script of a worker with no hook.
+POP = NO_STEP + POP_LOOP
 
 #: A message Redis's decoder refused and Python reads, taken back from the malformed list and recorded as handed
 #: out. KEYS: the unacked hash, the unacked index, the malformed list. ARGV: the item, its delivery tag, its
@@ -106,6 +118,42 @@ return 1
 #: Tags of deliveries this process consumed whose message the guardrails store has acked already (with its
 #: key's completion: see celery_guardrails.guardrails.acks): the worker's ack then only forgets them.
 ACKED_BY_STORE: set[str] = set()
+
+
+class PopHook(Protocol):
+    """A step the pop takes with every message it takes, in the same script (the transport option
+    :data:`HOOK_OPTION`, set at worker start-up: :mod:`celery_guardrails.guardrails.pop_claims`). Its methods run
+    in the consumer and must not raise."""
+
+    #: The pop script: its own ``after_pop(message)`` (a Lua function returning a table of values, or nil) and then
+    #: :data:`POP_LOOP`.
+    script: str
+
+    def arguments(self) -> list[Any]:
+        """ARGV for one pop, after the time."""
+
+    def popped(self, tag: str, answer: list[str]) -> None:
+        """What ``after_pop`` answered for the message of delivery ``tag`` (before the worker is handed it)."""
+
+    def ended(self, tag: str) -> None:
+        """The worker acked, rejected or gave back the delivery ``tag``."""
+
+
+#: The transport option that hands a :class:`PopHook` to the channels of an app's connections (set at worker
+#: start-up; the option, not a global, so that only that app's consumers take the step).
+HOOK_OPTION = "guardrails_pop_hook"
+
+
+def _ended(channel: Any, tag: str) -> None:
+    hook: PopHook | None = getattr(channel, HOOK_OPTION, None)
+    if hook is None:
+        return
+    try:
+        hook.ended(tag)
+    except Exception:  # an ack is never kept from happening by a hook
+        logger.exception("The pop hook failed as delivery %s ended", tag)
+
+
 #: The process whose channel consumes (set as it waits for messages): only there does the worker ack a delivery
 #: itself (a prefork child's deliveries are acked by the main process, which cannot see a child's set).
 _consumer_pid = 0
@@ -133,6 +181,7 @@ class QoS(kombu_redis.QoS):  # type: ignore[misc]
         super().append(message, delivery_tag)
 
     def ack(self, delivery_tag: str) -> None:
+        _ended(self.channel, delivery_tag)
         if delivery_tag in ACKED_BY_STORE:
             ACKED_BY_STORE.discard(delivery_tag)
             VirtualQoS.ack(self, delivery_tag)  # only the in-memory map: Redis holds nothing of it any more
@@ -140,23 +189,35 @@ class QoS(kombu_redis.QoS):  # type: ignore[misc]
         super().ack(delivery_tag)
 
     def reject(self, delivery_tag: str, requeue: bool = False) -> None:
+        _ended(self.channel, delivery_tag)
         if delivery_tag in ACKED_BY_STORE:  # acked with its completion: there is nothing to give back
             ACKED_BY_STORE.discard(delivery_tag)
             VirtualQoS.ack(self, delivery_tag)
             return
         super().reject(delivery_tag, requeue=requeue)
 
+    def restore_unacked(self, client: Any = None) -> None:
+        for tag in list(self._delivered):  # given back at shutdown, never run here
+            _ended(self.channel, tag)
+        super().restore_unacked(client)
+
 
 class Channel(kombu_redis.Channel):  # type: ignore[misc]
     """kombu's Redis channel with the pop of :data:`POP` in place of ``BRPOP``."""
 
     QoS = QoS
-    from_transport_options: tuple[str, ...] = (*kombu_redis.Channel.from_transport_options, "guardrails_pop_wait")
+    from_transport_options: tuple[str, ...] = (
+        *kombu_redis.Channel.from_transport_options,
+        "guardrails_pop_wait",
+        HOOK_OPTION,
+    )
     guardrails_pop_wait = DEFAULT_WAIT
+    guardrails_pop_hook: PopHook | None = None
 
     #: False once the server refused BLMOVE or the pop script (Redis before 6.2, an ACL without them): kombu's pop.
     _atomic = True
-    _pop_sha: str | None = None
+    #: The pop script this channel loaded, and its SHA.
+    _pop_sha: tuple[str, str] | None = None
     _waited_for: tuple[str, ...] = ()
 
     def _refused(self, error: Exception) -> bool:
@@ -222,17 +283,23 @@ class Channel(kombu_redis.Channel):  # type: ignore[misc]
         """Take the first message of the lists waited for, recorded as handed out in the same step."""
         prefix = self.global_keyprefix
         keys = [self.unacked_key, self.unacked_index_key, MALFORMED_KEY, *self._waited_for]
+        hook = self.guardrails_pop_hook
         try:
-            found = self._run_pop([prefix + key for key in keys], time())
+            found = self._run_pop(
+                [prefix + key for key in keys],
+                [time(), *hook.arguments()] if hook is not None else [time()],
+                script=hook.script if hook is not None else POP,
+            )
         except redis_errors().ResponseError as error:
             if self._refused(error):
                 raise Empty() from None
             raise
         if not found:
             raise Empty()
-        source, item, *moved = (bytes_to_str(part) for part in found)
+        source, item, *rest = (bytes_to_str(part) for part in found)
+        answer: list[str] = []  # the hook's
         if not source:
-            payload = self._rescue(moved[0] if moved else None, keys=[prefix + key for key in keys[:3]])
+            payload = self._rescue(rest[0] if rest else None, keys=[prefix + key for key in keys[:3]])
             if payload is None:
                 logger.error(
                     "Queue list %s held an item that is not a kombu message; moved to the Redis list %s (LRANGE it "
@@ -243,10 +310,15 @@ class Channel(kombu_redis.Channel):  # type: ignore[misc]
                 raise Empty()
             source = item
         else:
-            payload = loads(item)
+            payload, answer = loads(item), rest
         tag = payload["properties"]["delivery_tag"]
         queue = source[len(prefix) :].rsplit(self.sep, 1)[0]
         self._queue_cycle.rotate(queue)
+        if answer and hook is not None:  # before the worker is handed the message: a solo pool runs it in _deliver
+            try:
+                hook.popped(tag, answer)
+            except Exception:  # what the hook took lapses with its lease; the message is delivered all the same
+                logger.exception("The pop hook failed for delivery %s", tag)
         self.qos.recorded.add(tag)
         try:
             self.connection._deliver(payload, queue)
@@ -275,7 +347,7 @@ class Channel(kombu_redis.Channel):  # type: ignore[misc]
         taken = redis.Redis.execute_command(self.client, "EVAL", RESCUE, len(keys), *keys, item, tag, record, time())
         return payload if taken else None
 
-    def _run_pop(self, keys: list[str], now: float) -> Any:
+    def _run_pop(self, keys: list[str], arguments: list[Any], *, script: str) -> Any:
         # The channel's own client, on its own connection (idle now that the wait's reply is read); keys are
         # prefixed here, so the base class's command runs, not kombu's prefixing one (which prefixes one key).
         import redis  # here, not at the top: the module is imported on RabbitMQ too, where redis-py may be absent
@@ -283,13 +355,13 @@ class Channel(kombu_redis.Channel):  # type: ignore[misc]
         client = self.client
         execute = redis.Redis.execute_command
         try:
-            if self._pop_sha is None:
-                self._pop_sha = bytes_to_str(execute(client, "SCRIPT", "LOAD", POP))
+            if self._pop_sha is None or self._pop_sha[0] is not script:
+                self._pop_sha = (script, bytes_to_str(execute(client, "SCRIPT", "LOAD", script)))
             try:
-                return execute(client, "EVALSHA", self._pop_sha, len(keys), *keys, now)
+                return execute(client, "EVALSHA", self._pop_sha[1], len(keys), *keys, *arguments)
             except redis.exceptions.NoScriptError:  # the server restarted, or its script cache was flushed
-                self._pop_sha = bytes_to_str(execute(client, "SCRIPT", "LOAD", POP))
-                return execute(client, "EVALSHA", self._pop_sha, len(keys), *keys, now)
+                self._pop_sha = (script, bytes_to_str(execute(client, "SCRIPT", "LOAD", script)))
+                return execute(client, "EVALSHA", self._pop_sha[1], len(keys), *keys, *arguments)
         except self.connection_errors:
             client.connection.disconnect()
             raise

@@ -319,11 +319,11 @@ def test_the_broker_cut_between_the_wait_and_the_pop_leaves_the_message_in_its_q
     cuts: list[bool] = []
 
     class CutBeforePop(broker_pop.Channel):  # type: ignore[misc]
-        def _run_pop(self, keys: list[str], now: float) -> Any:
+        def _run_pop(self, keys: list[str], arguments: list[Any], *, script: str) -> Any:
             if not cuts:  # the first pop: the wait's reply is read, the script not sent yet
                 cuts.append(True)
                 proxy.cut()
-            return super()._run_pop(keys, now)
+            return super()._run_pop(keys, arguments, script=script)
 
     class Transport(broker_pop.Transport):  # type: ignore[misc]
         Channel = CutBeforePop
