@@ -7,7 +7,8 @@
   every redelivery, retry and replay carries the same key. ``dedupe_on_publish`` optionally skips publishing a
   key seen within ``dedupe_ttl`` (an optimisation: the claim below is the guarantee).
 * Run: the key, scoped by task name and tenant, is claimed in the store (the body reads an opaque key made from
-  it, ``self.request.idempotency_key``, to hand downstream: see :mod:`celery_guardrails.runtime.effects`):
+  it, ``self.request.idempotency_key``, to hand downstream: see :mod:`celery_guardrails.runtime.effects`), or was
+  claimed by the pop that took its message (:mod:`celery_guardrails.guardrails.pop_claims`):
 
   - acquired: the body runs; the claim's lease (``idempotency_lease``) is renewed by a heartbeat every third
     of it (the claim itself is the first beat); when the body returns, the key is completed with a short
@@ -52,20 +53,14 @@ from celery_guardrails.foundation.context import current_tenant
 from celery_guardrails.foundation.redaction import redacted_error
 from celery_guardrails.guardrails.acks import ride
 from celery_guardrails.guardrails.effect_keys import effect_store, with_the_effect
-from celery_guardrails.guardrails.keys import KEY_MAX_LENGTH as KEY_MAX_LENGTH
-from celery_guardrails.guardrails.keys import STORED_MAX_LENGTH as STORED_MAX_LENGTH
 from celery_guardrails.guardrails.keys import render_key as render_key
 from celery_guardrails.guardrails.keys import scoped_key as scoped_key
-from celery_guardrails.guardrails.keys import task_signature as task_signature
-from celery_guardrails.guardrails.keys import validate_key as validate_key
+from celery_guardrails.guardrails.pop_claims import adopt
 from celery_guardrails.guardrails.retries import retry_later
 from celery_guardrails.options import APP, CALL, TASK, Option, checks, declare, resolve
 from celery_guardrails.runtime import headers
 from celery_guardrails.runtime.delivery import Completion, HeldKey, Hold, RidingCompletion, delivery, view
-from celery_guardrails.runtime.heartbeats import HEARTBEATS as HEARTBEATS
-from celery_guardrails.runtime.heartbeats import Beat as Beat
 from celery_guardrails.runtime.heartbeats import Heartbeats as Heartbeats
-from celery_guardrails.runtime.heartbeats import Renewal as Renewal
 from celery_guardrails.runtime.heartbeats import delivery_owner as delivery_owner
 from celery_guardrails.runtime.heartbeats import heartbeat as heartbeat
 from celery_guardrails.runtime.outcomes import BAD_IDEMPOTENCY_KEY, attempt_record, fail_finally
@@ -281,7 +276,10 @@ class Idempotency(Guardrail):
         scoped = scoped_key(task.name, current_tenant(), key)
         delivery(task).key = scoped  # the body reads an opaque key made from it (celery_guardrails.runtime.effects)
         store = get_store(task.app)
-        owner = delivery_owner(request)
+        adopted = adopt(task, scoped, store)  # the owner of the claim its message's pop made (guardrails.pop_claims)
+        if adopted is not None and delivery(task).claim is not None:
+            return  # held since the pop: no round trip
+        owner = adopted or delivery_owner(request)
         if with_the_effect(task, store):  # claimed as its body's transaction begins (guardrails.effect_keys)
             delivery(task).claim = HeldKey(key=scoped, owner=owner, with_the_effect=True)
             return

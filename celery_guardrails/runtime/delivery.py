@@ -53,6 +53,22 @@ class HeldKey:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class PopClaim:
+    """An idempotency claim made by the pop of the delivery's message (see
+    :mod:`celery_guardrails.guardrails.pop_claims`)."""
+
+    #: The scoped key (``task:tenant:key``), as the pop read it from the message.
+    key: str
+    owner: str
+    #: The pop took the key over from a delivery whose lease had run out.
+    takeover: bool
+    #: Seconds of the lease it was made with.
+    lease: float
+    #: Monotonic time until which it is surely still this delivery's; later, the delivery asks the store again.
+    trusted_until: float
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Completion:
     """The completion of a claimed key, sent as the body returned and settled before the ack."""
 
@@ -146,6 +162,8 @@ class Delivery:
     probe: bool = False
     #: The idempotency claim held.
     claim: HeldKey | None = None
+    #: The claim its message's pop made, until Idempotency adopts it (or it is released).
+    popped: PopClaim | None = None
     #: The completion sent as the body returned.
     completion: Completion | None = None
     #: The completion that rides the ack instead (the store is the broker's Redis, nothing else to settle).

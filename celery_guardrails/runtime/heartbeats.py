@@ -45,6 +45,12 @@ def delivery_owner(request: Any) -> str:
     return f"{request.hostname}:{os.getpid()}:{request.id}:{_DELIVERIES.next()}"
 
 
+def delivery_number() -> str:
+    """The next delivery number of this process (the last part of :func:`delivery_owner`): an owner minted where
+    the message is taken, before its request exists (:mod:`celery_guardrails.guardrails.pop_claims`)."""
+    return _DELIVERIES.next()
+
+
 #: A heartbeat of something other than a claim: called with the time, says whether it is still held.
 Beat = Callable[[float], bool]
 

@@ -67,19 +67,22 @@ class GuardrailsBootstep(bootsteps.Step):  # type: ignore[misc]
         from celery_guardrails.broker.atomic_pop import configure
 
         atomic = configure(app)
+        from celery_guardrails.guardrails.pop_claims import enable
+
+        claims = atomic and enable(app, hostname=parent.hostname, pool=getattr(parent, "pool_cls", None))
         # One summary line says what the extension changed in the worker (a replaced transport, a patched
         # consumer): an operator reading the start-up should not have to find it in a separate INFO line.
         logger.info(
             "celery-guardrails: %d guarded task(s); broker: %s; app settings %s",
             len(guarded),
-            "; ".join(broker_changes(app, atomic=atomic)),
+            "; ".join(broker_changes(app, atomic=atomic, claims=claims)),
             sorted(settings),
         )
         warn_about(app, guarded, pool=getattr(parent, "pool_cls", None))
         super().__init__(parent, **kwargs)
 
 
-def broker_changes(app: Any, *, atomic: bool) -> list[str]:
+def broker_changes(app: Any, *, atomic: bool, claims: bool = False) -> list[str]:
     """What the extension changes in this worker's broker handling, as the start-up summary says it."""
     from celery_guardrails.broker.atomic_pop import TRANSPORT
     from celery_guardrails.broker.kind import broker_kind
@@ -91,7 +94,9 @@ def broker_changes(app: Any, *, atomic: bool) -> list[str]:
             f"kombu's Redis transport replaced by {TRANSPORT} (atomic pop: a worker killed as a message is handed "
             "to it loses nothing; broker_atomic_pop=False keeps kombu's)"
         )
-    else:
+    if claims:
+        said.append("idempotency keys claimed by the pop that takes their message (claim_on_pop)")
+    if not atomic:
         said.append(f"transport {app.conf.broker_transport or str(app.conf.broker_url or '').split('://')[0]} as set")
     if broker_kind(app).redis and options.app_value(app, "broker_restart_guard") and affected():
         said.append("consumer patched to outlive a Redis restart (broker_restart_guard)")

@@ -29,6 +29,7 @@ from celery_guardrails.guardrails.jobs import JobTracking, RunningJob, submitted
 from celery_guardrails.guardrails.ordering import Ordering, SequenceStamp
 from celery_guardrails.guardrails.pending_dead_letters import PendingDeadLetters
 from celery_guardrails.guardrails.poison import PoisonMessages
+from celery_guardrails.guardrails.pop_claims import ClaimOnPop
 from celery_guardrails.guardrails.propagation import ContextPropagation
 from celery_guardrails.guardrails.records import require
 from celery_guardrails.guardrails.retries import Retries, RetryRequested
@@ -96,8 +97,10 @@ class GuardedTask(DeferredPublish, Task):  # type: ignore[misc]
     #: Waiting comes next: it removes the waiting row of a message that was re-published with a countdown before
     #: any guardrail could re-publish it again (which writes the row anew; see celery_guardrails.guardrails.waiting).
     #: StoreAck is before them all: a completion that rides the ack is made after every other success hook.
+    #: ClaimOnPop comes next: the claim its message's pop made is held before any guardrail can end the delivery.
     guardrails: ClassVar[tuple[Guardrail, ...]] = (
         StoreAck(),
+        ClaimOnPop(),
         Metrics(),
         Waiting(),
         ContextPropagation(),

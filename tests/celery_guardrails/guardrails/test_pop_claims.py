@@ -1,0 +1,320 @@
+"""The claim with the pop (celery_guardrails.guardrails.pop_claims): where the store is the broker's Redis, the
+script that takes a keyed message claims its key. On real workers whose broker and store are the same Redis, with
+the server's own MONITOR saying which commands named the key, and from where (a client, or a script).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import random
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+from celery import Celery
+
+from celery_guardrails.broker import atomic_pop
+from celery_guardrails.guardrails import pop_claims
+from celery_guardrails.stores.redis import RedisStore
+from celery_guardrails.stores.redis_idempotency import _CLAIM, _COMPLETE_ACK, _IF_OWNER, IDEM_PREFIX
+from tests.conftest import Sink, unacked
+from tests.proj import tasks
+from tests.support.services import REDIS_URL
+from tests.support.waiting import wait_for
+from tests.support.workers import PROJ_APP, WorkerProcess, proj_env
+
+TIMEOUT = 60
+QUIET = "tests.proj.tasks.charge_quietly"
+
+
+def worker(
+    queue: str, tmp_path: Path, *, pool: str = "solo", concurrency: int = 1, name: str = "worker", **guardrails: Any
+) -> WorkerProcess:
+    """A worker of ``pool`` whose broker and store are the same Redis, with these guardrails settings."""
+    settings = {"store": REDIS_URL, "idempotency_lease": 6.0, **guardrails}
+    env = proj_env(queue=queue, GUARDRAILS_TEST_BROKER_URL=REDIS_URL, GUARDRAILS_TEST_GUARDRAILS=json.dumps(settings))
+    log = tmp_path / f"{name}.log"
+    return WorkerProcess(app=PROJ_APP, queue=queue, pool=pool, concurrency=concurrency, log_path=log, env=env)
+
+
+def key_of(oid: int, tenant: str = "-") -> str:
+    return f"{QUIET}:{tenant}:charge:{oid}"
+
+
+def effects(sink: Sink) -> int:
+    return int(sink.client.get(f"{sink.key}:effects") or 0)
+
+
+def state_of(key: str) -> str | None:
+    return (RedisStore(REDIS_URL).inspect(key) or {}).get("state")
+
+
+@dataclass(frozen=True)
+class Command:
+    """One command the server ran on the test's database: from a client (``tcp``) or inside a script (``lua``)."""
+
+    source: str
+    text: str
+
+
+@contextmanager
+def monitored() -> Iterator[list[Command]]:
+    """Every command the Redis server runs on the test's database while the block runs (its MONITOR)."""
+    database = int(REDIS_URL.rsplit("/", 1)[1])
+    seen: list[Command] = []
+    done = threading.Event()
+    client = redis.Redis.from_url(REDIS_URL)
+    ready = threading.Event()
+
+    def watch() -> None:
+        with client.monitor() as monitor:
+            ready.set()
+            for command in monitor.listen():
+                if command["db"] == database:
+                    seen.append(Command(source=command["client_type"], text=command["command"]))
+                if done.is_set() and "gr-test-monitor-end" in command["command"]:
+                    return
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    ready.wait(5)
+    time.sleep(0.2)  # MONITOR is on once the server answered it
+    try:
+        yield seen
+    finally:
+        done.set()
+        client.get("gr-test-monitor-end")
+        watcher.join(10)
+
+
+def naming(commands: list[Command], key: str, *, source: str) -> list[str]:
+    """The commands from ``source`` that name ``key`` (the store's Redis key of a scoped key), but the test's own
+    reads of it (HGETALL)."""
+    return [
+        command.text
+        for command in commands
+        if command.source == source and IDEM_PREFIX + key in command.text and not command.text.startswith("HGETALL")
+    ]
+
+
+#: The store's scripts a worker may run on a key, by their SHA (EVALSHA) and by a line of their text (an EVAL, as
+#: redis-py sends one after a NOSCRIPT: another test may flush the server's scripts).
+SCRIPTS = {
+    "claim": (_CLAIM, "local function claim"),
+    "completion with the ack": (_COMPLETE_ACK, "local function finish"),
+    "completion": (_IF_OWNER, "local action = ARGV[2]"),
+}
+
+
+def scripts_naming(commands: list[Command], key: str) -> list[str]:
+    """The store scripts clients ran on ``key``, in order (a script sent again whole after a NOSCRIPT counts once)."""
+    found: list[str] = []
+    for text in naming(commands, key, source="tcp"):
+        if text.startswith("EVALSHA"):
+            sha = text.split()[1]
+            found += [name for name, (script, _) in SCRIPTS.items() if hashlib.sha1(script.encode()).hexdigest() == sha]
+        elif text.startswith("EVAL"):
+            name = next(name for name, (_, line) in SCRIPTS.items() if line in text)
+            if not found or found[-1] != name:
+                found.append(name)
+    return found
+
+
+def script_of(commands: list[Command], key: str) -> str:
+    """The client command whose script first named ``key``, up to the malformed list (the pop's last key before the
+    queues it pops from)."""
+    named = (i for i, command in enumerate(commands) if command.source == "lua" and IDEM_PREFIX + key in command.text)
+    first = next(named)
+    sent = next(command.text for command in reversed(commands[:first]) if command.source != "lua")
+    head, found, _ = sent.partition(atomic_pop.MALFORMED_KEY)
+    return head + found
+
+
+@pytest.fixture
+def oid() -> int:
+    return random.randrange(10**9)
+
+
+@pytest.fixture(autouse=True)
+def _no_leftover_gates(sink: Sink) -> Iterator[None]:
+    yield
+    sink.client.delete(f"{sink.key}:gate")
+
+
+def test_a_keyed_message_is_claimed_by_its_pop_and_its_only_own_command_is_the_completion_with_the_ack(
+    celery_app: Any, queue_name: str, sink: Sink, tmp_path: Path
+) -> None:
+    # Given a solo worker whose store is the broker's Redis
+    oids = [random.randrange(10**9) for _ in range(5)]
+    with worker(queue_name, tmp_path) as running, monitored() as commands:
+        # When keyed tasks whose results are ignored run there
+        results = [tasks.charge_quietly.delay(oid, sink.key) for oid in oids]
+        wait_for("every body ran", lambda: effects(sink) == 5, timeout=TIMEOUT)
+        wait_for("every message acked", lambda: not any(unacked(r.id) for r in results), timeout=TIMEOUT)
+        wait_for("every key completed", lambda: all(state_of(key_of(o)) == "completed" for o in oids), timeout=TIMEOUT)
+    assert "idempotency keys claimed by the pop" in running.log
+    for oid in oids:
+        # Then each key was claimed inside the pop's script, where the message was taken from its list
+        assert any("HSET" in text and "claimed" in text for text in naming(commands, key_of(oid), source="lua"))
+        assert script_of(commands, key_of(oid)).endswith(atomic_pop.MALFORMED_KEY)
+        # and the one script the worker ran on it of its own is its completion with the ack
+        assert scripts_naming(commands, key_of(oid)) == ["completion with the ack"]
+    assert effects(sink) == 5
+
+
+@pytest.mark.parametrize(
+    ("pool", "settings"),
+    [("prefork", {}), ("solo", {"claim_on_pop": False})],
+    ids=["prefork", "claim_on_pop off"],
+)
+def test_elsewhere_the_task_claims_its_key_as_it_starts(
+    celery_app: Any, queue_name: str, sink: Sink, oid: int, tmp_path: Path, pool: str, settings: dict[str, Any]
+) -> None:
+    # Given a prefork worker (its children cannot see what the pop would keep), or a solo one with claim_on_pop off
+    with worker(queue_name, tmp_path, pool=pool, **settings) as running, monitored() as commands:
+        # When a keyed task runs there
+        result = tasks.charge_quietly.delay(oid, sink.key)
+        wait_for("the key completed", lambda: state_of(key_of(oid)) == "completed", timeout=TIMEOUT)
+        wait_for("the message acked", lambda: not unacked(result.id), timeout=TIMEOUT)
+    # Then the worker claimed it with a script of its own (and completed it with another)
+    assert scripts_naming(commands, key_of(oid))[0] == "claim"
+    assert "claimed by the pop" not in running.log
+    assert effects(sink) == 1
+
+
+def test_duplicates_popped_together_run_once(celery_app: Any, queue_name: str, sink: Sink, tmp_path: Path) -> None:
+    # Given a threads worker (4) whose store is the broker's Redis
+    oids = [random.randrange(10**9) for _ in range(5)]
+    with worker(queue_name, tmp_path, pool="threads", concurrency=4, retry_later_delay=0.1) as running:
+        # When every keyed message is published twice at once (the second pop finds the key claimed by the first)
+        results = [tasks.charge_quietly.delay(oid, sink.key) for oid in oids for _ in range(2)]
+        wait_for("every message acked", lambda: not any(unacked(r.id) for r in results), timeout=TIMEOUT)
+        wait_for("every key completed", lambda: all(state_of(key_of(o)) == "completed" for o in oids), timeout=TIMEOUT)
+        wait_for("every duplicate skipped", lambda: running.log.count("not running it again") == 5, timeout=TIMEOUT)
+    # Then each key's body ran once
+    assert effects(sink) == 5
+    assert "Traceback" not in running.log
+
+
+def test_a_claim_that_waited_past_its_lease_is_asked_again_and_a_takeover_meanwhile_wins(
+    celery_app: Any, queue_name: str, sink: Sink, oid: int, tmp_path: Path
+) -> None:
+    # Given a threads worker with one thread, busy with a task held at a gate, and a keyed message it popped
+    # (and claimed) meanwhile, waiting for the thread
+    gate = f"{sink.key}:gate"
+    other_queue = f"{queue_name}-other"
+    first = worker(queue_name, tmp_path, pool="threads", idempotency_lease=3.0, name="first")
+    second = worker(other_queue, tmp_path, idempotency_lease=3.0, name="second")
+    with first as held, second as other:
+        tasks.charge_quietly.delay(random.randrange(10**9), sink.key, gate)
+        wait_for("the thread held", lambda: effects(sink) == 1, timeout=TIMEOUT)
+        waiting = tasks.charge_quietly.delay(oid, sink.key)
+        claim = wait_for("its pop claimed the key", lambda: RedisStore(REDIS_URL).inspect(key_of(oid)), timeout=TIMEOUT)
+        assert claim["state"] == "claimed" and waiting.id in claim["owner"]
+        # When its lease runs out, and a duplicate taken by another worker takes the key over and completes it
+        time.sleep(max(0.0, float(claim["lease_until"]) - time.time()) + 0.5)
+        tasks.charge_quietly.apply_async((oid, sink.key), queue=other_queue)
+        wait_for("the duplicate completed the key", lambda: state_of(key_of(oid)) == "completed", timeout=TIMEOUT)
+        assert "took over key" in other.log
+        # and the thread is free for the waiting message
+        sink.client.rpush(gate, "go")
+        wait_for("the waiting message acked", lambda: not unacked(waiting.id), timeout=TIMEOUT)
+        wait_for("it was skipped", lambda: "not running it again" in held.log, timeout=TIMEOUT)
+    # Then the waiting message did not take its old claim for its own: the key's body ran once
+    assert effects(sink) == 2  # the held task's and the duplicate's
+
+
+def test_a_revoked_message_lets_its_claim_go_as_it_is_acked(
+    celery_app: Any, queue_name: str, sink: Sink, oid: int, tmp_path: Path
+) -> None:
+    # Given a solo worker that knows a task id is revoked
+    task_id = uuid.uuid4().hex
+    with worker(queue_name, tmp_path) as running:
+        celery_app.control.revoke(task_id, destination=[running.hostname])
+        wait_for("the revoke received", lambda: "flagged as revoked" in running.log, timeout=TIMEOUT)
+        # When a keyed message of that id arrives (its pop claims the key)
+        tasks.charge_quietly.apply_async((oid, sink.key), task_id=task_id)
+        wait_for("the message acked", lambda: "Discarding revoked task" in running.log, timeout=TIMEOUT)
+        wait_for("its ack", lambda: not unacked(task_id), timeout=TIMEOUT)
+    # Then its body never ran, and its key is free again (not held until its lease runs out)
+    assert effects(sink) == 0
+    assert RedisStore(REDIS_URL).inspect(key_of(oid)) is None
+
+
+def test_a_message_refused_before_idempotency_lets_its_claim_go(
+    celery_app: Any, queue_name: str, sink: Sink, oid: int, tmp_path: Path
+) -> None:
+    # Given a solo worker that requires a tenant on every guarded message
+    with worker(queue_name, tmp_path, tenant_required=True) as running:
+        # When a keyed message without one arrives (its pop claims the key; the tenant guard refuses it first)
+        result = tasks.charge_quietly.delay(oid, sink.key)
+        wait_for("the message acked", lambda: not unacked(result.id), timeout=TIMEOUT)
+        wait_for("its refusal", lambda: "tenant" in running.log, timeout=TIMEOUT)
+    # Then its body never ran, and its key is free again
+    assert effects(sink) == 0
+    assert RedisStore(REDIS_URL).inspect(key_of(oid)) is None
+
+
+def test_a_claim_of_another_key_than_the_task_makes_is_let_go(
+    celery_app: Any, queue_name: str, sink: Sink, oid: int, tmp_path: Path
+) -> None:
+    # Given a message whose header names a tenant the worker drops (not a valid tenant id): its pop claims the key
+    # under that tenant, the task under none
+    with worker(queue_name, tmp_path):
+        header = {"v": 1, "idem": f"charge:{oid}", "tenant": "not valid"}
+        result = celery_app.send_task(QUIET, args=[oid, sink.key], headers={"guardrails": header})
+        wait_for("the key completed", lambda: state_of(key_of(oid)) == "completed", timeout=TIMEOUT)
+        wait_for("the message acked", lambda: not unacked(result.id), timeout=TIMEOUT)
+    # Then the pop's claim is let go, and the task's own claim is the one completed
+    assert RedisStore(REDIS_URL).inspect(key_of(oid, "not valid")) is None
+    assert effects(sink) == 1
+
+
+def test_a_pool_runs_where_it_pops_only_for_solo_and_threads() -> None:
+    from celery.concurrency.prefork import TaskPool as Prefork
+    from celery.concurrency.solo import TaskPool as Solo
+
+    assert [pop_claims.runs_where_it_pops(pool) for pool in ("solo", "threads", "prefork", "eventlet")] == [
+        True,
+        True,
+        False,
+        False,
+    ]
+    assert pop_claims.runs_where_it_pops(Solo) and not pop_claims.runs_where_it_pops(Prefork)
+    assert not pop_claims.runs_where_it_pops(None)
+
+
+@pytest.mark.parametrize(
+    ("pool", "store", "expected"),
+    [
+        ("solo", "same", True),
+        ("threads", "same", True),
+        ("prefork", "same", False),
+        ("solo", "another database", False),
+    ],
+)
+def test_the_hook_is_given_to_the_workers_own_app_where_its_claims_are_sound(
+    pool: str, store: str, expected: bool
+) -> None:
+    # Given an app on the atomic pop, whose store is the broker's Redis or another database's
+    app = Celery(f"pop-{uuid.uuid4().hex[:6]}", broker=REDIS_URL)
+    app.conf.broker_transport = atomic_pop.TRANSPORT
+    app.conf.guardrails = {"store": REDIS_URL if store == "same" else REDIS_URL.rsplit("/", 1)[0] + "/15"}
+    # When its worker starts with that pool
+    enabled = pop_claims.enable(app, hostname="celery@here", pool=pool)
+    # Then its connections' channels get the hook only where the task runs where its message is popped, on the
+    # store that acks; no other app's do
+    assert enabled is expected
+    assert (pop_claims.claims(app) is not None) is expected
+    assert pop_claims.claims(Celery("another", broker=REDIS_URL)) is None
+    # And a worker started again without it takes the hook away
+    pop_claims.enable(app, hostname="celery@here", pool="prefork")
+    assert pop_claims.claims(app) is None
