@@ -8,6 +8,7 @@ from __future__ import annotations
 import hashlib
 import json
 import random
+import signal
 import threading
 import time
 import uuid
@@ -25,7 +26,7 @@ from celery_guardrails.broker import atomic_pop
 from celery_guardrails.guardrails import pop_claims
 from celery_guardrails.stores.redis import RedisStore
 from celery_guardrails.stores.redis_idempotency import _CLAIM, _COMPLETE_ACK, _IF_OWNER, IDEM_PREFIX
-from tests.conftest import Sink, unacked
+from tests.conftest import Sink, unacked, waiting_messages
 from tests.proj import tasks
 from tests.support.services import REDIS_URL
 from tests.support.waiting import wait_for
@@ -230,6 +231,33 @@ def test_a_claim_that_waited_past_its_lease_is_asked_again_and_a_takeover_meanwh
         wait_for("it was skipped", lambda: "not running it again" in held.log, timeout=TIMEOUT)
     # Then the waiting message did not take its old claim for its own: the key's body ran once
     assert effects(sink) == 2  # the held task's and the duplicate's
+
+
+def test_a_message_popped_and_given_back_at_shutdown_leaves_its_key_free_or_completed_once(
+    celery_app: Any, queue_name: str, sink: Sink, oid: int, tmp_path: Path
+) -> None:
+    # Given a threads worker with one thread, busy with a task held at a gate, and a keyed message it popped (and
+    # claimed) meanwhile, waiting for the thread
+    gate = f"{sink.key}:gate"
+    held = worker(queue_name, tmp_path, pool="threads")
+    with held:
+        tasks.charge_quietly.delay(random.randrange(10**9), sink.key, gate)
+        wait_for("the thread held", lambda: effects(sink) == 1, timeout=TIMEOUT)
+        waiting = tasks.charge_quietly.delay(oid, sink.key)
+        wait_for("its pop claimed the key", lambda: state_of(key_of(oid)) == "claimed", timeout=TIMEOUT)
+        # When the worker is asked to stop (a warm shutdown), and then the gate opens
+        held.kill(signal.SIGTERM)
+        time.sleep(0.5)
+        sink.client.rpush(gate, "go")
+        held.wait(TIMEOUT)
+    # Then the waiting message either ran there once and completed its key, or was given back to its queue with
+    # its key let go: never a key left claimed by a delivery that is over
+    state = state_of(key_of(oid))
+    if state == "completed":
+        assert effects(sink) == 2 and not unacked(waiting.id)
+    else:
+        assert state is None and effects(sink) == 1
+        assert waiting_messages("redis", queue_name) == 1 and not unacked(waiting.id)
 
 
 def test_a_revoked_message_lets_its_claim_go_as_it_is_acked(
