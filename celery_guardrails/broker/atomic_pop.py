@@ -73,9 +73,9 @@ DEFAULT_WAIT = 0.25
 
 #: The pop's loop. KEYS: the unacked hash, the unacked index, the malformed list, then the lists to pop from, in
 #: order. ARGV[1]: the time to score the delivery with (the worker's clock, as kombu scores its index); the rest
-#: are a hook's (:class:`PopHook`). Returns {list, item, ...} (the hook's ``after_pop`` answer appended), {"", list,
-#: item} for an item moved aside as malformed, or false when every list is empty. Run after a definition of
-#: ``after_pop(message)`` (:data:`NO_STEP`, or a hook's).
+#: are a hook's (:class:`PopHook`). Returns {list, item, ...} (the hook's ``after_pop`` answer appended; nothing
+#: when the step raised), {"", list, item} for an item moved aside as malformed, or false when every list is
+#: empty. Run after a definition of ``after_pop(message)`` (:data:`NO_STEP`, or a hook's).
 POP_LOOP = """
 for i = 4, #KEYS do
   local item = redis.call('RPOP', KEYS[i])
@@ -92,8 +92,10 @@ for i = 4, #KEYS do
     redis.call('ZADD', KEYS[2], ARGV[1], tag)
     local record = '[' .. item .. ',' .. cjson.encode(exchange) .. ',' .. cjson.encode(routing_key) .. ']'
     redis.call('HSET', KEYS[1], tag, record)
-    local extra = after_pop(message)
-    if extra then return {KEYS[i], item, unpack(extra)} end
+    -- The step never fails the pop: Redis keeps a script's writes up to its error, so the message would stay
+    -- recorded as handed out and never reach the worker (its key not a hash: WRONGTYPE), each time it came back.
+    local stepped, extra = pcall(after_pop, message)
+    if stepped and extra then return {KEYS[i], item, unpack(extra)} end
     return {KEYS[i], item}
   end
 end
@@ -284,10 +286,16 @@ class Channel(kombu_redis.Channel):  # type: ignore[misc]
         prefix = self.global_keyprefix
         keys = [self.unacked_key, self.unacked_index_key, MALFORMED_KEY, *self._waited_for]
         hook = self.guardrails_pop_hook
+        if hook is not None:
+            try:
+                extra = hook.arguments()
+            except Exception:  # the pop goes on without its step
+                logger.exception("The pop hook gave no arguments; popping without it")
+                hook = None
         try:
             found = self._run_pop(
                 [prefix + key for key in keys],
-                [time(), *hook.arguments()] if hook is not None else [time()],
+                [time(), *extra] if hook is not None else [time()],
                 script=hook.script if hook is not None else POP,
             )
         except redis_errors().ResponseError as error:

@@ -291,6 +291,27 @@ def test_a_message_refused_before_idempotency_lets_its_claim_go(
     assert RedisStore(REDIS_URL).inspect(key_of(oid)) is None
 
 
+def test_a_key_the_pop_cannot_claim_leaves_the_message_to_the_task(
+    celery_app: Any, queue_name: str, sink: Sink, oid: int, tmp_path: Path
+) -> None:
+    # Given a key that is not a claim at all in the store (a string where a hash should be: the claim's first read
+    # fails with WRONGTYPE, after the pop took the message and recorded it handed out)
+    client = redis.Redis.from_url(REDIS_URL)
+    client.set(IDEM_PREFIX + key_of(oid), "not a claim")
+    try:
+        with worker(queue_name, tmp_path) as running:
+            # When a message of that key arrives
+            result = tasks.charge_quietly.delay(oid, sink.key)
+            # Then the pop still hands it to the worker, and the task meets the store's refusal itself (a dead
+            # letter, acked): not a pop that fails again each time the message comes back
+            wait_for("the message acked", lambda: not unacked(result.id), timeout=TIMEOUT)
+            wait_for("the task's own claim refused", lambda: "WRONGTYPE" in running.log, timeout=TIMEOUT)
+        assert effects(sink) == 0
+        assert "The pop" not in running.log
+    finally:
+        client.delete(IDEM_PREFIX + key_of(oid))
+
+
 def test_a_claim_of_another_key_than_the_task_makes_is_let_go(
     celery_app: Any, queue_name: str, sink: Sink, oid: int, tmp_path: Path
 ) -> None:
