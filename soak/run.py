@@ -83,6 +83,8 @@ class Options:
     drain_interval: float = 2.0
     seed: int = 13
     kombu_pop: bool = False
+    #: The workers' pool: ``prefork``, or ``threads`` (where the store on the broker acks and the pop claims).
+    pool: str = "prefork"
     workdir: str = ""
 
 
@@ -142,8 +144,8 @@ class Supervisor:
     """Keeps two ``celery worker`` processes running; restarts any that exits; tells the soak's kills from
     deaths of their own, with the cause read from the worker's log."""
 
-    def __init__(self, *, env: dict[str, str], queue: str, logs: Path, slots: int = 2) -> None:
-        self.env, self.queue, self.logs = env, queue, logs
+    def __init__(self, *, env: dict[str, str], queue: str, logs: Path, slots: int = 2, pool: str = "prefork") -> None:
+        self.env, self.queue, self.logs, self.pool = env, queue, logs, pool
         self.slots: list[subprocess.Popen[bytes] | None] = [None] * slots
         self.generation = [0] * slots
         self.killed_by_us: set[int] = set()
@@ -168,7 +170,7 @@ class Supervisor:
                     "soak.app",
                     "worker",
                     "-P",
-                    "prefork",
+                    self.pool,
                     "-c",
                     "2",
                     "-Q",
@@ -325,10 +327,16 @@ def run_variant(options: Options) -> Result:
             stack.append(store_redis)
         # The workers reach the store through the forwarder the soak cuts: the database itself for the
         # Django store, the store's Redis for the Redis store.
-        cut_target = db_port if options.store == "django" else store_redis.port  # type: ignore[union-attr]
+        # --store broker: the Redis store is the broker's own database, one URL for both in the workers, through
+        # the forwarder (the store's cut cuts their broker too): the ack on the store and the claim with the pop.
+        on_broker = options.store == "broker"
+        if on_broker and broker is None:
+            raise SystemExit("soak: --store broker needs the Redis broker")
+        redis_store = broker if on_broker else store_redis
+        cut_target = db_port if options.store == "django" else redis_store.port  # type: ignore[union-attr]
         forwarder = TcpProxy(cut_target)
         stack.append(forwarder)
-        store_url = "django" if store_redis is None else f"redis://127.0.0.1:{forwarder.port}/0"
+        store_url = "django" if options.store == "django" else f"redis://127.0.0.1:{forwarder.port}/0"
         worker_db_port = forwarder.port if options.store == "django" else db_port
         base_env = {
             **os.environ,
@@ -344,8 +352,11 @@ def run_variant(options: Options) -> Result:
             "SOAK_EXCHANGE": options.exchange,
         }
         worker_env = {**base_env, "SOAK_DB_PORT": str(worker_db_port), "SOAK_STORE": store_url}
+        if on_broker:
+            worker_env["SOAK_BROKER_URL"] = store_url
         # This process: Django on the database directly (never cut), the store's Redis directly.
-        direct_store = "django" if store_redis is None else store_redis.url
+        store_redis_url = redis_store.url if redis_store is not None else None
+        direct_store = "django" if store_redis_url is None else store_redis_url
         os.environ.update({**base_env, "SOAK_DB_PORT": str(db_port), "SOAK_STORE": direct_store})
         subprocess.run(
             [sys.executable, "-m", "django", "migrate", "-v", "0"], env=os.environ.copy(), check=True, cwd=ROOT
@@ -359,7 +370,7 @@ def run_variant(options: Options) -> Result:
         from soak import app as soak_app
 
         counter = Counter(kinds, broker=options.broker, queue=queue, drain_interval=options.drain_interval)
-        supervisor = Supervisor(env=worker_env, queue=queue, logs=workdir)
+        supervisor = Supervisor(env=worker_env, queue=queue, logs=workdir, pool=options.pool)
         supervisor.start()
         stack.append(supervisor)
         start = time.monotonic()
@@ -401,7 +412,7 @@ def run_variant(options: Options) -> Result:
         result.replayed = len(getattr(replay, "replayed", []) or [])
         counter.replaying = {job for job, kind in kinds.items() if kind == "permanent"}
         reconciled: set[str] = set()
-        if options.store == "redis":
+        if options.store != "django":
             # Ended after their marked effect, which may have acted: their owner looks, and replays the ones
             # whose effect is not there (allow_not_idempotent: the documented gesture for this reason).
             ambiguous = DeadLetter.objects.filter(reason=AMBIGUOUS, status=DeadLetter.Status.OPEN)
@@ -422,7 +433,7 @@ def run_variant(options: Options) -> Result:
         result.seconds = time.monotonic() - start
         after = counter.effects()
         tally(result, kinds, collections.Counter(messages), before, after, counter.dead_letters(), reconciled)
-        claimed = claimed_keys(store_redis.url if store_redis else None)
+        claimed = claimed_keys(store_redis_url)
         result.claimed_keys, result.claimed_jobs = len(claimed), [job_of_key(key) for key in claimed[:100]]
         count_runs(result, workdir / "runs.log")
         result.killed = supervisor.kills
@@ -578,7 +589,7 @@ def tally(
     """Per kind: lost, doubled, dead letters and their reasons. ``reconciled``: the jobs ended ``not_idempotent``
     without their effect, replayed (Redis store): judged after the replay, like the permanent ones."""
     # On the Redis store an effect kind may end not_idempotent (see the module docstring): not misfiled there.
-    allowed = {AMBIGUOUS} if result.store == "redis" else set()
+    allowed = {AMBIGUOUS} if result.store != "django" else set()
     reasons: dict[str, collections.Counter[str]] = {kind: collections.Counter() for kind in KINDS}
     dead_per_job: collections.Counter[str] = collections.Counter()
     for job, reason in dead:
@@ -788,7 +799,14 @@ def _delete_rabbit_exchange(name: str) -> None:
 def parse(argv: list[str]) -> tuple[Options, list[str], list[str], list[str], bool]:
     parser = argparse.ArgumentParser(prog="make soak", description=__doc__.split("\n\n")[0])
     parser.add_argument("--jobs", type=int, default=int(os.environ.get("SOAK_JOBS", "10000")))
-    parser.add_argument("--store", choices=["django", "redis", "both"], default="both")
+    parser.add_argument(
+        "--store",
+        choices=["django", "redis", "broker", "both"],
+        default="both",
+        help="broker: the Redis store on the broker's own database (the ack on the store, the claim with the pop "
+        "where the pool runs tasks in the consuming process: --pool threads)",
+    )
+    parser.add_argument("--pool", choices=["prefork", "threads"], default="prefork", help="the workers' pool (-c 2)")
     parser.add_argument("--broker", choices=["redis", "rabbitmq", "both"], default="redis")
     parser.add_argument(
         "--queue-type",
@@ -824,6 +842,7 @@ def parse(argv: list[str]) -> tuple[Options, list[str], list[str], list[str], bo
         workdir=args.workdir,
         kombu_pop=args.kombu_pop,
         queue_type=args.queue_type,
+        pool=args.pool,
     )
     if args.short:
         options.kills, options.broker_restart, options.db_restart = 1, False, False
