@@ -16,8 +16,9 @@ before a re-publish, and Idempotency completes or fails it as any claim.
 Why it is sound:
 
 * The task checks what the pop claimed: a claim of another scoped key (a header the worker sanitises differently,
-  a tenant it drops) or made with another lease (a task's own ``idempotency_lease``) is released, and the key is
-  claimed the usual way.
+  a tenant it drops) is released, and the key is claimed the usual way; one made with another lease than the
+  task's own ``idempotency_lease`` is asked for again under its owner, with the task's lease (one round trip, as
+  without the pop's claim).
 * A claim is taken as this delivery's without asking only for a third of its lease, less a second for the clocks
   of other workers (the store measures them to the second), after the pop: a message that waited longer (behind
   other tasks of a threads pool, at a rate limit) asks the store again under the same owner, which answers
@@ -199,16 +200,16 @@ def claims(app: Any) -> Claims | None:
 
 
 def adopt(task: GuardedTask, scoped: str, store: Any) -> str | None:
-    """The owner of the claim its message's pop made for this delivery, when it is the claim Idempotency would make
-    for ``scoped`` in ``store``: held (``delivery(task).claim`` set) while it is trusted, else to be asked again
-    under that owner. None: no such claim (one of another key, lease or store is released here)."""
+    """The owner of the claim its message's pop made for this delivery, when it is a claim of ``scoped`` in
+    ``store``: held (``delivery(task).claim`` set) while it is trusted and was made with the task's lease, else to
+    be asked again under that owner (which sets the task's lease). None: no such claim (one of another key or
+    store is released here)."""
     state = delivery(task)
     popped, state.popped = state.popped, None
     if popped is None:
         return None
     found = claims(task.app)
-    usable = found is not None and found.store is store
-    if not usable or popped.key != scoped or popped.lease != view(task).options["idempotency_lease"]:
+    if found is None or found.store is not store or popped.key != scoped:
         _let_go(task, popped)
         return None
     if popped.takeover:
@@ -218,7 +219,7 @@ def adopt(task: GuardedTask, scoped: str, store: Any) -> str | None:
             task.request.id,
             scoped,
         )
-    if popped.trusted_until > time.monotonic():
+    if popped.trusted_until > time.monotonic() and popped.lease == view(task).options["idempotency_lease"]:
         state.claim = HeldKey(key=scoped, owner=popped.owner)
     else:  # asked again under its owner (the hold is made anew then)
         state.forget(popped.owner)

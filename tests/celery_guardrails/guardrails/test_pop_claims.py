@@ -171,6 +171,24 @@ def test_a_keyed_message_is_claimed_by_its_pop_and_its_only_own_command_is_the_c
     assert effects(sink) == 5
 
 
+def test_a_task_with_a_lease_of_its_own_asks_again_under_the_pops_owner(
+    celery_app: Any, queue_name: str, sink: Sink, oid: int, tmp_path: Path
+) -> None:
+    # Given a solo worker whose store is the broker's Redis, and a keyed task whose lease is its own (9 s, the
+    # app's is 6 s: the pop claims with the app's)
+    key = f"{QUIET}_leased:-:charge:{oid}"
+    with worker(queue_name, tmp_path) as running, monitored() as commands:
+        # When it runs there
+        result = tasks.charge_quietly_leased.delay(oid, sink.key)
+        wait_for("the key completed", lambda: state_of(key) == "completed", timeout=TIMEOUT)
+        wait_for("the message acked", lambda: not unacked(result.id), timeout=TIMEOUT)
+    # Then the task claimed it again with its own lease, under the owner the pop minted (nothing released first),
+    # and completed it with the ack
+    assert scripts_naming(commands, key) == ["claim", "completion with the ack"]
+    assert "let go" not in running.log
+    assert effects(sink) == 1
+
+
 @pytest.mark.parametrize(
     ("pool", "settings"),
     [("prefork", {}), ("solo", {"claim_on_pop": False})],
