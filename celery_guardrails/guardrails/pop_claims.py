@@ -6,12 +6,13 @@ results are ignored makes the Redis round trips of an unkeyed one.
 How. The publisher renders the key into the message's header (``idem``). The pop script
 (:mod:`celery_guardrails.broker.atomic_pop`, through its :class:`~celery_guardrails.broker.atomic_pop.PopHook`)
 reads the task name, the tenant and the key from the message it takes and claims ``task:tenant:key`` with the
-store's own claim (one Lua text of the rule, ``CLAIM_FUNCTION``), with the app's lease and retention, for an owner
-minted by the consumer as :func:`~celery_guardrails.runtime.heartbeats.delivery_owner` mints one
-(``hostname:pid:task id:delivery number``). Only an acquired claim is kept: a key completed, failed or held by
-another delivery is left for the task to claim and answer as it always does. The delivery adopts the claim as it
-starts (:class:`ClaimOnPop`, before any guardrail can end it): it is one of its holds from then on, released
-before a re-publish, and Idempotency completes or fails it as any claim.
+store's own claim (one Lua text of the rule, ``CLAIM_FUNCTION``), with the shortest lease of the keyed tasks
+(:func:`pop_lease`) and the app's retention, for an owner minted by the consumer as
+:func:`~celery_guardrails.runtime.heartbeats.delivery_owner` mints one (``hostname:pid:task id:delivery
+number``). Only an acquired claim is kept: a key completed, failed or held by another delivery is left for the
+task to claim and answer as it always does. The delivery adopts the claim as it starts (:class:`ClaimOnPop`,
+before any guardrail can end it): it is one of its holds from then on, released before a re-publish, and
+Idempotency completes or fails it as any claim.
 
 Why it is sound:
 
@@ -187,10 +188,25 @@ def enable(app: Any, *, hostname: str, pool: Any) -> bool:
     options[atomic_pop.HOOK_OPTION] = Claims(
         store=store,
         hostname=hostname,
-        lease=app_value(app, "idempotency_lease"),
+        lease=pop_lease(app),
         retention=app_value(app, "idempotency_retention"),
     )
     return True
+
+
+def pop_lease(app: Any) -> float:
+    """The lease a pop claims with: the shortest of the keyed tasks' ``idempotency_lease`` (the app's when none is
+    keyed), so that a claim left by a worker killed after its pop never outlives the lease of its task. A task
+    whose lease is longer asks again under the pop's owner as it starts."""
+    from celery_guardrails.options import resolve
+    from celery_guardrails.runtime.pipeline import is_guarded
+
+    leases = [
+        float(resolve(task, "idempotency_lease", {}))
+        for task in app.tasks.values()
+        if is_guarded(task) and resolve(task, "idempotency_key", {}) is not None
+    ]
+    return min(leases, default=float(app_value(app, "idempotency_lease")))
 
 
 def claims(app: Any) -> Claims | None:
@@ -270,4 +286,4 @@ class ClaimOnPop(Guardrail):
             _let_go(task, popped)
 
 
-__all__ = ["DECLARED", "ClaimOnPop", "Claims", "adopt", "claims", "enable", "runs_where_it_pops"]
+__all__ = ["DECLARED", "ClaimOnPop", "Claims", "adopt", "claims", "enable", "pop_lease", "runs_where_it_pops"]

@@ -385,3 +385,24 @@ def test_the_hook_is_given_to_the_workers_own_app_where_its_claims_are_sound(
     # And a worker started again without it takes the hook away
     pop_claims.enable(app, hostname="celery@here", pool="prefork")
     assert pop_claims.claims(app) is None
+
+
+def test_a_pop_claims_with_the_shortest_lease_of_the_keyed_tasks() -> None:
+    from celery_guardrails import GuardedTask
+
+    # Given an app whose keyed tasks have a lease of 2 s and the app's (45 s), and an unkeyed task with 1 s (the
+    # app also has every shared task of the test process: 9 s at the shortest)
+    app = Celery(f"pop-{uuid.uuid4().hex[:6]}", broker=REDIS_URL)
+    app.conf.guardrails = {"store": REDIS_URL, "idempotency_lease": 45.0}
+
+    @app.task(base=GuardedTask, name="pop.short", idempotency_key="k:{n}", idempotency_lease=2.0)
+    def short(n: int) -> None: ...
+
+    @app.task(base=GuardedTask, name="pop.default", idempotency_key="k:{n}")
+    def default(n: int) -> None: ...
+
+    @app.task(base=GuardedTask, name="pop.unkeyed", idempotency_lease=1.0)
+    def unkeyed(n: int) -> None: ...
+
+    # Then its pops claim with 2 s: a claim a killed worker leaves never outlives the lease of its task
+    assert pop_claims.pop_lease(app) == 2.0
