@@ -74,6 +74,8 @@ DECLARED = declare(
     ),
 )
 
+#: The app attribute holding its worker's :class:`Claims` (set by :func:`enable` beside the transport option).
+ATTRIBUTE = "guardrails_pop_claims"
 #: Seconds taken off the time a claim is trusted, for the clocks of other workers.
 CLOCK_MARGIN = 1.0
 #: Claims kept at most for deliveries not yet started: past it (a delivery lost on the way between the pop and the
@@ -180,17 +182,20 @@ def enable(app: Any, *, hostname: str, pool: Any) -> bool:
     options = {**(app.conf.broker_transport_options or {})}
     options.pop(atomic_pop.HOOK_OPTION, None)
     app.conf.broker_transport_options = options
+    setattr(app, ATTRIBUTE, None)
     if not runs_where_it_pops(pool) or not app_value(app, "claim_on_pop"):
         return False
     store: Any = get_store(app)
     if shared_records(app, store) is None:
         return False
-    options[atomic_pop.HOOK_OPTION] = Claims(
+    found = Claims(
         store=store,
         hostname=hostname,
         lease=pop_lease(app),
         retention=app_value(app, "idempotency_retention"),
     )
+    options[atomic_pop.HOOK_OPTION] = found  # the channels' (kombu hands a channel its transport options)
+    setattr(app, ATTRIBUTE, found)  # the tasks': read with every delivery, an attribute, not the app's conf
     return True
 
 
@@ -211,8 +216,8 @@ def pop_lease(app: Any) -> float:
 
 def claims(app: Any) -> Claims | None:
     """The claims with the pop of ``app``'s worker, when its pops claim."""
-    hook = (app.conf.broker_transport_options or {}).get(atomic_pop.HOOK_OPTION)
-    return hook if isinstance(hook, Claims) else None
+    found: Claims | None = getattr(app, ATTRIBUTE, None)
+    return found
 
 
 def adopt(task: GuardedTask, scoped: str, store: Any) -> str | None:
