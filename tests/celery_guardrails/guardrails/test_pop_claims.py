@@ -209,6 +209,20 @@ def test_elsewhere_the_task_claims_its_key_as_it_starts(
     assert effects(sink) == 1
 
 
+def test_a_message_with_a_countdown_is_claimed_as_it_starts_not_as_it_is_popped(
+    celery_app: Any, queue_name: str, sink: Sink, oid: int, tmp_path: Path
+) -> None:
+    # Given a solo worker whose store is the broker's Redis
+    with worker(queue_name, tmp_path), monitored() as commands:
+        # When a keyed message with a countdown arrives (the worker holds it in memory until it is due)
+        result = tasks.charge_quietly.apply_async((oid, sink.key), countdown=1)
+        wait_for("the key completed", lambda: state_of(key_of(oid)) == "completed", timeout=TIMEOUT)
+        wait_for("the message acked", lambda: not unacked(result.id), timeout=TIMEOUT)
+    # Then its pop claimed nothing (a claim would have waited with it): the task claimed as it started
+    assert scripts_naming(commands, key_of(oid))[0] == "claim"
+    assert effects(sink) == 1
+
+
 def test_duplicates_popped_together_run_once(celery_app: Any, queue_name: str, sink: Sink, tmp_path: Path) -> None:
     # Given a threads worker (4) whose store is the broker's Redis
     oids = [random.randrange(10**9) for _ in range(5)]
