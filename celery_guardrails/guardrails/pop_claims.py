@@ -135,7 +135,6 @@ class Claims:
             key=key,
             owner=owner,
             takeover=takeover == "1",
-            lease=self.lease,
             trusted_until=time.monotonic() + self.trusted_for,
         )
         earlier = self.kept.get(tag)
@@ -240,7 +239,7 @@ def adopt(task: GuardedTask, scoped: str, store: Any) -> str | None:
             task.request.id,
             scoped,
         )
-    if popped.trusted_until > time.monotonic() and popped.lease == view(task).options["idempotency_lease"]:
+    if popped.trusted_until > time.monotonic() and found.lease == view(task).options["idempotency_lease"]:
         state.claim = HeldKey(key=scoped, owner=popped.owner)
     else:  # asked again under its owner (the hold is made anew then)
         state.forget(popped.owner)

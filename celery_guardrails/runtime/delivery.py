@@ -62,8 +62,6 @@ class PopClaim:
     owner: str
     #: The pop took the key over from a delivery whose lease had run out.
     takeover: bool
-    #: Seconds of the lease it was made with.
-    lease: float
     #: Monotonic time until which it is surely still this delivery's; later, the delivery asks the store again.
     trusted_until: float
 

@@ -255,7 +255,7 @@ def charge_quietly(self: GuardedTask, order_id: int, sink: str, gate: str | None
 
 
 @shared_task(
-    base=GuardedTask, bind=True, idempotency_key="charge:{order_id}", ignore_result=True, idempotency_lease=9.0
+    base=GuardedTask, bind=True, idempotency_key="charge:{order_id}", ignore_result=True, idempotency_lease=20.0
 )
 def charge_quietly_leased(self: GuardedTask, order_id: int, sink: str) -> None:
     """``charge_quietly`` with a lease of its own (not the app's)."""

@@ -6,7 +6,6 @@ away as the body returns.
 
 from __future__ import annotations
 
-import json
 import random
 import uuid
 from collections.abc import Iterator
@@ -25,8 +24,8 @@ from tests.conftest import Sink, unacked
 from tests.proj import tasks
 from tests.support.proxy import TcpProxy
 from tests.support.services import REDIS_URL
+from tests.support.shared_redis import effects, key_of, shared_worker
 from tests.support.waiting import wait_for
-from tests.support.workers import PROJ_APP, WorkerProcess, proj_env
 
 TIMEOUT = 60
 
@@ -134,33 +133,6 @@ def test_the_store_acks_only_on_the_brokers_own_database(
 # -- on a real worker -------------------------------------------------------------------------------------------
 
 
-def solo_worker(
-    queue: str,
-    tmp_path: Path,
-    *,
-    url: str = REDIS_URL,
-    store_acks: bool = True,
-    pool: str = "solo",
-    concurrency: int = 1,
-    **extra: str,
-) -> WorkerProcess:
-    """A solo worker (or ``pool``) whose broker and store are ``url`` (the same Redis)."""
-    guardrails = {"store": url, "idempotency_lease": 6.0, "store_acks": store_acks}
-    env = proj_env(
-        queue=queue, GUARDRAILS_TEST_BROKER_URL=url, GUARDRAILS_TEST_GUARDRAILS=json.dumps(guardrails), **extra
-    )
-    log = tmp_path / "worker.log"
-    return WorkerProcess(app=PROJ_APP, queue=queue, pool=pool, concurrency=concurrency, log_path=log, env=env)
-
-
-def key_of(oid: int) -> str:
-    return f"tests.proj.tasks.charge_quietly:-:charge:{oid}"
-
-
-def effects(sink: Sink) -> int:
-    return int(sink.client.get(f"{sink.key}:effects") or 0)
-
-
 #: Each kind of guarded task the store acks: (task name, its call, its key's prefix or None).
 KINDS = {
     "keyed, results ignored (completion rides the ack)": (
@@ -182,7 +154,9 @@ def test_a_worker_killed_after_the_last_hook_leaves_no_message_to_deliver_again(
     # (Celery's task_postrun: after the completion, before Celery's own ack)
     name, call, key = KINDS[kind]
     task = getattr(tasks, name)
-    with solo_worker(queue_name, tmp_path, store_acks=store_acks, GUARDRAILS_TEST_KILL_AFTER=task.name) as worker:
+    with shared_worker(
+        queue_name, tmp_path, store_acks=store_acks, env={"GUARDRAILS_TEST_KILL_AFTER": task.name}
+    ) as worker:
         # When the task runs there
         result = task.apply_async(call(oid, sink.key))
         wait_for("the worker killed", lambda: worker.process.poll() is not None, timeout=TIMEOUT)  # type: ignore[union-attr]
@@ -207,7 +181,7 @@ def test_the_redis_cut_as_the_body_returns_the_completion_lands_once_it_is_back(
     # at a gate after its effect
     url = REDIS_URL.replace("127.0.0.1:6379", f"127.0.0.1:{proxy.port}")
     gate = f"{sink.key}:gate"
-    with solo_worker(queue_name, tmp_path, url=url) as worker:
+    with shared_worker(queue_name, tmp_path, url=url) as worker:
         result = tasks.charge_quietly.delay(oid, sink.key, gate)
         wait_for("the body ran", lambda: effects(sink) == 1, timeout=TIMEOUT)
         # When the Redis is cut away just as the body returns
@@ -239,7 +213,7 @@ def test_on_threads_and_prefork_every_message_is_acked_once_and_every_key_comple
     # Given a worker of that pool whose store is the broker's Redis (threads: the store acks, each thread on its
     # own connection; prefork: the children complete their keys, the main process acks as Celery does)
     oids = [random.randrange(10**9) for _ in range(40)]
-    with solo_worker(queue_name, tmp_path, pool=pool, concurrency=concurrency) as worker:
+    with shared_worker(queue_name, tmp_path, pool=pool, concurrency=concurrency) as worker:
         # When keyed tasks whose results are ignored, and keyed tasks whose results are stored, run there at once
         quiet = [tasks.charge_quietly.delay(oid, sink.key) for oid in oids[:20]]
         stored = [tasks.charge.delay(oid, sink.key) for oid in oids[20:]]
