@@ -96,16 +96,19 @@ SCRIPTS = {
 
 
 def scripts_naming(commands: list[Command], key: str) -> list[str]:
-    """The store scripts clients ran on ``key``, in order (a script sent again whole after a NOSCRIPT counts once)."""
+    """The store scripts clients ran on ``key``, in order. A script sent again right after a NOSCRIPT (another test
+    flushed the server's scripts: the lane's EVALSHA, redis-py's, then its load and EVALSHA or a whole EVAL) counts
+    once: the attempts that met NOSCRIPT ran nothing."""
     found: list[str] = []
     for text in naming(commands, key, source="tcp"):
         if text.startswith("EVALSHA"):
             sha = text.split()[1]
-            found += [name for name, (script, _) in SCRIPTS.items() if hashlib.sha1(script.encode()).hexdigest() == sha]
+            names = [name for name, (script, _) in SCRIPTS.items() if hashlib.sha1(script.encode()).hexdigest() == sha]
         elif text.startswith("EVAL"):
-            name = next(name for name, (_, line) in SCRIPTS.items() if line in text)
-            if not found or found[-1] != name:
-                found.append(name)
+            names = [next(name for name, (_, line) in SCRIPTS.items() if line in text)]
+        else:
+            continue
+        found += [name for name in names if not found or found[-1] != name]
     return found
 
 
