@@ -10,6 +10,7 @@ from django.db import transaction
 from django.db.models import F, QuerySet
 from django.utils import timezone
 
+from celery_guardrails.foundation.fingerprints import fingerprint
 from celery_guardrails.options import OPTIONS, django_settings
 from celery_guardrails.scheduling.ledger import RETENTION
 
@@ -112,6 +113,30 @@ def delete_in_batches(queryset: QuerySet[Any], *, batch: int = PRUNE_BATCH) -> i
         if len(ids) < batch:
             return deleted
         after = ids[-1]
+
+
+def fill_fingerprints(*, batch: int = PRUNE_BATCH) -> int:
+    """Give each record made before fingerprints its fingerprint, from what it keeps (the worker computes it the
+    same way: :mod:`celery_guardrails.foundation.fingerprints`); how many were filled. ``batch`` records a
+    transaction, walking the primary key upwards; one UPDATE per cause in a batch (a batch of one outage's records
+    is one statement). Safe to stop and run again, and beside running workers (only empty ones are written)."""
+    filled, after = 0, 0
+    while True:
+        rows = list(
+            DeadLetter.objects.filter(fingerprint="", pk__gt=after)
+            .order_by("pk")
+            .values_list("pk", "task_name", "exc_type", "exc_message", "traceback")[:batch]
+        )
+        if not rows:
+            return filled
+        by_cause: dict[str, list[int]] = {}
+        for pk, task_name, exc_type, exc_message, traceback in rows:
+            cause = fingerprint(task_name=task_name, exc_type=exc_type, exc_message=exc_message, traceback=traceback)
+            by_cause.setdefault(cause, []).append(pk)
+        with transaction.atomic():
+            for cause, ids in by_cause.items():
+                filled += DeadLetter.objects.filter(pk__in=ids, fingerprint="").update(fingerprint=cause)
+        after = rows[-1][0]
 
 
 def close_dead_letters(queryset: QuerySet[DeadLetter], status: str, *, user: Any = None, by: str = "") -> int:

@@ -1,18 +1,22 @@
-"""The dead-letter overview: what is open, grouped by reason, owner and task, and the last 24 hours by hour.
+"""The dead-letter overview: what is open, grouped by cause, reason, owner and task, and the last 24 hours by hour.
 
-Read by the admin's overview page (``DeadLetterAdmin``, ``overview/``). Four grouped queries on indexed columns
-(status, reason, owner, task name, last failure), whatever the number of records.
+Read by the admin's overview page (``DeadLetterAdmin``, ``overview/``) and ``guardrails_deadletters causes``. Five
+grouped queries on indexed columns (status, fingerprint, reason, owner, task name, last failure), whatever the
+number of records, and one index probe per cause shown for its newest record (what names it).
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
-from django.db.models import Count
+from django.db.models import Count, Max, Min
 from django.db.models.functions import TruncHour
 from django.utils import timezone
+
+from celery_guardrails.foundation.fingerprints import normalised, own_frame
 
 from .models import DeadLetter
 from .scoping import scope
@@ -39,8 +43,37 @@ class Hour:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class Cause:
+    """Open records of one cause (:mod:`celery_guardrails.foundation.fingerprints`), named by its newest one."""
+
+    fingerprint: str
+    count: int
+    first_seen: datetime
+    last_seen: datetime
+    task_name: str
+    exc_type: str
+    #: The newest record's message, normalised as the fingerprint reads it ("order <n> declined").
+    message: str
+    #: Where it left the task's own code, ``path/module.py:function`` ("" when the traceback does not say).
+    frame: str
+    share: int
+
+    @property
+    def title(self) -> str:
+        return _described(self.exc_type, self.frame, self.message)
+
+
+def _described(exc_type: str, frame: str, message: str) -> str:
+    where = f" in {frame}" if frame else ""
+    return f"{exc_type or 'no exception'}{where}: {message}"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Overview:
     open_count: int
+    #: The biggest causes of open records; records made before fingerprints are in ``unsorted_count``.
+    by_cause: list[Cause]
+    unsorted_count: int
     by_reason: list[Group]
     by_owner: list[Group]
     by_task: list[Group]
@@ -61,6 +94,62 @@ def _groups(field: str, user: Any) -> list[Group]:
     return [Group(value=row[field] or "-", count=row["count"], share=round(100 * row["count"] / top)) for row in rows]
 
 
+def causes(*, user: Any = None, limit: int = TOP) -> list[Cause]:
+    """The ``limit`` biggest causes of the open records ``user`` may see, with their first and last failure."""
+    rows = list(
+        scope(DeadLetter.objects.open(), user)
+        .exclude(fingerprint="")
+        .order_by()
+        .values("fingerprint")
+        .annotate(count=Count("pk"), first_seen=Min("first_failed_at"), last_seen=Max("last_failed_at"))
+        .order_by("-count", "fingerprint")[:limit]
+    )
+    top = max((row["count"] for row in rows), default=1)
+    found = []
+    for row in rows:
+        newest = newest_of_cause(row["fingerprint"], user=user) or {}
+        found.append(
+            Cause(
+                fingerprint=row["fingerprint"],
+                count=row["count"],
+                first_seen=row["first_seen"],
+                last_seen=row["last_seen"],
+                task_name=newest.get("task_name", ""),
+                exc_type=newest.get("exc_type", ""),
+                message=normalised(newest.get("exc_message", ""))[:300],
+                frame=own_frame(newest.get("task_name", ""), newest.get("traceback", "")),
+                share=round(100 * row["count"] / top),
+            )
+        )
+    return found
+
+
+def newest_of_cause(fingerprint: str, *, user: Any = None) -> dict[str, Any] | None:
+    """The newest record of a cause that ``user`` may see (its task, exception and traceback), or None."""
+    return (
+        scope(DeadLetter.objects.filter(fingerprint=fingerprint), user)
+        .order_by("-last_failed_at")
+        .values("task_name", "exc_type", "exc_message", "traceback")
+        .first()
+    )
+
+
+def cause_title(fingerprint: str, *, user: Any = None) -> str:
+    """What a cause is, as the overview names it, for a filter's label; the fingerprint itself when no record of
+    it is in sight."""
+    newest = newest_of_cause(fingerprint, user=user)
+    if newest is None:
+        return fingerprint
+    return described(newest)
+
+
+def described(record: Mapping[str, Any]) -> str:
+    """A record's cause in words (its exception type, the frame of its task's own code, its normalised message):
+    every record of one cause reads the same, as the fingerprint is made of these."""
+    frame = own_frame(record["task_name"], record["traceback"])
+    return _described(record["exc_type"], frame, normalised(record["exc_message"])[:120])
+
+
 def dead_letter_overview(*, now: datetime | None = None, user: Any = None) -> Overview:
     """The overview of the records ``user`` may see (:mod:`.scoping`; every record for None)."""
     current = (now or timezone.now()).replace(minute=0, second=0, microsecond=0)
@@ -78,6 +167,8 @@ def dead_letter_overview(*, now: datetime | None = None, user: Any = None) -> Ov
     top = max(counts, default=0) or 1
     return Overview(
         open_count=scope(DeadLetter.objects.open(), user).count(),
+        by_cause=causes(user=user),
+        unsorted_count=scope(DeadLetter.objects.open().filter(fingerprint=""), user).count(),
         by_reason=_groups("reason", user),
         by_owner=_groups("owner", user),
         by_task=_groups("task_name", user),

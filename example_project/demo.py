@@ -334,6 +334,12 @@ def main() -> None:
             outcome(declined, "the declined charge of order 88", 30)
         record = DeadLetter.objects.get(task_id=declined.id)
         print(f"   worker: {record.exc_type}: {record.exc_message}")
+        from django_celery_guardrails.overview import causes
+
+        cause = next(c for c in causes() if c.fingerprint == record.fingerprint)
+        print(
+            f"   cause {cause.fingerprint} (the overview's groups): {cause.title}; {cause.count} open record(s) of it"
+        )
         print(
             f"   dead letter #{record.pk}: reason {record.reason}, owner {record.owner}, tenant {record.tenant}, "
             f"status {record.status}, {len(record.history)} attempt record(s)"

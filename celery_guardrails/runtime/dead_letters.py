@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from celery_guardrails.exceptions import ConfigurationError
+from celery_guardrails.foundation.fingerprints import fingerprint
 from celery_guardrails.foundation.redaction import DEFAULT, exception_name, exception_text, safe_repr
 from celery_guardrails.foundation.sealing import sealer_for
 from celery_guardrails.options import APP, TASK, Option, app_value, checks, declare
@@ -213,8 +214,19 @@ def record_fields(task: Any, failure: FinalFailure) -> dict[str, Any]:
             "history": redaction.shown(failure.history).value,
         }
     )
+    fields["fingerprint"] = _fingerprint(fields)
     fields["sealed"] = _sealed(task, failure)
     return fields
+
+
+def _fingerprint(fields: dict[str, Any]) -> str:
+    """The record's cause, from what it keeps (:mod:`celery_guardrails.foundation.fingerprints`)."""
+    return fingerprint(
+        task_name=str(fields.get("task_name", "")),
+        exc_type=str(fields.get("exc_type", "")),
+        exc_message=str(fields.get("exc_message", "")),
+        traceback=str(fields.get("traceback", "")),
+    )
 
 
 def _sealed(task: Any, failure: FinalFailure) -> str:
@@ -237,6 +249,8 @@ def cut_record(task: Any, failure: FinalFailure, error: BaseException) -> dict[s
     fields: dict[str, Any] = storable(
         {**_identity(failure), **NO_CONTENTS, "exc_message": note + str(failure.exc_message)[:500]}
     )
+    # Of the failure, not of the note: a record cut is grouped with the whole records of its cause.
+    fields["fingerprint"] = _fingerprint({**fields, "exc_message": storable(str(failure.exc_message)[:500])})
     fields["sealed"] = _sealed(task, failure)
     return fields
 

@@ -13,6 +13,7 @@ from django.http import HttpRequest, HttpResponse
 from django.template.response import TemplateResponse
 from django.urls import path, reverse
 from django.utils.html import format_html, format_html_join
+from django.utils.http import urlencode
 from django.utils.safestring import mark_safe
 
 from .. import health
@@ -29,7 +30,7 @@ from ..display import (
     span,
 )
 from ..models import DeadLetter, SealedMessage
-from ..overview import dead_letter_overview
+from ..overview import cause_title, dead_letter_overview, described
 from ..paging import CappedCountPaginator, CheckedChangeList, DistinctValuesFilter
 from ..replay import Outlook, outlooks
 from ..scoping import TenantScopedAdmin, linked
@@ -57,12 +58,29 @@ def _parameters(task_name: str) -> list[str]:
 _DEAD_LETTER_FIELDS = [
     (
         shown_field(DeadLetter, f.name, multiline=f.name == "exc_message")
-        if f.name != "arguments_are_repr"
-        else "stored_arguments"
+        if f.name not in ("arguments_are_repr", "fingerprint")
+        else {"arguments_are_repr": "stored_arguments", "fingerprint": "cause"}[f.name]
     )
     for f in DeadLetter._meta.fields
     if f.name not in ("history", "traceback", "replayed_task_id")
 ]
+
+
+class CauseFilter(admin.SimpleListFilter):
+    """The records of one cause (their fingerprint: :mod:`celery_guardrails.foundation.fingerprints`), reached from
+    the overview's causes or a record's page. Its only choice is the cause chosen, named in words: a list of hex
+    ids would tell a person nothing, and the overview lists the causes by size."""
+
+    title = "cause"
+    parameter_name = "fingerprint"
+
+    def lookups(self, request: HttpRequest, model_admin: Any) -> list[tuple[str, str]]:
+        value = self.value()
+        return [(value, cause_title(value, user=request.user))] if value else []
+
+    def queryset(self, request: HttpRequest, queryset: Any) -> Any:
+        value = self.value()
+        return queryset.filter(fingerprint=value) if value else queryset
 
 
 @admin.register(DeadLetter)
@@ -80,6 +98,7 @@ class DeadLetterAdmin(DeadLetterActions, CheckedChangeList, TenantScopedAdmin):
     # "=field" search would be iexact, UPPER(field) = UPPER(%s): no index serves it, every search a full scan.
     list_filter = (
         "status",
+        CauseFilter,
         ("reason", DistinctValuesFilter),
         ("task_name", DistinctValuesFilter),
         ("owner", DistinctValuesFilter),
@@ -259,6 +278,20 @@ class DeadLetterAdmin(DeadLetterActions, CheckedChangeList, TenantScopedAdmin):
             '{} <span class="replay-state">({})</span>', escape(obj.replayed_task_id, html=True), escape(state)
         )
 
+    @admin.display(description="cause")
+    def cause(self, obj: DeadLetter) -> str:
+        if not obj.fingerprint:
+            return "not grouped yet (recorded before fingerprints: manage.py guardrails_deadletters fingerprint)"
+        changelist = reverse("admin:guardrails_deadletter_changelist")
+        fields = {name: getattr(obj, name) for name in ("task_name", "exc_type", "exc_message", "traceback")}
+        return format_html(
+            '<a href="{}?{}">{}</a> ({})',
+            changelist,
+            urlencode({"fingerprint": obj.fingerprint}),
+            escape(described(fields)),
+            escape(obj.fingerprint),
+        )
+
     @admin.display(description="traceback")
     def traceback_text(self, obj: DeadLetter) -> str:
         return format_html("<pre>{}</pre>", escape(obj.traceback, multiline=True, html=True))
@@ -280,6 +313,7 @@ class DeadLetterAdmin(DeadLetterActions, CheckedChangeList, TenantScopedAdmin):
             "title": "Dead letters: overview",
             "opts": self.model._meta,
             "overview": summary,
+            "causes": summary.by_cause,
             "groups": [
                 ("reason", "Open by reason", summary.by_reason),
                 ("owner", "Open by owner", summary.by_owner),

@@ -69,6 +69,16 @@ class DeadLetter(models.Model):
     exc_type = models.CharField(_("exception type"), max_length=255, blank=True, help_text=_("module.Class"))
     exc_message = models.TextField(_("exception message"), blank=True, help_text=_("At most 500 characters."))
     traceback = models.TextField(_("traceback"), blank=True, help_text=_("Of the final failure."))
+    fingerprint = models.CharField(
+        _("fingerprint"),
+        max_length=16,
+        blank=True,
+        help_text=_(
+            "The failure's cause: the same for every record of this task, exception type, message (numbers, ids "
+            "and quoted values aside) and frame of the task's own code. Empty for a record made before "
+            "fingerprints until `guardrails_deadletters fingerprint` fills it in."
+        ),
+    )
     history = models.JSONField(
         _("attempt history"), default=list, blank=True, help_text=_("Every attempt record, oldest first.")
     )
@@ -113,6 +123,7 @@ class DeadLetter(models.Model):
             models.Index(fields=["owner", "status", "-last_failed_at"], name="guardrails_dl_owner_status"),
             models.Index(fields=["task_name", "status", "-last_failed_at"], name="guardrails_dl_task_status"),
             models.Index(fields=["tenant", "status", "-last_failed_at"], name="guardrails_dl_tenant_status"),
+            models.Index(fields=["fingerprint", "status", "-last_failed_at"], name="guardrails_dl_fingerprint"),
             models.Index(fields=["correlation_id"], name="guardrails_dl_correlation"),
             models.Index(fields=["idempotency_key"], name="guardrails_dl_idempotency_key"),
         ]

@@ -20,6 +20,7 @@ from django.contrib.auth.models import User
 from django.db import connection
 
 from celery_guardrails import tenant_context
+from celery_guardrails.foundation.fingerprints import fingerprint
 from celery_guardrails.operations import activity
 from celery_guardrails.runtime.outcomes import REASONS
 from django_celery_guardrails.models import DeadLetter, Job
@@ -312,15 +313,23 @@ def wide_records(monkeypatch: pytest.MonkeyPatch) -> DeadLetter:
     now = timezone.now()
     record = None
     for n in range(3):
+        failure = {
+            "task_name": "billing.integrations.payment_providers.tasks.reconcile_settlement_batches",
+            "exc_type": "requests.exceptions.HTTPError",
+            # The overview's causes name each in words: one as long as a provider's client makes them
+            "exc_message": LONG_ERROR
+            if n
+            else "503 Server Error: Service Unavailable for url: https://api.example.com",
+            "traceback": deep_traceback(),
+        }
         record = DeadLetter.objects.create(
-            task_name="billing.integrations.payment_providers.tasks.reconcile_settlement_batches",
+            **failure,
+            fingerprint=fingerprint(**failure),
             task_id=str(uuid.uuid4()),
             reason="retry_budget_exhausted",
             owner="payments-platform-team",
             tenant=f"tenant-{uuid.uuid4().hex}",
             kwargs={"batch": n, "api_token": "[redacted]"},
-            exc_type="requests.exceptions.HTTPError",
-            exc_message="503 Server Error: Service Unavailable for url: https://api.example.com/v1/settlements",
             first_failed_at=now,
             last_failed_at=now,
         )

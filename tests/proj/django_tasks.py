@@ -60,6 +60,16 @@ def fail_with(self: GuardedTask, step: str, card_number: str = "", **details: ob
     return "ok"
 
 
+@shared_task(base=GuardedTask, bind=True)
+def decline(self: GuardedTask, order_id: int, cause: str = "declined") -> None:
+    """Fails for good for one cause per ``cause``, its message naming the order (dead letters' fingerprints)."""
+    from celery_guardrails import PermanentError
+
+    if cause == "declined":
+        raise PermanentError(f"order {order_id} declined by provider account 'acct-{order_id}'")
+    raise PermanentError(f"order {order_id}: card expired")
+
+
 @shared_task(base=GuardedTask, bind=True, backoff_base=0.05)
 def not_idempotent(self: GuardedTask) -> None:
     raise RuntimeError("unknown, and this task is not idempotent")

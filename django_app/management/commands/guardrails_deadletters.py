@@ -1,4 +1,5 @@
-"""``manage.py guardrails_deadletters``: dead letters from a shell (list, show, discard, resolve, reseal).
+"""``manage.py guardrails_deadletters``: dead letters from a shell (list, causes, show, discard, resolve, reseal,
+fingerprint).
 
 ``list`` and ``show`` print a table or, with ``--json``, JSON for scripts (arguments as recorded: redacted;
 a sealed copy is never printed). Text output writes control and invisible characters of stored values as
@@ -6,6 +7,9 @@ escapes (:mod:`django_celery_guardrails.display`: a carriage return or a bidi ov
 a line); JSON escapes them itself. ``show`` says what a replay would do, as the replay decides it
 (:func:`~django_celery_guardrails.replay.outlooks`). ``discard`` and ``resolve`` close open records, as the
 admin's actions do.
+``causes`` lists the biggest causes of open records (their fingerprints), as the admin's overview does; ``list
+--fingerprint`` lists one cause's records. ``fingerprint`` fills in the fingerprint of records made before
+fingerprints existed (in batches; safe beside running workers and to run again).
 ``reseal`` seals every sealed copy again with the first of ``seal_keys`` (key rotation: put the new key
 first, run this, then drop the old key). Bad input is a one-line error and exit status 1.
 """
@@ -14,6 +18,7 @@ from __future__ import annotations
 
 import getpass
 import json
+from dataclasses import asdict
 from typing import Any
 
 from celery import current_app
@@ -26,8 +31,9 @@ from celery_guardrails.log import moment_text
 from celery_guardrails.runtime.outcomes import REASONS
 
 from ...display import escape
-from ...maintenance import close_dead_letters
+from ...maintenance import close_dead_letters, fill_fingerprints
 from ...models import DeadLetter, SealedMessage
+from ...overview import causes
 from ...replay import outlooks
 from ..arguments import AGE_HELP, DIGITS, choice, since, text, whole_number
 
@@ -44,10 +50,15 @@ MULTILINE = ("exc_message", "traceback")
 
 
 class Command(BaseCommand):
-    help = "List, show, discard or resolve dead letters; reseal their sealed copies after a key rotation."
+    help = (
+        "List, show, discard or resolve dead letters, list their causes; reseal their sealed copies after a key "
+        "rotation; fill in the fingerprints of records made before fingerprints."
+    )
 
     def add_arguments(self, parser: CommandParser) -> None:
-        commands = parser.add_subparsers(dest="command", metavar="{list,show,discard,resolve,reseal}")
+        commands = parser.add_subparsers(
+            dest="command", metavar="{list,causes,show,discard,resolve,reseal,fingerprint}"
+        )
         commands.required = True
         listing = commands.add_parser("list", help="Records, newest failure first.")
         listing.add_argument("--status", default="open", help=f"One of {', '.join(STATUSES)} or all (default open).")
@@ -55,6 +66,7 @@ class Command(BaseCommand):
         listing.add_argument("--task", help="Only this task name.")
         listing.add_argument("--owner", help="Only this owner.")
         listing.add_argument("--tenant", help="Only this tenant.")
+        listing.add_argument("--fingerprint", help="Only this cause (a fingerprint `causes` lists).")
         listing.add_argument("--since", help=f"Only failures since an ISO date/time or {AGE_HELP}.")
         listing.add_argument("--limit", default="50", help="At most this many records (default 50).")
         listing.add_argument("--json", action="store_true", help="JSON lines, one record each.")
@@ -67,6 +79,10 @@ class Command(BaseCommand):
             closing.add_argument("--by", default="", help="Who did it (default: the shell user).")
             closing.add_argument("--json", action="store_true", help="One JSON object: what changed.")
         commands.add_parser("reseal", help="Seal every sealed copy again with the first of seal_keys.")
+        grouped = commands.add_parser("causes", help="The biggest causes of open records, biggest first.")
+        grouped.add_argument("--limit", default="20", help="At most this many causes (default 20).")
+        grouped.add_argument("--json", action="store_true", help="JSON lines, one cause each.")
+        commands.add_parser("fingerprint", help="Fill in the fingerprint of records made before fingerprints.")
 
     def handle(self, *args: Any, command: str, **options: Any) -> None:
         if command == "list":
@@ -77,6 +93,10 @@ class Command(BaseCommand):
             ids = [_id(value) for value in options["ids"]]
             by = text(options["by"], option="--by", max_length=BY_LENGTH, controls=False) or _shell_user()
             self._close(command, ids, by[:BY_LENGTH], as_json=options["json"])
+        elif command == "causes":
+            self._causes(options)
+        elif command == "fingerprint":
+            self.stdout.write(f"Filled in the fingerprint of {fill_fingerprints()} dead letter(s).")
         else:
             self._reseal()
 
@@ -87,7 +107,7 @@ class Command(BaseCommand):
             records = records.filter(status=status)
         if options["reason"]:
             records = records.filter(reason=choice(options["reason"], REASONS, option="--reason"))
-        for field in ("task", "owner", "tenant"):
+        for field in ("task", "owner", "tenant", "fingerprint"):
             if options[field]:
                 value = text(options[field], option=f"--{field}")
                 records = records.filter(**{"task_name" if field == "task" else field: value})
@@ -109,6 +129,20 @@ class Command(BaseCommand):
                 f"tenant={shown['tenant'] or '-'} attempts={row['attempts']}"
             )
         self.stdout.write(f"{len(rows)} record(s).")
+
+    def _causes(self, options: dict[str, Any]) -> None:
+        limit = whole_number(options["limit"], option="--limit", minimum=1, maximum=MAX_LIMIT)
+        found = causes(limit=limit)
+        for cause in found:
+            if options["json"]:
+                self.stdout.write(json.dumps({**asdict(cause), "title": cause.title}, cls=DjangoJSONEncoder))
+                continue
+            self.stdout.write(
+                f"{cause.fingerprint}  {cause.count:>8} open  {moment_text(cause.first_seen)} .. "
+                f"{moment_text(cause.last_seen)}  {escape(cause.task_name)}: {escape(cause.title)}"
+            )
+        if not options["json"]:
+            self.stdout.write(f"{len(found)} cause(s).")
 
     def _show(self, pk: int, *, as_json: bool) -> None:
         record = DeadLetter.objects.filter(pk=pk).values().first()

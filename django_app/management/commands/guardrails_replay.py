@@ -22,7 +22,8 @@ from ..arguments import AGE_HELP, choice, since, text
 
 class Command(BaseCommand):
     help = (
-        f"Replay open dead letters (all of them, or those matching --task, --reason, --since), {BATCH} at a time, "
+        f"Replay open dead letters (all of them, or those matching --task, --reason, --fingerprint, --since), {BATCH} "
+        "at a time, "
         "printing progress. Exits 1 when a record was refused (each is named on stderr with the reason). "
         "not_idempotent records are refused unless --allow-not-idempotent is given."
     )
@@ -30,6 +31,9 @@ class Command(BaseCommand):
     def add_arguments(self, parser: CommandParser) -> None:
         parser.add_argument("--task", help="Only this task name.")
         parser.add_argument("--reason", help=f"Only this reason: {', '.join(REASONS)}.")
+        parser.add_argument(
+            "--fingerprint", help="Only this cause (a fingerprint `guardrails_deadletters causes` lists)."
+        )
         parser.add_argument("--since", help=f"Only failures since an ISO date/time or {AGE_HELP}.")
         parser.add_argument("--tenant", help="Replay them as this tenant (e.g. missing_tenant records).")
         parser.add_argument(
@@ -51,6 +55,8 @@ class Command(BaseCommand):
             records = records.filter(task_name=text(options["task"], option="--task"))
         if options["reason"]:
             records = records.filter(reason=choice(options["reason"], REASONS, option="--reason"))
+        if options["fingerprint"]:
+            records = records.filter(fingerprint=text(options["fingerprint"], option="--fingerprint"))
         if options["since"]:
             records = records.filter(last_failed_at__gte=since(options["since"], option="--since"))
         tenant = options["tenant"] or None
