@@ -297,7 +297,25 @@ def load_dead_letters() -> None:
         [REPLAY_REASON, CHARGE, RECEIPT, REPLAY],
     )
     seal_charges()
+    fingerprint_by_task()
     print(f"Loaded {ROWS:,} dead letters in {time.perf_counter() - started:.0f} s.", flush=True)
+
+
+def fingerprint_by_task() -> None:
+    """Each record's fingerprint, as the worker makes it: the loaded records of a task and reason differ only in
+    the numbers of their message and traceback, so one record of each says it for all of them."""
+    from celery_guardrails.foundation.fingerprints import fingerprint
+
+    rows = scalar_rows(
+        "SELECT DISTINCT ON (task_name, reason) task_name, reason, exc_type, exc_message, traceback "
+        "FROM guardrails_deadletter ORDER BY task_name, reason"
+    )
+    for task_name, reason, exc_type, exc_message, traceback in rows:
+        cause = fingerprint(task_name=task_name, exc_type=exc_type, exc_message=exc_message, traceback=traceback)
+        execute(
+            "UPDATE guardrails_deadletter SET fingerprint = %s WHERE task_name = %s AND reason = %s",
+            [cause, task_name, reason],
+        )
 
 
 def seal_charges() -> None:
@@ -394,6 +412,14 @@ def bench_change_list(figures: list[Figure]) -> None:
             "SELECT task_id, correlation_id FROM guardrails_deadletter TABLESAMPLE SYSTEM (1) LIMIT %s", [ROUNDS]
         )
     )
+    cause = scalar("SELECT fingerprint FROM guardrails_deadletter WHERE status = 'open' LIMIT 1")
+    orders = [
+        row[0]
+        for row in scalar_rows(
+            "SELECT (args->>0)::bigint FROM guardrails_deadletter TABLESAMPLE SYSTEM (1) WHERE task_name = %s LIMIT %s",
+            [CHARGE, ROUNDS],
+        )
+    ]
     pages: list[tuple[str, dict[str, str] | Callable[[int], dict[str, str]]]] = [
         ("change list: first page", {}),
         ("change list: status=open", {"status__exact": "open"}),
@@ -402,6 +428,9 @@ def bench_change_list(figures: list[Figure]) -> None:
         ("change list: tenant=tenant-7, status=resolved", {"tenant__exact": "tenant-7", "status__exact": "resolved"}),
         ("change list: search by correlation id", lambda r: {"q": picks[r % len(picks)][1]}),
         ("change list: search by task id", lambda r: {"q": picks[r % len(picks)][0]}),
+        # #34: a cause's records, an argument (the charge's first, positional)
+        ("change list: one cause, status=open", {"fingerprint": cause, "status__exact": "open"}),
+        ("change list: search by argument order_id=N", lambda r: {"q": f"order_id={orders[r % len(orders)]}"}),
     ]
     client.get(url)  # one warm-up request (templates loaded, connection open): not timed
     for name, query in pages:
@@ -411,11 +440,20 @@ def bench_change_list(figures: list[Figure]) -> None:
             elapsed, page = timed(lambda params=params: client.get(url, params))
             if page.status_code != 200:
                 figure.note = f"status {page.status_code}"
-            elif "q" in params and params["q"].encode() not in page.content:
+            elif "q" in params and "=" not in params["q"] and params["q"].encode() not in page.content:
                 figure.note = "record not found!"
+            elif "q" in params and b'class="dl-matched"' not in page.content:
+                figure.note = "argument not found!"
             figure.seconds.append(elapsed)
         figures.append(figure)
         print(figure.line(), flush=True)
+    overview = Figure("overview: open records by cause, reason, owner, task", 1.0)
+    for _ in range(ROUNDS):
+        elapsed, page = timed(lambda: client.get(reverse("admin:guardrails_deadletter_overview")))
+        overview.seconds.append(elapsed)
+        overview.note = f"{len(page.context['overview'].by_cause)} causes" if page.status_code == 200 else "failed"
+    figures.append(overview)
+    print(overview.line(), flush=True)
 
 
 def scalar_rows(sql: str, params: Any = None) -> list[tuple[Any, ...]]:

@@ -7,8 +7,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from django.contrib import admin
+from django.contrib import admin, messages
 from django.core.exceptions import PermissionDenied
+from django.db.models import CharField, QuerySet, Value
 from django.http import HttpRequest, HttpResponse
 from django.template.response import TemplateResponse
 from django.urls import path, reverse
@@ -16,7 +17,7 @@ from django.utils.html import format_html, format_html_join
 from django.utils.http import urlencode
 from django.utils.safestring import mark_safe
 
-from .. import health
+from .. import argument_search, health
 from ..display import (
     EMPTY,
     REDACTED_MARK,
@@ -106,6 +107,10 @@ class DeadLetterAdmin(DeadLetterActions, CheckedChangeList, TenantScopedAdmin):
         ("last_failed_at", admin.DateFieldListFilter),
     )
     search_fields = ("task_id__exact", "correlation_id__exact", "idempotency_key__exact")
+    search_help_text = (
+        "A task id, correlation id or idempotency key (exact), or an argument: order_id=42, customer.id=7, #0=42 "
+        "(redacted values never match)."
+    )
     date_hierarchy = None
     paginator = CappedCountPaginator
     show_full_result_count = False  # no second COUNT(*) of the whole table on a filtered page
@@ -128,6 +133,29 @@ class DeadLetterAdmin(DeadLetterActions, CheckedChangeList, TenantScopedAdmin):
 
     def has_add_permission(self, request: HttpRequest) -> bool:
         return False  # dead letters are recorded by workers, never typed in
+
+    def get_search_results(
+        self, request: HttpRequest, queryset: QuerySet[DeadLetter], search_term: str
+    ) -> tuple[QuerySet[DeadLetter], bool]:
+        # Exact ids through their indexes (Django's search), or, for ``path=value``, an argument search
+        # (:mod:`..argument_search`); an id may hold "=" too (a key "charge:order=42"): both are asked then.
+        by_id, duplicates = super().get_search_results(request, queryset, search_term)
+        try:
+            term = argument_search.parse(search_term)
+        except argument_search.Unsearchable as why:
+            messages.warning(request, str(why))
+            return by_id, duplicates
+        if term is None:
+            return by_id, duplicates
+        found = argument_search.search(queryset, term)
+        if found.bounded:
+            messages.info(
+                request,
+                f"Arguments searched in the newest {argument_search.SCAN_LIMIT:,} records (no index for them on "
+                "this database; PostgreSQL searches every record).",
+            )
+        matched = found.records.annotate(matched_argument=Value(term.text, output_field=CharField()))
+        return matched | by_id.annotate(matched_argument=Value("", output_field=CharField())), duplicates
 
     def has_change_permission(self, request: HttpRequest, obj: DeadLetter | None = None) -> bool:
         return False  # every field is read only: no Save button; the actions check their own permissions
@@ -187,6 +215,10 @@ class DeadLetterAdmin(DeadLetterActions, CheckedChangeList, TenantScopedAdmin):
         error = short_html(error_line(obj.exc_type, obj.exc_message), 80, "dl-error")
         names = _parameters(obj.task_name)
         shown = arguments_line(obj.args, obj.kwargs, names=names, as_repr=obj.arguments_are_repr)
+        matched = getattr(obj, "matched_argument", "")  # an argument search's term: what this row matched
+        if matched:
+            found = format_html('<mark class="dl-matched">{}</mark> ', escape(matched[:60]))
+            return format_html("{}<br> {}{}", error, found, short_html(shown, 70, "dl-arguments"))
         return format_html("{}<br> {}", error, short_html(shown, 70, "dl-arguments"))
 
     @admin.display(description="last failure", ordering="last_failed_at")

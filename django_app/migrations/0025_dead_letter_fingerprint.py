@@ -8,6 +8,23 @@ from django.db import migrations, models
 AddIndexConcurrently = import_module(".0011_dead_letter_indexes_for_scale", __package__).AddIndexConcurrently
 
 
+def keep_a_database_default(apps, schema_editor):
+    """Workers of the release before write dead letters without the column while this one rolls out: on
+    PostgreSQL the column keeps '' as its default in the database (Django drops the one it adds the column with;
+    its ``db_default`` is Django 5.0+). Metadata only, no rewrite."""
+    if schema_editor.connection.vendor != "postgresql":
+        return
+    table = schema_editor.quote_name(apps.get_model("guardrails", "DeadLetter")._meta.db_table)
+    schema_editor.execute(f"ALTER TABLE {table} ALTER COLUMN {schema_editor.quote_name('fingerprint')} SET DEFAULT ''")
+
+
+def drop_the_database_default(apps, schema_editor):
+    if schema_editor.connection.vendor != "postgresql":
+        return
+    table = schema_editor.quote_name(apps.get_model("guardrails", "DeadLetter")._meta.db_table)
+    schema_editor.execute(f"ALTER TABLE {table} ALTER COLUMN {schema_editor.quote_name('fingerprint')} DROP DEFAULT")
+
+
 class Migration(migrations.Migration):
     # CONCURRENTLY cannot run inside a transaction: each operation commits on its own.
     atomic = False
@@ -24,6 +41,7 @@ class Migration(migrations.Migration):
             name='fingerprint',
             field=models.CharField(blank=True, help_text="The failure's cause: the same for every record of this task, exception type, message (numbers, ids and quoted values aside) and frame of the task's own code. Empty for a record made before fingerprints until `guardrails_deadletters fingerprint` fills it in.", max_length=16, verbose_name='fingerprint'),
         ),
+        migrations.RunPython(keep_a_database_default, drop_the_database_default, elidable=False),
         AddIndexConcurrently(
             model_name='deadletter',
             index=models.Index(fields=['fingerprint', 'status', '-last_failed_at'], name='guardrails_dl_fingerprint'),

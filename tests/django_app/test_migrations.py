@@ -62,3 +62,50 @@ def test_the_dead_letter_indexes_for_scale_apply_and_reverse() -> None:
         call_command("migrate", "guardrails", verbosity=0)
     assert {name: dead_letter_indexes().get(name) for name in NEW_INDEXES} == NEW_INDEXES
     assert DeadLetter.objects.filter(owner="payments", status="open").count() == 0
+
+
+@pytest.mark.django_db(transaction=True)
+def test_the_fingerprint_and_argument_indexes_apply_reverse_and_let_older_workers_record() -> None:
+    from django.core.management import call_command
+    from django.db import connection
+
+    from django_celery_guardrails.models import DeadLetter
+
+    postgres = connection.vendor == "postgresql"
+    gin = {"guardrails_dl_args_gin": ["args"], "guardrails_dl_kwargs_gin": ["kwargs"]} if postgres else {}
+    added = {"guardrails_dl_fingerprint": ["fingerprint", "status", "last_failed_at"], **gin}
+    # Given the app at its latest migration: the cause's index, and on PostgreSQL the arguments' GIN indexes
+    assert {name: dead_letter_indexes().get(name) for name in added} == added
+    try:
+        # When it goes back to before fingerprints
+        call_command("migrate", "guardrails", "0024", verbosity=0)
+        # Then they are gone
+        assert not set(added) & set(dead_letter_indexes())
+    finally:
+        call_command("migrate", "guardrails", verbosity=0)
+    assert {name: dead_letter_indexes().get(name) for name in added} == added
+    if not postgres:
+        return
+    # And a worker of the release before, whose INSERT names no fingerprint, still records its dead letter
+    columns = [f.column for f in DeadLetter._meta.concrete_fields if f.column not in ("id", "fingerprint")]
+    values = {
+        "task_name": "t.older",
+        "task_id": "older-release",
+        "args": "[]",
+        "kwargs": "{}",
+        "header": "{}",
+        "history": "[]",
+        "arguments_are_repr": False,
+        "attempts": 1,
+        "status": "open",
+        "handled_at": None,
+    }
+    row = [values.get(column, "") for column in columns]
+    times = {"first_failed_at", "last_failed_at", "created_at"}
+    marks = ", ".join("now()" if column in times else "%s" for column in columns)
+    with connection.cursor() as cursor:
+        cursor.execute(
+            f"INSERT INTO guardrails_deadletter ({', '.join(columns)}) VALUES ({marks})",
+            [value for column, value in zip(columns, row, strict=True) if column not in times],
+        )
+    assert DeadLetter.objects.get(task_id="older-release").fingerprint == ""
