@@ -63,9 +63,13 @@ class ArgumentTerm:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Search:
-    records: QuerySet[DeadLetter]
+    #: What the records found match (a condition, so that a caller can also mark the rows it found).
+    condition: Q
     #: Whether only the newest SCAN_LIMIT records were looked at (no index on this database).
     bounded: bool
+
+    def of(self, records: QuerySet[DeadLetter]) -> QuerySet[DeadLetter]:
+        return records.filter(self.condition)
 
 
 def _step(part: str) -> str | int:
@@ -127,42 +131,48 @@ def _positions(name: str) -> dict[str, int]:
 
 
 def _exact(column: str, steps: tuple[str | int, ...], value: Any) -> Q:
-    """The stored value at ``steps`` of ``column`` is ``value`` (a key transform: exact, at its position)."""
-    return Q(**{"__".join([column, *map(str, steps)]): value})
+    """The stored value at ``steps`` of ``column`` is ``value`` (a key transform: exact, at its position). The
+    lookup is named: an argument called ``contains`` or ``in`` is a key then, not Django's lookup of that name."""
+    return Q(**{"__".join([column, *map(str, steps), "exact"]): value})
 
 
 def _matches(term: ArgumentTerm, indexed: bool) -> Q:
-    by_position: list[tuple[Q, int]] = []
+    # Positions the head may be at, each with the tasks that take it there (None: any task, asked by position).
+    positions: dict[int, list[str] | None] = {}
     if isinstance(term.head, int):
-        by_position.append((Q(), term.head))
+        positions[term.head] = None
     else:
-        by_position += [(Q(task_name=task_name), index) for task_name, index in _positions(term.head).items()]
+        for task_name, index in _positions(term.head).items():
+            positions.setdefault(index, []).append(task_name)  # type: ignore[union-attr]
     conditions = []
     for value in term.values:
         if isinstance(term.head, str):
             steps = (term.head, *term.rest)
             # Containment: what the GIN index answers (PostgreSQL); a key transform elsewhere.
             conditions.append(Q(kwargs__contains=_nested(steps, value)) if indexed else _exact("kwargs", steps, value))
-        for tasks, index in by_position:
-            steps = (index, *term.rest)
-            exact = _exact("args", steps, value)
-            # The index finds the records holding the value anywhere in their arguments; the key transform keeps
-            # those holding it at this position.
-            conditions.append(tasks & (Q(args__contains=_nested(steps, value)) & exact if indexed else exact))
+        placed = [
+            (Q() if tasks is None else Q(task_name__in=tasks)) & _exact("args", (index, *term.rest), value)
+            for index, tasks in positions.items()
+        ]
+        if placed:
+            exact = reduce(or_, placed)
+            # The index finds the records holding the value at any position; the key transforms keep those holding
+            # it where their task takes it.
+            conditions.append(Q(args__contains=[_nested(term.rest, value)]) & exact if indexed else exact)
     return reduce(or_, conditions, Q(pk__in=[]))
 
 
-def search(records: QuerySet[DeadLetter], term: ArgumentTerm) -> Search:
-    """The records of ``records`` whose stored arguments hold ``term``."""
+def search(term: ArgumentTerm) -> Search:
+    """What a record whose stored arguments hold ``term`` matches."""
     indexed = connection.vendor == "postgresql"
-    found = records.filter(_matches(term, indexed), arguments_are_repr=False)
+    condition = _matches(term, indexed) & Q(arguments_are_repr=False)
     if indexed:
-        return Search(records=found, bounded=False)
+        return Search(condition=condition, bounded=False)
     newest = DeadLetter.objects.order_by("-pk").values_list("pk", flat=True)[SCAN_LIMIT : SCAN_LIMIT + 1]
     floor = next(iter(newest), None)
     if floor is None:
-        return Search(records=found, bounded=False)
-    return Search(records=found.filter(pk__gt=floor), bounded=True)
+        return Search(condition=condition, bounded=False)
+    return Search(condition=condition & Q(pk__gt=floor), bounded=True)
 
 
 __all__ = ["SCAN_LIMIT", "ArgumentTerm", "Search", "Unsearchable", "parse", "search"]

@@ -9,7 +9,7 @@ from typing import Any
 
 from django.contrib import admin, messages
 from django.core.exceptions import PermissionDenied
-from django.db.models import CharField, QuerySet, Value
+from django.db.models import Case, CharField, QuerySet, Value, When
 from django.http import HttpRequest, HttpResponse
 from django.template.response import TemplateResponse
 from django.urls import path, reverse
@@ -147,15 +147,17 @@ class DeadLetterAdmin(DeadLetterActions, CheckedChangeList, TenantScopedAdmin):
             return by_id, duplicates
         if term is None:
             return by_id, duplicates
-        found = argument_search.search(queryset, term)
+        found = argument_search.search(term)
         if found.bounded:
             messages.info(
                 request,
                 f"Arguments searched in the newest {argument_search.SCAN_LIMIT:,} records (no index for them on "
                 "this database; PostgreSQL searches every record).",
             )
-        matched = found.records.annotate(matched_argument=Value(term.text, output_field=CharField()))
-        return matched | by_id.annotate(matched_argument=Value("", output_field=CharField())), duplicates
+        # The rows the argument matched say so (a row found by its id only does not)
+        marked = Case(When(found.condition, then=Value(term.text)), default=Value(""), output_field=CharField())
+        either = queryset.filter(found.condition) | by_id
+        return either.annotate(matched_argument=marked), duplicates
 
     def has_change_permission(self, request: HttpRequest, obj: DeadLetter | None = None) -> bool:
         return False  # every field is read only: no Save button; the actions check their own permissions

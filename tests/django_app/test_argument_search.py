@@ -35,7 +35,7 @@ def records(celery_worker: Any) -> dict[str, DeadLetter]:
     order = uuid.uuid4().int % 10**8
     published = {f"declined {n}": django_tasks.decline.delay(order + n) for n in range(3)}
     published["card"] = django_tasks.fail_with.delay(
-        "permanent", card_number=CARD, order={"id": order, "ref": f"A-{order}"}
+        "permanent", card_number=CARD, order={"id": order, "ref": f"A-{order}"}, contains=order
     )
     ids = {name: result.id for name, result in published.items()}
     wait_for("the dead letters", lambda: DeadLetter.objects.filter(task_id__in=ids.values()).count() == len(ids))
@@ -81,6 +81,8 @@ def test_keyword_and_nested_arguments_are_found_by_their_path(records: dict[str,
     assert searched(client, f"order.ref=A-{order}")[0] == {card.pk}
     assert searched(client, "#0=permanent")[0] >= {card.pk}
     assert searched(client, f"order.id={order + 1}")[0] == set()
+    # And an argument named as one of Django's lookups is an argument all the same
+    assert searched(client, f"contains={order}")[0] == {card.pk}
     # And an id is still searched as one
     assert searched(client, records["declined 0"].task_id)[0] == {records["declined 0"].pk}
 
@@ -103,7 +105,7 @@ def test_postgresql_answers_from_the_gin_indexes(records: dict[str, Any]) -> Non
     for term in (f"order_id={order}", f"order.id={order}"):
         parsed = argument_search.parse(term)
         assert parsed is not None
-        query = argument_search.search(DeadLetter.objects.all(), parsed).records
+        query = argument_search.search(parsed).of(DeadLetter.objects.order_by())  # the condition, not the paging
         sql, params = query.query.sql_with_params()
         with connection.cursor() as cursor:
             # A handful of rows: the planner would scan the table; asked not to, it shows what serves the query
@@ -127,6 +129,6 @@ def test_without_an_index_the_scan_is_bounded_to_the_newest_records(
     newest = DeadLetter.objects.order_by("-pk")[:2]
     term = argument_search.parse(f"order_id={order}")
     assert term is not None
-    found = argument_search.search(DeadLetter.objects.all(), term)
+    found = argument_search.search(term)
     assert found.bounded
-    assert set(found.records.values_list("pk", flat=True)) <= {r.pk for r in newest}
+    assert set(found.of(DeadLetter.objects.all()).values_list("pk", flat=True)) <= {r.pk for r in newest}
