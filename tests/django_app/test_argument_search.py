@@ -8,7 +8,6 @@ import uuid
 from typing import Any
 
 import pytest
-from django.contrib.auth.models import Permission, User
 from django.db import connection
 from django.test import Client
 from django.urls import reverse
@@ -16,6 +15,7 @@ from django.urls import reverse
 from django_celery_guardrails import argument_search
 from django_celery_guardrails.models import DeadLetter
 from tests.proj import django_tasks
+from tests.support.admin_users import logged_in
 from tests.support.waiting import wait_for
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -52,13 +52,7 @@ def searched(client: Client, term: str) -> tuple[set[int], Any]:
 
 @pytest.fixture
 def client() -> Client:
-    user = User.objects.create_user(f"u{uuid.uuid4().hex[:8]}", password="pw", is_staff=True)
-    user.user_permissions.add(
-        *Permission.objects.filter(content_type__app_label="guardrails", codename="view_deadletter")
-    )
-    client = Client()
-    client.force_login(User.objects.get(pk=user.pk))
-    return client
+    return logged_in()
 
 
 def test_a_positional_argument_is_found_by_its_parameter_name_and_shown_matched(

@@ -10,9 +10,7 @@ from io import StringIO
 from typing import Any
 
 import pytest
-from django.contrib.auth.models import Permission, User
 from django.core.management import call_command
-from django.test import Client
 from django.urls import reverse
 from django.utils import html
 
@@ -20,6 +18,7 @@ from celery_guardrails.foundation.fingerprints import fingerprint
 from django_celery_guardrails.maintenance import fill_fingerprints
 from django_celery_guardrails.models import DeadLetter
 from tests.proj import django_tasks
+from tests.support.admin_users import logged_in
 from tests.support.waiting import wait_for
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -47,16 +46,6 @@ def outage(celery_worker: Any) -> dict[str, list[DeadLetter]]:
     return {cause: list(DeadLetter.objects.filter(task_id__in=found)) for cause, found in ids.items()}
 
 
-def staff_client() -> Client:
-    user = User.objects.create_user(f"u{uuid.uuid4().hex[:8]}", password="pw", is_staff=True)
-    user.user_permissions.add(
-        *Permission.objects.filter(content_type__app_label="guardrails", codename__in=["view_deadletter"])
-    )
-    client = Client()
-    client.force_login(User.objects.get(pk=user.pk))
-    return client
-
-
 def recomputed(record: DeadLetter) -> str:
     return fingerprint(
         task_name=record.task_name,
@@ -81,7 +70,7 @@ def test_the_records_of_one_cause_share_a_fingerprint_and_another_cause_has_its_
 
 def test_the_overview_lists_causes_and_links_each_to_its_records(outage: dict[str, list[DeadLetter]]) -> None:
     declined, (expired,) = outage["declined"], outage["expired"]
-    client = staff_client()
+    client = logged_in()
     # When the overview is opened
     page = client.get(reverse("admin:guardrails_deadletter_overview"))
     assert page.status_code == 200
@@ -137,7 +126,7 @@ def test_records_made_before_fingerprints_are_filled_in_as_the_worker_would(
     made = {r.pk: r.fingerprint for r in records}
     # Given the records as a release before fingerprints left them
     DeadLetter.objects.filter(pk__in=made).update(fingerprint="")
-    page = staff_client().get(reverse("admin:guardrails_deadletter_overview"))
+    page = logged_in().get(reverse("admin:guardrails_deadletter_overview"))
     assert page.context["overview"].unsorted_count >= 4 and b"unsorted-count" in page.content
     # When they are filled in, two records a batch
     filled = fill_fingerprints(batch=2)
