@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 import redis
 
+from celery_guardrails.foundation.fingerprints import fingerprint
 from celery_guardrails.stores.redis import RedisStore
 from tests.conftest import Sink, unacked
 from tests.proj import tasks
@@ -147,7 +148,11 @@ def test_the_redis_dead_letter_sink_cut_the_failure_is_recorded_once_when_it_is_
         # And once the sink is back, it is recorded, once; the body did not run again
         wait_for("the dead letter", lambda: has_dead_letter(celery_app, result.id))
         assert len(sink.items()) == 1
-    assert dead_letter_of(celery_app, result.id)["reason"] == "permanent"
+    record = dead_letter_of(celery_app, result.id)
+    assert record["reason"] == "permanent"
+    # And the Redis sink's record has its cause, the fingerprint of what it keeps, as the Django sink's does
+    parts = {name: record[name] for name in ("task_name", "exc_type", "exc_message", "traceback")}
+    assert record["fingerprint"] == fingerprint(**parts)
 
 
 def test_the_sink_cut_a_message_refused_before_the_pool_is_given_back_and_recorded_once_when_it_is_back(
