@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from celery import shared_task
 
-from celery_guardrails import GuardedTask
+from celery_guardrails import GuardedTask, PermanentError
 from celery_guardrails.jobs import COMPLETION_TASK
 
+from .bulk import TASK as BULK_TASK
+from .bulk import Matching, run
 from .maintenance import prune
 
 
@@ -42,3 +46,41 @@ job_completion = shared_task(
     idempotent=True,
     idempotency_key="job-completion:{job_id}",
 )(job_completion)
+
+
+def bulk_dead_letters(
+    self: GuardedTask,
+    action: str,
+    matching: dict[str, Any],
+    user_id: int | None = None,
+    allow_not_idempotent: bool = False,
+) -> dict[str, Any]:
+    """Replay, discard or resolve every open dead letter ``matching`` takes, as a job with its progress; stops
+    between batches when the job's cancel is asked (see :mod:`django_celery_guardrails.bulk`). Submitted by
+    :func:`django_celery_guardrails.bulk.start`."""
+    from django.contrib.auth import get_user_model
+
+    user = get_user_model().objects.filter(pk=user_id).first() if user_id is not None else None
+    if user_id is not None and user is None:
+        raise PermanentError(f"user {user_id} is gone: a bulk action runs with its asker's permissions only")
+    result = run(
+        action,
+        Matching.from_dict(matching),
+        user=user,
+        allow_not_idempotent=allow_not_idempotent,
+        progress=self.job.progress,
+        stop=self.job.cancel_requested,
+    )
+    return result.to_dict()
+
+
+bulk_dead_letters = shared_task(
+    base=GuardedTask,
+    bind=True,
+    name=BULK_TASK,
+    # Every step is conditional (a record moves from open once, a replay claims it first): run again after a
+    # crash, it acts on what is still open.
+    idempotent=True,
+    # What an operator asked for is never refused for the ids and texts a filter holds.
+    allow_sensitive_payload="a bulk action's filter: ids and texts an operator typed, no secrets",
+)(bulk_dead_letters)

@@ -442,6 +442,19 @@ class RunningJob:
         self.id = job_id
         self._last_write: float | None = None
 
+    def cancel_requested(self) -> bool:
+        """Whether a cancel was asked while the job runs (it runs to its end: a body of many steps asks between
+        them and stops early). False without a job or a job book; a book that cannot answer is logged: False."""
+        book = registered_book()
+        if self.id is None or book is None:
+            return False
+        try:
+            job = book.describe(self.id)
+        except Exception as exc:
+            logger.warning("Task %s: job %s's cancel not read (%r)", self.task.name, self.id, exc)
+            return False
+        return job is not None and (job.cancel_requested_at is not None or job.state == CANCELLED)
+
     def progress(self, done: int, total: int | None = None) -> None:
         """Report that ``done`` of ``total`` items are done: written at most once every
         ``job_progress_interval`` seconds, and at once when ``done`` reaches ``total``. Never raises."""

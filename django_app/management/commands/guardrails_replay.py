@@ -14,6 +14,7 @@ from celery_guardrails.exceptions import ContextError
 from celery_guardrails.foundation.context import validate_tenant
 from celery_guardrails.runtime.outcomes import REASONS
 
+from ...bulk import Matching, start
 from ...display import escape
 from ...models import DeadLetter
 from ...replay import BATCH, refusals, replay_dead_letters
@@ -48,6 +49,14 @@ class Command(BaseCommand):
         parser.add_argument(
             "--dry-run", action="store_true", help="Say what would be replayed or refused; publish nothing."
         )
+        parser.add_argument(
+            "--background",
+            action="store_true",
+            help=(
+                "Replay them as a job on the workers (django_celery_guardrails.bulk_dead_letters), batch by batch "
+                "with its progress, stopped between batches by a cancel; prints the job's id and returns."
+            ),
+        )
 
     def handle(self, *args: Any, dry_run: bool, allow_not_idempotent: bool, **options: Any) -> None:
         records = DeadLetter.objects.open()
@@ -65,11 +74,29 @@ class Command(BaseCommand):
                 validate_tenant(tenant)
             except ContextError as exc:
                 raise CommandError(f"--tenant: {exc}") from None
+        if options["background"]:
+            self._background(options, tenant=tenant, dry_run=dry_run, allow_not_idempotent=allow_not_idempotent)
+            return
         ids = list(records.order_by("pk").values_list("pk", flat=True))
         run = self._dry_run if dry_run else self._replay
         refused = run(ids, tenant, allow_not_idempotent)
         if refused:
             raise CommandError(f"{refused} dead letter(s) {'would be ' if dry_run else ''}refused (reasons above)")
+
+    def _background(
+        self, options: dict[str, Any], *, tenant: str | None, dry_run: bool, allow_not_idempotent: bool
+    ) -> None:
+        if tenant is not None or dry_run:
+            raise CommandError("--background takes neither --tenant nor --dry-run (run those in the foreground)")
+        filters = {"task_name": options["task"], "reason": options["reason"], "fingerprint": options["fingerprint"]}
+        if options["since"]:
+            filters["failed_since"] = since(options["since"], option="--since").isoformat()
+        matching = Matching.now(**{name: value for name, value in filters.items() if value})
+        job = start("replay", matching, user=None, allow_not_idempotent=allow_not_idempotent)
+        self.stdout.write(
+            f"Started job {job.pk}: replay of the open dead letters matching {matching.described()}; follow it with "
+            f"`celery -A <app> guardrails job {job.pk}` or on the admin's Jobs page."
+        )
 
     def _dry_run(self, ids: list[int], tenant: str | None, allow_not_idempotent: bool) -> int:
         refused = 0

@@ -1,0 +1,140 @@
+"""Bulk actions on every open dead letter a filter matches (django_celery_guardrails.bulk), on dead letters a
+real worker made: batch by batch with progress and one LogEntry each, stopped between batches by the job's
+cancel, the replay's own refusals and permissions, and end to end as a job on the worker."""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+import pytest
+from django.contrib.admin.models import LogEntry
+from django.contrib.auth.models import Permission, User
+from django.core.exceptions import PermissionDenied
+
+from celery_guardrails.guardrails.jobs import RunningJob
+from django_celery_guardrails.bulk import Matching, run, start
+from django_celery_guardrails.models import DeadLetter, Job
+from django_celery_guardrails.tasks import bulk_dead_letters
+from tests.proj import django_tasks
+from tests.support.waiting import wait_for
+
+pytestmark = pytest.mark.django_db(transaction=True)
+TIMEOUT = 30
+
+
+@pytest.fixture
+def celery_app(celery_app: Any) -> Any:
+    celery_app.conf.guardrails = {**celery_app.conf.guardrails, "dead_letter_sinks": ["django"], "job_outbox": False}
+    return celery_app
+
+
+def operator(*codenames: str) -> User:
+    user = User.objects.create_user(f"u{uuid.uuid4().hex[:8]}", password="pw", is_staff=True)
+    wanted = ["view_deadletter", *codenames]
+    user.user_permissions.add(*Permission.objects.filter(content_type__app_label="guardrails", codename__in=wanted))
+    return User.objects.get(pk=user.pk)
+
+
+@pytest.fixture
+def outage(celery_worker: Any) -> dict[str, Any]:
+    """Seven orders declined (one cause), and one card expired (another), as a real worker records them."""
+    base = uuid.uuid4().int % 10**6
+    results = [django_tasks.decline.delay(base + n) for n in range(7)] + [django_tasks.decline.delay(base, "x")]
+    ids = [r.id for r in results]
+    wait_for("the dead letters", lambda: DeadLetter.objects.filter(task_id__in=ids).count() == len(ids))
+    records = [DeadLetter.objects.get(task_id=task_id) for task_id in ids]
+    return {"declined": records[:7], "expired": records[7], "cause": records[0].fingerprint}
+
+
+def test_a_replay_of_one_cause_goes_batch_by_batch_with_progress_and_a_log_entry_each(outage: dict[str, Any]) -> None:
+    user = operator("replay_deadletter")
+    matching = Matching.now(fingerprint=outage["cause"])
+    reported: list[tuple[int, int]] = []
+    # When every record of the cause is replayed, three at a time
+    result = run("replay", matching, user=user, batch=3, progress=lambda done, total: reported.append((done, total)))
+    # Then all seven are replayed once each, in three batches, and the other cause is left open
+    assert (result.done, result.batches, dict(result.refused), result.stopped) == (7, 3, {}, False)
+    assert reported == [(3, 7), (6, 7), (7, 7)]
+    declined = DeadLetter.objects.filter(pk__in=[r.pk for r in outage["declined"]])
+    assert set(declined.values_list("status", flat=True)) == {"replayed"}
+    assert len(set(declined.values_list("replayed_task_id", flat=True))) == 7
+    assert DeadLetter.objects.get(pk=outage["expired"].pk).status == "open"
+    # And each batch wrote one LogEntry naming the action, the filter and the counts
+    entries = list(LogEntry.objects.filter(user=user).order_by("pk").values_list("change_message", flat=True))
+    filtered = f"matching fingerprint={outage['cause']}, up to #{matching.up_to}"
+    assert entries == [f"Bulk replay: {n} of {n} {filtered}" for n in (3, 3, 1)]
+
+
+def test_a_cancel_stops_it_between_batches_and_records_recorded_later_are_not_taken(outage: dict[str, Any]) -> None:
+    user = operator("resolve_deadletter")
+    declined = outage["declined"]
+    # Given a filter asked before a later record of the same cause came
+    matching = Matching.now(fingerprint=outage["cause"])
+    later = django_tasks.decline.delay(uuid.uuid4().int % 10**6)
+    wait_for("the later record", lambda: DeadLetter.objects.filter(task_id=later.id).exists())
+    # When its cancel is asked as the first batch of three ends
+    result = run("resolve", matching, user=user, batch=3, stop=lambda: True)
+    # Then that batch only was resolved, and the rest stays open
+    assert (result.done, result.batches, result.stopped) == (3, 1, True)
+    statuses = [DeadLetter.objects.get(pk=r.pk).status for r in declined]
+    assert statuses == ["resolved"] * 3 + ["open"] * 4
+    # And run to its end, it takes the rest but not the record that came later
+    assert run("resolve", matching, user=user).done == 4
+    assert DeadLetter.objects.get(task_id=later.id).status == "open"
+
+
+def test_the_replays_own_refusals_and_permissions_hold(outage: dict[str, Any]) -> None:
+    matching = Matching.now(fingerprint=outage["cause"])
+    # A user without the permission is refused before anything is submitted or done
+    with pytest.raises(PermissionDenied):
+        start("replay", matching, user=operator("resolve_deadletter"))
+    with pytest.raises(PermissionDenied):
+        run("discard", matching, user=operator("replay_deadletter"))
+    assert set(DeadLetter.objects.filter(fingerprint=outage["cause"]).values_list("status", flat=True)) == {"open"}
+    # A not_idempotent record is refused by the replay's own rule, counted by its reason
+    first = outage["declined"][0]
+    DeadLetter.objects.filter(pk=first.pk).update(reason="not_idempotent")
+    result = run("replay", matching, user=operator("replay_deadletter"))
+    assert result.done == 6
+    ((why, count),) = result.refused.items()
+    assert count == 1 and why.startswith("not_idempotent")
+    assert DeadLetter.objects.get(pk=first.pk).status == "open"
+
+
+def test_as_a_job_on_the_worker_it_reports_progress_and_reads_its_cancel(
+    celery_app: Any, outage: dict[str, Any]
+) -> None:
+    # (the worker registers the guardrails' tasks as autodiscover_tasks() finds them in a project)
+    assert bulk_dead_letters.name in celery_app.tasks
+    user = operator("discard_deadletter")
+    # When the discard of the cause is started as a job
+    job = start("discard", Matching.now(fingerprint=outage["cause"]), user=user)
+    # Then the worker runs it to succeeded, with its progress, and every record of the cause is discarded
+    wait_for("the job succeeded", lambda: Job.objects.get(pk=job.pk).state == "succeeded", timeout=TIMEOUT)
+    job.refresh_from_db()
+    assert (job.progress_done, job.progress_total) == (7, 7)
+    assert set(DeadLetter.objects.filter(fingerprint=outage["cause"]).values_list("status", flat=True)) == {"discarded"}
+    assert LogEntry.objects.filter(user=user, change_message__startswith="Bulk discard: 7 of 7").count() == 1
+    # And a running job's body reads a cancel asked meanwhile from the job's record
+    running = RunningJob(task=django_tasks.decline, job_id=str(job.pk))
+    assert running.cancel_requested() is False
+    Job.objects.filter(pk=job.pk).update(cancel_requested_at=job.finished_at)
+    assert running.cancel_requested() is True
+
+
+def test_the_replay_command_runs_it_in_the_background(celery_app: Any, outage: dict[str, Any]) -> None:
+    from io import StringIO
+
+    from django.core.management import call_command
+
+    assert bulk_dead_letters.name in celery_app.tasks
+    out = StringIO()
+    # When the command is asked to replay one cause in the background
+    call_command("guardrails_replay", "--fingerprint", outage["cause"], "--since", "1h", "--background", stdout=out)
+    # Then it says which job does it, and the job replays the cause's seven records
+    job_id = out.getvalue().split()[2].rstrip(":")
+    wait_for("the job succeeded", lambda: Job.objects.get(pk=job_id).state == "succeeded", timeout=TIMEOUT)
+    declined = DeadLetter.objects.filter(pk__in=[r.pk for r in outage["declined"]])
+    assert set(declined.values_list("status", flat=True)) == {"replayed"}
+    assert DeadLetter.objects.get(pk=outage["expired"].pk).status == "open"
