@@ -535,6 +535,12 @@ def bench_replay(figures: list[Figure]) -> None:
             scalar("SELECT count(*) FROM guardrails_deadletter WHERE id = ANY(%s) AND status = 'replayed'", [ids])
         )
 
+    def bulk() -> int:
+        # The job's body (django_celery_guardrails.bulk.run): batches of 500, a LogEntry each
+        from django_celery_guardrails.bulk import Matching, run
+
+        return run("replay", Matching.now(reason=REPLAY_REASON), user=user).done
+
     def plain() -> int:
         # The floor: the same number of messages published with plain Celery on one producer (no records, no
         # guardrails). With a Redis result backend Celery subscribes to each task's result channel as it
@@ -550,7 +556,19 @@ def bench_replay(figures: list[Figure]) -> None:
         (Figure(f"replay {len(ids):,}: replay_dead_letters()", 10.0), function),
         (Figure(f"replay {len(ids):,}: manage.py guardrails_replay", 10.0), command),
         (Figure(f"replay {len(ids):,}: admin action (select all, filtered)", 10.0), action),
+        (Figure(f"replay {len(ids):,}: bulk job's body (all matching)", 10.0), bulk),
     ]
+    # #34: the "all matching" page's count and dry run (the replay's check of the first 2,000), at most 1 s
+    bulk_page = Figure(f"replay all matching page: count {len(ids):,}, dry run of 2,000", 1.0)
+    reopen_replay_set(ids)
+    url = reverse("admin:guardrails_deadletter_bulk", args=["replay"])
+    for _ in range(rounds):
+        elapsed, page = timed(lambda: client.get(url, {"reason__exact": REPLAY_REASON}))
+        bulk_page.seconds.append(elapsed)
+        shown = f"{len(ids)} open dead letters match".encode() in page.content
+        bulk_page.note = "count shown" if page.status_code == 200 and shown else f"status {page.status_code}"
+    figures.append(bulk_page)
+    print(bulk_page.line(), flush=True)
     # Round by round, each way once (in turn, so that none is always measured on the most worn table), each
     # from the same start: the records open again and the table vacuumed.
     for _ in range(rounds):

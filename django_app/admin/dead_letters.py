@@ -37,6 +37,7 @@ from ..replay import Outlook, outlooks
 from ..scoping import TenantScopedAdmin, linked
 from .common import short_html, tenant_html
 from .dead_letter_actions import DeadLetterActions
+from .dead_letter_bulk import DeadLetterBulk
 
 
 def _parameters(task_name: str) -> list[str]:
@@ -85,7 +86,7 @@ class CauseFilter(admin.SimpleListFilter):
 
 
 @admin.register(DeadLetter)
-class DeadLetterAdmin(DeadLetterActions, CheckedChangeList, TenantScopedAdmin):
+class DeadLetterAdmin(DeadLetterBulk, DeadLetterActions, CheckedChangeList, TenantScopedAdmin):
     # Rows a person can tell apart: the record's id (and its task id's first characters) over its task, the
     # error over the arguments. Five columns, as many as fit beside the admin's navigation and the filters on a
     # 1,366 px screen (with seven, the browser squeezed the task to a letter a line). Long values are shortened,

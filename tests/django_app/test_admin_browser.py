@@ -364,6 +364,7 @@ def test_the_admin_pages_fit_a_1366_pixel_screen(wide_records: DeadLetter, live_
         "dead letters": "/admin/guardrails/deadletter/",
         "dead letter": f"/admin/guardrails/deadletter/{wide_records.pk}/change/",
         "overview": "/admin/guardrails/deadletter/overview/",
+        "all matching": f"/admin/guardrails/deadletter/bulk/replay/?fingerprint={wide_records.fingerprint}",
         "edit and replay": f"/admin/guardrails/deadletter/{wide_records.pk}/edit-and-replay/",
         "run ledger": "/admin/guardrails/scheduledrun/",
         "schedule health": "/admin/guardrails/scheduledrun/health/",

@@ -138,3 +138,41 @@ def test_the_replay_command_runs_it_in_the_background(celery_app: Any, outage: d
     declined = DeadLetter.objects.filter(pk__in=[r.pk for r in outage["declined"]])
     assert set(declined.values_list("status", flat=True)) == {"replayed"}
     assert DeadLetter.objects.get(pk=outage["expired"].pk).status == "open"
+
+
+def test_the_change_list_offers_all_matching_counts_them_first_and_starts_the_job(
+    celery_app: Any, outage: dict[str, Any]
+) -> None:
+    from django.test import Client
+    from django.urls import reverse
+
+    assert bulk_dead_letters.name in celery_app.tasks
+    user = operator("replay_deadletter")
+    client = Client()
+    client.force_login(user)
+    first = outage["declined"][0]
+    DeadLetter.objects.filter(pk=first.pk).update(reason="not_idempotent")
+    cause = {"fingerprint": outage["cause"]}
+    # Given the change list filtered to one cause: it offers to replay all matching (not to discard: no permission)
+    listing = client.get(reverse("admin:guardrails_deadletter_changelist"), cause)
+    link = f"{reverse('admin:guardrails_deadletter_bulk', args=['replay'])}?fingerprint={outage['cause']}"
+    assert link.encode() in listing.content and b'id="bulk-discard"' not in listing.content
+    # When it is followed: the count first, what the replay would refuse, and the not_idempotent tick
+    page = client.get(link)
+    assert page.status_code == 200
+    assert b"7 open dead letters match" in page.content
+    assert b"The replay refuses none of the first 7." in page.content
+    assert b'id="allow-not-idempotent"' in page.content
+    # And once confirmed (without the tick), a job replays them and its page is opened
+    answer = client.post(link, {"post": "yes", "up_to": page.context["up_to"]})
+    assert answer.status_code == 302
+    job = Job.objects.get(task_name="django_celery_guardrails.bulk_dead_letters", pk=answer["Location"].split("/")[-3])
+    wait_for("the job succeeded", lambda: Job.objects.get(pk=job.pk).state == "succeeded", timeout=TIMEOUT)
+    statuses = {r.pk: DeadLetter.objects.get(pk=r.pk).status for r in outage["declined"]}
+    assert statuses == {r.pk: "open" if r.pk == first.pk else "replayed" for r in outage["declined"]}
+    entry = LogEntry.objects.get(user=user, change_message__startswith="Bulk replay")
+    assert entry.change_message.startswith(f"Bulk replay: 6 of 7 matching fingerprint={outage['cause']}")
+    assert "1 not: not_idempotent" in entry.change_message
+    # And a user without the permission, or a filter the list does not take, is refused
+    assert client.get(reverse("admin:guardrails_deadletter_bulk", args=["discard"])).status_code == 403
+    assert client.get(f"{link}&exc_message__icontains=x").status_code == 400
