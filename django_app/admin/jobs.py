@@ -28,6 +28,8 @@ from django.urls import reverse
 from django.utils import timezone
 from django.utils.html import format_html, format_html_join
 
+from celery_guardrails.jobs import TERMINAL
+
 from ..display import EMPTY, escape, moment, moment_html, shown_field
 from ..maintenance import JobCancels, cancel_jobs
 from ..models import DeadLetter, Job
@@ -123,6 +125,16 @@ class JobAdmin(CheckedChangeList, TenantScopedAdmin):
 
     def has_cancel_permission(self, request: HttpRequest) -> bool:
         return bool(request.user.has_perm("guardrails.change_job"))
+
+    def change_view(
+        self, request: HttpRequest, object_id: str, form_url: str = "", extra_context: dict[str, Any] | None = None
+    ) -> HttpResponse:
+        # A job still going has a Cancel button on its page (the list's cancel action, for this job: its
+        # confirmation, its permission): how a bulk action started from the dead letters is stopped.
+        job = self.get_object(request, object_id)
+        going = job is not None and job.state not in TERMINAL and self.has_cancel_permission(request)
+        context = {**(extra_context or {}), "cancel_job": going}
+        return super().change_view(request, object_id, form_url, extra_context=context)
 
     def get_queryset(self, request: HttpRequest) -> QuerySet[Job]:
         # Each row's dead letter (the one recorded for its message), looked up with the rows of the page: one

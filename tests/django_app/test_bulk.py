@@ -176,3 +176,31 @@ def test_the_change_list_offers_all_matching_counts_them_first_and_starts_the_jo
     # And a user without the permission, or a filter the list does not take, is refused
     assert client.get(reverse("admin:guardrails_deadletter_bulk", args=["discard"])).status_code == 403
     assert client.get(f"{link}&exc_message__icontains=x").status_code == 400
+
+
+def test_a_bulk_job_is_cancelled_from_its_own_page(celery_app: Any) -> None:
+    from django.test import Client
+    from django.urls import reverse
+    from django.utils import timezone
+
+    # Given a bulk replay asked while no worker runs (its job queued), by a user who may also cancel jobs
+    now = timezone.now()
+    record = DeadLetter.objects.create(
+        task_name="t.gone", task_id=f"gone-{uuid.uuid4()}", reason="permanent", first_failed_at=now, last_failed_at=now
+    )
+    user = operator("replay_deadletter", "view_job", "change_job")
+    job = start("replay", Matching.now(task_name="t.gone"), user=user)
+    client = Client()
+    client.force_login(user)
+    # When its page's Cancel button is used, and the cancel confirmed
+    page = client.get(reverse("admin:guardrails_job_change", args=[job.pk]))
+    assert b'id="cancel-job"' in page.content
+    form = {"action": "cancel_selected", "index": "0", "select_across": "0", "_selected_action": str(job.pk)}
+    changelist = reverse("admin:guardrails_job_changelist")
+    assert client.post(changelist, form).status_code == 200  # the confirmation
+    assert client.post(changelist, {**form, "post": "yes"}).status_code == 302
+    # Then the job is cancelled (its message, when a worker takes it, does not run), the record untouched, and the
+    # page offers no second cancel
+    assert Job.objects.get(pk=job.pk).state == "cancelled"
+    assert DeadLetter.objects.get(pk=record.pk).status == "open"
+    assert b'id="cancel-job"' not in client.get(reverse("admin:guardrails_job_change", args=[job.pk])).content
