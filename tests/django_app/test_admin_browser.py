@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 import redis
+from django.contrib.admin.models import LogEntry
 from django.contrib.auth.models import User
 from django.db import connection
 
@@ -24,6 +25,7 @@ from celery_guardrails.foundation.fingerprints import fingerprint
 from celery_guardrails.operations import activity
 from celery_guardrails.runtime.outcomes import REASONS
 from django_celery_guardrails.models import DeadLetter, Job
+from django_celery_guardrails.tasks import bulk_dead_letters  # registered before the worker starts, as autodiscover
 from tests.conftest import Sink
 from tests.django_app.test_health import fill_ledger, use_app
 from tests.proj import tasks
@@ -620,3 +622,85 @@ def test_an_empty_chart_says_so_at_1366_pixels(
     assert chart["x"] <= said["x"] and said["x"] + said["width"] <= chart["x"] + chart["width"]
     assert unreadable(page) == []
     connection.close()  # the ORM's connection in Playwright's thread (see above)
+
+
+def test_an_outage_of_10000_records_is_replayed_by_cause_in_the_background(
+    celery_worker: Any, live_server: Any, browser: Any
+) -> None:
+    """#34's walk: 10,000 records, filtered to one cause from the overview, the count first, all of them replayed
+    as a job whose progress is watched to the end, each record replayed once."""
+    from django.utils import timezone
+
+    assert bulk_dead_letters.name in celery_worker.app.tasks
+    now = timezone.now()
+    causes = {
+        "ConnectionError": ("requests.exceptions.ConnectionError", "provider {n} unreachable", 4_000),
+        "Timeout": ("requests.exceptions.Timeout", "read timed out after {n}s", 3_500),
+        "KeyError": ("builtins.KeyError", "'order {n}'", 2_500),
+    }
+    rows = []
+    for name, (exc_type, message, count) in causes.items():
+        failure = {"task_name": tasks.observe.name, "exc_type": exc_type, "exc_message": message, "traceback": ""}
+        cause = fingerprint(**failure)
+        rows += [
+            DeadLetter(
+                **{**failure, "exc_message": message.format(n=n)},
+                fingerprint=cause,
+                task_id=f"{name}-{n}-{uuid.uuid4().hex[:8]}",
+                reason="circuit_open",
+                args=[n],
+                first_failed_at=now - timedelta(minutes=n % 60),
+                last_failed_at=now - timedelta(seconds=n % 3600),
+            )
+            for n in range(count)
+        ]
+    DeadLetter.objects.bulk_create(rows, batch_size=2_000)
+    User.objects.create_superuser("admin", "admin@example.com", "pw-for-tests")
+    biggest = DeadLetter.objects.filter(exc_type="requests.exceptions.ConnectionError").values_list(
+        "fingerprint", flat=True
+    )[0]
+    page = browser.new_page(viewport={"width": 1366, "height": 768})
+
+    def shot(name: str) -> None:
+        page.screenshot(path=str(ARTIFACTS / f"outage-{name}.png"), full_page=True)
+
+    # When an operator opens the overview and follows the biggest cause
+    log_in(page, live_server, "/admin/guardrails/deadletter/overview/", "**/deadletter/overview/")
+    shot("1-overview")
+    page.click(f"#by-cause a[href*='fingerprint={biggest}']")
+    page.wait_for_url(f"**fingerprint={biggest}**")
+    shot("2-cause")
+    # asks to replay all matching: the count comes first
+    page.click("#bulk-replay")
+    page.wait_for_selector("#bulk-count")
+    assert "4000 open dead letters match" in page.inner_text("#bulk-count")
+    assert page.inner_text("#bulk-refused-none") == "The replay refuses none of the first 2000."
+    shot("3-count")
+    # confirms, and watches the job's page (reloading it) until the job ends
+    page.click("#confirm")
+    page.wait_for_url("**/admin/guardrails/job/**/change/")
+    shot("4-job-queued")
+    # (the job's message goes out through the outbox, as every job's does by default: the relay a deployment runs)
+    from io import StringIO
+
+    from django.core.management import call_command
+
+    call_command("guardrails_outbox_relay", "--once", stdout=StringIO())
+    seen = []
+    deadline = time.monotonic() + 120
+    while "succeeded" not in (state := page.inner_text(".field-state .readonly").lower()):
+        assert time.monotonic() < deadline, f"the job still reads {state!r}, its progress {seen[-5:]}"
+        seen.append(page.inner_text(".field-progress_done .readonly"))
+        time.sleep(0.5)
+        page.reload()
+    shot("5-job-succeeded")
+    assert page.inner_text(".field-progress_done .readonly").replace(",", "") == "4000"
+    assert page.inner_text(".field-progress_total .readonly").replace(",", "") == "4000"
+    connection.close()  # the ORM's connection in Playwright's thread (see above)
+    # Then every record of that cause is replayed once (its own new task id), and no other record is touched
+    replayed = DeadLetter.objects.filter(fingerprint=biggest)
+    assert set(replayed.values_list("status", flat=True)) == {"replayed"}
+    assert len(set(replayed.values_list("replayed_task_id", flat=True))) == 4_000
+    assert DeadLetter.objects.exclude(fingerprint=biggest).filter(status="open").count() == 6_000
+    # And each of the eight batches wrote its entry in the admin's history
+    assert LogEntry.objects.filter(change_message__startswith="Bulk replay: 500 of 500").count() == 8
