@@ -26,6 +26,7 @@ from django.contrib.admin.models import CHANGE, LogEntry
 from django.contrib.contenttypes.models import ContentType
 from django.core.exceptions import PermissionDenied
 from django.db.models import Max, Q, QuerySet
+from django.utils import timezone
 
 from . import argument_search, health
 from .discovery import import_task_modules
@@ -97,14 +98,24 @@ class Matching:
         }
         found = found.filter(**exact)
         if self.failed_since:
-            found = found.filter(last_failed_at__gte=datetime.fromisoformat(self.failed_since))
+            found = found.filter(last_failed_at__gte=_moment(self.failed_since))
         if self.failed_before:
-            found = found.filter(last_failed_at__lt=datetime.fromisoformat(self.failed_before))
+            found = found.filter(last_failed_at__lt=_moment(self.failed_before))
         if self.search:
             by_id = Q(task_id=self.search) | Q(correlation_id=self.search) | Q(idempotency_key=self.search)
-            term = argument_search.parse(self.search)  # Unsearchable for a redacted value: nothing to act on
+            try:
+                term = argument_search.parse(self.search)
+            except argument_search.Unsearchable:  # a redacted value: no record holds it, by id or argument
+                term = None
             found = found.filter(by_id | argument_search.search(term).condition if term else by_id)
         return scope(found, user)
+
+
+def _moment(text: str) -> datetime:
+    """An ISO 8601 moment (the date filter's ``2026-12-07 00:00:00+00:00``); one without a zone is in the current
+    time zone, as the change list reads it."""
+    moment = datetime.fromisoformat(text)
+    return timezone.make_aware(moment) if timezone.is_naive(moment) else moment
 
 
 @dataclass(slots=True, kw_only=True)

@@ -204,3 +204,36 @@ def test_a_bulk_job_is_cancelled_from_its_own_page(celery_app: Any) -> None:
     assert Job.objects.get(pk=job.pk).state == "cancelled"
     assert DeadLetter.objects.get(pk=record.pk).status == "open"
     assert b'id="cancel-job"' not in client.get(reverse("admin:guardrails_job_change", args=[job.pk])).content
+
+
+def test_the_all_matching_page_takes_the_lists_dates_and_searches(celery_app: Any) -> None:
+    from datetime import timedelta
+
+    from django.test import Client
+    from django.urls import reverse
+    from django.utils import timezone
+
+    # Given two records of one task a day apart, one with an order argument
+    now = timezone.now()
+    name = f"t.dated.{uuid.uuid4().hex[:6]}"
+    for days, kwargs in ((0, {"order_id": 42}), (1, {})):
+        moment = now - timedelta(days=days)
+        DeadLetter.objects.create(
+            task_name=name, task_id=f"{name}-{days}", reason="permanent", kwargs=kwargs,
+            first_failed_at=moment, last_failed_at=moment,
+        )  # fmt: skip
+    client = Client()
+    client.force_login(operator("resolve_deadletter"))
+    url = reverse("admin:guardrails_deadletter_bulk", args=["resolve"])
+    today = now.replace(hour=0, minute=0, second=0, microsecond=0) - timedelta(hours=1)
+
+    def counted(**query: str) -> bytes:
+        page = client.get(url, {"task_name__exact": name, **query})
+        assert page.status_code == 200
+        return page.content
+
+    # Then the date filter's bounds (with and without a zone), an argument and a redacted value are each taken
+    assert b"1 open dead letter matches" in counted(last_failed_at__gte=today.isoformat())
+    assert b"1 open dead letter matches" in counted(last_failed_at__gte=today.replace(tzinfo=None).isoformat())
+    assert b"1 open dead letter matches" in counted(q="order_id=42")
+    assert b"0 open dead letters match" in counted(q="order_id=[redacted]")
