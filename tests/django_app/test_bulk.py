@@ -9,7 +9,6 @@ from typing import Any
 
 import pytest
 from django.contrib.admin.models import LogEntry
-from django.contrib.auth.models import Permission, User
 from django.core.exceptions import PermissionDenied
 
 from celery_guardrails.guardrails.jobs import RunningJob
@@ -17,6 +16,7 @@ from django_celery_guardrails.bulk import Matching, run, start
 from django_celery_guardrails.models import DeadLetter, Job
 from django_celery_guardrails.tasks import bulk_dead_letters
 from tests.proj import django_tasks
+from tests.support.admin_users import staff_user
 from tests.support.waiting import wait_for
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -27,13 +27,6 @@ TIMEOUT = 30
 def celery_app(celery_app: Any) -> Any:
     celery_app.conf.guardrails = {**celery_app.conf.guardrails, "dead_letter_sinks": ["django"], "job_outbox": False}
     return celery_app
-
-
-def operator(*codenames: str) -> User:
-    user = User.objects.create_user(f"u{uuid.uuid4().hex[:8]}", password="pw", is_staff=True)
-    wanted = ["view_deadletter", *codenames]
-    user.user_permissions.add(*Permission.objects.filter(content_type__app_label="guardrails", codename__in=wanted))
-    return User.objects.get(pk=user.pk)
 
 
 @pytest.fixture
@@ -48,7 +41,7 @@ def outage(celery_worker: Any) -> dict[str, Any]:
 
 
 def test_a_replay_of_one_cause_goes_batch_by_batch_with_progress_and_a_log_entry_each(outage: dict[str, Any]) -> None:
-    user = operator("replay_deadletter")
+    user = staff_user("replay_deadletter")
     matching = Matching.now(fingerprint=outage["cause"])
     reported: list[tuple[int, int]] = []
     # When every record of the cause is replayed, three at a time
@@ -67,7 +60,7 @@ def test_a_replay_of_one_cause_goes_batch_by_batch_with_progress_and_a_log_entry
 
 
 def test_a_cancel_stops_it_between_batches_and_records_recorded_later_are_not_taken(outage: dict[str, Any]) -> None:
-    user = operator("resolve_deadletter")
+    user = staff_user("resolve_deadletter")
     declined = outage["declined"]
     # Given a filter asked before a later record of the same cause came
     matching = Matching.now(fingerprint=outage["cause"])
@@ -88,14 +81,14 @@ def test_the_replays_own_refusals_and_permissions_hold(outage: dict[str, Any]) -
     matching = Matching.now(fingerprint=outage["cause"])
     # A user without the permission is refused before anything is submitted or done
     with pytest.raises(PermissionDenied):
-        start("replay", matching, user=operator("resolve_deadletter"))
+        start("replay", matching, user=staff_user("resolve_deadletter"))
     with pytest.raises(PermissionDenied):
-        run("discard", matching, user=operator("replay_deadletter"))
+        run("discard", matching, user=staff_user("replay_deadletter"))
     assert set(DeadLetter.objects.filter(fingerprint=outage["cause"]).values_list("status", flat=True)) == {"open"}
     # A not_idempotent record is refused by the replay's own rule, counted by its reason
     first = outage["declined"][0]
     DeadLetter.objects.filter(pk=first.pk).update(reason="not_idempotent")
-    result = run("replay", matching, user=operator("replay_deadletter"))
+    result = run("replay", matching, user=staff_user("replay_deadletter"))
     assert result.done == 6
     ((why, count),) = result.refused.items()
     assert count == 1 and why.startswith("not_idempotent")
@@ -107,7 +100,7 @@ def test_as_a_job_on_the_worker_it_reports_progress_and_reads_its_cancel(
 ) -> None:
     # (the worker registers the guardrails' tasks as autodiscover_tasks() finds them in a project)
     assert bulk_dead_letters.name in celery_app.tasks
-    user = operator("discard_deadletter")
+    user = staff_user("discard_deadletter")
     # When the discard of the cause is started as a job
     job = start("discard", Matching.now(fingerprint=outage["cause"]), user=user)
     # Then the worker runs it to succeeded, with its progress, and every record of the cause is discarded
@@ -147,7 +140,7 @@ def test_the_change_list_offers_all_matching_counts_them_first_and_starts_the_jo
     from django.urls import reverse
 
     assert bulk_dead_letters.name in celery_app.tasks
-    user = operator("replay_deadletter")
+    user = staff_user("replay_deadletter")
     client = Client()
     client.force_login(user)
     first = outage["declined"][0]
@@ -188,7 +181,7 @@ def test_a_bulk_job_is_cancelled_from_its_own_page(celery_app: Any) -> None:
     record = DeadLetter.objects.create(
         task_name="t.gone", task_id=f"gone-{uuid.uuid4()}", reason="permanent", first_failed_at=now, last_failed_at=now
     )
-    user = operator("replay_deadletter", "view_job", "change_job")
+    user = staff_user("replay_deadletter", "view_job", "change_job")
     job = start("replay", Matching.now(task_name="t.gone"), user=user)
     client = Client()
     client.force_login(user)
@@ -223,7 +216,7 @@ def test_the_all_matching_page_takes_the_lists_dates_and_searches(celery_app: An
             first_failed_at=moment, last_failed_at=moment,
         )  # fmt: skip
     client = Client()
-    client.force_login(operator("resolve_deadletter"))
+    client.force_login(staff_user("resolve_deadletter"))
     url = reverse("admin:guardrails_deadletter_bulk", args=["resolve"])
     today = now.replace(hour=0, minute=0, second=0, microsecond=0) - timedelta(hours=1)
 
