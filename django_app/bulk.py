@@ -55,19 +55,20 @@ class Matching:
 
     #: The newest record id when the action was asked: later records are not taken.
     up_to: int
-    reason: str = ""
-    task_name: str = ""
-    owner: str = ""
-    tenant: str = ""
-    fingerprint: str = ""
+    #: Equal to this (None: any; "" is a value, as the change list's "-" choice of an empty owner or tenant).
+    reason: str | None = None
+    task_name: str | None = None
+    owner: str | None = None
+    tenant: str | None = None
+    fingerprint: str | None = None
     #: The change list's search term: an exact id, or an argument (``order_id=42``).
-    search: str = ""
+    search: str | None = None
     #: ISO 8601: last failures at or after / before these moments.
-    failed_since: str = ""
-    failed_before: str = ""
+    failed_since: str | None = None
+    failed_before: str | None = None
 
     @classmethod
-    def now(cls, **filters: str) -> Matching:
+    def now(cls, **filters: str | None) -> Matching:
         """The filter ``filters``, up to the newest record recorded now."""
         newest = DeadLetter.objects.aggregate(newest=Max("pk"))["newest"] or 0
         return cls(up_to=int(newest), **filters)
@@ -81,7 +82,7 @@ class Matching:
         return cls(**data)
 
     def to_dict(self) -> dict[str, Any]:
-        return {name: value for name, value in asdict(self).items() if value or name == "up_to"}
+        return {name: value for name, value in asdict(self).items() if value is not None}
 
     def described(self) -> str:
         """The filter in a line, for the LogEntries: ``reason=circuit_open, fingerprint=..., up to #41000``."""
@@ -94,7 +95,7 @@ class Matching:
         exact = {
             name: getattr(self, name)
             for name in ("reason", "task_name", "owner", "tenant", "fingerprint")
-            if getattr(self, name)
+            if getattr(self, name) is not None
         }
         found = found.filter(**exact)
         if self.failed_since:

@@ -51,7 +51,8 @@ def filters_of(query: QueryDict) -> dict[str, str]:
     """The bulk filter a change list's query string says; BadRequest naming a parameter it cannot take."""
     found: dict[str, str] = {}
     for name, value in query.items():  # (the last value of each, as Django's change list reads it)
-        if name in IGNORED or value == "":
+        # An empty search is no search; an empty filter value is one (the list's "-": no owner, no tenant)
+        if name in IGNORED or (value == "" and name == "q"):
             continue
         if name not in PARAMETERS:
             raise BadRequest(f"{name!r} is not a filter an action on all matching records takes")

@@ -230,3 +230,6 @@ def test_the_all_matching_page_takes_the_lists_dates_and_searches(celery_app: An
     assert b"1 open dead letter matches" in counted(last_failed_at__gte=today.replace(tzinfo=None).isoformat())
     assert b"1 open dead letter matches" in counted(q="order_id=42")
     assert b"0 open dead letters match" in counted(q="order_id=[redacted]")
+    # And the list's empty choice (no owner) is a filter, not "any owner"
+    DeadLetter.objects.filter(task_id=f"{name}-1").update(owner="payments")
+    assert b"1 open dead letter matches" in counted(owner__exact="")
