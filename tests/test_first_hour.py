@@ -524,6 +524,7 @@ from django.urls import reverse
 from django.utils import timezone
 
 import django_celery_guardrails
+from django_celery_guardrails.bulk import ACTIONS
 from django_celery_guardrails.models import (
     ConcurrencySlot, DeadLetter, DependencyState, IdempotencyKey, Job, OutboxMessage, ScheduledRun, WaitingMessage,
 )
@@ -577,7 +578,9 @@ for model, model_admin in admin.site._registry.items():
         if name.endswith(("_change", "_history")) and not model_admin.has_view_or_change_permission(asking, record):
             continue
         parameters = list(getattr(pattern.pattern, "converters", {}))
-        if not parameters:
+        if name == "guardrails_deadletter_bulk":  # an action, not a record: the list's "all matching" pages
+            pages += [reverse("admin:" + name, args=[action]) + "?reason=permanent" for action in ACTIONS]
+        elif not parameters:
             pages.append(reverse("admin:" + name))
         elif record is None:
             without_record.append(name)
@@ -641,6 +644,7 @@ def test_every_admin_page_and_the_metrics_render_from_the_installed_wheel(
         "/admin/guardrails/deadletter/1/change/",
         "/admin/guardrails/deadletter/1/replay/",
         "/admin/guardrails/deadletter/overview/",
+        "/admin/guardrails/deadletter/bulk/replay/?reason=permanent",
         "/admin/guardrails/dashboard/",
         "/admin/guardrails/scheduledrun/",
         "/admin/guardrails/scheduledrun/1/change/",
