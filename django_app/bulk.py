@@ -207,8 +207,9 @@ def _act(action: str, ids: list[int], *, user: Any, allow_not_idempotent: bool) 
 
 
 def _log(action: str, matching: Matching, ids: list[int], done: int, refused: Counter[str], user: Any) -> None:
-    """One LogEntry for the batch (Django's "Recent actions" and each record's history name it): what, which
-    filter, how many, and why the others were not."""
+    """One LogEntry for the batch: what, which filter, how many, and why the others were not. Django's "Recent
+    actions" shows it; it names no one record, so a record's own history page does not (its status, who handled
+    it and when, and a replay's task id say what happened to it)."""
     why = "; ".join(f"{count} not: {reason}" for reason, count in refused.most_common())
     logger.info("Bulk %s: %s of %s matching %s%s", action, done, len(ids), matching.described(), f"; {why}" * bool(why))
     if user is None or getattr(user, "pk", None) is None:
