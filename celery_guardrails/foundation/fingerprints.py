@@ -24,6 +24,9 @@ import re
 
 #: Hex digits kept of the SHA-256.
 LENGTH = 16
+#: Characters of a message normalised at most (a record keeps 500): the rules below look around each match, and a
+#: message of any length must cost a bounded time on the path that records a failure.
+MESSAGE_CHARS = 1_000
 
 # Order matters: a quoted value may hold a number or an id, a UUID holds hex runs and numbers.
 _RULES: tuple[tuple[re.Pattern[str], str], ...] = (
@@ -36,14 +39,16 @@ _RULES: tuple[tuple[re.Pattern[str], str], ...] = (
     (re.compile(r"(?<![A-Za-z])[-+]?\d+(?:[.,]\d+)*"), "<n>"),
     (re.compile(r"\s+"), " "),
 )
-_FRAME = re.compile(r'^\s*File "(?P<path>[^"]+)", line \d+, in (?P<function>\S+)', re.MULTILINE)
+# Indentation is spaces and tabs only: ``\s*`` would run on over every empty line after each line start.
+_FRAME = re.compile(r'^[ \t]*File "(?P<path>[^"]+)", line \d+, in (?P<function>\S+)', re.MULTILINE)
 #: Path parts of installed and standard-library code: not the task's own.
 _NOT_OWN = ("site-packages", "dist-packages", "/lib/python", "\\lib\\python", "<frozen ", "<string>")
 
 
 def normalised(message: str) -> str:
-    """``message`` with what varies between occurrences of one cause replaced by placeholders."""
-    text = message
+    """``message`` (its first :data:`MESSAGE_CHARS`) with what varies between occurrences of one cause replaced by
+    placeholders."""
+    text = message[:MESSAGE_CHARS]
     for pattern, placeholder in _RULES:
         text = pattern.sub(placeholder, text)
     return text.strip()
@@ -79,4 +84,4 @@ def fingerprint(*, task_name: str, exc_type: str, exc_message: str, traceback: s
     return hashlib.sha256("\x1f".join(parts).encode("utf-8", "backslashreplace")).hexdigest()[:LENGTH]
 
 
-__all__ = ["LENGTH", "fingerprint", "normalised", "own_frame"]
+__all__ = ["LENGTH", "MESSAGE_CHARS", "fingerprint", "normalised", "own_frame"]

@@ -220,13 +220,18 @@ def record_fields(task: Any, failure: FinalFailure) -> dict[str, Any]:
 
 
 def _fingerprint(fields: dict[str, Any]) -> str:
-    """The record's cause, from what it keeps (:mod:`celery_guardrails.foundation.fingerprints`)."""
-    return fingerprint(
-        task_name=str(fields.get("task_name", "")),
-        exc_type=str(fields.get("exc_type", "")),
-        exc_message=str(fields.get("exc_message", "")),
-        traceback=str(fields.get("traceback", "")),
-    )
+    """The record's cause, from what it keeps (:mod:`celery_guardrails.foundation.fingerprints`); "" (not grouped)
+    when it cannot be made: a grouping never costs the record."""
+    try:
+        return fingerprint(
+            task_name=str(fields.get("task_name", "")),
+            exc_type=str(fields.get("exc_type", "")),
+            exc_message=str(fields.get("exc_message", "")),
+            traceback=str(fields.get("traceback", "")),
+        )
+    except Exception:
+        logger.exception("Dead letter of %s recorded without a fingerprint", fields.get("task_id"))
+        return ""
 
 
 def _sealed(task: Any, failure: FinalFailure) -> str:

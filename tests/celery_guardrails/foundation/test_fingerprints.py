@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from celery_guardrails.foundation.fingerprints import LENGTH, fingerprint, normalised, own_frame
+from celery_guardrails.foundation.fingerprints import LENGTH, MESSAGE_CHARS, fingerprint, normalised, own_frame
 
 
 def traceback(*frames: tuple[str, int, str]) -> str:
@@ -80,3 +80,14 @@ def test_occurrences_of_one_cause_share_a_fingerprint_whatever_their_ids_lines_a
     assert [fingerprint(**parts) for parts in same] == [first] * len(same)
     found = [fingerprint(**parts) for parts in different]
     assert first not in found and len(set(found)) == len(different)
+
+
+def test_only_the_start_of_a_long_message_is_read_and_blank_lines_are_no_frames() -> None:
+    # Given a message far longer than any record keeps, and a traceback padded with empty lines
+    long = "order 42 declined; " * 1_000
+    # Then the message is normalised up to MESSAGE_CHARS (the rest could not tell causes apart: a record keeps 500)
+    assert normalised(long) == normalised(long[:MESSAGE_CHARS])
+    assert normalised(long[:MESSAGE_CHARS] + " card 'x' expired") == normalised(long)
+    # And a frame is found after any number of empty lines, indented with a tab too
+    padded = "\n" * 5_000 + '\tFile "/srv/shop/tasks.py", line 3, in charge_order\n' + "\n" * 5_000
+    assert own_frame("shop.tasks.charge_order", padded) == "shop/tasks.py:charge_order"
