@@ -114,17 +114,23 @@ def _nested(steps: tuple[str | int, ...], value: Any) -> Any:
     return value
 
 
+def positional_parameters(task: Any) -> list[str]:
+    """The positional parameters of ``task`` (none when its signature cannot be read): what names its stored
+    ``args``, in the list's argument summary (``order_id=42``) and in a search."""
+    try:
+        parameters = inspect.signature(task.run).parameters.values()
+    except Exception:  # no signature to read: by position (a page must show)
+        return []
+    return [p.name for p in parameters if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+
+
 def _positions(name: str) -> dict[str, int]:
     """The tasks this process knows whose parameter ``name`` is positional, with its position."""
     app = health.celery_app()
     import_task_modules(app)
     found = {}
     for task_name, task in list(app.tasks.items()):
-        try:
-            parameters = list(inspect.signature(task.run).parameters.values())
-        except (TypeError, ValueError):
-            continue
-        positional = [p.name for p in parameters if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+        positional = positional_parameters(task)
         if name in positional:
             found[task_name] = positional.index(name)
     return found
@@ -175,4 +181,4 @@ def search(term: ArgumentTerm) -> Search:
     return Search(condition=condition & Q(pk__gt=floor), bounded=True)
 
 
-__all__ = ["SCAN_LIMIT", "ArgumentTerm", "Search", "Unsearchable", "parse", "search"]
+__all__ = ["SCAN_LIMIT", "ArgumentTerm", "Search", "Unsearchable", "parse", "positional_parameters", "search"]

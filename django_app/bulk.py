@@ -130,13 +130,7 @@ class BulkResult:
     stopped: bool = False
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "action": self.action,
-            "done": self.done,
-            "refused": dict(self.refused),
-            "batches": self.batches,
-            "stopped": self.stopped,
-        }
+        return {**asdict(self), "refused": dict(self.refused)}
 
 
 def _check(action: str, user: Any) -> None:
@@ -179,7 +173,10 @@ def run(
         if stop is not None and result.batches and stop():
             result.stopped = True
             logger.info(
-                "Bulk %s of %s stopped after %s batch(es): its cancel was asked", action, matching, result.batches
+                "Bulk %s matching %s stopped after %s batch(es): its cancel was asked",
+                action,
+                matching.described(),
+                result.batches,
             )
             break
         ids = list(records.filter(pk__gt=after).order_by("pk").values_list("pk", flat=True)[:batch])
@@ -210,8 +207,13 @@ def _log(action: str, matching: Matching, ids: list[int], done: int, refused: Co
     """One LogEntry for the batch: what, which filter, how many, and why the others were not. Django's "Recent
     actions" shows it; it names no one record, so a record's own history page does not (its status, who handled
     it and when, and a replay's task id say what happened to it)."""
-    why = "; ".join(f"{count} not: {reason}" for reason, count in refused.most_common())
-    logger.info("Bulk %s: %s of %s matching %s%s", action, done, len(ids), matching.described(), f"; {why}" * bool(why))
+    message = "; ".join(
+        [
+            f"Bulk {action}: {done} of {len(ids)} matching {matching.described()}",
+            *(f"{count} not: {reason}" for reason, count in refused.most_common()),
+        ]
+    )
+    logger.info("%s", message)
     if user is None or getattr(user, "pk", None) is None:
         return  # a shell's command: no one to write a LogEntry for (it needs a user); the log line says it
     LogEntry.objects.create(
@@ -220,8 +222,7 @@ def _log(action: str, matching: Matching, ids: list[int], done: int, refused: Co
         object_id=None,
         object_repr=f"{len(ids)} dead letters #{ids[0]}-#{ids[-1]}"[:200],
         action_flag=CHANGE,
-        change_message=f"Bulk {action}: {done} of {len(ids)} matching {matching.described()}"
-        + (f"; {why}" if why else ""),
+        change_message=message,
     )
 
 

@@ -51,21 +51,9 @@ class Cause:
     first_seen: datetime
     last_seen: datetime
     task_name: str
-    exc_type: str
-    #: The newest record's message, normalised as the fingerprint reads it ("order <n> declined").
-    message: str
-    #: Where it left the task's own code, ``path/module.py:function`` ("" when the traceback does not say).
-    frame: str
+    #: The cause in words (:func:`described`): ``PermanentError in shop/tasks.py:charge: order <n> declined``.
+    title: str
     share: int
-
-    @property
-    def title(self) -> str:
-        return _described(self.exc_type, self.frame, self.message)
-
-
-def _described(exc_type: str, frame: str, message: str) -> str:
-    where = f" in {frame}" if frame else ""
-    return f"{exc_type or 'no exception'}{where}: {message}"
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -107,17 +95,15 @@ def causes(*, user: Any = None, limit: int = TOP) -> list[Cause]:
     top = max((row["count"] for row in rows), default=1)
     found = []
     for row in rows:
-        newest = newest_of_cause(row["fingerprint"], user=user) or {}
+        newest = newest_of_cause(row["fingerprint"], user=user)
         found.append(
             Cause(
                 fingerprint=row["fingerprint"],
                 count=row["count"],
                 first_seen=row["first_seen"],
                 last_seen=row["last_seen"],
-                task_name=newest.get("task_name", ""),
-                exc_type=newest.get("exc_type", ""),
-                message=normalised(newest.get("exc_message", ""))[:300],
-                frame=own_frame(newest.get("task_name", ""), newest.get("traceback", "")),
+                task_name=newest["task_name"] if newest else "",
+                title=described(newest) if newest else row["fingerprint"],
                 share=round(100 * row["count"] / top),
             )
         )
@@ -147,7 +133,8 @@ def described(record: Mapping[str, Any]) -> str:
     """A record's cause in words (its exception type, the frame of its task's own code, its normalised message):
     every record of one cause reads the same, as the fingerprint is made of these."""
     frame = own_frame(record["task_name"], record["traceback"])
-    return _described(record["exc_type"], frame, normalised(record["exc_message"])[:120])
+    where = f" in {frame}" if frame else ""
+    return f"{record['exc_type'] or 'no exception'}{where}: {normalised(record['exc_message'])[:120]}"
 
 
 def dead_letter_overview(*, now: datetime | None = None, user: Any = None) -> Overview:

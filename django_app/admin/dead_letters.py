@@ -43,14 +43,11 @@ from .dead_letter_bulk import DeadLetterBulk
 def _parameters(task_name: str) -> list[str]:
     """The positional parameters of ``task_name`` when this process knows the task (names a list's argument
     summary: ``order_id=42``); none when it does not (the values are shown by position)."""
-    import inspect
-
     try:
         task = health.celery_app().tasks.get(task_name)
-        parameters = inspect.signature(task.run).parameters.values() if task is not None else ()
-    except Exception:  # an app that will not finalize, no signature to read: by position (a list must show)
+    except Exception:  # an app that will not finalize: by position (a list must show)
         return []
-    return [p.name for p in parameters if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    return argument_search.positional_parameters(task) if task is not None else []
 
 
 #: The dead letter's fields on its page, each through :func:`.display.escape` (a bidi override in a key or a

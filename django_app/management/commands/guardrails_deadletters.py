@@ -135,7 +135,7 @@ class Command(BaseCommand):
         found = causes(limit=limit)
         for cause in found:
             if options["json"]:
-                self.stdout.write(json.dumps({**asdict(cause), "title": cause.title}, cls=DjangoJSONEncoder))
+                self.stdout.write(json.dumps(asdict(cause), cls=DjangoJSONEncoder))
                 continue
             self.stdout.write(
                 f"{cause.fingerprint}  {cause.count:>8} open  {moment_text(cause.first_seen)} .. "

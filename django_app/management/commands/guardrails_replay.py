@@ -59,39 +59,35 @@ class Command(BaseCommand):
         )
 
     def handle(self, *args: Any, dry_run: bool, allow_not_idempotent: bool, **options: Any) -> None:
-        records = DeadLetter.objects.open()
+        # One filter for both ways (the bulk job's, frozen to the records existing now)
+        filters = {}
         if options["task"]:
-            records = records.filter(task_name=text(options["task"], option="--task"))
+            filters["task_name"] = text(options["task"], option="--task")
         if options["reason"]:
-            records = records.filter(reason=choice(options["reason"], REASONS, option="--reason"))
+            filters["reason"] = choice(options["reason"], REASONS, option="--reason")
         if options["fingerprint"]:
-            records = records.filter(fingerprint=text(options["fingerprint"], option="--fingerprint"))
+            filters["fingerprint"] = text(options["fingerprint"], option="--fingerprint")
         if options["since"]:
-            records = records.filter(last_failed_at__gte=since(options["since"], option="--since"))
+            filters["failed_since"] = since(options["since"], option="--since").isoformat()
         tenant = options["tenant"] or None
         if tenant is not None:
             try:
                 validate_tenant(tenant)
             except ContextError as exc:
                 raise CommandError(f"--tenant: {exc}") from None
+        matching = Matching.now(**filters)
         if options["background"]:
-            self._background(options, tenant=tenant, dry_run=dry_run, allow_not_idempotent=allow_not_idempotent)
+            self._background(matching, tenant=tenant, dry_run=dry_run, allow_not_idempotent=allow_not_idempotent)
             return
-        ids = list(records.order_by("pk").values_list("pk", flat=True))
+        ids = list(matching.records().order_by("pk").values_list("pk", flat=True))
         run = self._dry_run if dry_run else self._replay
         refused = run(ids, tenant, allow_not_idempotent)
         if refused:
             raise CommandError(f"{refused} dead letter(s) {'would be ' if dry_run else ''}refused (reasons above)")
 
-    def _background(
-        self, options: dict[str, Any], *, tenant: str | None, dry_run: bool, allow_not_idempotent: bool
-    ) -> None:
+    def _background(self, matching: Matching, *, tenant: str | None, dry_run: bool, allow_not_idempotent: bool) -> None:
         if tenant is not None or dry_run:
             raise CommandError("--background takes neither --tenant nor --dry-run (run those in the foreground)")
-        filters = {"task_name": options["task"], "reason": options["reason"], "fingerprint": options["fingerprint"]}
-        if options["since"]:
-            filters["failed_since"] = since(options["since"], option="--since").isoformat()
-        matching = Matching.now(**{name: value for name, value in filters.items() if value})
         job = start("replay", matching, user=None, allow_not_idempotent=allow_not_idempotent)
         self.stdout.write(
             f"Started job {job.pk}: replay of the open dead letters matching {matching.described()}; follow it with "
