@@ -81,6 +81,11 @@ def in_flight(broker: PrivateRedis, sinks: list[Sink], gate: str) -> list[Any]:
     return results
 
 
+def blocked_fetch(broker: PrivateRedis) -> bool:
+    """Whether a client of the broker is blocked in a fetch now (Redis flags a blocked client ``b``)."""
+    return any("b" in client.get("flags", "") for client in broker.client().client_list())
+
+
 def restart(broker: PrivateRedis, worker: CeleryProcess) -> None:
     """SIGKILL the broker; start it again (same port, same data) once the worker has seen it go."""
     broker.kill()
@@ -134,6 +139,9 @@ def test_without_the_guard_a_broker_restart_stops_the_worker_and_the_messages_wa
     sinks, gate = sinks[:FETCHING], f"{sinks[0].key}:gate"
     with worker_on(broker_redis, queue_name, tmp_path / "worker.log", guard=False) as worker:
         in_flight(broker_redis, sinks, gate)
+        # (Celery's crash needs a fetch blocked on the broker as it goes: a CI run killed it between two fetches,
+        # and the worker reconnected instead)
+        wait_for("a fetch blocked on the broker", lambda: blocked_fetch(broker_redis))
 
         # When the broker's Redis is killed and started again
         restart(broker_redis, worker)
