@@ -13,7 +13,8 @@ do (the command's ``--dry-run``); :func:`outlooks` says it for the pages and ``g
 Safe to run twice: each record moves from ``open`` to ``replayed`` by a conditional UPDATE before anything
 is published, so two concurrent replays of one record publish once. Records go :data:`BATCH` (500) at a time:
 a few queries read them with their sealed copies, one UPDATE claims them (each with its own new task id), one
-store call reopens their keys, one broker connection publishes them; ``progress`` hears of each batch.
+store call reopens their keys, one broker connection publishes them (a Redis broker: one pipeline, with kombu
+5.7); ``progress`` hears of each batch.
 
 A record is left open, with the reason in the result, when its task is not registered in this process (the
 project's task modules are imported first, as a worker does: :mod:`.discovery`), its sealed copy
@@ -29,19 +30,15 @@ from __future__ import annotations
 
 import json
 import logging
-import sqlite3
-import time
 from collections.abc import Callable, Iterable, Iterator
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
 from celery import current_app
 from celery.utils import uuid
 from django.core.exceptions import PermissionDenied
-from django.db import DatabaseError, close_old_connections, connection
-from django.db.models import CharField, QuerySet
-from django.db.models.expressions import RawSQL
-from django.utils import timezone
+from django.db.models import QuerySet
 
 from celery_guardrails.exceptions import ContextError, SealError
 from celery_guardrails.foundation.context import validate_tenant
@@ -54,6 +51,7 @@ from celery_guardrails.stores import get_store
 from .discovery import NOT_REGISTERED, import_task_modules
 from .job_book import replayed
 from .models import DeadLetter, SealedMessage
+from .replay_claims import claim, put_back
 from .scoping import replayable
 
 logger = logging.getLogger(__name__)
@@ -76,8 +74,6 @@ FRESH = (
     headers.ORDERING_SEQUENCE,
     headers.ORDERING_WAITS,
 )
-#: Tries at putting a record back to open when its replay could not be published (a second apart).
-PUT_BACK_TRIES = 3
 #: Records read, claimed, reopened and published together: two queries read them with their sealed copies,
 #: one UPDATE claims them, one store call reopens their keys, one broker connection publishes them.
 BATCH = 500
@@ -358,7 +354,9 @@ def _replay_batch(
     batch: list[tuple[DeadLetter, str | None]], app: Any, user: Any, result: ReplayResult, **changes: Any
 ) -> None:
     """Plan each record, claim the planned ones with one conditional UPDATE (open -> replayed, each with its new
-    task id), reopen their idempotency keys with one store call, publish each on one broker connection."""
+    task id), reopen their idempotency keys with one store call, publish them on one broker connection, in one
+    pipeline where the broker takes one (:func:`_publishing`). A record is told replayed once its message is
+    on the broker; one whose message may not be goes back to open."""
     planned: list[_Claimed] = []
     for record, token in batch:
         try:
@@ -371,81 +369,57 @@ def _replay_batch(
         (item.record.pk, "already handled by someone else") for item in planned if item.record.pk not in won_ids
     )
     pending = {item.record.pk: item for item in won}
+    sent: list[_Claimed] = []
     try:
         # The keys failed with their messages: reopened deliberately, or the replays would be skipped.
         keys = [item.record.idempotency_key for item in won if item.record.idempotency_key]
         if keys:
             get_store(app).reopen_keys(keys)
-        with app.producer_or_acquire() as producer:
+        with app.producer_or_acquire() as producer, _publishing(producer):
             for item in won:
                 try:
                     _publish(item, app, producer)
                 except Exception as exc:  # put it back: a record must never be marked replayed for nothing
                     logger.exception("Replay of dead letter %s (%s) failed", item.record.pk, item.record.task_name)
-                    _put_back({item.record.pk: item.task_id})
+                    put_back({item.record.pk: item.task_id})
                     result.skipped.append((item.record.pk, f"publishing failed: {exc}"))
+                    del pending[item.record.pk]
                 else:
-                    _replayed(item, user)
-                    result.replayed.append((item.record.pk, item.task_id))
-                del pending[item.record.pk]
-    except Exception as exc:  # the store or the broker out of reach: what was not published goes back to open
+                    sent.append(item)
+        # (the batch's pipeline went out as the block ended: only now are these messages on the broker)
+    except BaseException as exc:  # the store or the broker out of reach, or anything else: not published, reopened
         logger.exception("Replay of %s dead letter(s) failed", len(pending))
-        _put_back({pk: item.task_id for pk, item in pending.items()})
+        put_back({pk: item.task_id for pk, item in pending.items()})
+        if not isinstance(exc, Exception):
+            raise
         result.skipped.extend((pk, f"publishing failed: {exc}") for pk in pending)
+        return
+    for item in sent:
+        _replayed(item, user)
+        result.replayed.append((item.record.pk, item.task_id))
+
+
+def _publishing(producer: Any) -> AbstractContextManager[Any]:
+    """Where kombu batches publishes (``Producer.batch()``, kombu 5.7), a batch's messages are buffered and sent
+    as one Redis pipeline when the block ends: a publish of its own costs a round trip and a Redis client kombu
+    makes for it, about a third of plain Celery's publish (bench/scale.py). Its size is never reached, so
+    nothing goes out before the end: the pipeline goes out, or the whole batch goes back to open (delivery
+    uncertain, as for a single publish whose answer was lost: a keyed replay's key stops a second run). On a
+    transport without batches (py-amqp) kombu publishes at once; an older kombu has no ``batch``."""
+    batch = getattr(producer, "batch", None)
+    return batch(max_size=BATCH * 20) if batch is not None else nullcontext()
 
 
 def _claim(planned: list[_Claimed], user: Any) -> list[_Claimed]:
-    """The planned records this call moved from open to replayed. One UPDATE sets each its own new task id, so
-    reading the ids back tells which ones this call won: two concurrent replays of a record publish once."""
+    """The planned records this call moved from open to replayed (:func:`.replay_claims.claim`)."""
     if not planned:
         return []
-    task_ids = {item.record.pk: item.task_id for item in planned}
-    handled_by = getattr(user, "username", "") or ""
-    if _claims_in_one_statement():
-        won = _claim_returning(task_ids, handled_by)
-    else:
-        # CASE id WHEN <pk> THEN <task id> ... END written out (Django's Case(When()) cost more than the UPDATE)
-        pk = connection.ops.quote_name(str(DeadLetter._meta.pk.column))
-        new_id = RawSQL(
-            f"CASE {pk} {' '.join(['WHEN %s THEN %s'] * len(task_ids))} END",
-            [value for pair in task_ids.items() for value in pair],
-            output_field=CharField(),
-        )
-        DeadLetter.objects.filter(pk__in=task_ids, status=DeadLetter.Status.OPEN).update(
-            status=DeadLetter.Status.REPLAYED, replayed_task_id=new_id, handled_by=handled_by, handled_at=timezone.now()
-        )
-        now_held = dict(DeadLetter.objects.filter(pk__in=task_ids).values_list("pk", "replayed_task_id"))
-        won = {pk for pk, task_id in task_ids.items() if now_held.get(pk) == task_id}
+    won = claim({item.record.pk: item.task_id for item in planned}, getattr(user, "username", "") or "")
     return [item for item in planned if item.record.pk in won]
 
 
-def _claims_in_one_statement() -> bool:
-    """PostgreSQL, and SQLite from 3.35 (UPDATE ... FROM and RETURNING): the claim is one statement."""
-    vendor = connection.vendor
-    return vendor == "postgresql" or (vendor == "sqlite" and sqlite3.sqlite_version_info >= (3, 35))
-
-
-def _claim_returning(task_ids: dict[int, str], handled_by: str) -> set[int]:
-    """The claim as one ``UPDATE ... FROM (VALUES ...) RETURNING``: each record joined to its new task id (where a
-    CASE of 500 branches was evaluated for every row), the ones this call moved read back in the same statement."""
-    table, pk, status, replayed_as, by, at = (
-        connection.ops.quote_name(name)
-        for name in (DeadLetter._meta.db_table, "id", "status", "replayed_task_id", "handled_by", "handled_at")
-    )
-    rows = ", ".join(["(CAST(%s AS bigint), %s)"] * len(task_ids))
-    sql = (
-        f"WITH claimed (record_id, task_id) AS (VALUES {rows}) "
-        f"UPDATE {table} SET {status} = %s, {replayed_as} = claimed.task_id, {by} = %s, {at} = %s FROM claimed "
-        f"WHERE {table}.{pk} = claimed.record_id AND {table}.{status} = %s RETURNING {table}.{pk}"
-    )
-    handled_at = connection.ops.adapt_datetimefield_value(timezone.now())
-    params = [*(value for pair in task_ids.items() for value in pair), "replayed", handled_by, handled_at, "open"]
-    with connection.cursor() as cursor:
-        cursor.execute(sql, params)
-        return {int(row[0]) for row in cursor.fetchall()}
-
-
 def _replayed(item: _Claimed, user: Any) -> None:
+    """Its message is on the broker: the log line, and its job (when it works for one) queued again."""
     logger.info(
         "Dead letter %s (%s[%s]) replayed as %s by %s%s",
         item.record.pk,
@@ -456,30 +430,13 @@ def _replayed(item: _Claimed, user: Any) -> None:
         # Only a caller that allowed it gets here with one: the log says whose word let it run again.
         " (not_idempotent, allowed by the caller)" if item.record.reason == NOT_IDEMPOTENT else "",
     )
-
-
-def _put_back(task_ids: dict[int, str]) -> None:
-    """Open records whose replay was not published again (each still holding the task id it claimed). The
-    database may be what failed: a few tries, then an error that names the records and the task ids they
-    claim, for someone to reopen them by hand."""
-    if not task_ids:
-        return
-    for attempt in range(1, PUT_BACK_TRIES + 1):
+    job_id = headers.job_id(item.message.header)
+    if job_id is not None:
+        # The same job, queued again (written after the publish: see job_book.replayed).
         try:
-            DeadLetter.objects.filter(pk__in=task_ids, replayed_task_id__in=task_ids.values()).update(
-                status=DeadLetter.Status.OPEN, replayed_task_id="", handled_by="", handled_at=None
-            )
-            return
-        except DatabaseError:
-            close_old_connections()
-            if attempt < PUT_BACK_TRIES:
-                time.sleep(1.0)
-    logger.error(
-        "Dead letter(s) %s say they were replayed as %s, but nothing was published: reopen them (the database "
-        "could not be reached to put them back)",
-        ", ".join(map(str, task_ids)),
-        ", ".join(task_ids.values()),
-    )
+            replayed(job_id=job_id, task_id=item.task_id)
+        except Exception as exc:  # the job's state is a view; the replay went out
+            logger.warning("Replay %s: job %s not marked queued (%r)", item.task_id, job_id, exc)
 
 
 def _publish(item: _Claimed, app: Any, producer: Any) -> None:
@@ -491,10 +448,3 @@ def _publish(item: _Claimed, app: Any, producer: Any) -> None:
         headers={headers.HEADER: message.header},
         producer=producer,
     )
-    job_id = headers.job_id(message.header)
-    if job_id is not None:
-        # The same job, queued again (written after the publish: see job_book.replayed).
-        try:
-            replayed(job_id=job_id, task_id=item.task_id)
-        except Exception as exc:  # the job's state is a view; the replay went out
-            logger.warning("Replay %s: job %s not marked queued (%r)", item.task_id, job_id, exc)

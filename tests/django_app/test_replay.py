@@ -455,14 +455,100 @@ def test_a_replay_of_many_records_goes_in_batches_reports_progress_and_publishes
     assert waiting_messages(broker, queue_name) == 1203
 
 
+@contextmanager
+def on_publish(handle: Any) -> Iterator[None]:
+    """``handle(task_id)`` called as Celery is about to publish each message (its ``before_task_publish``)."""
+
+    def handler(headers: dict[str, Any] | None = None, **_: Any) -> None:
+        handle((headers or {}).get("id"))
+
+    before_task_publish.connect(handler, weak=False)
+    try:
+        yield
+    finally:
+        before_task_publish.disconnect(handler)
+
+
+@pytest.mark.parametrize("broker", ["redis", "amqp"], indirect=True)
+def test_a_batch_goes_to_a_redis_broker_in_one_pipeline_once_every_record_is_claimed(
+    celery_app: Any, broker: str, queue_name: str
+) -> None:
+    from amqp.exceptions import NotFound
+
+    from tests.conftest import waiting_messages
+
+    def queued() -> int:
+        try:
+            return waiting_messages(broker, queue_name)
+        except NotFound:  # RabbitMQ: the queue is declared with its first message
+            return 0
+
+    # Given 7 open dead letters
+    records = open_letters(7)
+    # When they are replayed, the queue looked at as each message is about to be published
+    seen: list[tuple[int, int]] = []
+    claimed = DeadLetter.objects.filter(pk__in=[r.pk for r in records], status="replayed")
+    with on_publish(lambda _: seen.append((queued(), claimed.count()))):
+        result = replay_dead_letters([r.pk for r in records])
+    # Then every record was claimed before the first message went out
+    assert [held for _, held in seen] == [7] * 7
+    # And on Redis none of the batch is on the broker until its last message is in the pipeline (kombu's
+    # Producer.batch); on RabbitMQ each goes out as it is published
+    assert [queued for queued, _ in seen] == ([0] * 7 if broker == "redis" else list(range(7)))
+    # And then all 7 are there, each replayed once
+    assert waiting_messages(broker, queue_name) == 7 and len(result.replayed) == 7 and result.skipped == []
+
+
+def test_a_pipeline_the_broker_did_not_take_puts_its_whole_batch_back_to_open(celery_app: Any, queue_name: str) -> None:
+    from tests.conftest import waiting_messages
+    from tests.support.proxy import TcpProxy
+
+    # Given 5 open dead letters, and an app whose broker (Redis) is reached through a proxy
+    records = open_letters(5)
+    ids = [r.pk for r in records]
+    proxy = TcpProxy(6379)
+    app = type(celery_app)("replay-pipeline-cut", set_as_current=False)
+    try:
+        app.conf.update(
+            broker_url=celery_app.conf.broker_url.replace("127.0.0.1:6379", f"127.0.0.1:{proxy.port}"),
+            task_default_queue=queue_name,
+            broker_connection_retry=False,
+        )
+        app.conf.guardrails = celery_app.conf.guardrails
+        app.tasks.register(tasks.charge)
+        # When the broker goes away as the batch's last message is published (before the pipeline is sent)
+        last = len(ids)
+        published: list[str] = []
+
+        def cut_at_the_last(task_id: str) -> None:
+            published.append(task_id)
+            if len(published) == last:
+                proxy.cut()
+
+        with on_publish(cut_at_the_last):
+            result = replay_dead_letters(ids, app=app)
+        # Then no record says replayed: the 5 are open again, each saying why, and none is on the broker
+        assert result.replayed == [] and sorted(pk for pk, _ in result.skipped) == ids
+        assert {why.split(":")[0] for _, why in result.skipped} == {"publishing failed"}
+        assert list(DeadLetter.objects.filter(pk__in=ids).values_list("status", flat=True)) == ["open"] * 5
+        assert waiting_messages("redis", queue_name) == 0
+        # And once the broker is back, the replay publishes each once
+        proxy.restore()
+        again = replay_dead_letters(ids, app=app)
+        assert len(again.replayed) == 5 and waiting_messages("redis", queue_name) == 5
+    finally:
+        app.close()
+        proxy.close()
+
+
 @pytest.mark.parametrize("one_statement", [True, False], ids=["update-returning", "update-then-read"])
 def test_a_batch_claim_wins_only_the_records_still_open_each_with_its_own_task_id(
     monkeypatch: pytest.MonkeyPatch, one_statement: bool
 ) -> None:
-    from django_celery_guardrails import replay
+    from django_celery_guardrails import replay, replay_claims
 
     # Given four open records, planned for a replay, each given its new task id
-    monkeypatch.setattr(replay, "_claims_in_one_statement", lambda: one_statement)
+    monkeypatch.setattr(replay_claims, "claims_in_one_statement", lambda: one_statement)
     records = open_letters(4)
     planned = [replay._Claimed(record, replay.plan(record), f"new-{record.pk}") for record in records]
     # And another replay that moved the second one first
