@@ -211,6 +211,10 @@ def _parameter_names(task: Any, count: int) -> list[str]:
     return names[:count]
 
 
+#: Exact types of an argument that holds nothing: checked without the walk (a subclass takes the walk).
+_SCALARS = frozenset({int, str, float, bool, type(None)})
+
+
 def _walk(
     value: Any, depth: int = 0, parts: tuple[Any, ...] = ()
 ) -> Iterator[tuple[tuple[Any, ...], Any, str | None, int]]:
@@ -360,6 +364,14 @@ class PayloadContract(Guardrail):
                 )
             if bound is not None:
                 bound += _CHAR_BYTES * len(name) + 4
+            if type(argument) in _SCALARS:  # nothing inside, nothing to walk: most arguments are ids and text
+                seen += 1
+                if seen > MAX_VALUES:
+                    return None
+                if bound is not None:
+                    more = _json_bound(argument, None)
+                    bound = None if more is None else bound + more
+                continue
             for parts, value, key, depth in _walk(argument):
                 seen += 1
                 if seen > MAX_VALUES:

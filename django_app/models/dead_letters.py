@@ -14,6 +14,15 @@ from django.utils.translation import gettext_lazy as _
 from ..querysets import DeadLetterQuerySet
 
 
+def record_name(*, task_name: str, task_id: str, reason: str, status: str) -> str:
+    """A record's name: every page and log entry Django names a record by (its delete pages and messages, "Recent
+    actions", the action checkbox's label) shows this, control and invisible characters written out
+    (.display). The actions' LogEntries name many records read without their model (``str(record)``)."""
+    from ..display import escape
+
+    return escape(f"{task_name}[{task_id}] {reason} ({status})")
+
+
 class DeadLetter(models.Model):
     """A message that will not be tried again: what it was, why it failed, every attempt, and who owns it."""
 
@@ -129,11 +138,7 @@ class DeadLetter(models.Model):
         ]
 
     def __str__(self) -> str:
-        # Every page and log entry Django names a record by (its delete pages and messages, "Recent actions", the
-        # action checkbox's label) shows this: control and invisible characters written out (.display).
-        from ..display import escape
-
-        return escape(f"{self.task_name}[{self.task_id}] {self.reason} ({self.status})")
+        return record_name(task_name=self.task_name, task_id=self.task_id, reason=self.reason, status=self.status)
 
 
 class SealedMessage(models.Model):
