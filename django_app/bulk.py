@@ -6,7 +6,8 @@ task ``django_celery_guardrails.bulk_dead_letters``.
 tenant, cause, a window of last failures), its search term (ids, or an argument: :mod:`.argument_search`), and the
 last record id when it was asked, so that records recorded later are left alone. :func:`start` checks the
 permission and submits the job; :func:`run` (the task's body, and what tests call) reads the open records the filter
-matches for that user (:mod:`.scoping`), :data:`BATCH` at a time in id order, and for each batch: replays them with
+matches for that user (:mod:`.scoping`), :data:`BATCH` at a time in id order (read :data:`READ_AHEAD` batches at a
+time), and for each batch: replays them with
 :func:`.replay.replay_dead_letters` (the permission, the ``not_idempotent`` rule, every refusal: the replay's own
 checks) or closes them (:func:`.maintenance.close_dead_letters`), writes one LogEntry naming the action, the filter
 and the counts, reports its progress, and stops before the next batch when the job's cancel was asked. Every step
@@ -41,6 +42,9 @@ logger = logging.getLogger(__name__)
 TASK = "django_celery_guardrails.bulk_dead_letters"
 #: Records acted on per batch: one LogEntry, one progress report and one look at the job's cancel each.
 BATCH = 500
+#: Batches of ids read ahead by one query: each read sorts the matching records by id (over 1,000,000 records, a
+#: read for every batch of a 40,000-record cause made its replay 1.5x plain Celery's publishing).
+READ_AHEAD = 100
 #: The actions, with the permission each needs and the status a closing one leaves.
 ACTIONS = {
     "replay": ("guardrails.replay_deadletter", ""),
@@ -169,6 +173,7 @@ def run(
     total = records.count()
     result = BulkResult(action=action)
     after = 0
+    ahead: list[int] = []
     while True:
         if stop is not None and result.batches and stop():
             result.stopped = True
@@ -179,9 +184,12 @@ def run(
                 result.batches,
             )
             break
-        ids = list(records.filter(pk__gt=after).order_by("pk").values_list("pk", flat=True)[:batch])
-        if not ids:
-            break
+        if not ahead:
+            ahead = list(records.filter(pk__gt=after).order_by("pk").values_list("pk", flat=True)[: batch * READ_AHEAD])
+            if not ahead:
+                break
+        # (a record read ahead that another hand closed since is the replay's refusal, or not closed again)
+        ids, ahead = ahead[:batch], ahead[batch:]
         done, refused = _act(action, ids, user=user, allow_not_idempotent=allow_not_idempotent)
         result.done += done
         result.refused.update(refused)

@@ -211,10 +211,6 @@ def _parameter_names(task: Any, count: int) -> list[str]:
     return names[:count]
 
 
-#: Exact types of an argument that holds nothing: checked without the walk (a subclass takes the walk).
-_SCALARS = frozenset({int, str, float, bool, type(None)})
-
-
 def _walk(
     value: Any, depth: int = 0, parts: tuple[Any, ...] = ()
 ) -> Iterator[tuple[tuple[Any, ...], Any, str | None, int]]:
