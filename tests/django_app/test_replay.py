@@ -20,6 +20,7 @@ from django.core.management import call_command
 from django.core.management.base import CommandError
 from django.test import Client
 from django.urls import reverse
+from kombu import Producer
 
 from celery_guardrails import tenant_context
 from celery_guardrails.guardrails.scheduled_runs import slot_key
@@ -455,6 +456,10 @@ def test_a_replay_of_many_records_goes_in_batches_reports_progress_and_publishes
     assert waiting_messages(broker, queue_name) == 1203
 
 
+#: kombu batches a producer's publishes (5.7 on): a replay's batch goes to a Redis broker as one pipeline.
+BATCHES = hasattr(Producer, "batch")
+
+
 @contextmanager
 def on_publish(handle: Any) -> Iterator[None]:
     """``handle(task_id)`` called as Celery is about to publish each message (its ``before_task_publish``)."""
@@ -495,7 +500,7 @@ def test_a_batch_goes_to_a_redis_broker_in_one_pipeline_once_every_record_is_cla
     # And on Redis none of the batch is on the broker until its last message is in the pipeline (kombu's
     # Producer.batch); RabbitMQ takes each as it is published (kombu has no batch for it)
     if broker == "redis":
-        assert [queued for queued, _ in seen] == [0] * 7
+        assert [queued for queued, _ in seen] == ([0] * 7 if BATCHES else list(range(7)))
     # And then all 7 are there, each replayed once
     assert len(result.replayed) == 7 and result.skipped == []
     wait_for("the 7 replays on the broker", lambda: queued() == 7, timeout=TIMEOUT)
@@ -505,6 +510,8 @@ def test_a_pipeline_the_broker_did_not_take_puts_its_whole_batch_back_to_open(ce
     from tests.conftest import waiting_messages
     from tests.support.proxy import TcpProxy
 
+    if not BATCHES:
+        pytest.skip("kombu before 5.7 publishes one message at a time: no pipeline to cut")
     # Given 5 open dead letters, and an app whose broker (Redis) is reached through a proxy
     records = open_letters(5)
     ids = [r.pk for r in records]
