@@ -147,7 +147,7 @@ def test_a_prefork_worker_s_two_children_flushing_the_same_rows_never_deadlock_a
             # what it counted since its last flush as it exits. A SIGTERM to the children themselves lands in
             # a child as a SystemExit, which can fall after a delivery's result and before its count: a CI run
             # lost one delivery's count that way)
-            worker.shutdown()
+            worker.stop(30, group=False)
         # Then no flush was refused: no "deadlock detected", no batch kept for later
         assert "deadlock detected" not in worker.log
         assert "Activity: adding" not in worker.log

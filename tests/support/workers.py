@@ -100,28 +100,19 @@ class CeleryProcess:
         if self.process is not None and self.process.poll() is None:
             os.killpg(self.process.pid, sig)
 
-    def stop(self, timeout: float = 15.0) -> int | None:
+    def stop(self, timeout: float = 15.0, *, group: bool = True) -> int | None:
+        """SIGTERM, then SIGKILL to the group when it hangs. ``group=False`` sends the SIGTERM to the main process
+        only, as a deployment does (``celery multi stopwait``, Kubernetes, ``docker stop``): the pool's children
+        end their deliveries and exit through Celery's own shutdown (``worker_process_shutdown``). To the group,
+        the children get it too, and billiard turns it into a ``SystemExit`` wherever a child is: between a
+        delivery's result and its last bookkeeping, say."""
         if self.process is None:
             return None
         if self.process.poll() is None:
-            self.kill(signal.SIGTERM)
-            try:
-                self.process.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.kill(signal.SIGKILL)
-                self.process.wait(timeout)
-        return self.process.returncode
-
-    def shutdown(self, timeout: float = 30.0) -> int | None:
-        """A warm shutdown as a deployment sends it (``celery multi stopwait``, Kubernetes, ``docker stop``):
-        SIGTERM to the main process only, which lets the pool's children end their deliveries and exit through
-        Celery's own shutdown (``worker_process_shutdown``); SIGKILL to the group when it hangs. :meth:`stop`
-        sends SIGTERM to the children too, which billiard turns into a ``SystemExit`` wherever a child is: between
-        a delivery's result and its last bookkeeping, say."""
-        if self.process is None:
-            return None
-        if self.process.poll() is None:
-            os.kill(self.process.pid, signal.SIGTERM)
+            if group:
+                self.kill(signal.SIGTERM)
+            else:
+                os.kill(self.process.pid, signal.SIGTERM)
             try:
                 self.process.wait(timeout)
             except subprocess.TimeoutExpired:
