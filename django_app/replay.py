@@ -31,7 +31,7 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Callable, Iterable, Iterator
-from contextlib import AbstractContextManager, nullcontext
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -354,9 +354,16 @@ def _replay_batch(
     batch: list[tuple[DeadLetter, str | None]], app: Any, user: Any, result: ReplayResult, **changes: Any
 ) -> None:
     """Plan each record, claim the planned ones with one conditional UPDATE (open -> replayed, each with its new
-    task id), reopen their idempotency keys with one store call, publish them on one broker connection, in one
-    pipeline where the broker takes one (:func:`_publishing`). A record is told replayed once its message is
-    on the broker; one whose message may not be goes back to open."""
+    task id), reopen their idempotency keys with one store call, publish them on one broker connection. A record
+    is told replayed once its message is on the broker; one whose message may not be goes back to open.
+
+    Where kombu batches publishes (``Producer.batch()``, kombu 5.7: a Redis broker whose options never send a
+    pipeline twice), the batch's messages are buffered and sent as one pipeline when the block ends: a publish of
+    its own costs a round trip and a Redis client kombu makes for it, about a third of plain Celery's publish
+    (bench/scale.py). Its size is never reached, so nothing goes out before the end: the pipeline goes out, or
+    the whole batch goes back to open (delivery uncertain, as for a single publish whose answer was lost: a
+    keyed replay's key stops a second run). Elsewhere (RabbitMQ, an older kombu) each message goes out as it is
+    published."""
     planned: list[_Claimed] = []
     for record, token in batch:
         try:
@@ -368,46 +375,43 @@ def _replay_batch(
     result.skipped.extend(
         (item.record.pk, "already handled by someone else") for item in planned if item.record.pk not in won_ids
     )
-    pending = {item.record.pk: item for item in won}
+    pending = {item.record.pk: item for item in won}  # claimed, and not (yet) on the broker
     sent: list[_Claimed] = []
+    failure: BaseException | None = None
     try:
         # The keys failed with their messages: reopened deliberately, or the replays would be skipped.
         keys = [item.record.idempotency_key for item in won if item.record.idempotency_key]
         if keys:
             get_store(app).reopen_keys(keys)
-        with app.producer_or_acquire() as producer, _publishing(producer):
-            for item in won:
-                try:
-                    _publish(item, app, producer)
-                except Exception as exc:  # put it back: a record must never be marked replayed for nothing
-                    logger.exception("Replay of dead letter %s (%s) failed", item.record.pk, item.record.task_name)
-                    put_back({item.record.pk: item.task_id})
-                    result.skipped.append((item.record.pk, f"publishing failed: {exc}"))
-                    del pending[item.record.pk]
-                else:
+        with app.producer_or_acquire() as producer:
+            batched = bool(getattr(producer, "supports_batch_publish", False))
+            with producer.batch(max_size=BATCH * 20) if batched else nullcontext():
+                for item in won:
+                    try:
+                        _publish(item, app, producer)
+                    except Exception as exc:  # put it back: a record must never be marked replayed for nothing
+                        logger.exception("Replay of dead letter %s (%s) failed", item.record.pk, item.record.task_name)
+                        put_back({item.record.pk: item.task_id})
+                        result.skipped.append((item.record.pk, f"publishing failed: {exc}"))
+                        del pending[item.record.pk]
+                        continue
                     sent.append(item)
-        # (the batch's pipeline went out as the block ended: only now are these messages on the broker)
-    except BaseException as exc:  # the store or the broker out of reach, or anything else: not published, reopened
+                    if not batched:
+                        del pending[item.record.pk]  # on the broker already
+            # (a batch's pipeline went out as its block ended: only now are its messages on the broker)
+            pending.clear()
+    except BaseException as exc:  # the store or the broker out of reach, or anything else: reopened
+        failure = exc
         logger.exception("Replay of %s dead letter(s) failed", len(pending))
         put_back({pk: item.task_id for pk, item in pending.items()})
-        if not isinstance(exc, Exception):
-            raise
-        result.skipped.extend((pk, f"publishing failed: {exc}") for pk in pending)
-        return
+        if isinstance(exc, Exception):
+            result.skipped.extend((pk, f"publishing failed: {exc}") for pk in pending)
     for item in sent:
-        _replayed(item, user)
-        result.replayed.append((item.record.pk, item.task_id))
-
-
-def _publishing(producer: Any) -> AbstractContextManager[Any]:
-    """Where kombu batches publishes (``Producer.batch()``, kombu 5.7), a batch's messages are buffered and sent
-    as one Redis pipeline when the block ends: a publish of its own costs a round trip and a Redis client kombu
-    makes for it, about a third of plain Celery's publish (bench/scale.py). Its size is never reached, so
-    nothing goes out before the end: the pipeline goes out, or the whole batch goes back to open (delivery
-    uncertain, as for a single publish whose answer was lost: a keyed replay's key stops a second run). On a
-    transport without batches (py-amqp) kombu publishes at once; an older kombu has no ``batch``."""
-    batch = getattr(producer, "batch", None)
-    return batch(max_size=BATCH * 20) if batch is not None else nullcontext()
+        if item.record.pk not in pending:
+            _replayed(item, user)
+            result.replayed.append((item.record.pk, item.task_id))
+    if failure is not None and not isinstance(failure, Exception):
+        raise failure
 
 
 def _claim(planned: list[_Claimed], user: Any) -> list[_Claimed]:
