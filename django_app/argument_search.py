@@ -17,7 +17,6 @@ the newest :data:`SCAN_LIMIT` records (:attr:`Search.bounded` says when it stopp
 
 from __future__ import annotations
 
-import inspect
 import json
 import re
 from dataclasses import dataclass
@@ -29,6 +28,7 @@ from django.db import connection
 from django.db.models import Q, QuerySet
 
 from celery_guardrails.foundation.redaction import REDACTED
+from celery_guardrails.guardrails.keys import task_signature
 
 from . import health
 from .discovery import import_task_modules
@@ -118,7 +118,7 @@ def positional_parameters(task: Any) -> list[str]:
     """The positional parameters of ``task`` (none when its signature cannot be read): what names its stored
     ``args``, in the list's argument summary (``order_id=42``) and in a search."""
     try:
-        parameters = inspect.signature(task.run).parameters.values()
+        parameters = task_signature(task).parameters.values()  # read once per task class
     except Exception:  # no signature to read: by position (a page must show)
         return []
     return [p.name for p in parameters if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]

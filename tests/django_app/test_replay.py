@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 from celery.signals import before_task_publish
 from django.contrib.admin.models import LogEntry
-from django.contrib.auth.models import Permission, User
+from django.contrib.auth.models import User
 from django.core.exceptions import PermissionDenied
 from django.core.management import call_command
 from django.core.management.base import CommandError
@@ -38,6 +38,7 @@ from django_celery_guardrails.replay import (
 )
 from tests.conftest import Sink
 from tests.proj import tasks
+from tests.support.admin_users import staff_user
 from tests.support.dead_letters import held_once_recorded
 from tests.support.waiting import wait_for
 
@@ -65,21 +66,13 @@ def oid() -> int:
     return uuid.uuid4().int % 10**9
 
 
-def user_with(*codenames: str) -> User:
-    user = User.objects.create_user(f"u{uuid.uuid4().hex[:8]}", password="pw", is_staff=True)
-    user.user_permissions.add(
-        *Permission.objects.filter(content_type__app_label="guardrails", codename__in=["view_deadletter", *codenames])
-    )
-    return User.objects.get(pk=user.pk)
-
-
 def test_replay_after_the_fix_keeps_tenant_correlation_and_key(
     celery_worker: Any, celery_app: Any, sink: Sink, oid: int
 ) -> None:
     record = dead_letter(sink, oid)
     assert record.idempotency_key == f"tests.proj.tasks.charge:acme:charge:{oid}"
     # the cause is "fixed": the script's second run succeeds
-    result = replay_dead_letters(DeadLetter.objects.filter(pk=record.pk), user=user_with("replay_deadletter"))
+    result = replay_dead_letters(DeadLetter.objects.filter(pk=record.pk), user=staff_user("replay_deadletter"))
     ((replayed_pk, task_id),) = result.replayed
     assert replayed_pk == record.pk
     assert celery_app.AsyncResult(task_id).get(timeout=TIMEOUT) == f"charged {oid}"
@@ -197,7 +190,7 @@ def test_a_replayed_scheduled_run_waits_for_the_run_of_its_schedule_that_is_goin
 def test_replay_refused_without_permission_and_for_unknown_tasks(celery_worker: Any, sink: Sink, oid: int) -> None:
     record = dead_letter(sink, oid)
     with pytest.raises(PermissionDenied):
-        replay_dead_letters([record.pk], user=user_with())
+        replay_dead_letters([record.pk], user=staff_user())
     DeadLetter.objects.filter(pk=record.pk).update(task_name="tests.proj.tasks.gone")
     result = replay_dead_letters([record.pk])
     assert result.skipped == [
@@ -215,10 +208,10 @@ def test_admin_replay_needs_permission_confirms_logs_and_reports(celery_worker: 
     url = reverse("admin:guardrails_deadletter_replay", args=[record.pk])
     client = Client()
     # without the permission: 403
-    client.force_login(user_with())
+    client.force_login(staff_user())
     assert client.get(url).status_code == 403
     # with it: a confirmation page, then the replay, a LogEntry and a message
-    user = user_with("replay_deadletter")
+    user = staff_user("replay_deadletter")
     client.force_login(user)
     page = client.get(url)
     assert page.status_code == 200 and b"Are you sure you want to replay" in page.content
@@ -233,7 +226,7 @@ def test_admin_replay_needs_permission_confirms_logs_and_reports(celery_worker: 
 def test_admin_discard_action_confirms_first(celery_worker: Any, sink: Sink, oid: int) -> None:
     record = dead_letter(sink, oid)
     client = Client()
-    client.force_login(user_with("discard_deadletter"))
+    client.force_login(staff_user("discard_deadletter"))
     changelist = reverse("admin:guardrails_deadletter_changelist")
     listing = client.get(changelist, {"reason": "permanent", "status": "open"})
     assert listing.status_code == 200 and record.task_id.encode() in listing.content
@@ -313,7 +306,7 @@ def test_an_action_on_one_selected_row_of_four_changes_that_row_only(celery_work
     # Given four open dead letters
     records = [dead_letter(Sink.of(f"{sink.key}:{i}"), oid + i) for i in range(4)]
     client = Client()
-    client.force_login(user_with("discard_deadletter"))
+    client.force_login(staff_user("discard_deadletter"))
     changelist = reverse("admin:guardrails_deadletter_changelist")
     # When one row is ticked and discarded, as the change list posts it (select_across is "0")
     form = {"action": "discard_selected", "_selected_action": [records[1].pk], "select_across": "0", "index": "0"}
@@ -346,7 +339,7 @@ def test_the_overview_counts_open_records_and_the_last_day_and_a_replay_links_it
         task_name="t.old", task_id=f"old-{oid}", reason="poison", first_failed_at=moment, last_failed_at=moment
     )
     client = Client()
-    client.force_login(user_with("replay_deadletter"))
+    client.force_login(staff_user("replay_deadletter"))
     # When the overview is opened from the change list
     listing = client.get(reverse("admin:guardrails_deadletter_changelist"))
     assert b"overview-link" in listing.content
@@ -665,7 +658,7 @@ def test_a_not_idempotent_record_is_replayed_only_when_the_caller_allows_it(
     record = not_idempotent_letter(sink)
     # When it is replayed like any other record
     with published() as ids:
-        result = replay_dead_letters([record.pk], user=user_with("replay_deadletter"))
+        result = replay_dead_letters([record.pk], user=staff_user("replay_deadletter"))
     # Then nothing is published, the record stays open, and the result says why and how to replay it anyway
     assert ids == [] and result.replayed == []
     assert result.skipped == [(record.pk, NOT_IDEMPOTENT_REFUSAL)]
@@ -681,7 +674,7 @@ def test_a_not_idempotent_record_is_replayed_only_when_the_caller_allows_it(
     assert [why for _, why in refusals([record.pk], allow_not_idempotent=True)] == [""]
     # When the caller says they checked the effect did not happen
     with published() as ids:
-        result = replay_dead_letters([record.pk], user=user_with("replay_deadletter"), allow_not_idempotent=True)
+        result = replay_dead_letters([record.pk], user=staff_user("replay_deadletter"), allow_not_idempotent=True)
     # Then it is published once and a real worker runs it again, as its tenant
     ((replayed_pk, task_id),) = result.replayed
     assert (replayed_pk, ids, result.skipped) == (record.pk, [task_id], [])
@@ -758,7 +751,7 @@ def test_the_replay_action_warns_of_not_idempotent_records_and_replays_them_only
     # Given a not_idempotent record whose last attempt carries the core's note, and a permanent one
     unsafe = not_idempotent_letter(Sink.of(f"{sink.key}:unsafe"), note=NOTE)
     permanent = dead_letter(sink, oid)
-    user = user_with("replay_deadletter")
+    user = staff_user("replay_deadletter")
     client = Client()
     client.force_login(user)
     changelist = reverse("admin:guardrails_deadletter_changelist")
@@ -821,7 +814,7 @@ def test_the_one_record_pages_of_a_not_idempotent_record_ask_for_the_tick(
     unsafe = not_idempotent_letter(Sink.of(f"{sink.key}:unsafe"), note=NOTE)
     older = not_idempotent_letter(Sink.of(f"{sink.key}:older"))
     client = Client()
-    client.force_login(user_with("replay_deadletter"))
+    client.force_login(staff_user("replay_deadletter"))
     replay = reverse("admin:guardrails_deadletter_replay", args=[unsafe.pk])
     # When its Replay page is opened
     page = client.get(replay).content.decode()

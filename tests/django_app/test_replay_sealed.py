@@ -12,7 +12,6 @@ from typing import Any
 import pytest
 from cryptography.fernet import Fernet
 from django.contrib.admin.models import LogEntry
-from django.contrib.auth.models import Permission, User
 from django.core.management import call_command
 from django.core.management.base import CommandError
 from django.db import connection
@@ -24,6 +23,7 @@ from django_celery_guardrails.models import DeadLetter, SealedMessage
 from django_celery_guardrails.replay import Refused, plan, replay_dead_letters
 from tests.conftest import Sink
 from tests.proj import tasks
+from tests.support.admin_users import staff_user
 
 pytestmark = pytest.mark.django_db(transaction=True)
 TIMEOUT = 30
@@ -39,14 +39,6 @@ def celery_app(celery_app: Any) -> Any:
 @pytest.fixture
 def secret() -> str:
     return f"tok-live-{uuid.uuid4().hex}"
-
-
-def user_with(*codenames: str) -> User:
-    user = User.objects.create_user(f"u{uuid.uuid4().hex[:8]}", password="pw", is_staff=True)
-    user.user_permissions.add(
-        *Permission.objects.filter(content_type__app_label="guardrails", codename__in=["view_deadletter", *codenames])
-    )
-    return User.objects.get(pk=user.pk)
 
 
 def failed_sync(
@@ -86,7 +78,7 @@ def test_a_record_whose_token_was_redacted_replays_with_the_real_token(
     assert secret not in everything_stored()
     # When the cause is fixed and the record replayed
     fix_the_cause(sink)
-    ((_, task_id),) = replay_dead_letters([record.pk], user=user_with("replay_deadletter")).replayed
+    ((_, task_id),) = replay_dead_letters([record.pk], user=staff_user("replay_deadletter")).replayed
     # Then the task runs with the real token, its tenant and key, and succeeds
     assert celery_app.AsyncResult(task_id).get(timeout=TIMEOUT) == f"synced {sink.key}"
     first, second = sink.wait(2)
@@ -100,7 +92,7 @@ def test_edit_and_replay_keeps_what_was_redacted_and_takes_the_edit(
     # Given a dead letter of a call with the wrong region, and a user who may replay
     record = failed_sync(sink, secret, options={"region": "us"})
     client = Client()
-    client.force_login(user_with("replay_deadletter"))
+    client.force_login(staff_user("replay_deadletter"))
     url = reverse("admin:guardrails_deadletter_edit_and_replay", args=[record.pk])
     # When they open the form: it shows the arguments redacted, never the token
     page = client.get(url)
@@ -206,7 +198,7 @@ def test_without_the_replay_permission_no_replay_is_offered(celery_worker: Any, 
     # Given a staff user who may view, discard and resolve dead letters, but not replay them
     record = failed_sync(sink, secret)
     client = Client()
-    client.force_login(user_with("discard_deadletter", "resolve_deadletter"))
+    client.force_login(staff_user("discard_deadletter", "resolve_deadletter"))
     # Then the detail page offers no Replay and no Edit and replay, and no Save
     detail = client.get(reverse("admin:guardrails_deadletter_change", args=[record.pk]))
     assert detail.status_code == 200
@@ -219,7 +211,7 @@ def test_without_the_replay_permission_no_replay_is_offered(celery_worker: Any, 
     for name in ("admin:guardrails_deadletter_replay", "admin:guardrails_deadletter_edit_and_replay"):
         assert client.get(reverse(name, args=[record.pk])).status_code == 403
     # While a user who may replay sees both buttons
-    client.force_login(user_with("replay_deadletter"))
+    client.force_login(staff_user("replay_deadletter"))
     detail = client.get(reverse("admin:guardrails_deadletter_change", args=[record.pk]))
     assert b"replay-link" in detail.content and b"edit-replay-link" in detail.content
 
@@ -235,7 +227,7 @@ def test_a_replay_that_fails_again_links_its_new_dead_letter(
     again = DeadLetter.objects.get(task_id=task_id)
     # When its page is opened
     client = Client()
-    client.force_login(user_with("replay_deadletter"))
+    client.force_login(staff_user("replay_deadletter"))
     detail = client.get(reverse("admin:guardrails_deadletter_change", args=[record.pk]))
     # Then "replayed as" links the new dead letter (which keeps the real token sealed too)
     url = reverse("admin:guardrails_deadletter_change", args=[again.pk])
