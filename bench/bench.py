@@ -9,6 +9,9 @@ printed, with their range: this machine's speed drifts by more than the differen
   idempotency key; with a dependency, i.e. a retry budget) and results ignored (``ignore_result=True`` on
   plain and guarded kinds alike: the last task of a batch pushes to a Redis list the publisher waits on).
   It also counts, from Redis' own statistics, the extra commands and round trips (script calls) per task.
+  The same kinds again on a backlog: the N messages published first (that publish timed apart: the publisher's
+  cost per message), then handed to the worker's queue at once; the worker's throughput with the publisher off
+  its cores, as a worker meets a queue that backed up.
 * Django store on PostgreSQL, in a database made for the run on the local server (BENCH_PG_HOST,
   BENCH_PG_PORT, BENCH_PG_USER) and dropped after it: a task that INSERTs one row, plain Celery in a
   transaction of its own against a keyed GuardedTask with ``atomic=True`` (the key's completion commits in
@@ -70,12 +73,15 @@ PG = {
 class Group:
     """Kinds compared with one baseline (the first kind); ``stored``: wait for results, else for ``done``;
     ``duplicates``: every fifth message repeats the one before it (20% duplicates, published while the first
-    is still queued or running)."""
+    is still queued or running); ``backlog``: the N messages are published to a list of their own first (that
+    publish timed apart), then handed to the worker's queue in one step (Redis ``RENAME``): the worker's
+    throughput on a backlog, without the publisher on the same cores."""
 
     title: str
     kinds: list[str]
     stored: bool = True
     duplicates: bool = False
+    backlog: bool = False
 
 
 #: What each kind of the peers' group guarantees, printed beside its speed.
@@ -98,6 +104,13 @@ WORKERS: dict[str, list[Group]] = {
             ["plain", "plain_acks_late", "guarded", "guarded_key", "guarded_dependency"],
         ),
         Group("Redis store, results ignored", ["plain_ignored", "guarded_ignored", "guarded_key_ignored"], False),
+        Group("Redis store, results stored, a backlog", ["plain", "guarded", "guarded_key"], backlog=True),
+        Group(
+            "Redis store, results ignored, a backlog",
+            ["plain_ignored", "guarded_ignored", "guarded_key_ignored"],
+            False,
+            backlog=True,
+        ),
     ],
     "redis_kombu_pop": [
         Group("Redis store, results stored, kombu's BRPOP (broker_atomic_pop off)", ["plain", "guarded"]),
@@ -149,6 +162,8 @@ class Measured:
     last."""
 
     seconds: list[float] = field(default_factory=list)
+    #: A backlog's publish, in seconds, in each round (empty: published while the worker ran).
+    published: list[float] = field(default_factory=list)
     commands: int = 0
     scripts: int = 0
     sessions: int = 0
@@ -162,6 +177,8 @@ class Batch:
     commands: int
     scripts: int
     sessions: int
+    #: A backlog's publish (seconds), timed apart; 0 otherwise.
+    published: float = 0.0
 
 
 def pg_admin(statement: str) -> None:
@@ -204,11 +221,26 @@ def measure(bench_app: Any, client: Any, group: Group, name: str, first: int, *,
     all ran."""
     task = getattr(bench_app, name)
     done = f"bench-done-{uuid.uuid4().hex[:8]}"
+    numbers = [first + (i - 1 if group.duplicates and i % 5 == 0 and i else i) for i in range(N)]
+    published = 0.0
+    if group.backlog:
+        # Published to a list the worker does not read, then renamed onto the (empty) list it waits on: Redis
+        # wakes the waiting pop, and the worker finds N messages queued.
+        target = queue or bench_app.app.conf.task_default_queue
+        stage = f"bench-backlog-{uuid.uuid4().hex[:8]}"
+        began = time.perf_counter()
+        pending = [task.apply_async((n, done if i == N - 1 else ""), queue=stage) for i, n in enumerate(numbers)]
+        published = time.perf_counter() - began
+        client.delete(f"_kombu.binding.{stage}")
+        if client.exists(target):
+            raise RuntimeError(f"the worker's queue {target} is not empty before a backlog")
     before = redis_stats(client)
     sessions = pg_sessions()
     start = time.perf_counter()
-    numbers = [first + (i - 1 if group.duplicates and i % 5 == 0 and i else i) for i in range(N)]
-    pending = [task.apply_async((n, done if i == N - 1 else ""), queue=queue) for i, n in enumerate(numbers)]
+    if group.backlog:
+        client.rename(stage, target)
+    else:
+        pending = [task.apply_async((n, done if i == N - 1 else ""), queue=queue) for i, n in enumerate(numbers)]
     if group.stored:
         for result in pending:
             result.get(timeout=300)
@@ -227,6 +259,7 @@ def measure(bench_app: Any, client: Any, group: Group, name: str, first: int, *,
         scripts=after[1] - before[1],
         # (a session's count is flushed when it ends: the worker's open one is counted in the next batch)
         sessions=pg_sessions() - sessions,
+        published=published,
     )
 
 
@@ -236,8 +269,8 @@ VARIANTS = {"redis_kombu_pop": {"broker_atomic_pop": False}}
 DATABASE_VARIANTS = {"postgres_reuse": {"BENCH_DB_REUSE_MAX": "1000"}, "postgres_pool": {"BENCH_PG_POOL": "1"}}
 
 
-def run_worker(store: str, groups: list[Group]) -> dict[str, Measured]:
-    """Every kind of ``groups`` measured in every round on one worker process."""
+def run_worker(store: str, groups: list[Group]) -> dict[str, dict[str, Measured]]:
+    """Every kind of ``groups`` measured in every round on one worker process: by group title, by kind."""
     import json
 
     scratch = Path(tempfile.mkdtemp(prefix="guardrails-bench-"))
@@ -297,7 +330,7 @@ def stop_worker(worker: subprocess.Popen[bytes]) -> None:
     worker.wait(30)
 
 
-def _run_worker(env: dict[str, str], groups: list[Group]) -> dict[str, Measured]:
+def _run_worker(env: dict[str, str], groups: list[Group]) -> dict[str, dict[str, Measured]]:
     os.environ.update({k: env[k] for k in ("BENCH_STORE", "BENCH_QUEUE", "BENCH_RUN", "BENCH_GUARDRAILS")})
     if env.get("BENCH_PG_NAME"):  # its sessions are counted (pg_sessions)
         os.environ["BENCH_PG_NAME"] = env["BENCH_PG_NAME"]
@@ -311,16 +344,19 @@ def _run_worker(env: dict[str, str], groups: list[Group]) -> dict[str, Measured]
     try:
         bench_app.plain.delay(0).get(timeout=60)  # the worker is up
         kinds = [(group, name) for group in groups for name in group.kinds]
-        results = {name: Measured() for _, name in kinds}
+        results = {group.title: {name: Measured() for name in group.kinds} for group in groups}
         for round_ in range(ROUNDS):
             # Each round starts with another kind: the first measured after a pause ran measurably faster.
             shift = round_ % len(kinds)
             for index, (group, name) in enumerate(kinds[shift:] + kinds[:shift]):
                 first = (round_ * len(kinds) + index + 1) * N
                 batch = measure(bench_app, client, group, name, first)
-                results[name].seconds.append(batch.seconds)
-                results[name].commands, results[name].scripts = batch.commands, batch.scripts
-                results[name].sessions = batch.sessions
+                measured = results[group.title][name]
+                measured.seconds.append(batch.seconds)
+                if group.backlog:
+                    measured.published.append(batch.published)
+                measured.commands, measured.scripts = batch.commands, batch.scripts
+                measured.sessions = batch.sessions
         return results
     finally:
         stop_worker(worker)
@@ -420,6 +456,7 @@ def report(group: Group, results: dict[str, Measured], *, counts: bool, sessions
         f"{'kind':<26} {'best s':>7} {'tasks/s':>8} {'throughput':>10} {'(range)':>11} {'+us/task':>8}"
         + (f" {'+cmds/task':>10} {'+round trips/task':>17}" if counts else "")
         + (f" {'sessions/task':>13}" if sessions else "")
+        + (f" {'publish us/task':>15} {'+publish us':>10}" if group.backlog else "")
     )
     for name in group.kinds:
         kind = results[name]
@@ -435,6 +472,9 @@ def report(group: Group, results: dict[str, Measured], *, counts: bool, sessions
             line += f" {(kind.commands - base.commands) / N:>10.2f} {(kind.scripts - base.scripts) / N:>17.2f}"
         if sessions:
             line += f" {kind.sessions / N:>13.2f}"
+        if group.backlog:  # the publish, timed apart: the publisher's cost per message, and what the kind adds
+            extra = [(s - b) / N * 1e6 for b, s in zip(base.published, kind.published, strict=True)]
+            line += f" {statistics.median(kind.published) / N * 1e6:>15.0f} {statistics.median(extra):>10.0f}"
         print(line)
 
 
@@ -460,7 +500,9 @@ def main() -> None:
             return
         results = run_worker(store, WORKERS[store])
         for group in WORKERS[store]:
-            report(group, results, counts=store.startswith("redis"), sessions=store.startswith("postgres"))
+            report(
+                group, results[group.title], counts=store.startswith("redis"), sessions=store.startswith("postgres")
+            )
             if group.duplicates:
                 print("what each guarantees:")
                 for name in group.kinds:
@@ -480,7 +522,8 @@ def main() -> None:
         subprocess.run([sys.executable, __file__, "--store", store], check=True)
     print(
         "\nthroughput: the baseline's end-to-end time over this kind's in the same round on the same worker "
-        "(1.00 = as fast), median over the rounds (range: lowest-highest)."
+        "(1.00 = as fast), median over the rounds (range: lowest-highest). 'a backlog': timed from the moment N "
+        "published messages are handed to the worker's queue to the last one's end (the publish timed apart)."
     )
     print("GuardedTask acks late: 'plain_acks_late' separates the cost of that policy from the guardrails'.")
     print("Publisher, worker and services share this machine's cores: single rounds differ widely; read the median.")
