@@ -277,18 +277,14 @@ NESTING_BUDGET = 1_000_000
 _CONTAINERS = (Mapping, list, tuple, set, frozenset)
 #: Types that hold nothing: told apart by their type alone (an ABC's isinstance costs several times more, and
 #: this check runs on every value of every message a worker takes).
-_SCALARS = frozenset({str, int, float, bool, type(None), bytes})
-
-
-def _container(value: Any) -> bool:
-    return type(value) not in _SCALARS and isinstance(value, _CONTAINERS)
+SCALARS = frozenset({str, int, float, bool, type(None), bytes})
 
 
 def nesting_over(values: Iterator[Any] | tuple[Any, ...] | list[Any], limit: int) -> int | None:
     """The nesting depth reached past ``limit`` by any of ``values`` (a list of numbers is 1 level), or None when
     none goes deeper (or :data:`NESTING_BUDGET` items were looked at first). A loop, not a recursion: it takes
     any depth, and stops at the first level past the limit."""
-    stack = [(value, 1) for value in values if _container(value)]
+    stack = [(value, 1) for value in values if type(value) not in SCALARS and isinstance(value, _CONTAINERS)]
     seen = 0
     while stack:
         value, depth = stack.pop()
@@ -298,7 +294,7 @@ def nesting_over(values: Iterator[Any] | tuple[Any, ...] | list[Any], limit: int
         seen += len(value)
         if seen > NESTING_BUDGET:
             return None
-        stack.extend((item, depth + 1) for item in items if _container(item))
+        stack.extend((item, depth + 1) for item in items if type(item) not in SCALARS and isinstance(item, _CONTAINERS))
     return None
 
 
@@ -360,7 +356,7 @@ class PayloadContract(Guardrail):
                 )
             if bound is not None:
                 bound += _CHAR_BYTES * len(name) + 4
-            if type(argument) in _SCALARS:  # nothing inside, nothing to walk: most arguments are ids and text
+            if type(argument) in SCALARS:  # nothing inside, nothing to walk: most arguments are ids and text
                 seen += 1
                 if seen > MAX_VALUES:
                     return None

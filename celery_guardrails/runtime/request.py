@@ -184,15 +184,23 @@ def _depth_limit(task: Any) -> int:
 def _check_depth(request: Any) -> None:
     """Raise ValueError for arguments or headers nested deeper than ``max_payload_depth`` (see the module
     docstring): the pool's pickle, the record's walks and the body itself would fail on them."""
-    from celery_guardrails.guardrails.contract import nesting_over
+    from celery_guardrails.guardrails.contract import SCALARS, nesting_over
 
-    limit = _depth_limit(request.task)
     args, kwargs = request.args, request.kwargs
-    values = [
-        *(args if isinstance(args, list | tuple) else (args,)),
-        *(kwargs.values() if isinstance(kwargs, dict) else (kwargs,)),
-        *(value for name, value in request.request_dict.items() if name not in ("args", "kwargs")),
+    # Only containers have a depth to walk; most values of a message (ids, text, numbers) are told apart by their
+    # type alone, here, on every message a worker takes.
+    values = [value for value in (args if isinstance(args, list | tuple) else (args,)) if type(value) not in SCALARS]
+    values += [
+        value for value in (kwargs.values() if isinstance(kwargs, dict) else (kwargs,)) if type(value) not in SCALARS
     ]
+    values += [
+        value
+        for name, value in request.request_dict.items()
+        if type(value) not in SCALARS and name != "args" and name != "kwargs"
+    ]
+    if not values:
+        return
+    limit = _depth_limit(request.task)
     depth = nesting_over(values, limit)
     if depth is not None:
         raise ValueError(
