@@ -500,9 +500,7 @@ def main() -> None:
             return
         results = run_worker(store, WORKERS[store])
         for group in WORKERS[store]:
-            report(
-                group, results[group.title], counts=store.startswith("redis"), sessions=store.startswith("postgres")
-            )
+            report(group, results[group.title], counts=store.startswith("redis"), sessions=store.startswith("postgres"))
             if group.duplicates:
                 print("what each guarantees:")
                 for name in group.kinds:
