@@ -82,9 +82,11 @@ CLOCK_MARGIN = 1.0
 #: worker, kept until its ack), the oldest are released.
 KEPT_MAX = 10_000
 
-#: ``after_pop`` for :data:`~celery_guardrails.broker.atomic_pop.POP_LOOP`. ARGV[2..8]: the owner's prefix
-#: (``hostname:pid:``), its delivery number, the lease, the retention, the store's key prefix, the longest scoped
-#: key, the guardrails header's name. Answers {scoped key, owner, takeover} for an acquired claim, else nil.
+#: ``after_pop`` for :data:`~celery_guardrails.broker.atomic_pop.POP_LOOP`. ARGV[2..9]: the owner's prefix
+#: (``hostname:pid:``), its delivery number, the lease's end, the retention, the store's key prefix, the longest
+#: scoped key, the guardrails header's name, the time (the lease's end and the time on the server's clock, as the
+#: store's own claims have them: :meth:`Claims.arguments`). Answers {scoped key, owner, takeover} for an acquired
+#: claim, else nil.
 STEP = (
     CLAIM_FUNCTION
     + """
@@ -99,10 +101,8 @@ local function after_pop(message)
   if type(key) ~= 'string' or key == '' or type(tenant) ~= 'string' then return nil end
   local scoped = task .. ':' .. tenant .. ':' .. key
   if #scoped > tonumber(ARGV[7]) then return nil end
-  local clock = redis.call('TIME')
-  local now = tonumber(clock[1]) + tonumber(clock[2]) / 1000000
   local owner = ARGV[2] .. id .. ':' .. ARGV[3]
-  local answer = claim(ARGV[6] .. scoped, owner, now, tonumber(ARGV[4]), tonumber(ARGV[5]), '')
+  local answer = claim(ARGV[6] .. scoped, owner, ARGV[9], ARGV[4], ARGV[5], '')
   if answer[1] ~= 'acquired' then return nil end
   return {scoped, owner, answer[2]}
 end
@@ -127,7 +127,9 @@ class Claims:
     def arguments(self) -> list[Any]:
         prefix = f"{self.hostname}:{os.getpid()}:"
         number = delivery_number()
-        return [prefix, number, self.lease, self.retention, IDEM_PREFIX, STORED_MAX_LENGTH, headers.HEADER]
+        now = self.store.server_now()
+        lease_until = f"{now + self.lease:.6f}"
+        return [prefix, number, lease_until, self.retention, IDEM_PREFIX, STORED_MAX_LENGTH, headers.HEADER, repr(now)]
 
     def popped(self, tag: str, answer: list[str]) -> None:
         key, owner, takeover = answer[:3]

@@ -30,12 +30,15 @@ PUBLISH_PREFIX = "guardrails:published:"
 DELIVERIES_PREFIX = "guardrails:deliveries:"
 
 # Idempotency keys: a hash {state, owner, lease_until, summary, reason, completed_at}. The claim is a Lua function,
-# so that the atomic pop can claim with it too (celery_guardrails.guardrails.pop_claims): one text of the rule.
+# so that the atomic pop can claim with it too (celery_guardrails.guardrails.pop_claims): one text of the rule. Its
+# times come as text, made by the caller (``now`` on the server's clock, see RedisIdempotency._now; ``lease_until``
+# formatted '%.6f'; ``retention`` whole seconds): Redis's TIME, string.format and a number handed to redis.call
+# (formatted again by Redis) were a quarter of what a claim made the server do.
 CLAIM_FUNCTION = """
-local function claim(key, owner, now, lease, retention, replaces)
+local function claim(key, owner, now, lease_until, retention, replaces)
   local state = redis.call('HGET', key, 'state')
   if not state then
-    redis.call('HSET', key, 'state', 'claimed', 'owner', owner, 'lease_until', string.format('%.6f', now + lease))
+    redis.call('HSET', key, 'state', 'claimed', 'owner', owner, 'lease_until', lease_until)
     redis.call('EXPIRE', key, retention)
     return {'acquired', '0', '0', ''}
   end
@@ -46,26 +49,22 @@ local function claim(key, owner, now, lease, retention, replaces)
     return {state, '0', '0', text or '', done[3] or ''}
   end
   local fields = redis.call('HMGET', key, 'lease_until', 'owner')
-  local lease_until = tonumber(fields[1])
   if fields[2] == owner then
     -- this delivery asking again (its first answer was lost): it holds the claim
-    redis.call('HSET', key, 'lease_until', string.format('%.6f', now + lease))
+    redis.call('HSET', key, 'lease_until', lease_until)
     return {'acquired', '0', '0', ''}
   end
-  if lease_until > now and (replaces == '' or fields[2] ~= replaces) then
-    return {'busy', '0', string.format('%.6f', lease_until), fields[2] or ''}
+  if tonumber(fields[1]) > tonumber(now) and (replaces == '' or fields[2] ~= replaces) then
+    return {'busy', '0', fields[1], fields[2] or ''}
   end
-  redis.call('HSET', key, 'owner', owner, 'lease_until', string.format('%.6f', now + lease))
+  redis.call('HSET', key, 'owner', owner, 'lease_until', lease_until)
   redis.call('EXPIRE', key, retention)
   return {'acquired', '1', '0', ''}
 end
 """
 
-# ARGV: owner, now, lease, retention, replaces (optional)
-_CLAIM = (
-    CLAIM_FUNCTION
-    + "return claim(KEYS[1], ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4]), ARGV[5] or '')\n"
-)
+# ARGV: owner, now, lease_until, retention, replaces (optional)
+_CLAIM = CLAIM_FUNCTION + "return claim(KEYS[1], ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5] or '')\n"
 
 # ARGV: owner, then the fields to set; succeeds only while ``owner`` holds the claim. A finish repeated by the
 # owner that made it (its first answer was lost with the connection) succeeds again and changes nothing.
@@ -93,7 +92,7 @@ end
 -- complete / fail: ARGV[3] state, ARGV[4] field name, ARGV[5] value, ARGV[6] time, ARGV[7] retention
 redis.call('HSET', key, 'state', ARGV[3], ARGV[4], ARGV[5], 'completed_at', ARGV[6])
 redis.call('HDEL', key, 'lease_until')
-redis.call('EXPIRE', key, tonumber(ARGV[7]))
+redis.call('EXPIRE', key, ARGV[7])
 return 1
 """
 
@@ -250,6 +249,11 @@ class RedisIdempotency:
                 )
         return now + self._skew
 
+    def server_now(self) -> float:
+        """The time on the Redis server's clock, as this store's claims read it (:meth:`_now`): the claim with the
+        pop hands it to its script (:mod:`celery_guardrails.guardrails.pop_claims`)."""
+        return self._now(time.time())
+
     def claim(
         self,
         key: str,
@@ -263,7 +267,7 @@ class RedisIdempotency:
     ) -> Claim:
         server_now = self._now(now)
         state, takeover, lease_until, text, *done_by = self._run(
-            self._claim, key, [owner, repr(server_now), repr(lease), int(retention), replaces]
+            self._claim, key, [owner, repr(server_now), f"{server_now + lease:.6f}", int(retention), replaces]
         )
         state = state.decode()
         return Claim(
