@@ -8,7 +8,8 @@ printed, with their range: this machine's speed drifts by more than the differen
 * Redis store: no-op tasks, results stored (plain Celery with early and late acks; GuardedTask; with an
   idempotency key; with a dependency, i.e. a retry budget) and results ignored (``ignore_result=True`` on
   plain and guarded kinds alike: the last task of a batch pushes to a Redis list the publisher waits on).
-  It also counts, from Redis' own statistics, the extra commands and round trips (script calls) per task.
+  It also counts, from Redis' own statistics, the extra commands and round trips (script calls) per task, and
+  the server's own CPU time each kind adds to a task.
   The same kinds again on a backlog: the N messages published first (that publish timed apart: the publisher's
   cost per message), then handed to the worker's queue at once; the worker's throughput with the publisher off
   its cores, as a worker meets a queue that backed up.
@@ -149,11 +150,25 @@ WORKERS: dict[str, list[Group]] = {
 }
 
 
-def redis_stats(client: Any) -> tuple[int, int]:
-    """(commands processed, script calls) so far."""
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RedisStats:
+    """The Redis server's counters so far: commands processed, script calls, and its CPU time (seconds, user and
+    system: what the server itself spent, whoever asked)."""
+
+    commands: int
+    scripts: int
+    cpu: float
+
+
+def redis_stats(client: Any) -> RedisStats:
     stats = client.info("commandstats")
     scripts = sum(stats.get(f"cmdstat_{name}", {}).get("calls", 0) for name in ("evalsha", "eval"))
-    return int(client.info("stats")["total_commands_processed"]), int(scripts)
+    used = client.info("cpu")
+    return RedisStats(
+        commands=int(client.info("stats")["total_commands_processed"]),
+        scripts=int(scripts),
+        cpu=float(used["used_cpu_user"]) + float(used["used_cpu_sys"]),
+    )
 
 
 @dataclass
@@ -162,6 +177,8 @@ class Measured:
     last."""
 
     seconds: list[float] = field(default_factory=list)
+    #: The Redis server's CPU seconds in each round's batch (its own work for the publisher, the worker and both).
+    server_cpu: list[float] = field(default_factory=list)
     #: A backlog's publish, in seconds, in each round (empty: published while the worker ran).
     published: list[float] = field(default_factory=list)
     commands: int = 0
@@ -179,6 +196,8 @@ class Batch:
     sessions: int
     #: A backlog's publish (seconds), timed apart; 0 otherwise.
     published: float = 0.0
+    #: The Redis server's CPU seconds while the batch ran (a backlog's: from the hand-over).
+    server_cpu: float = 0.0
 
 
 def pg_admin(statement: str) -> None:
@@ -255,8 +274,9 @@ def measure(bench_app: Any, client: Any, group: Group, name: str, first: int, *,
     gc.collect()
     return Batch(
         seconds=seconds,
-        commands=after[0] - before[0],
-        scripts=after[1] - before[1],
+        commands=after.commands - before.commands,
+        scripts=after.scripts - before.scripts,
+        server_cpu=after.cpu - before.cpu,
         # (a session's count is flushed when it ends: the worker's open one is counted in the next batch)
         sessions=pg_sessions() - sessions,
         published=published,
@@ -353,6 +373,7 @@ def _run_worker(env: dict[str, str], groups: list[Group]) -> dict[str, dict[str,
                 batch = measure(bench_app, client, group, name, first)
                 measured = results[group.title][name]
                 measured.seconds.append(batch.seconds)
+                measured.server_cpu.append(batch.server_cpu)
                 if group.backlog:
                     measured.published.append(batch.published)
                 measured.commands, measured.scripts = batch.commands, batch.scripts
@@ -454,7 +475,7 @@ def report(group: Group, results: dict[str, Measured], *, counts: bool, sessions
     print(f"\n{group.title} (against {group.kinds[0]})")
     print(
         f"{'kind':<26} {'best s':>7} {'tasks/s':>8} {'throughput':>10} {'(range)':>11} {'+us/task':>8}"
-        + (f" {'+cmds/task':>10} {'+round trips/task':>17}" if counts else "")
+        + (f" {'+cmds/task':>10} {'+round trips/task':>17} {'+server us/task':>15}" if counts else "")
         + (f" {'sessions/task':>13}" if sessions else "")
         + (f" {'publish us/task':>15} {'+publish us':>10}" if group.backlog else "")
     )
@@ -469,7 +490,10 @@ def report(group: Group, results: dict[str, Measured], *, counts: bool, sessions
             f"{f'{min(ratios):.2f}-{max(ratios):.2f}':>11} {statistics.median(added):>8.0f}"
         )
         if counts:
+            # The Redis server's own CPU time this kind adds to a task (median of the rounds' differences).
+            server = [(k - b) / N * 1e6 for b, k in zip(base.server_cpu, kind.server_cpu, strict=True)]
             line += f" {(kind.commands - base.commands) / N:>10.2f} {(kind.scripts - base.scripts) / N:>17.2f}"
+            line += f" {statistics.median(server):>15.0f}"
         if sessions:
             line += f" {kind.sessions / N:>13.2f}"
         if group.backlog:  # the publish, timed apart: the publisher's cost per message, and what the kind adds
