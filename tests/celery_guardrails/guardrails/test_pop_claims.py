@@ -404,3 +404,28 @@ def test_a_pop_claims_with_the_shortest_lease_of_the_keyed_tasks() -> None:
 
     # Then its pops claim with 2 s: a claim a killed worker leaves never outlives the lease of its task
     assert pop_claims.pop_lease(app) == 2.0
+
+
+def test_a_pop_s_arguments_carry_the_server_s_time_and_never_raise_with_the_server_gone() -> None:
+    # Given the claims of a worker whose store is the real Redis, and one whose store's server is gone (nothing
+    # listens on its port: the clock's check, due on the first pop, cannot reach it)
+    lease = 30.0
+    here = pop_claims.Claims(store=RedisStore(REDIS_URL), hostname="celery@here", lease=lease, retention=60)
+    gone = pop_claims.Claims(
+        store=RedisStore("redis://127.0.0.1:1/0"), hostname="celery@gone", lease=lease, retention=60
+    )
+    # When each gives the arguments of a pop
+    seconds, micros = redis.Redis.from_url(REDIS_URL).time()
+    given = here.arguments()
+    fallback = gone.arguments()
+    # Then the time is the server's (to the second the store measures its clock by), the lease's end is that time
+    # plus the pop's lease, as the claim script stores it, and the retention whole seconds
+    for arguments in (given, fallback):
+        prefix, _number, lease_until, retention, key_prefix, _longest, header, now = arguments
+        assert float(lease_until) == pytest.approx(float(now) + lease, abs=1e-6)
+        assert lease_until == f"{float(now) + lease:.6f}" and retention == 60
+        assert key_prefix == IDEM_PREFIX and header == "guardrails" and prefix.endswith(":")
+    assert abs(float(given[-1]) - (seconds + micros / 1e6)) < 1.5
+    # And the store that cannot be reached gave this host's time instead of raising (the pop goes on; its claim is
+    # what the store's own claims would make)
+    assert abs(float(fallback[-1]) - time.time()) < 1.5
