@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import itertools
 import logging
 import math
 import pickle
@@ -187,16 +188,17 @@ def _check_depth(request: Any) -> None:
     from celery_guardrails.guardrails.contract import SCALARS, nesting_over
 
     args, kwargs = request.args, request.kwargs
+    headers = (value for name, value in request.request_dict.items() if name != "args" and name != "kwargs")
     # Only containers have a depth to walk; most values of a message (ids, text, numbers) are told apart by their
     # type alone, here, on every message a worker takes.
-    values = [value for value in (args if isinstance(args, list | tuple) else (args,)) if type(value) not in SCALARS]
-    values += [
-        value for value in (kwargs.values() if isinstance(kwargs, dict) else (kwargs,)) if type(value) not in SCALARS
-    ]
-    values += [
+    values = [
         value
-        for name, value in request.request_dict.items()
-        if type(value) not in SCALARS and name != "args" and name != "kwargs"
+        for value in itertools.chain(
+            args if isinstance(args, list | tuple) else (args,),
+            kwargs.values() if isinstance(kwargs, dict) else (kwargs,),
+            headers,
+        )
+        if type(value) not in SCALARS
     ]
     if not values:
         return
