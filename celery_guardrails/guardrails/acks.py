@@ -10,18 +10,27 @@ worker's own ack then only forgets the delivery (:class:`celery_guardrails.broke
 
 A keyed delivery's completion rides that ack (one script: the completion is durable before the message is
 removed, and no worker can die between the two) where nothing else waits between the body's return and the ack,
-so that moving the completion from the body's return to the ack moves it past nothing: results ignored (nothing
-stored in between), no callback or chain to publish, no ordering turn, job, run slot, concurrency slot, budget
-admission or checkpoint to settle. A worker killed between the body's return and this step leaves the key
-claimed by a process that is gone: the redelivery takes it over and runs the body again, the window between the
-effect and the completion that the Redis store always had (a body that hands ``self.request.idempotency_key`` to
-its provider closes it). Any other keyed delivery sends its completion as its body returns, as before, and reads
-its answer before the ack.
+so that moving the completion from the body's return to the ack moves it past nothing: no callback, chain or
+chord to publish, no ordering turn, job, run slot, concurrency slot, budget admission or checkpoint to settle,
+and results ignored, or stored on Celery's Redis result backend on the store's own server and database.
+
+There the result rides too: Celery's ``mark_as_done`` hands it over encoded
+(:func:`celery_guardrails.runtime.results.handed_over`), and the same script writes it (SET, then PUBLISH to the
+clients waiting on it) between the completion and the ack. A stored result then means a completed key and an
+acked message, all or nothing, in one round trip where Celery makes three (its read of the stored state, its
+write, its ack).
+
+A worker killed between the body's return and this step leaves the key claimed by a process that is gone: the
+redelivery takes it over and runs the body again, the window between the effect and the completion that the
+Redis store always had (a body that hands ``self.request.idempotency_key`` to its provider closes it). Any other
+keyed delivery sends its completion as its body returns, as before, and reads its answer before the ack.
 
 Only where the task runs in the process that consumes its message: the solo and threads pools, with the atomic
 pop (``broker_atomic_pop``); a prefork child's message is acked by the main process, as Celery does. Anywhere
 else, and with ``store_acks=False``, the worker acks as Celery does. Only successes: a failure, a retry or a
-dead letter is acked (or given back) by the worker as before.
+dead letter is acked (or given back) by the worker as before. When the script cannot be run (the Redis cut
+away), the completion is made on its own (asked again until the store answers), then the result is stored as
+Celery stores it, then the worker acks.
 
 Task signal handlers that run after the success hooks (``task_success``, ``after_return``, ``task_postrun``) run
 after this ack (with Celery's ack, before it).
@@ -53,9 +62,10 @@ DECLARED = declare(
         name="store_acks",
         default=True,
         doc="Where the guardrails store is the broker's own Redis (same host, port, database and user), the store "
-        "acks a guarded task's message as it succeeds, and a keyed task whose results are ignored completes its "
-        "key and acks its message in one script, one round trip (solo and threads pools with broker_atomic_pop). "
-        "False: the completion as the body returns, and Celery's ack. See celery_guardrails.guardrails.acks.",
+        "acks a guarded task's message as it succeeds, and a keyed task completes its key and acks its message in "
+        "one script, one round trip, with its result when the result backend is that Redis too (solo and threads "
+        "pools with broker_atomic_pop). False: the completion as the body returns, Celery's result store and "
+        "Celery's ack. See celery_guardrails.guardrails.acks.",
         check=checks.boolean,
         scopes=frozenset({APP}),
     ),
@@ -118,10 +128,12 @@ def broker_ack(task: GuardedTask) -> BrokerAck | None:
 
 
 def nothing_between(task: GuardedTask, state: Delivery) -> bool:
-    """Whether nothing of this delivery has to be settled between its body's return and its ack (see the module
-    docstring): its completion may then wait for the ack."""
+    """Whether nothing of this delivery has to be settled between its body's return and its ack but a result that
+    can ride too (see the module docstring): its completion may then wait for the ack."""
     request = task.request
-    if not _results_ignored(task, request) or request.callbacks or request.chain:
+    if request.callbacks or request.chain or getattr(request, "chord", None):
+        return False
+    if not _results_ignored(task, request) and not result_rides(task):
         return False
     if state.ordering or state.job or state.slot or state.period or state.concurrency or state.dependency:
         return False
@@ -136,17 +148,42 @@ def _results_ignored(task: GuardedTask, request: Any) -> bool:
     return bool(getattr(task, "ignore_result", False)) and explicit is not False
 
 
+def result_rides(task: GuardedTask) -> bool:
+    """Whether the task's result can be written with its completion and ack: its result backend is Celery's Redis
+    backend (that class itself: a subclass may write otherwise) on the store's server and database."""
+    backend = getattr(task, "backend", None)
+    store: Any = get_store(task.app)  # a store instance: hashable by identity, like the backend
+    return _shared_backend(getattr(backend, "_backend", backend), store)
+
+
+@functools.lru_cache(maxsize=64)
+def _shared_backend(backend: Any, store: Any) -> bool:
+    from celery.backends.redis import RedisBackend
+
+    from celery_guardrails.stores.redis import RedisStore
+
+    if type(backend) is not RedisBackend or not isinstance(store, RedisStore):
+        return False
+    try:
+        theirs = backend.client.connection_pool.connection_kwargs
+    except Exception:  # a backend that cannot make its client: not judged the same
+        return False
+    mine = store.client.connection_pool.connection_kwargs
+    return all(theirs.get(name) == mine.get(name) for name in (*SAME, "password"))
+
+
 def ride(task: GuardedTask, state: Delivery, riding: Callable[..., RidingCompletion]) -> bool:
     """Let the completion ``riding(ack=...)`` makes wait for the ack when it can (True: it will be made there, by
-    :class:`StoreAck`)."""
+    :class:`StoreAck`), with the task's result when it is stored."""
     try:
         ack = broker_ack(task) if nothing_between(task, state) else None
+        takes_result = ack is not None and not _results_ignored(task, task.request)
     except Exception:  # the body returned: whatever this meets, the key is completed the usual way
         logger.warning("Task %s[%s]: its completion cannot ride the ack", task.name, task.request.id, exc_info=True)
         return False
     if ack is None:
         return False
-    state.riding = riding(ack=ack)
+    state.riding = riding(ack=ack, takes_result=takes_result)
     return True
 
 
@@ -173,10 +210,11 @@ class StoreAck(Guardrail):
                     summary=riding.summary,
                     retention=riding.retention,
                     ack=ack,
+                    result=riding.result.write if riding.result is not None else None,
                 )
         except Exception as exc:  # the message stays unacked (its completion settled first); the worker acks
             if riding is not None:
-                riding.settle(exc)
+                _settle(task, riding, exc)
             else:
                 logger.info("Task %s[%s]: not acked on the store (%s); the worker acks it", task.name, ack.tag, exc)
             return
@@ -197,7 +235,19 @@ class StoreAck(Guardrail):
         state = delivery(task)
         riding, state.riding = state.riding, None
         if riding is not None:
-            riding.settle(exc)
+            _settle(task, riding, exc)
 
 
-__all__ = ["DECLARED", "StoreAck", "broker_ack", "nothing_between", "ride", "shared_records"]
+def _settle(task: GuardedTask, riding: RidingCompletion, exc: BaseException) -> None:
+    """The completion made without the ack (``exc``: why), then the result handed over stored as Celery stores it;
+    the worker acks afterwards."""
+    riding.settle(exc)
+    if riding.result is None:
+        return
+    try:
+        riding.result.store()
+    except Exception:  # the key is completed: the body is not run again for a result that could not be stored
+        logger.exception("Task %s[%s]: its result could not be stored", task.name, task.request.id)
+
+
+__all__ = ["DECLARED", "StoreAck", "broker_ack", "nothing_between", "result_rides", "ride", "shared_records"]

@@ -21,7 +21,7 @@ from typing import Any
 
 from celery_guardrails.foundation.redaction import Redactor
 from celery_guardrails.runtime.view import DeliveryView
-from celery_guardrails.stores.base import BrokerAck
+from celery_guardrails.stores.base import BrokerAck, ResultWrite
 
 logger = logging.getLogger(__name__)
 
@@ -76,6 +76,16 @@ class Completion:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class RidingResult:
+    """The task's result, handed over by Celery's ``mark_as_done`` to be written with the completion and the ack
+    (see :mod:`celery_guardrails.runtime.results`)."""
+
+    write: ResultWrite
+    #: Stores it as Celery would have (its backend's ``store_result``), when the ack cannot carry it.
+    store: Callable[[], Any]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class RidingCompletion:
     """The completion of a claimed key that rides the ack (see :mod:`celery_guardrails.guardrails.acks`): made
     with it, after every success hook, in one step on the store that is also the broker."""
@@ -91,6 +101,11 @@ class RidingCompletion:
     lost: Callable[[], Any]
     #: The ack it rides.
     ack: BrokerAck
+    #: Whether the task's result rides too (the result backend's Redis is the store's): Celery's ``mark_as_done``
+    #: then hands it over instead of storing it (:mod:`celery_guardrails.runtime.results`).
+    takes_result: bool = False
+    #: The result handed over (None: none was, or results are ignored).
+    result: RidingResult | None = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -18,16 +18,26 @@ attribute that was dropped) is stored as a plain ``Exception("<module.Class>: <r
 
 The guardrails' own hooks (``on_failure``, the dead letter) still see the exception as raised: only what
 Celery keeps and passes on is redacted. Plain Celery tasks are not touched.
+
+One more difference, for speed: the success of a keyed delivery whose completion rides the ack, on Celery's
+Redis result backend on the store's own Redis, is not written by ``mark_as_done``. It is encoded there as Celery
+encodes it and handed over (:func:`handed_over`), and written by the script that completes the key and acks the
+message (see :mod:`celery_guardrails.guardrails.acks`).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import logging
 from typing import Any
 
+from celery import states
+
 from celery_guardrails.foundation.redaction import Redactor, exception_name, exception_text
 from celery_guardrails.options import APP, TASK, Option, checks, declare, resolve
-from celery_guardrails.runtime.delivery import redaction
+from celery_guardrails.runtime.delivery import ATTRIBUTE, RidingResult, redaction
+from celery_guardrails.stores.base import ResultWrite
 
 logger = logging.getLogger(__name__)
 
@@ -88,6 +98,15 @@ class RedactingBackend:
     def __repr__(self) -> str:
         return f"<RedactingBackend of {self._backend!r}>"
 
+    def mark_as_done(
+        self, task_id: str, result: Any, request: Any = None, store_result: bool = True, state: str = states.SUCCESS
+    ) -> Any:
+        # A keyed delivery whose completion rides the ack, on a result backend that is the store's Redis: its
+        # result rides too, written by the same script (celery_guardrails.guardrails.acks).
+        if store_result and state == states.SUCCESS and handed_over(self._backend, task_id, result, request):
+            return None
+        return self._backend.mark_as_done(task_id, result, request, store_result, state)
+
     # Only the exception and the traceback change; every other argument goes on as Celery gave it (its own
     # defaults stay Celery's).
     def mark_as_failure(
@@ -113,6 +132,37 @@ class RedactingBackend:
         if traceback:
             traceback = redactor.text(traceback)
         return exc, traceback
+
+
+def handed_over(backend: Any, task_id: str, result: Any, request: Any) -> bool:
+    """Hand a success's result to the completion that rides the ack, encoded as ``backend`` would store it
+    (whether it was). Celery's own steps up to the write (``store_result``, ``_store_result`` and the Redis
+    backend's ``set``, Celery 5.5 to 5.7); anything they raise is left for Celery's own ``mark_as_done`` to
+    meet again and handle as it does (an ``EncodeError`` fails the task)."""
+    state: Any = getattr(request, ATTRIBUTE, None)
+    riding = getattr(state, "riding", None)
+    if riding is None or not riding.takes_result or getattr(request, "chord", None):
+        return False
+    if getattr(request, "ignore_result", False):
+        return False
+    try:
+        meta = backend._get_result_meta(
+            result=backend.encode_result(result, states.SUCCESS), state=states.SUCCESS, traceback=None, request=request
+        )
+        meta["task_id"] = _text(task_id)
+        value = backend.encode(meta)
+        if isinstance(value, str) and len(value) > getattr(backend, "_MAX_STR_VALUE_SIZE", 512 * 2**20):
+            return False  # Celery refuses it, as a failure of the task
+        write = ResultWrite(key=_text(backend.get_key_for_task(task_id)), value=value, expires=backend.expires or None)
+    except Exception:
+        return False
+    store = functools.partial(backend.store_result, task_id, result, states.SUCCESS, request=request)
+    state.riding = dataclasses.replace(riding, result=RidingResult(write=write, store=store))
+    return True
+
+
+def _text(value: str | bytes) -> str:
+    return value.decode() if isinstance(value, bytes) else value
 
 
 def redacting_backend(task: Any, backend: Any) -> Any:

@@ -95,6 +95,20 @@ class BrokerAck:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class ResultWrite:
+    """A task's result as Celery's Redis result backend writes it (its key, the encoded meta-data, its expiry),
+    written by a Redis store on the same server with the completion and the ack it rides (see
+    :mod:`celery_guardrails.guardrails.acks`)."""
+
+    #: The result's key (the backend's ``get_key_for_task``), also the channel its waiters listen on.
+    key: str
+    #: The encoded meta-data, as the backend would store it.
+    value: str | bytes
+    #: Seconds the result is kept (the backend's ``result_expires``); None: for ever.
+    expires: int | None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class StoredCheckpoint:
     """A long job's checkpoint as the store holds it (see :mod:`celery_guardrails.runtime.checkpoint`)."""
 

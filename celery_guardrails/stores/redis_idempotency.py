@@ -15,7 +15,7 @@ from typing import Any
 
 from celery_guardrails.exceptions import StoreError
 from celery_guardrails.options import masked
-from celery_guardrails.stores.base import BrokerAck, Claim
+from celery_guardrails.stores.base import BrokerAck, Claim, ResultWrite
 from celery_guardrails.stores.redis_client import failure
 from celery_guardrails.stores.redis_lane import Lane
 
@@ -116,6 +116,27 @@ _COMPLETE_ACK = (
     + "\nend\nreturn {done, ack()}\n"
 )
 
+# The same, with the task's result written between the two, as Celery's Redis result backend writes it (KEYS[2];
+# ARGV[8] the encoded meta-data, ARGV[9] its expiry in seconds or '', ARGV[10] the tag): SET, then PUBLISH to
+# the clients waiting on it. A stored result then means a completed key and an acked message, all or nothing.
+# Written by the run that completed the key; a run whose key was taken over writes it only where no result is
+# stored yet (Celery keeps the first success: ``_store_result``). Returns {completed, acked}.
+_COMPLETE_STORE_ACK = (
+    "local function finish()\n"
+    + _IF_OWNER
+    + """
+end
+local done = finish()
+if done == 1 or redis.call('EXISTS', KEYS[2]) == 0 then
+  if ARGV[9] == '' then redis.call('SET', KEYS[2], ARGV[8]) else redis.call('SET', KEYS[2], ARGV[8], 'EX', ARGV[9]) end
+  redis.call('PUBLISH', KEYS[2], ARGV[8])
+end
+local function ack()
+"""
+    + _ACK
+    + "\nend\nreturn {done, ack()}\n"
+)
+
 
 # A delivery counter: one more, and its expiry, atomically (a script, not MULTI: a cluster client's pipeline
 # is not a transaction, and a counter left without its expiry would outlive its message).
@@ -202,6 +223,7 @@ class RedisIdempotency:
     _if_owner: Any
     _ack: Any
     _complete_ack: Any
+    _complete_store_ack: Any
     _reopen: Any
     _count: Any
     _throttle: Any
@@ -311,13 +333,27 @@ class RedisIdempotency:
         return wait
 
     def complete_and_ack(
-        self, key: str, *, owner: str, now: float, summary: str, retention: float, ack: BrokerAck
+        self,
+        key: str,
+        *,
+        owner: str,
+        now: float,
+        summary: str,
+        retention: float,
+        ack: BrokerAck,
+        result: ResultWrite | None = None,
     ) -> bool:
         """Complete ``key`` and ack the message of ``ack`` in one script (see :data:`_COMPLETE_ACK`): the store is
-        the broker's own Redis. Whether the key was completed (the message is acked either way). A repeat after
-        a lost answer completes nothing new and finds the message acked."""
-        args = [*_finish(owner, "completed", summary, self._now(now), retention), ack.tag]
-        done, _ = self._eval(self._complete_ack, [IDEM_PREFIX + key, ack.unacked, ack.index], args)
+        the broker's own Redis; with ``result``, the task's result is written between the two (the store is the
+        result backend's Redis too; :data:`_COMPLETE_STORE_ACK`). Whether the key was completed (the message is
+        acked either way). A repeat after a lost answer completes nothing new and finds the message acked."""
+        finish = _finish(owner, "completed", summary, self._now(now), retention)
+        if result is None:
+            done, _ = self._eval(self._complete_ack, [IDEM_PREFIX + key, ack.unacked, ack.index], [*finish, ack.tag])
+            return bool(done)
+        keys = [IDEM_PREFIX + key, result.key, ack.unacked, ack.index]
+        expires = int(result.expires) if result.expires else ""
+        done, _ = self._eval(self._complete_store_ack, keys, [*finish, result.value, expires, ack.tag])
         return bool(done)
 
     def ack(self, ack: BrokerAck) -> bool:

@@ -1,6 +1,7 @@
 """The Celery app that ``celery worker`` / ``celery beat`` subprocesses of the tests load.
 
 Configured from the environment: GUARDRAILS_TEST_BROKER_URL, GUARDRAILS_TEST_REDIS_URL (results, sinks),
+GUARDRAILS_TEST_RESULT_URL (results elsewhere),
 GUARDRAILS_TEST_QUEUE, GUARDRAILS_TEST_GUARDRAILS (JSON for app.conf.guardrails), GUARDRAILS_TEST_ACCEPT (JSON
 for accept_content), GUARDRAILS_TEST_BEAT (JSON
 for beat_schedule entries: {"name": {"task": ..., "schedule": seconds, "kwargs": {...}, "options": {...}}}),
@@ -22,7 +23,7 @@ if os.environ.get("DJANGO_SETTINGS_MODULE"):  # Celery's Django fixup sets Djang
 app = Celery("guardrails_tests", include=includes)
 app.conf.update(
     broker_url=os.environ.get("GUARDRAILS_TEST_BROKER_URL", redis_url),
-    result_backend=redis_url,
+    result_backend=os.environ.get("GUARDRAILS_TEST_RESULT_URL", redis_url),
     task_default_queue=os.environ.get("GUARDRAILS_TEST_QUEUE", "guardrails-tests"),
     broker_connection_retry_on_startup=True,
     result_expires=3600,

@@ -1,7 +1,7 @@
 """The completion with the ack (celery_guardrails.guardrails.acks): where the store is the broker's Redis, a keyed
-task whose results are ignored completes its key and acks its message in one script. On the store, then on real
-solo workers whose store and broker are the same Redis: SIGKILLed right after that step, and with the Redis cut
-away as the body returns.
+task completes its key and acks its message in one script, with its result where the result backend is that
+Redis too. On the store, then on real solo workers whose store and broker are the same Redis: SIGKILLed right
+after that step, and with the Redis cut away as the body returns.
 """
 
 from __future__ import annotations
@@ -15,16 +15,18 @@ from typing import Any
 import pytest
 import redis
 from celery import Celery
+from celery.backends.base import DisabledBackend
+from celery.backends.redis import RedisBackend
 
 from celery_guardrails.broker import atomic_pop
-from celery_guardrails.guardrails.acks import shared_records
-from celery_guardrails.stores.base import BrokerAck
+from celery_guardrails.guardrails.acks import _shared_backend, shared_records
+from celery_guardrails.stores.base import BrokerAck, ResultWrite
 from celery_guardrails.stores.redis import RedisStore
 from tests.conftest import Sink, unacked
 from tests.proj import tasks
 from tests.support.proxy import TcpProxy
 from tests.support.services import REDIS_URL
-from tests.support.shared_redis import effects, key_of, shared_worker
+from tests.support.shared_redis import effects, shared_worker
 from tests.support.waiting import wait_for
 
 TIMEOUT = 60
@@ -85,6 +87,58 @@ def test_a_key_taken_over_is_not_completed_but_the_message_is_acked(store: Redis
     assert recorded(store.client, ack) == (False, False)
 
 
+def result_of(key: str, value: str, expires: int | None = 3600) -> ResultWrite:
+    return ResultWrite(key=f"celery-task-meta-{key}", value=value, expires=expires)
+
+
+def test_a_result_rides_between_the_completion_and_the_ack_and_reaches_its_waiters(store: RedisStore) -> None:
+    # Given a claimed key, its message's delivery recorded, and a client waiting on the result's channel
+    key, ack = f"acks-{uuid.uuid4().hex}", delivery_recorded(store)
+    store.claim(key, owner="w:1:t:1", now=1000.0, lease=60, retention=600)
+    result = result_of(key, '{"status": "SUCCESS", "result": 7}')
+    waiter = store.client.pubsub()
+    waiter.subscribe(result.key)
+    assert waiter.get_message(timeout=5)["type"] == "subscribe"  # type: ignore[index]
+    # When the owner completes it with the ack and its result
+    done = store.complete_and_ack(key, owner="w:1:t:1", now=1001.0, summary="7", retention=600, ack=ack, result=result)
+    # Then the key is completed, the message acked, the result stored for its expiry, and the waiter told
+    assert done is True and store.inspect(key)["state"] == "completed"  # type: ignore[index]
+    assert recorded(store.client, ack) == (False, False)
+    assert store.client.get(result.key) == result.value.encode()  # type: ignore[union-attr]
+    assert 3590 <= store.client.ttl(result.key) <= 3600
+    message = waiter.get_message(timeout=5)
+    assert message is not None and (message["type"], message["data"]) == ("message", result.value.encode())  # type: ignore[union-attr]
+    waiter.close()
+    # And a result kept for ever (no result_expires) is stored without an expiry
+    forever_key, forever_ack = f"acks-{uuid.uuid4().hex}", delivery_recorded(store)
+    store.claim(forever_key, owner="w:1:t:2", now=1000.0, lease=60, retention=600)
+    forever = result_of(forever_key, "{}", expires=None)
+    store.complete_and_ack(
+        forever_key, owner="w:1:t:2", now=1001.0, summary="", retention=600, ack=forever_ack, result=forever
+    )
+    assert store.client.ttl(forever.key) == -1
+    store.client.delete(result.key, forever.key)
+
+
+@pytest.mark.parametrize("stored", [None, '{"status": "SUCCESS", "result": "theirs"}'], ids=["none", "theirs"])
+def test_a_run_whose_key_was_taken_over_stores_its_result_only_where_none_is(
+    store: RedisStore, stored: str | None
+) -> None:
+    # Given a key another delivery took over, and that delivery's result stored already or not
+    key, ack = f"acks-{uuid.uuid4().hex}", delivery_recorded(store)
+    store.claim(key, owner="w:1:t:1", now=1000.0, lease=1, retention=600)
+    store.claim(key, owner="w:2:t:2", now=1010.0, lease=60, retention=600)
+    result = result_of(key, '{"status": "SUCCESS", "result": "mine"}')
+    if stored is not None:
+        store.client.set(result.key, stored)
+    # When the first owner completes it with the ack and its result
+    done = store.complete_and_ack(key, owner="w:1:t:1", now=1011.0, summary="", retention=600, ack=ack, result=result)
+    # Then the key stays the other delivery's, the message is acked, and a result already stored is kept
+    assert done is False and recorded(store.client, ack) == (False, False)
+    assert store.client.get(result.key) == (stored or result.value).encode()
+    store.client.delete(result.key)
+
+
 def test_ack_removes_both_records_and_says_whether_the_delivery_was_there(store: RedisStore) -> None:
     ack = delivery_recorded(store)
     assert store.ack(ack) is True
@@ -130,6 +184,27 @@ def test_the_store_acks_only_on_the_brokers_own_database(
     assert shared_records(app_on(BROKERS[broker](REDIS_URL), transport=transport, **options), store) == expected
 
 
+class OtherRedisBackend(RedisBackend):
+    """A subclass of Celery's Redis backend: it may write its results otherwise."""
+
+
+@pytest.mark.parametrize(
+    ("backend", "expected"),
+    [
+        (lambda app: RedisBackend(app=app, url=REDIS_URL), True),
+        (lambda app: RedisBackend(app=app, url=BROKERS["another database"](REDIS_URL)), False),
+        (lambda app: RedisBackend(app=app, url=BROKERS["another port"](REDIS_URL)), False),
+        (lambda app: OtherRedisBackend(app=app, url=REDIS_URL), False),
+        (lambda app: DisabledBackend(app=app), False),
+    ],
+    ids=["same", "another database", "another port", "a subclass", "no backend"],
+)
+def test_a_result_rides_only_on_celerys_redis_backend_on_the_stores_own_database(
+    store: RedisStore, backend: Any, expected: bool
+) -> None:
+    assert _shared_backend(backend(app_on(REDIS_URL)), store) is expected
+
+
 # -- on a real worker -------------------------------------------------------------------------------------------
 
 
@@ -140,7 +215,11 @@ KINDS = {
         lambda oid, sink: (oid, sink),
         "charge",
     ),
-    "keyed, results stored (completed as it returns)": ("charge", lambda oid, sink: (oid, sink), "charge"),
+    "keyed, results stored (the completion and the result ride the ack)": (
+        "charge",
+        lambda oid, sink: (oid, sink),
+        "charge",
+    ),
     "not keyed": ("behave", lambda oid, sink: (sink, ["ok"]), None),
 }
 
@@ -160,10 +239,12 @@ def test_a_worker_killed_after_the_last_hook_leaves_no_message_to_deliver_again(
         # When the task runs there
         result = task.apply_async(call(oid, sink.key))
         wait_for("the worker killed", lambda: worker.process.poll() is not None, timeout=TIMEOUT)  # type: ignore[union-attr]
-    # Then the body ran once, and a keyed task's key is completed
+    # Then the body ran once, and a keyed task's key is completed (and its result stored, where it keeps one)
     assert len(sink.items()) == 1
     if key is not None:
         assert RedisStore(REDIS_URL).inspect(f"{task.name}:-:{key}:{oid}")["state"] == "completed"  # type: ignore[index]
+    if not task.ignore_result:
+        assert result.get(timeout=TIMEOUT) is not None
     if store_acks:
         # and the store acked the message: nothing of it is left to deliver again
         assert not unacked(result.id)
@@ -174,15 +255,18 @@ def test_a_worker_killed_after_the_last_hook_leaves_no_message_to_deliver_again(
         client.hdel("unacked", *[tag for tag, raw in client.hgetall("unacked").items() if result.id.encode() in raw])
 
 
+# (results stored: in the smoke subset, run on the oldest and newest Celery, whose result backends it writes as)
+@pytest.mark.parametrize("kind", ["results ignored", pytest.param("results stored", marks=pytest.mark.smoke)])
 def test_the_redis_cut_as_the_body_returns_the_completion_lands_once_it_is_back(
-    celery_app: Any, queue_name: str, sink: Sink, oid: int, tmp_path: Path, proxy: TcpProxy
+    celery_app: Any, queue_name: str, sink: Sink, oid: int, tmp_path: Path, proxy: TcpProxy, kind: str
 ) -> None:
-    # Given a solo worker whose broker and store are the same Redis, through a proxy, running a keyed task held
-    # at a gate after its effect
+    # Given a solo worker whose broker, store and result backend are the same Redis, through a proxy, running a
+    # keyed task held at a gate after its effect (its result ignored, or stored: riding the ack with its completion)
     url = REDIS_URL.replace("127.0.0.1:6379", f"127.0.0.1:{proxy.port}")
     gate = f"{sink.key}:gate"
-    with shared_worker(queue_name, tmp_path, url=url) as worker:
-        result = tasks.charge_quietly.delay(oid, sink.key, gate)
+    task = tasks.charge_quietly if kind == "results ignored" else tasks.charge
+    with shared_worker(queue_name, tmp_path, url=url, env={"GUARDRAILS_TEST_RESULT_URL": url}) as worker:
+        result = task.apply_async((oid, sink.key), {"gate": gate})
         wait_for("the body ran", lambda: effects(sink) == 1, timeout=TIMEOUT)
         # When the Redis is cut away just as the body returns
         proxy.cut()
@@ -190,13 +274,19 @@ def test_the_redis_cut_as_the_body_returns_the_completion_lands_once_it_is_back(
         # Then the worker keeps asking to complete the key, and completes it once the Redis is back
         wait_for("the completion retried", lambda: "not completed yet" in worker.log, timeout=TIMEOUT)
         proxy.restore()
+        key = f"{task.name}:-:charge:{oid}"
         wait_for(
             "the key completed",
-            lambda: (RedisStore(REDIS_URL).inspect(key_of(oid)) or {}).get("state") == "completed",
+            lambda: (RedisStore(REDIS_URL).inspect(key) or {}).get("state") == "completed",
             timeout=TIMEOUT,
         )
         # And the message is gone from the broker without a second run (a redelivery is skipped as a duplicate)
         wait_for("the message acked", lambda: not unacked(result.id), timeout=TIMEOUT)
+        # (the completion was to ride the ack: it was made on its own once the ack could not carry it)
+        assert "completed without the ack" in worker.log
+        # and a stored result is there, as Celery stores it
+        if kind == "results stored":
+            assert result.get(timeout=TIMEOUT) == f"charged {oid}"
     assert effects(sink) == 1 and [item["run"] for item in sink.items()] == [1]
 
 
