@@ -2,8 +2,8 @@
 
 One real ``celery worker`` process (solo pool) per store runs N tasks of each kind, published from this
 process; each kind is measured end to end (publish N, wait until every one ran) once in each of BENCH_ROUNDS
-rounds, and compared with its plain Celery baseline in the same round (the median of those ratios is
-printed, with their range: this machine's speed drifts by more than the differences measured). Workers:
+rounds (20 unless set), and compared with its plain Celery baseline in the same round (the median of those ratios
+is printed, with their range: this machine's speed drifts by more than the differences measured). Workers:
 
 * Redis store: no-op tasks, results stored (plain Celery with early and late acks; GuardedTask; with an
   idempotency key; with a dependency, i.e. a retry budget) and results ignored (``ignore_result=True`` on
@@ -59,7 +59,7 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 N = int(os.environ.get("BENCH_TASKS", "500"))
-ROUNDS = int(os.environ.get("BENCH_ROUNDS", "12"))
+ROUNDS = int(os.environ.get("BENCH_ROUNDS", "20"))
 #: Rounds of a paired comparison: each is short (a kind on two workers), and single rounds vary widely.
 PAIR_ROUNDS = int(os.environ.get("BENCH_PAIR_ROUNDS", "24"))
 REDIS = os.environ.get("BENCH_REDIS_URL", "redis://127.0.0.1:6379/12")

@@ -1,5 +1,7 @@
 """What a guarded task's result backend keeps of a failure: redacted, of the same type when it can be rebuilt
-(the worker's whole path: tests/celery_guardrails/foundation/test_secrets.py)."""
+(the worker's whole path: tests/celery_guardrails/foundation/test_secrets.py); and a success whose completion
+rides the ack, handed over instead of stored (the worker's whole path:
+tests/celery_guardrails/guardrails/test_acks.py)."""
 
 from __future__ import annotations
 
@@ -9,9 +11,12 @@ from typing import Any
 
 import pytest
 import redis
+from celery.app.task import Context
 
 from celery_guardrails.foundation.redaction import DEFAULT
+from celery_guardrails.runtime.delivery import ATTRIBUTE, Delivery, RidingCompletion
 from celery_guardrails.runtime.results import RedactingBackend, redacted_exception
+from celery_guardrails.stores.base import BrokerAck
 from tests.proj import leaky
 from tests.support import planted
 from tests.support.planted import leaked
@@ -79,3 +84,57 @@ def test_the_option_off_stores_the_failure_as_raised(celery_app: Any) -> None:
     assert task.backend.get_key_for_task(raw) == celery_app.backend.get_key_for_task(raw)
     assert celery_app.AsyncResult(raw, backend=task.backend).state == "FAILURE"
     redis.Redis.from_url(REDIS_URL).delete(*(f"celery-task-meta-{task_id}" for task_id in (raw, redacted)))
+
+
+def riding_delivery(task_id: str, *, takes_result: bool) -> Context:
+    """A request whose delivery's completion rides the ack (celery_guardrails.guardrails.acks)."""
+    request = Context(id=task_id, ignore_result=False)
+    riding = RidingCompletion(
+        key="k",
+        owner="o",
+        summary="",
+        retention=60,
+        settle=lambda exc: None,
+        lost=lambda: None,
+        ack=BrokerAck(unacked="unacked", index="unacked_index", tag=task_id),
+        takes_result=takes_result,
+    )
+    setattr(request, ATTRIBUTE, Delivery(riding=riding))
+    return request
+
+
+def test_a_success_riding_the_ack_is_handed_over_as_celery_would_store_it(celery_app: Any) -> None:
+    # Given a guarded task on a Redis result backend, and a delivery whose completion rides the ack with its result
+    task = celery_app.tasks[leaky.leak.name]
+    backend, client = celery_app.backend, redis.Redis.from_url(REDIS_URL)
+    task_id = str(uuid.uuid4())
+    request = riding_delivery(task_id, takes_result=True)
+    # When Celery marks it done
+    task.backend.mark_as_done(task_id, {"n": 1}, request)
+    # Then nothing is stored yet: the result is handed to the completion, encoded as Celery's backend encodes it
+    key = backend.get_key_for_task(task_id).decode()
+    assert client.get(key) is None
+    handed = getattr(request, ATTRIBUTE).riding.result
+    assert (handed.write.key, handed.write.expires) == (key, backend.expires)
+    meta = backend.decode_result(handed.write.value)
+    assert (meta["status"], meta["result"], meta["task_id"]) == ("SUCCESS", {"n": 1}, task_id)
+    # And Celery's own store of it (when the ack cannot carry it) stores the same result
+    handed.store()
+    assert backend.get_task_meta(task_id)["result"] == {"n": 1}
+    client.delete(key)
+
+
+@pytest.mark.parametrize(
+    "request_of",
+    [
+        lambda task_id: riding_delivery(task_id, takes_result=False),  # the result backend is not the store's
+        lambda task_id: Context(id=task_id, ignore_result=False),  # no completion rides the ack
+    ],
+    ids=["takes no result", "not riding"],
+)
+def test_a_success_that_does_not_ride_is_stored_by_celery_at_once(celery_app: Any, request_of: Any) -> None:
+    task = celery_app.tasks[leaky.leak.name]
+    task_id = str(uuid.uuid4())
+    task.backend.mark_as_done(task_id, "done", request_of(task_id))
+    assert celery_app.backend.get_task_meta(task_id)["result"] == "done"
+    redis.Redis.from_url(REDIS_URL).delete(celery_app.backend.get_key_for_task(task_id))
