@@ -150,7 +150,8 @@ def _results_ignored(task: GuardedTask, request: Any) -> bool:
 
 def result_rides(task: GuardedTask) -> bool:
     """Whether the task's result can be written with its completion and ack: its result backend is Celery's Redis
-    backend (that class itself: a subclass may write otherwise) on the store's server and database."""
+    backend (that class itself: a subclass may write otherwise) on the store's server and database, storing JSON
+    uncompressed (Celery's default; the script reads a stored result to keep a success, as Celery does)."""
     backend = getattr(task, "backend", None)
     store: Any = get_store(task.app)  # a store instance: hashable by identity, like the backend
     return _shared_backend(getattr(backend, "_backend", backend), store)
@@ -163,6 +164,8 @@ def _shared_backend(backend: Any, store: Any) -> bool:
     from celery_guardrails.stores.redis import RedisStore
 
     if type(backend) is not RedisBackend or not isinstance(store, RedisStore):
+        return False
+    if backend.serializer != "json" or getattr(backend, "compression", None):  # (no compression before Celery 5.7)
         return False
     try:
         theirs = backend.client.connection_pool.connection_kwargs

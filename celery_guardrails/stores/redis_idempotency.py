@@ -119,15 +119,21 @@ _COMPLETE_ACK = (
 # The same, with the task's result written between the two, as Celery's Redis result backend writes it (KEYS[2];
 # ARGV[8] the encoded meta-data, ARGV[9] its expiry in seconds or '', ARGV[10] the tag): SET, then PUBLISH to
 # the clients waiting on it. A stored result then means a completed key and an acked message, all or nothing.
-# Written by the run that completed the key; a run whose key was taken over writes it only where no result is
-# stored yet (Celery keeps the first success: ``_store_result``). Returns {completed, acked}.
+# As Celery's backend does (``_store_result``), a success already stored is kept (the results that ride are JSON:
+# what cannot be read as JSON is not known to be one, and is written over). Returns {completed, acked}.
 _COMPLETE_STORE_ACK = (
     "local function finish()\n"
     + _IF_OWNER
     + """
 end
 local done = finish()
-if done == 1 or redis.call('EXISTS', KEYS[2]) == 0 then
+local stored = redis.call('GET', KEYS[2])
+local kept = false
+if stored then
+  local readable, meta = pcall(cjson.decode, stored)
+  kept = readable and type(meta) == 'table' and meta['status'] == 'SUCCESS'
+end
+if not kept then
   if ARGV[9] == '' then redis.call('SET', KEYS[2], ARGV[8]) else redis.call('SET', KEYS[2], ARGV[8], 'EX', ARGV[9]) end
   redis.call('PUBLISH', KEYS[2], ARGV[8])
 end

@@ -120,22 +120,38 @@ def test_a_result_rides_between_the_completion_and_the_ack_and_reaches_its_waite
     store.client.delete(result.key, forever.key)
 
 
-@pytest.mark.parametrize("stored", [None, '{"status": "SUCCESS", "result": "theirs"}'], ids=["none", "theirs"])
-def test_a_run_whose_key_was_taken_over_stores_its_result_only_where_none_is(
-    store: RedisStore, stored: str | None
+SUCCESS = '{"status": "SUCCESS", "result": "theirs"}'
+
+
+@pytest.mark.parametrize("taken_over", [False, True], ids=["completed", "taken over"])
+@pytest.mark.parametrize(
+    ("stored", "kept"),
+    [
+        (None, False),
+        ('{"status": "STARTED", "result": {"pid": 1}}', False),  # task_track_started's
+        ('{"status": "RETRY", "result": null}', False),
+        (SUCCESS, True),
+        ("not JSON", False),  # not known to be a success
+    ],
+    ids=["none", "started", "retry", "a success", "not json"],
+)
+def test_a_result_is_written_unless_a_success_is_stored_as_celery_keeps_the_first_success(
+    store: RedisStore, stored: str | None, kept: bool, taken_over: bool
 ) -> None:
-    # Given a key another delivery took over, and that delivery's result stored already or not
+    # Given a claimed key (or one another delivery took over), and what the result's key holds already
     key, ack = f"acks-{uuid.uuid4().hex}", delivery_recorded(store)
     store.claim(key, owner="w:1:t:1", now=1000.0, lease=1, retention=600)
-    store.claim(key, owner="w:2:t:2", now=1010.0, lease=60, retention=600)
+    if taken_over:
+        store.claim(key, owner="w:2:t:2", now=1010.0, lease=60, retention=600)
     result = result_of(key, '{"status": "SUCCESS", "result": "mine"}')
     if stored is not None:
         store.client.set(result.key, stored)
     # When the first owner completes it with the ack and its result
     done = store.complete_and_ack(key, owner="w:1:t:1", now=1011.0, summary="", retention=600, ack=ack, result=result)
-    # Then the key stays the other delivery's, the message is acked, and a result already stored is kept
-    assert done is False and recorded(store.client, ack) == (False, False)
-    assert store.client.get(result.key) == (stored or result.value).encode()
+    # Then the key is completed unless it was taken over, the message is acked either way, and the result is
+    # written unless a success was stored already (Celery's backend keeps the first success)
+    assert done is (not taken_over) and recorded(store.client, ack) == (False, False)
+    assert store.client.get(result.key) == (stored if kept else result.value).encode()  # type: ignore[union-attr]
     store.client.delete(result.key)
 
 
@@ -195,9 +211,10 @@ class OtherRedisBackend(RedisBackend):
         (lambda app: RedisBackend(app=app, url=BROKERS["another database"](REDIS_URL)), False),
         (lambda app: RedisBackend(app=app, url=BROKERS["another port"](REDIS_URL)), False),
         (lambda app: OtherRedisBackend(app=app, url=REDIS_URL), False),
+        (lambda app: RedisBackend(app=app, url=REDIS_URL, serializer="pickle"), False),
         (lambda app: DisabledBackend(app=app), False),
     ],
-    ids=["same", "another database", "another port", "a subclass", "no backend"],
+    ids=["same", "another database", "another port", "a subclass", "pickled results", "no backend"],
 )
 def test_a_result_rides_only_on_celerys_redis_backend_on_the_stores_own_database(
     store: RedisStore, backend: Any, expected: bool
