@@ -14,9 +14,10 @@ so that moving the completion from the body's return to the ack moves it past no
 chord to publish, no ordering turn, job, run slot, concurrency slot, budget admission or checkpoint to settle,
 and results ignored, or stored on Celery's Redis result backend on the store's own server and database.
 
-There the result rides too: Celery's ``mark_as_done`` hands it over encoded
-(:func:`celery_guardrails.runtime.results.handed_over`), and the same script writes it (SET, then PUBLISH to the
-clients waiting on it) between the completion and the ack. A stored result then means a completed key and an
+There the result rides too: encoded as Celery encodes it when the body returns
+(:func:`celery_guardrails.runtime.results.prepared_result`; a result that cannot be encoded rides nothing), it is
+written by the same script (SET, then PUBLISH to the clients waiting on it) between the completion and the ack,
+and Celery's ``mark_as_done`` lets it be. A stored result then means a completed key and an
 acked message, all or nothing, in one round trip where Celery makes three (its read of the stored state, its
 write, its ack).
 
@@ -49,6 +50,7 @@ from celery_guardrails.options import APP, Option, app_value, checks, declare
 from celery_guardrails.runtime.checkpoint import REQUEST_ATTRIBUTE as CHECKPOINT
 from celery_guardrails.runtime.delivery import Delivery, RidingCompletion, delivery
 from celery_guardrails.runtime.pipeline import Guardrail
+from celery_guardrails.runtime.results import prepared_result
 from celery_guardrails.stores import get_store
 from celery_guardrails.stores.base import BrokerAck
 
@@ -180,13 +182,21 @@ def ride(task: GuardedTask, state: Delivery, riding: Callable[..., RidingComplet
     :class:`StoreAck`), with the task's result when it is stored."""
     try:
         ack = broker_ack(task) if nothing_between(task, state) else None
-        takes_result = ack is not None and not _results_ignored(task, task.request)
+        result = None
+        if ack is not None and not _results_ignored(task, task.request):
+            # Encoded now: one that cannot be leaves the completion to be made as the body returns, before
+            # Celery's mark_as_done meets the same error (the key completed before the task's failure is stored).
+            request, backend = task.request, getattr(task, "backend", None)
+            backend = getattr(backend, "_backend", backend)  # Celery's own, inside the redacting wrapper
+            result = prepared_result(backend, request.id, state.retval, request)
+            if result is None:
+                return False
     except Exception:  # the body returned: whatever this meets, the key is completed the usual way
         logger.warning("Task %s[%s]: its completion cannot ride the ack", task.name, task.request.id, exc_info=True)
         return False
     if ack is None:
         return False
-    state.riding = riding(ack=ack, takes_result=takes_result)
+    state.riding = riding(ack=ack, result=result)
     return True
 
 
@@ -242,7 +252,7 @@ class StoreAck(Guardrail):
 
 
 def _settle(task: GuardedTask, riding: RidingCompletion, exc: BaseException) -> None:
-    """The completion made without the ack (``exc``: why), then the result handed over stored as Celery stores it;
+    """The completion made without the ack (``exc``: why), then the result that rode stored as Celery stores it;
     the worker acks afterwards."""
     riding.settle(exc)
     if riding.result is None:

@@ -77,8 +77,8 @@ class Completion:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class RidingResult:
-    """The task's result, handed over by Celery's ``mark_as_done`` to be written with the completion and the ack
-    (see :mod:`celery_guardrails.runtime.results`)."""
+    """The task's result, encoded as Celery's result backend stores it, to be written with the completion and the
+    ack (see :mod:`celery_guardrails.runtime.results`)."""
 
     write: ResultWrite
     #: Stores it as Celery would have (its backend's ``store_result``), when the ack cannot carry it.
@@ -101,10 +101,8 @@ class RidingCompletion:
     lost: Callable[[], Any]
     #: The ack it rides.
     ack: BrokerAck
-    #: Whether the task's result rides too (the result backend's Redis is the store's): Celery's ``mark_as_done``
-    #: then hands it over instead of storing it (:mod:`celery_guardrails.runtime.results`).
-    takes_result: bool = False
-    #: The result handed over (None: none was, or results are ignored).
+    #: The task's result, when it rides too (the result backend's Redis is the store's): Celery's ``mark_as_done``
+    #: then lets it be (:mod:`celery_guardrails.runtime.results`). None: results ignored, or not stored here.
     result: RidingResult | None = None
 
 

@@ -20,9 +20,10 @@ The guardrails' own hooks (``on_failure``, the dead letter) still see the except
 Celery keeps and passes on is redacted. Plain Celery tasks are not touched.
 
 One more difference, for speed: the success of a keyed delivery whose completion rides the ack, on Celery's
-Redis result backend on the store's own Redis, is not written by ``mark_as_done``. It is encoded there as Celery
-encodes it and handed over (:func:`handed_over`), and written by the script that completes the key and acks the
-message (see :mod:`celery_guardrails.guardrails.acks`).
+Redis result backend on the store's own Redis, is not written by ``mark_as_done``. It was encoded as Celery encodes
+it when the body returned (:func:`prepared_result`), and it is written by the script that completes the key and
+acks the message (see :mod:`celery_guardrails.guardrails.acks`); ``mark_as_done`` lets it be (or, where Celery
+would store nothing, drops it).
 """
 
 from __future__ import annotations
@@ -101,10 +102,14 @@ class RedactingBackend:
     def mark_as_done(
         self, task_id: str, result: Any, request: Any = None, store_result: bool = True, state: str = states.SUCCESS
     ) -> Any:
-        # A keyed delivery whose completion rides the ack, on a result backend that is the store's Redis: its
-        # result rides too, written by the same script (celery_guardrails.guardrails.acks).
-        if store_result and state == states.SUCCESS and handed_over(self._backend, task_id, result, request):
-            return None
+        # A keyed delivery whose completion rides the ack with its result (celery_guardrails.guardrails.acks): the
+        # same script writes it. Where Celery would store nothing, the result rides no more.
+        delivery_state: Any = getattr(request, ATTRIBUTE, None)
+        riding = getattr(delivery_state, "riding", None)
+        if riding is not None and riding.result is not None:
+            if store_result and state == states.SUCCESS and not getattr(request, "ignore_result", False):
+                return None
+            delivery_state.riding = dataclasses.replace(riding, result=None)
         return self._backend.mark_as_done(task_id, result, request, store_result, state)
 
     # Only the exception and the traceback change; every other argument goes on as Celery gave it (its own
@@ -134,17 +139,13 @@ class RedactingBackend:
         return exc, traceback
 
 
-def handed_over(backend: Any, task_id: str, result: Any, request: Any) -> bool:
-    """Hand a success's result to the completion that rides the ack, encoded as ``backend`` would store it
-    (whether it was). Celery's own steps up to the write (``store_result``, ``_store_result`` and the Redis
-    backend's ``set``, Celery 5.5 to 5.7); anything they raise is left for Celery's own ``mark_as_done`` to
-    meet again and handle as it does (an ``EncodeError`` fails the task)."""
-    state: Any = getattr(request, ATTRIBUTE, None)
-    riding = getattr(state, "riding", None)
-    if riding is None or not riding.takes_result or getattr(request, "chord", None):
-        return False
-    if getattr(request, "ignore_result", False):
-        return False
+def prepared_result(backend: Any, task_id: str, result: Any, request: Any) -> RidingResult | None:
+    """A success's result encoded as ``backend`` would store it, to be written with the completion and the ack;
+    None when it cannot be (then Celery's own ``mark_as_done`` stores it, or meets the same error and handles it as
+    it does: an ``EncodeError`` fails the task). Celery's own steps up to the write (``store_result``,
+    ``_store_result`` and the Redis backend's ``set``, Celery 5.5 to 5.7)."""
+    if getattr(request, "chord", None) or getattr(request, "ignore_result", False):
+        return None
     try:
         meta = backend._get_result_meta(
             result=backend.encode_result(result, states.SUCCESS), state=states.SUCCESS, traceback=None, request=request
@@ -152,13 +153,12 @@ def handed_over(backend: Any, task_id: str, result: Any, request: Any) -> bool:
         meta["task_id"] = _text(task_id)
         value = backend.encode(meta)
         if isinstance(value, str) and len(value) > getattr(backend, "_MAX_STR_VALUE_SIZE", 512 * 2**20):
-            return False  # Celery refuses it, as a failure of the task
+            return None  # Celery refuses it, as a failure of the task
         write = ResultWrite(key=_text(backend.get_key_for_task(task_id)), value=value, expires=backend.expires or None)
     except Exception:
-        return False
+        return None
     store = functools.partial(backend.store_result, task_id, result, states.SUCCESS, request=request)
-    state.riding = dataclasses.replace(riding, result=RidingResult(write=write, store=store))
-    return True
+    return RidingResult(write=write, store=store)
 
 
 def _text(value: str | bytes) -> str:
