@@ -154,9 +154,14 @@ def result_rides(task: GuardedTask) -> bool:
     """Whether the task's result can be written with its completion and ack: its result backend is Celery's Redis
     backend (that class itself: a subclass may write otherwise) on the store's server and database, storing JSON
     uncompressed (Celery's default; the script reads a stored result to keep a success, as Celery does)."""
-    backend = getattr(task, "backend", None)
     store: Any = get_store(task.app)  # a store instance: hashable by identity, like the backend
-    return _shared_backend(getattr(backend, "_backend", backend), store)
+    return _shared_backend(_celery_backend(task), store)
+
+
+def _celery_backend(task: GuardedTask) -> Any:
+    """The task's result backend, Celery's own (inside the redacting wrapper ``GuardedTask.backend`` returns)."""
+    backend = getattr(task, "backend", None)
+    return getattr(backend, "_backend", backend)
 
 
 @functools.lru_cache(maxsize=64)
@@ -186,9 +191,8 @@ def ride(task: GuardedTask, state: Delivery, riding: Callable[..., RidingComplet
         if ack is not None and not _results_ignored(task, task.request):
             # Encoded now: one that cannot be leaves the completion to be made as the body returns, before
             # Celery's mark_as_done meets the same error (the key completed before the task's failure is stored).
-            request, backend = task.request, getattr(task, "backend", None)
-            backend = getattr(backend, "_backend", backend)  # Celery's own, inside the redacting wrapper
-            result = prepared_result(backend, request.id, state.retval, request)
+            request = task.request
+            result = prepared_result(_celery_backend(task), request.id, state.retval, request)
             if result is None:
                 return False
     except Exception:  # the body returned: whatever this meets, the key is completed the usual way

@@ -26,7 +26,6 @@ from celery_guardrails.stores.redis_idempotency import (
     _ACK,
     _CLAIM,
     _COMPLETE_ACK,
-    _COMPLETE_STORE_ACK,
     _COUNT,
     _DUE,
     _IF_OWNER,
@@ -201,7 +200,6 @@ class RedisStore(
         self._if_owner = self.client.register_script(_IF_OWNER)
         self._ack = self.client.register_script(_ACK)
         self._complete_ack = self.client.register_script(_COMPLETE_ACK)
-        self._complete_store_ack = self.client.register_script(_COMPLETE_STORE_ACK)
         self._reopen = self.client.register_script(_REOPEN)
         self._count = self.client.register_script(_COUNT)
         self._throttle = self.client.register_script(_THROTTLE)

@@ -104,38 +104,32 @@ redis.call('ZREM', KEYS[#KEYS], ARGV[#ARGV])
 return redis.call('HDEL', KEYS[#KEYS - 1], ARGV[#ARGV])
 """
 
-# A completion (_IF_OWNER's, KEYS[1]) and the ack of its message (KEYS[2], KEYS[3]; ARGV[8] the tag) in one step:
-# the message is removed only with the completion durable, and no worker can die between the two. The message is
-# acked whatever the completion answers (a key taken over is only logged, as when the worker acks itself).
-# Returns {completed, acked}.
+# A completion (_IF_OWNER's, KEYS[1]) and the ack of its message (the last two KEYS; the last ARGV the tag) in one
+# step: the message is removed only with the completion durable, and no worker can die between the two. The message
+# is acked whatever the completion answers (a key taken over is only logged, as when the worker acks itself).
+# With four KEYS, the task's result is written between the two, as Celery's Redis result backend writes it (KEYS[2];
+# ARGV[8] the encoded meta-data, ARGV[9] its expiry in seconds or ''): SET, then PUBLISH to the clients waiting on
+# it; a stored result then means a completed key and an acked message, all or nothing. As Celery's backend does
+# (``_store_result``), a success already stored is kept (the results that ride are JSON: what cannot be read as
+# JSON is not known to be one, and is written over). Returns {completed, acked}.
 _COMPLETE_ACK = (
-    "local function finish()\n"
-    + _IF_OWNER
-    + "\nend\nlocal done = finish()\nlocal function ack()\n"
-    + _ACK
-    + "\nend\nreturn {done, ack()}\n"
-)
-
-# The same, with the task's result written between the two, as Celery's Redis result backend writes it (KEYS[2];
-# ARGV[8] the encoded meta-data, ARGV[9] its expiry in seconds or '', ARGV[10] the tag): SET, then PUBLISH to
-# the clients waiting on it. A stored result then means a completed key and an acked message, all or nothing.
-# As Celery's backend does (``_store_result``), a success already stored is kept (the results that ride are JSON:
-# what cannot be read as JSON is not known to be one, and is written over). Returns {completed, acked}.
-_COMPLETE_STORE_ACK = (
     "local function finish()\n"
     + _IF_OWNER
     + """
 end
 local done = finish()
-local stored = redis.call('GET', KEYS[2])
-local kept = false
-if stored then
-  local readable, meta = pcall(cjson.decode, stored)
-  kept = readable and type(meta) == 'table' and meta['status'] == 'SUCCESS'
-end
-if not kept then
-  if ARGV[9] == '' then redis.call('SET', KEYS[2], ARGV[8]) else redis.call('SET', KEYS[2], ARGV[8], 'EX', ARGV[9]) end
-  redis.call('PUBLISH', KEYS[2], ARGV[8])
+if #KEYS == 4 then
+  local stored = redis.call('GET', KEYS[2])
+  local kept = false
+  if stored then
+    local readable, meta = pcall(cjson.decode, stored)
+    kept = readable and type(meta) == 'table' and meta['status'] == 'SUCCESS'
+  end
+  if not kept then
+    if ARGV[9] == '' then redis.call('SET', KEYS[2], ARGV[8])
+    else redis.call('SET', KEYS[2], ARGV[8], 'EX', ARGV[9]) end
+    redis.call('PUBLISH', KEYS[2], ARGV[8])
+  end
 end
 local function ack()
 """
@@ -229,7 +223,6 @@ class RedisIdempotency:
     _if_owner: Any
     _ack: Any
     _complete_ack: Any
-    _complete_store_ack: Any
     _reopen: Any
     _count: Any
     _throttle: Any
@@ -351,15 +344,13 @@ class RedisIdempotency:
     ) -> bool:
         """Complete ``key`` and ack the message of ``ack`` in one script (see :data:`_COMPLETE_ACK`): the store is
         the broker's own Redis; with ``result``, the task's result is written between the two (the store is the
-        result backend's Redis too; :data:`_COMPLETE_STORE_ACK`). Whether the key was completed (the message is
-        acked either way). A repeat after a lost answer completes nothing new and finds the message acked."""
-        finish = _finish(owner, "completed", summary, self._now(now), retention)
-        if result is None:
-            done, _ = self._eval(self._complete_ack, [IDEM_PREFIX + key, ack.unacked, ack.index], [*finish, ack.tag])
-            return bool(done)
-        keys = [IDEM_PREFIX + key, result.key, ack.unacked, ack.index]
-        expires = int(result.expires) if result.expires else ""
-        done, _ = self._eval(self._complete_store_ack, keys, [*finish, result.value, expires, ack.tag])
+        result backend's Redis too). Whether the key was completed (the message is acked either way). A repeat after
+        a lost answer completes nothing new and finds the message acked."""
+        keys, args = [IDEM_PREFIX + key], _finish(owner, "completed", summary, self._now(now), retention)
+        if result is not None:
+            keys.append(result.key)
+            args += [result.value, int(result.expires) if result.expires else ""]
+        done, _ = self._eval(self._complete_ack, [*keys, ack.unacked, ack.index], [*args, ack.tag])
         return bool(done)
 
     def ack(self, ack: BrokerAck) -> bool:
