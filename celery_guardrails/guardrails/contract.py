@@ -278,24 +278,40 @@ _CONTAINERS = (Mapping, list, tuple, set, frozenset)
 #: Types that hold nothing: told apart by their type alone (an ABC's isinstance costs several times more, and
 #: this check runs on every value of every message a worker takes).
 SCALARS = frozenset({str, int, float, bool, type(None), bytes})
+#: The containers JSON decodes to, told apart by their type alone too.
+_BUILT_IN = frozenset({dict, list, tuple})
+_SEQUENCES = frozenset({list, tuple})
 
 
 def nesting_over(values: Iterator[Any] | tuple[Any, ...] | list[Any], limit: int) -> int | None:
     """The nesting depth reached past ``limit`` by any of ``values`` (a list of numbers is 1 level), or None when
     none goes deeper (or :data:`NESTING_BUDGET` items were looked at first). A loop, not a recursion: it takes
     any depth, and stops at the first level past the limit."""
-    stack = [(value, 1) for value in values if type(value) not in SCALARS and isinstance(value, _CONTAINERS)]
+    stack = [(value, 1) for value in values if _container(value)]
     seen = 0
     while stack:
         value, depth = stack.pop()
         if depth > limit:
             return depth
-        items = value.values() if type(value) is dict or isinstance(value, Mapping) else value
         seen += len(value)
         if seen > NESTING_BUDGET:
             return None
-        stack.extend((item, depth + 1) for item in items if type(item) not in SCALARS and isinstance(item, _CONTAINERS))
+        kind = type(value)
+        items = value.values() if kind is dict or (kind not in _SEQUENCES and isinstance(value, Mapping)) else value
+        deeper = depth + 1
+        for item in items:
+            # Written out (not a generator into extend): this walk runs over every message a worker takes.
+            kind = type(item)
+            if kind in _BUILT_IN or (kind not in SCALARS and isinstance(item, _CONTAINERS)):
+                stack.append((item, deeper))
     return None
+
+
+def _container(value: Any) -> bool:
+    kind = type(value)
+    if kind in _BUILT_IN:
+        return True
+    return kind not in SCALARS and isinstance(value, _CONTAINERS)
 
 
 def check_payload(task: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any], call: Mapping[str, Any]) -> None:

@@ -5,6 +5,7 @@ worker does not accept dead-lettered unrun, a malformed one too."""
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +19,7 @@ from celery_guardrails.exceptions import (
     PayloadTooLargeError,
     SensitivePayloadError,
 )
+from celery_guardrails.guardrails.contract import nesting_over
 from celery_guardrails.guardrails.sensitive import SENSITIVE_KEYS, matches
 from celery_guardrails.options import TaskOptions
 from celery_guardrails.runtime import headers
@@ -125,6 +127,44 @@ def test_arguments_nested_deeper_than_max_payload_depth_are_refused_and_nothing_
     assert queued(queue_name) == 1
     with pytest.raises(PayloadTooDeepError):
         tasks.behave.delay("sink", nested(5000))
+
+
+class _Mapping(Mapping[str, Any]):
+    """A mapping that is not a dict (its depth is walked as a dict's)."""
+
+    def __init__(self, **items: Any) -> None:
+        self.items_ = items
+
+    def __getitem__(self, name: str) -> Any:
+        return self.items_[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.items_)
+
+    def __len__(self) -> int:
+        return len(self.items_)
+
+
+@pytest.mark.parametrize(
+    ("values", "limit", "expected"),
+    [
+        # Given values of every kind of container, nested to a known depth (a list of scalars is 1 level)
+        ((1, "x", b"y", None, 2.5, True), 1, None),
+        (([],), 1, None),
+        (([[]],), 1, 2),
+        (({"a": {"b": [1]}},), 2, 3),
+        (({"a": {"b": [1]}},), 3, None),
+        (((("t",),),), 1, 2),
+        (({frozenset({1})},), 1, 2),
+        ((_Mapping(a=_Mapping(b=[{}])),), 3, 4),
+        ((_Mapping(a=_Mapping(b=[{}])),), 4, None),
+        (([1, [2, [3, [4]]]], {"k": [5]}), 3, 4),
+    ],
+)
+def test_nesting_over_tells_the_first_depth_past_the_limit(values: tuple[Any, ...], limit: int, expected: Any) -> None:
+    # When their depth is checked against the limit
+    # Then the depth reached past it is told (None: none goes deeper), whatever the containers' types
+    assert nesting_over(values, limit) == expected
 
 
 def test_every_publish_path_is_checked(celery_app: Any, queue_name: str) -> None:
