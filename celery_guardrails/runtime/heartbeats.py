@@ -12,9 +12,8 @@ import os
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
-from dataclasses import dataclass, replace
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from celery_guardrails.stores.base import Store
@@ -64,7 +63,7 @@ class Renewal:
     lease: float
     #: Seconds between two beats.
     interval: float
-    #: Monotonic time of the next beat.
+    #: Monotonic time of the first beat (the next ones: ``Heartbeats.next_beat``).
     due: float
     #: The beat of a hold that is not a claim (None: the claim's own renewal, ``store.extend``).
     beat: Beat | None = None
@@ -77,21 +76,22 @@ class Heartbeats:
     A claim's lease is renewed every third of it; the claim itself was the first beat, so a short lease
     cannot lapse before the first renewal. One shared thread instead of one per task: starting a thread per
     task would cost more than the task's two store round trips.
+
+    Adding and removing a hold takes no lock and wakes nothing (every keyed delivery does both): ``claims`` is
+    changed by single dict operations, atomic under the GIL, and the thread reads a copy of it. The thread never
+    sleeps longer than the shortest beat interval it has seen (``idle``), so a hold whose interval is at least
+    that is beaten in time without waking it; only a hold with a shorter interval than any before it takes the
+    lock and wakes the thread (and the first one in a process, which starts it).
     """
 
     def __init__(self) -> None:
         self.lock = threading.Condition()
         self.claims: dict[tuple[str, str], Renewal] = {}
+        #: The next beat of each hold once it has had one, with the renewal it is for (a pair held again since is
+        #: due as its new renewal says). The thread's own: only it writes here.
+        self.next_beat: dict[tuple[str, str], tuple[Renewal, float]] = {}
         self.pid = 0
-        self.wakes_at = 0.0  # monotonic time the thread wakes up next (0: it is not waiting)
-        self.idle = 60.0  # how long the thread sleeps holding no claim: the shortest beat interval seen
-
-    def _ensure_thread(self) -> None:
-        if self.pid != os.getpid():  # first use, or a forked pool child: the parent's thread is not here
-            self.pid = os.getpid()
-            self.claims.clear()
-            self.wakes_at = 0.0
-            threading.Thread(target=self._run, name="guardrails-heartbeats", daemon=True).start()
+        self.idle = 60.0  # the longest the thread sleeps: the shortest beat interval seen
 
     def add(
         self, store: Store, key: str, owner: str, *, lease: float, beat: Beat | None = None, every: float = 0.0
@@ -99,38 +99,54 @@ class Heartbeats:
         """Renew ``owner``'s claim of ``key`` every third of ``lease``; or, given ``beat``, call it every
         ``every`` seconds (False: the hold is lost)."""
         interval = every if beat is not None else lease / 3
+        renewal = Renewal(store=store, lease=lease, interval=interval, due=time.monotonic() + interval, beat=beat)
+        if interval >= self.idle and self.pid == os.getpid():
+            self.claims[(key, owner)] = renewal  # the thread wakes within ``idle``: before this is due
+            return
         with self.lock:
-            self._ensure_thread()
-            due = time.monotonic() + interval
-            self.claims[(key, owner)] = Renewal(store=store, lease=lease, interval=interval, due=due, beat=beat)
-            # Wake the thread only when this beat is due before it would wake anyway. Holding no claim, it
-            # sleeps the shortest beat interval seen, so with one lease for all tasks a new claim never wakes
-            # it: a thread switch per task cost a solo worker more than its guardrails' Python.
+            if self.pid != os.getpid():  # first use, or a forked pool child: the parent's thread is not here
+                self.pid = os.getpid()
+                self.claims.clear()
+                self.next_beat.clear()
+                threading.Thread(target=self._run, name="guardrails-heartbeats", daemon=True).start()
             self.idle = min(self.idle, interval)
-            if due < self.wakes_at:
-                self.lock.notify()
+            self.claims[(key, owner)] = renewal
+            self.lock.notify()
 
     def holds(self, key: str, owner: str) -> bool:
-        with self.lock:
-            return (key, owner) in self.claims
+        return (key, owner) in self.claims
 
     def remove(self, key: str, owner: str) -> None:
+        self.claims.pop((key, owner), None)
+
+    def _due(self) -> list[tuple[tuple[str, str], Renewal]]:
+        """The holds due for a beat now (their next beat set an interval on); sleeps until one is, at most
+        ``idle``."""
         with self.lock:
-            self.claims.pop((key, owner), None)
+            now = time.monotonic()
+            held = list(self.claims.items())  # one C-level copy: adds and removes go on meanwhile
+            next_beat = self.next_beat
+            if len(next_beat) > len(held):  # forget the holds that were removed
+                live = dict(held)
+                for pair in [pair for pair in next_beat if pair not in live]:
+                    del next_beat[pair]
+            due = []
+            upcoming = now + self.idle
+            for pair, renewal in held:
+                last = next_beat.get(pair)
+                when = last[1] if last is not None and last[0] is renewal else renewal.due
+                if when <= now:
+                    due.append((pair, renewal))
+                    when = now + renewal.interval
+                    next_beat[pair] = (renewal, when)
+                upcoming = min(upcoming, when)
+            if not due:
+                self.lock.wait(max(0.01, upcoming - now))
+            return due
 
     def _run(self) -> None:
         while True:
-            with self.lock:
-                now = time.monotonic()
-                due = [(k, v) for k, v in self.claims.items() if v.due <= now]
-                for pair, renewal in due:
-                    self.claims[pair] = replace(renewal, due=now + renewal.interval)
-                upcoming = min((v.due for v in self.claims.values()), default=now + self.idle)
-                if not due:
-                    self.wakes_at = upcoming
-                    self.lock.wait(max(0.01, upcoming - now))
-                    self.wakes_at = 0.0
-                    continue
+            due = self._due()
             for (key, owner), renewal in due:
                 beat = renewal.beat
                 try:
@@ -155,10 +171,17 @@ class Heartbeats:
 HEARTBEATS = Heartbeats()
 
 
-@contextmanager
-def heartbeat(store: Store, key: str, owner: str, *, lease: float) -> Iterator[None]:
-    HEARTBEATS.add(store, key, owner, lease=lease)
-    try:
-        yield
-    finally:
-        HEARTBEATS.remove(key, owner)
+class heartbeat:  # lower case: used like the generator it replaced, ``with heartbeat(...):``
+    """Beat for ``owner``'s claim of ``key`` while the block runs. A class rather than a generator: every keyed
+    delivery enters one."""
+
+    __slots__ = ("key", "lease", "owner", "store")
+
+    def __init__(self, store: Store, key: str, owner: str, *, lease: float) -> None:
+        self.store, self.key, self.owner, self.lease = store, key, owner, lease
+
+    def __enter__(self) -> None:
+        HEARTBEATS.add(self.store, self.key, self.owner, lease=self.lease)
+
+    def __exit__(self, *exc_info: object) -> None:
+        HEARTBEATS.remove(self.key, self.owner)
