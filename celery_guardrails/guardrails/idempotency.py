@@ -52,6 +52,7 @@ from celery_guardrails.exceptions import DuplicateOfFailureError, IdempotencyKey
 from celery_guardrails.foundation.context import current_tenant
 from celery_guardrails.foundation.redaction import redacted_error
 from celery_guardrails.guardrails.acks import ride
+from celery_guardrails.guardrails.completion import Completing, complete_alone, complete_when_back, taken_over
 from celery_guardrails.guardrails.effect_keys import effect_store, with_the_effect
 from celery_guardrails.guardrails.keys import render_key as render_key
 from celery_guardrails.guardrails.keys import scoped_key as scoped_key
@@ -213,12 +214,7 @@ def _raise(error: BaseException) -> bool:
 
 
 def _taken_over(task: GuardedTask, key: str) -> None:
-    logger.warning(
-        "Task %s[%s]: key %s was taken over before completion; the effect may have run twice",
-        task.name,
-        task.request.id,
-        key,
-    )
+    taken_over(task.name, str(task.request.id), key)
 
 
 def _wait_for_holder(task: GuardedTask, scoped: str, claim: Claim, *, now: float, until: float) -> NoReturn:
@@ -347,8 +343,8 @@ class Idempotency(Guardrail):
                 owner=owner,
                 summary=summary,
                 retention=retention,
-                settle=functools.partial(self._settle, task, key, owner, summary),
-                lost=functools.partial(_taken_over, task, key),
+                settle=functools.partial(complete_alone, self._completing(task, key, owner, summary)),
+                lost=functools.partial(taken_over, task.name, str(task.request.id), key),
             )
             if ride(task, state, riding):
                 return  # completed with the ack, after every success hook (celery_guardrails.guardrails.acks)
@@ -416,62 +412,25 @@ class Idempotency(Guardrail):
         try:
             done: bool | None = pending.answer()
         except StoreError as exc:
-            done = self._complete_when_back(task, pending.key, owner, exc)
+            done = complete_when_back(self._completing(task, pending.key, owner, _summary(state.retval)), exc)
         if done is False:
             _taken_over(task, pending.key)
         return True
 
-    def _settle(self, task: GuardedTask, key: str, owner: str, summary: str, error: BaseException) -> None:
-        """A completion that was to ride the ack, made on its own (the ack could not carry it: ``error``); the
-        worker acks afterwards."""
-        logger.info("Task %s[%s]: key %s completed without the ack (%s)", task.name, task.request.id, key, error)
-        retention = view(task).options["idempotency_retention"]
-        try:
-            done: bool | None = get_store(task.app).complete(
-                key, owner=owner, now=time.time(), summary=summary, retention=retention
-            )
-        except Exception as exc:  # whatever it is, the effect happened: asked again until the lease is over
-            done = self._complete_when_back(task, key, owner, exc)
-        if done is False:
-            _taken_over(task, key)
-
-    def _complete_when_back(self, task: GuardedTask, key: str, owner: str, error: BaseException) -> bool | None:
-        """Ask the store to complete ``key`` until it answers (whether it did) or the lease is over (None)."""
+    @staticmethod
+    def _completing(task: GuardedTask, key: str, owner: str, summary: str) -> Completing:
+        """The completion of ``key`` made on its own, should it be (read now: it may be made after the delivery)."""
         options = view(task).options
-        store = get_store(task.app)
-        give_up_at = time.monotonic() + options["idempotency_lease"]
-        pause = 0.1
-        while True:
-            logger.warning(
-                "Task %s[%s]: key %s not completed yet (%s); asking the store again in %.1fs",
-                task.name,
-                task.request.id,
-                key,
-                error,
-                pause,
-            )
-            time.sleep(pause)
-            try:
-                return store.complete(
-                    key,
-                    owner=owner,
-                    now=time.time(),
-                    summary=_summary(delivery(task).retval),
-                    retention=options["idempotency_retention"],
-                )
-            except StoreError as exc:
-                error = exc
-            if time.monotonic() + pause > give_up_at:
-                logger.error(
-                    "Task %s[%s]: key %s left claimed, its completion not recorded (%s): a duplicate arriving "
-                    "after its lease may run the effect again",
-                    task.name,
-                    task.request.id,
-                    key,
-                    error,
-                )
-                return None
-            pause = min(pause * 2, 5.0)
+        return Completing(
+            store=get_store(task.app),
+            key=key,
+            owner=owner,
+            summary=summary,
+            retention=options["idempotency_retention"],
+            lease=options["idempotency_lease"],
+            task_name=task.name,
+            task_id=str(task.request.id),
+        )
 
     def on_success(self, task: GuardedTask, retval: Any) -> None:
         self._completed(task)
