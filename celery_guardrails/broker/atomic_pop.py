@@ -46,6 +46,8 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
+from collections.abc import Callable
 from queue import Empty
 from time import monotonic, time
 from typing import Any, Protocol
@@ -120,6 +122,12 @@ return 1
 #: Tags of deliveries this process consumed whose message the guardrails store has acked already (with its
 #: key's completion: see celery_guardrails.guardrails.acks): the worker's ack then only forgets them.
 ACKED_BY_STORE: set[str] = set()
+#: The store's acks sent and not read yet, by delivery tag: each reads its answer as the worker acks (or rejects)
+#: that delivery, on the thread that sent it, and says whether the store acked the message (False: the worker's
+#: own ack removes it). Never raises. See :func:`read_at_ack`.
+UNREAD: dict[str, Callable[[], bool]] = {}
+#: Answers left unread at most (a delivery the worker never acked): past it, the oldest are read at once.
+UNREAD_MAX = 1_000
 
 
 class PopHook(Protocol):
@@ -161,10 +169,42 @@ def _ended(channel: Any, tag: str) -> None:
 _consumer_pid = 0
 
 
+#: The thread that consumes: with the solo pool, the one that runs the tasks and acks their messages too.
+_consumer_thread = 0
+
+
 def consumes_here() -> bool:
     """Whether this process's worker consumes with :class:`Channel` (solo and threads pools: the tasks run where
     their messages are acked)."""
     return _consumer_pid == os.getpid()
+
+
+def read_at_ack(tag: str, read: Callable[[], bool]) -> bool:
+    """Have the store's answer for delivery ``tag`` read as the worker acks it (``read``: see :data:`UNREAD`), when
+    this thread is the one that acks it (the solo pool: the consumer's): the round trip then overlaps Celery's work
+    after the task's hooks. False: not here (a pool thread), to be read now."""
+    if _consumer_pid != os.getpid() or _consumer_thread != threading.get_ident():
+        return False
+    while len(UNREAD) >= UNREAD_MAX:  # answers of deliveries never acked: read, in order, on this same thread
+        _store_acked(next(iter(UNREAD)))
+    UNREAD[tag] = read
+    return True
+
+
+def _read(read: Callable[[], bool], tag: str) -> bool:
+    try:
+        return read()
+    except Exception:  # whatever it meets, the worker's own ack removes the message
+        logger.exception("The store's ack of delivery %s could not be read; the worker acks it", tag)
+        return False
+
+
+def _store_acked(tag: str) -> bool:
+    """Whether the store acked delivery ``tag``, its answer read first when it was left unread."""
+    read = UNREAD.pop(tag, None)
+    if read is not None and not _read(read, tag):
+        ACKED_BY_STORE.discard(tag)
+    return tag in ACKED_BY_STORE
 
 
 class QoS(kombu_redis.QoS):  # type: ignore[misc]
@@ -184,7 +224,7 @@ class QoS(kombu_redis.QoS):  # type: ignore[misc]
 
     def ack(self, delivery_tag: str) -> None:
         _ended(self.channel, delivery_tag)
-        if delivery_tag in ACKED_BY_STORE:
+        if _store_acked(delivery_tag):
             ACKED_BY_STORE.discard(delivery_tag)
             VirtualQoS.ack(self, delivery_tag)  # only the in-memory map: Redis holds nothing of it any more
             return
@@ -192,7 +232,7 @@ class QoS(kombu_redis.QoS):  # type: ignore[misc]
 
     def reject(self, delivery_tag: str, requeue: bool = False) -> None:
         _ended(self.channel, delivery_tag)
-        if delivery_tag in ACKED_BY_STORE:  # acked with its completion: there is nothing to give back
+        if _store_acked(delivery_tag):  # acked with its completion: there is nothing to give back
             ACKED_BY_STORE.discard(delivery_tag)
             VirtualQoS.ack(self, delivery_tag)
             return
@@ -201,6 +241,9 @@ class QoS(kombu_redis.QoS):  # type: ignore[misc]
     def restore_unacked(self, client: Any = None) -> None:
         for tag in list(self._delivered):  # given back at shutdown, never run here
             _ended(self.channel, tag)
+            if _store_acked(tag):  # ran and acked with its completion (the worker's ack had not come yet): kept
+                ACKED_BY_STORE.discard(tag)
+                self._delivered.pop(tag, None)
         super().restore_unacked(client)
 
 
@@ -239,10 +282,10 @@ class Channel(kombu_redis.Channel):  # type: ignore[misc]
         return True
 
     def _brpop_start(self, timeout: float | None = None) -> None:
-        global _consumer_pid
+        global _consumer_pid, _consumer_thread
         if not self._atomic:
             return super()._brpop_start(timeout)  # type: ignore[no-any-return]
-        _consumer_pid = os.getpid()
+        _consumer_pid, _consumer_thread = os.getpid(), threading.get_ident()
         queues = self._queue_cycle.consume(len(self.active_queues))
         if not queues:
             return None

@@ -33,8 +33,15 @@ dead letter is acked (or given back) by the worker as before. When the script ca
 away), the completion is made on its own (asked again until the store answers), then the result is stored as
 Celery stores it, then the worker acks.
 
-Task signal handlers that run after the success hooks (``task_success``, ``after_return``, ``task_postrun``) run
-after this ack (with Celery's ack, before it).
+The script is sent by the last success hook; on the solo pool its answer is read as the worker acks the message
+(:func:`celery_guardrails.broker.atomic_pop.read_at_ack`), on the same thread, so that the round trip overlaps
+Celery's own work after the hooks: the completion and the ack are one script, so the ack rule needs no answer to
+hold. A sent script runs even if the worker is killed before reading it. An answer that cannot be read (a broken
+connection, the script not loaded) is settled then, from values taken while the delivery ran
+(:mod:`celery_guardrails.guardrails.completion`): the script is run again (a repeat is safe); failing that, the
+completion is made on its own, the result stored by Celery's backend, and the worker's own ack removes the message.
+On a threads pool the answer is read in the hook, as before. Task signal handlers that run after the success hooks
+(``task_success``, ``after_return``, ``task_postrun``) run after the ack is sent (with Celery's ack, before it).
 """
 
 from __future__ import annotations
@@ -215,12 +222,11 @@ class StoreAck(Guardrail):
         if ack is None:
             return
         store: Any = get_store(task.app)  # a RedisStore: broker_ack made sure
-        done = True
         try:
             if riding is None:
-                store.ack(ack)
+                answer = store.send_ack(ack)
             else:
-                done = store.complete_and_ack(
+                answer = store.send_complete_and_ack(
                     riding.key,
                     owner=riding.owner,
                     now=time.time(),
@@ -229,15 +235,15 @@ class StoreAck(Guardrail):
                     ack=ack,
                     result=riding.result.write if riding.result is not None else None,
                 )
-        except Exception as exc:  # the message stays unacked (its completion settled first); the worker acks
-            if riding is not None:
-                _settle(task, riding, exc)
-            else:
-                logger.info("Task %s[%s]: not acked on the store (%s); the worker acks it", task.name, ack.tag, exc)
+        except Exception as exc:  # nothing sent: the message stays unacked (its completion settled first)
+            _answered(task.name, str(task.request.id), riding, functools.partial(_raise, exc))
             return
         atomic_pop.ACKED_BY_STORE.add(ack.tag)
-        if not done:
-            riding.lost()  # type: ignore[union-attr]
+        # Read as the worker acks the message, where that is this thread (solo): the round trip overlaps Celery's
+        # work after the hooks. The script completes and acks together, so no answer is needed to keep the ack rule.
+        read = functools.partial(_answered, task.name, str(task.request.id), riding, answer)
+        if not atomic_pop.read_at_ack(ack.tag, read) and not read():
+            atomic_pop.ACKED_BY_STORE.discard(ack.tag)  # the worker acks
 
     def on_failure(self, task: GuardedTask, exc: BaseException, einfo: Any) -> None:
         # The body returned but the delivery failed afterwards (Celery, or a guardrail unwinding): the completion
@@ -252,10 +258,30 @@ class StoreAck(Guardrail):
         state = delivery(task)
         riding, state.riding = state.riding, None
         if riding is not None:
-            _settle(task, riding, exc)
+            _settle(task.name, str(task.request.id), riding, exc)
 
 
-def _settle(task: GuardedTask, riding: RidingCompletion, exc: BaseException) -> None:
+def _answered(name: str, task_id: str, riding: RidingCompletion | None, answer: Callable[[], bool]) -> bool:
+    """Read the answer of the store's ack; whether the store acked the message (False: the worker acks it, a
+    completion that was to ride it made first). Made of values: it may run after the delivery's hooks."""
+    try:
+        done = answer()
+    except Exception as exc:
+        if riding is None:
+            logger.info("Task %s[%s]: not acked on the store (%s); the worker acks it", name, task_id, exc)
+        else:
+            _settle(name, task_id, riding, exc)
+        return False
+    if riding is not None and not done:
+        riding.lost()
+    return True
+
+
+def _raise(exc: BaseException) -> bool:
+    raise exc
+
+
+def _settle(name: str, task_id: str, riding: RidingCompletion, exc: BaseException) -> None:
     """The completion made without the ack (``exc``: why), then the result that rode stored as Celery stores it;
     the worker acks afterwards."""
     riding.settle(exc)
@@ -264,7 +290,7 @@ def _settle(task: GuardedTask, riding: RidingCompletion, exc: BaseException) -> 
     try:
         riding.result.store()
     except Exception:  # the key is completed: the body is not run again for a result that could not be stored
-        logger.exception("Task %s[%s]: its result could not be stored", task.name, task.request.id)
+        logger.exception("Task %s[%s]: its result could not be stored", name, task_id)
 
 
 __all__ = ["DECLARED", "StoreAck", "broker_ack", "nothing_between", "result_rides", "ride", "shared_records"]

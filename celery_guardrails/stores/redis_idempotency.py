@@ -313,23 +313,10 @@ class RedisIdempotency:
 
         The worker sends it as the body returns and reads it just before the ack, so this round trip overlaps
         Celery storing the result. Any doubt (the script not loaded yet, a broken connection) is settled by
-        the plain ``complete``, which a repeated finish by the same owner makes safe.
+        running it again through the pooled client, which a repeated finish by the same owner makes safe.
         """
         args = _finish(owner, "completed", summary, self._now(now), retention)
-        read: Callable[[], Any] | None = None
-        if self._lane.available:
-            with contextlib.suppress(*self._errors):
-                read = self._lane.send("EVALSHA", self._if_owner.sha, 1, IDEM_PREFIX + key, *args)
-
-        def wait() -> bool:
-            if read is not None:
-                try:
-                    return bool(read())
-                except self._errors:
-                    pass
-            return self.complete(key, owner=owner, now=now, summary=summary, retention=retention)
-
-        return wait
+        return self._sent(self._if_owner, [IDEM_PREFIX + key], args, bool)
 
     def complete_and_ack(
         self,
@@ -346,16 +333,56 @@ class RedisIdempotency:
         the broker's own Redis; with ``result``, the task's result is written between the two (the store is the
         result backend's Redis too). Whether the key was completed (the message is acked either way). A repeat after
         a lost answer completes nothing new and finds the message acked."""
+        return self.send_complete_and_ack(
+            key, owner=owner, now=now, summary=summary, retention=retention, ack=ack, result=result
+        )()
+
+    def send_complete_and_ack(
+        self,
+        key: str,
+        *,
+        owner: str,
+        now: float,
+        summary: str,
+        retention: float,
+        ack: BrokerAck,
+        result: ResultWrite | None = None,
+    ) -> Callable[[], bool]:
+        """:meth:`complete_and_ack` sent; the callable reads its answer (once, from the same thread), raising
+        StoreError. Whatever the read meets (the script not loaded, a broken connection) is settled by running the
+        script again through the pooled client: a repeat is safe (a finish repeated by its owner, a success kept,
+        an ack of what is gone)."""
         keys, args = [IDEM_PREFIX + key], _finish(owner, "completed", summary, self._now(now), retention)
         if result is not None:
             keys.append(result.key)
             args += [result.value, int(result.expires) if result.expires else ""]
-        done, _ = self._eval(self._complete_ack, [*keys, ack.unacked, ack.index], [*args, ack.tag])
-        return bool(done)
+        keys += [ack.unacked, ack.index]
+        args.append(ack.tag)
+        return self._sent(self._complete_ack, keys, args, lambda answer: bool(answer[0]))
 
     def ack(self, ack: BrokerAck) -> bool:
         """Ack the message of ``ack`` on the broker's Redis, as kombu does; whether it was still recorded."""
-        return bool(self._eval(self._ack, [ack.unacked, ack.index], [ack.tag]))
+        return self.send_ack(ack)()
+
+    def send_ack(self, ack: BrokerAck) -> Callable[[], bool]:
+        """:meth:`ack` sent; the callable reads its answer (see :meth:`send_complete_and_ack`)."""
+        return self._sent(self._ack, [ack.unacked, ack.index], [ack.tag], bool)
+
+    def _sent(self, script: Any, keys: list[str], args: list[Any], answer: Callable[[Any], bool]) -> Callable[[], bool]:
+        read: Callable[[], Any] | None = None
+        if self._lane.available:
+            with contextlib.suppress(*self._errors):
+                read = self._lane.send("EVALSHA", script.sha, len(keys), *keys, *args)
+
+        def wait() -> bool:
+            if read is not None:
+                try:
+                    return answer(read())
+                except self._errors:  # NOSCRIPT (nothing ran) or a broken connection: run again, loading it
+                    pass
+            return answer(self._eval(script, keys, args))
+
+        return wait
 
     def fail(self, key: str, *, owner: str, now: float, reason: str, retention: float) -> bool:
         return bool(self._run(self._if_owner, key, _finish(owner, "failed", reason, self._now(now), retention)))

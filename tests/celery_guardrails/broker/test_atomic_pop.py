@@ -411,3 +411,123 @@ def test_a_redis_that_refuses_the_atomic_pop_gets_kombus_pop_and_one_warning(
         assert [r.getMessage()[:43] for r in caplog.records] == ["The broker's Redis refused the atomic pop ("]
     finally:
         broker_client.acl_deluser(user)
+
+
+@pytest.fixture
+def consumer_qos(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
+    """The QoS of a real channel of the atomic pop on the Redis broker, this thread taken for its consumer's (as
+    ``_brpop_start`` takes it on a solo worker)."""
+    import threading
+
+    monkeypatch.setattr(broker_pop, "_consumer_pid", os.getpid())
+    monkeypatch.setattr(broker_pop, "_consumer_thread", threading.get_ident())
+    with Connection(BROKER_URLS["redis"], transport=broker_pop.TRANSPORT) as connection:
+        yield connection.default_channel.qos
+
+
+def _recorded(client: redis.Redis, tag: str) -> None:
+    client.hset("unacked", tag, '[{}, "", ""]')
+    client.zadd("unacked_index", {tag: 1.0})
+
+
+@pytest.mark.parametrize(
+    ("answer", "removed_by_the_worker"),
+    [("acked", False), ("not acked", True), ("raises", True)],
+)
+def test_the_store_s_answer_is_read_as_the_worker_acks_and_a_doubt_lets_the_worker_ack(
+    consumer_qos: Any, answer: str, removed_by_the_worker: bool, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Given a delivery whose store ack was sent on the consumer's thread, its answer left to read at the ack
+    client = redis.Redis.from_url(BROKER_URLS["redis"])
+    tag = f"tests-{uuid.uuid4().hex}"
+    _recorded(client, tag)  # (still recorded: the worker's own ack would remove it, the store's did not here)
+    reads: list[str] = []
+
+    def read() -> bool:
+        reads.append(tag)
+        if answer == "raises":
+            raise RuntimeError("the answer could not be read")
+        return answer == "acked"
+
+    broker_pop.ACKED_BY_STORE.add(tag)
+    assert broker_pop.read_at_ack(tag, read) is True
+    assert reads == []  # nothing read yet
+
+    # When the worker acks the delivery
+    with caplog.at_level(logging.ERROR, logger="celery_guardrails.broker.atomic_pop"):
+        consumer_qos.ack(tag)
+
+    # Then the answer was read once, there; the worker's own ack removes the message only when the store's is in
+    # doubt (not acked, or the answer could not be read: logged)
+    assert reads == [tag]
+    assert bool(client.hexists("unacked", tag)) is not removed_by_the_worker
+    assert tag not in broker_pop.ACKED_BY_STORE and tag not in broker_pop.UNREAD
+    assert ("could not be read" in caplog.text) is (answer == "raises")
+    client.hdel("unacked", tag)
+    client.zrem("unacked_index", tag)
+
+
+def test_an_answer_sent_off_the_consumer_s_thread_is_read_at_once_and_unread_ones_are_bounded(
+    consumer_qos: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import threading
+
+    # Given answers of store acks
+    reads: list[str] = []
+
+    def reader(tag: str) -> Any:
+        def read() -> bool:
+            reads.append(tag)
+            return True
+
+        return read
+
+    # When one is sent on another thread (a threads pool's), Then it is not kept to read at the ack
+    kept: list[bool] = []
+    other = threading.Thread(target=lambda: kept.append(broker_pop.read_at_ack("elsewhere", reader("elsewhere"))))
+    other.start()
+    other.join()
+    assert kept == [False] and "elsewhere" not in broker_pop.UNREAD
+
+    # And when more are left unread than the bound (deliveries the worker never acked), the oldest are read first,
+    # in order, on this thread
+    monkeypatch.setattr(broker_pop, "UNREAD_MAX", 3)
+    tags = [f"tests-{uuid.uuid4().hex}" for _ in range(5)]
+    for tag in tags:
+        broker_pop.ACKED_BY_STORE.add(tag)
+        assert broker_pop.read_at_ack(tag, reader(tag))
+    assert reads == tags[:2] and list(broker_pop.UNREAD) == tags[2:]
+    for tag in tags[2:]:
+        consumer_qos.ack(tag)
+    assert reads == tags and not broker_pop.UNREAD
+    for tag in tags[:2]:
+        broker_pop.ACKED_BY_STORE.discard(tag)
+
+
+def test_at_shutdown_a_delivery_the_store_acked_is_not_given_back_and_its_answer_is_read(
+    consumer_qos: Any,
+) -> None:
+    # Given a delivery still held by the channel (the worker's own ack has not come), whose store ack was sent and
+    # its answer left to read
+    client = redis.Redis.from_url(BROKER_URLS["redis"])
+    tag = f"tests-{uuid.uuid4().hex}"
+    _recorded(client, tag)
+    reads: list[str] = []
+
+    def read() -> bool:
+        reads.append(tag)
+        return True
+
+    consumer_qos._delivered[tag] = None
+    broker_pop.ACKED_BY_STORE.add(tag)
+    broker_pop.read_at_ack(tag, read)
+
+    # When the channel gives back what it holds (a worker shutting down)
+    consumer_qos.restore_unacked()
+
+    # Then the answer was read, and the delivery is not given back: it ran and its message is acked
+    assert reads == [tag] and tag not in consumer_qos._delivered
+    assert client.hexists("unacked", tag)  # (the store's script removes it; here, no restore touched it)
+    assert tag not in broker_pop.ACKED_BY_STORE and tag not in broker_pop.UNREAD
+    client.hdel("unacked", tag)
+    client.zrem("unacked_index", tag)
