@@ -202,9 +202,13 @@ def _read(read: Callable[[], bool], tag: str) -> bool:
 def _store_acked(tag: str) -> bool:
     """Whether the store acked delivery ``tag``, its answer read first when it was left unread."""
     read = UNREAD.pop(tag, None)
-    if read is not None and not _read(read, tag):
-        ACKED_BY_STORE.discard(tag)
-    return tag in ACKED_BY_STORE
+    if read is None:
+        return tag in ACKED_BY_STORE
+    ACKED_BY_STORE.discard(tag)  # in doubt until read: whatever interrupts the read, the message is not forgotten
+    if not _read(read, tag):
+        return False
+    ACKED_BY_STORE.add(tag)
+    return True
 
 
 class QoS(kombu_redis.QoS):  # type: ignore[misc]

@@ -238,12 +238,11 @@ class StoreAck(Guardrail):
         except Exception as exc:  # nothing sent: the message stays unacked (its completion settled first)
             _answered(task.name, str(task.request.id), riding, functools.partial(_raise, exc))
             return
-        atomic_pop.ACKED_BY_STORE.add(ack.tag)
         # Read as the worker acks the message, where that is this thread (solo): the round trip overlaps Celery's
         # work after the hooks. The script completes and acks together, so no answer is needed to keep the ack rule.
         read = functools.partial(_answered, task.name, str(task.request.id), riding, answer)
-        if not atomic_pop.read_at_ack(ack.tag, read) and not read():
-            atomic_pop.ACKED_BY_STORE.discard(ack.tag)  # the worker acks
+        if atomic_pop.read_at_ack(ack.tag, read) or read():  # (else the worker acks)
+            atomic_pop.ACKED_BY_STORE.add(ack.tag)
 
     def on_failure(self, task: GuardedTask, exc: BaseException, einfo: Any) -> None:
         # The body returned but the delivery failed afterwards (Celery, or a guardrail unwinding): the completion
@@ -269,8 +268,11 @@ def _answered(name: str, task_id: str, riding: RidingCompletion | None, answer: 
     except Exception as exc:
         if riding is None:
             logger.info("Task %s[%s]: not acked on the store (%s); the worker acks it", name, task_id, exc)
-        else:
+            return False
+        try:
             _settle(name, task_id, riding, exc)
+        except Exception:  # the worker acks all the same: a body that returned is not run again
+            logger.exception("Task %s[%s]: key %s not settled without the ack", name, task_id, riding.key)
         return False
     if riding is not None and not done:
         riding.lost()
