@@ -318,25 +318,6 @@ class RedisIdempotency:
         args = _finish(owner, "completed", summary, self._now(now), retention)
         return self._sent(self._if_owner, [IDEM_PREFIX + key], args, bool)
 
-    def complete_and_ack(
-        self,
-        key: str,
-        *,
-        owner: str,
-        now: float,
-        summary: str,
-        retention: float,
-        ack: BrokerAck,
-        result: ResultWrite | None = None,
-    ) -> bool:
-        """Complete ``key`` and ack the message of ``ack`` in one script (see :data:`_COMPLETE_ACK`): the store is
-        the broker's own Redis; with ``result``, the task's result is written between the two (the store is the
-        result backend's Redis too). Whether the key was completed (the message is acked either way). A repeat after
-        a lost answer completes nothing new and finds the message acked."""
-        return self.send_complete_and_ack(
-            key, owner=owner, now=now, summary=summary, retention=retention, ack=ack, result=result
-        )()
-
     def send_complete_and_ack(
         self,
         key: str,
@@ -348,10 +329,13 @@ class RedisIdempotency:
         ack: BrokerAck,
         result: ResultWrite | None = None,
     ) -> Callable[[], bool]:
-        """:meth:`complete_and_ack` sent; the callable reads its answer (once, from the same thread), raising
-        StoreError. Whatever the read meets (the script not loaded, a broken connection) is settled by running the
-        script again through the pooled client: a repeat is safe (a finish repeated by its owner, a success kept,
-        an ack of what is gone)."""
+        """Complete ``key`` and ack the message of ``ack`` in one script (see :data:`_COMPLETE_ACK`): the store is
+        the broker's own Redis; with ``result``, the task's result is written between the two (the store is the
+        result backend's Redis too). Sent now; the callable reads the answer (once, from the same thread): whether the
+        key was completed (the message is acked either way), or StoreError. Whatever the read meets (the script not
+        loaded, a broken connection) is settled by running the script again through the pooled client: a repeat is
+        safe (a finish repeated by its owner completes nothing new, a success stored is kept, the message is found
+        acked)."""
         keys, args = [IDEM_PREFIX + key], _finish(owner, "completed", summary, self._now(now), retention)
         if result is not None:
             keys.append(result.key)

@@ -64,13 +64,15 @@ def test_complete_and_ack_completes_the_key_and_removes_the_delivery_in_one_step
     key, ack = f"acks-{uuid.uuid4().hex}", delivery_recorded(store)
     store.claim(key, owner="w:1:t:1", now=1000.0, lease=60, retention=600)
     # When the owner completes it with the ack
-    done = store.complete_and_ack(key, owner="w:1:t:1", now=1001.0, summary="'ok'", retention=600, ack=ack)
+    done = store.send_complete_and_ack(key, owner="w:1:t:1", now=1001.0, summary="'ok'", retention=600, ack=ack)()
     # Then the key is completed and neither of kombu's records is left
     assert done is True
     assert store.inspect(key)["state"] == "completed"  # type: ignore[index]
     assert recorded(store.client, ack) == (False, False)
     # And a repeat by the same owner (its first answer lost) completes nothing new and finds nothing to ack
-    assert store.complete_and_ack(key, owner="w:1:t:1", now=1002.0, summary="'ok'", retention=600, ack=ack) is True
+    assert (
+        store.send_complete_and_ack(key, owner="w:1:t:1", now=1002.0, summary="'ok'", retention=600, ack=ack)() is True
+    )
     assert store.inspect(key)["completed_at"] == "1001.0"  # type: ignore[index]
 
 
@@ -80,7 +82,7 @@ def test_a_key_taken_over_is_not_completed_but_the_message_is_acked(store: Redis
     store.claim(key, owner="w:1:t:1", now=1000.0, lease=1, retention=600)
     store.claim(key, owner="w:2:t:2", now=1010.0, lease=60, retention=600)
     # When the first owner completes it with the ack
-    done = store.complete_and_ack(key, owner="w:1:t:1", now=1011.0, summary="'ok'", retention=600, ack=ack)
+    done = store.send_complete_and_ack(key, owner="w:1:t:1", now=1011.0, summary="'ok'", retention=600, ack=ack)()
     # Then the key stays the other delivery's, and the message is acked as the worker would ack it
     assert done is False
     assert store.inspect(key)["owner"] == "w:2:t:2"  # type: ignore[index]
@@ -100,7 +102,9 @@ def test_a_result_rides_between_the_completion_and_the_ack_and_reaches_its_waite
     waiter.subscribe(result.key)
     assert waiter.get_message(timeout=5)["type"] == "subscribe"  # type: ignore[index]
     # When the owner completes it with the ack and its result
-    done = store.complete_and_ack(key, owner="w:1:t:1", now=1001.0, summary="7", retention=600, ack=ack, result=result)
+    done = store.send_complete_and_ack(
+        key, owner="w:1:t:1", now=1001.0, summary="7", retention=600, ack=ack, result=result
+    )()
     # Then the key is completed, the message acked, the result stored for its expiry, and the waiter told
     assert done is True and store.inspect(key)["state"] == "completed"  # type: ignore[index]
     assert recorded(store.client, ack) == (False, False)
@@ -113,9 +117,9 @@ def test_a_result_rides_between_the_completion_and_the_ack_and_reaches_its_waite
     forever_key, forever_ack = f"acks-{uuid.uuid4().hex}", delivery_recorded(store)
     store.claim(forever_key, owner="w:1:t:2", now=1000.0, lease=60, retention=600)
     forever = result_of(forever_key, "{}", expires=None)
-    store.complete_and_ack(
+    store.send_complete_and_ack(
         forever_key, owner="w:1:t:2", now=1001.0, summary="", retention=600, ack=forever_ack, result=forever
-    )
+    )()
     assert store.client.ttl(forever.key) == -1
     store.client.delete(result.key, forever.key)
 
@@ -147,7 +151,9 @@ def test_a_result_is_written_unless_a_success_is_stored_as_celery_keeps_the_firs
     if stored is not None:
         store.client.set(result.key, stored)
     # When the first owner completes it with the ack and its result
-    done = store.complete_and_ack(key, owner="w:1:t:1", now=1011.0, summary="", retention=600, ack=ack, result=result)
+    done = store.send_complete_and_ack(
+        key, owner="w:1:t:1", now=1011.0, summary="", retention=600, ack=ack, result=result
+    )()
     # Then the key is completed unless it was taken over, the message is acked either way, and the result is
     # written unless a success was stored already (Celery's backend keeps the first success)
     assert done is (not taken_over) and recorded(store.client, ack) == (False, False)
