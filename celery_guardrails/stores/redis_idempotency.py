@@ -344,12 +344,9 @@ class RedisIdempotency:
         args.append(ack.tag)
         return self._sent(self._complete_ack, keys, args, lambda answer: bool(answer[0]))
 
-    def ack(self, ack: BrokerAck) -> bool:
-        """Ack the message of ``ack`` on the broker's Redis, as kombu does; whether it was still recorded."""
-        return self.send_ack(ack)()
-
     def send_ack(self, ack: BrokerAck) -> Callable[[], bool]:
-        """:meth:`ack` sent; the callable reads its answer (see :meth:`send_complete_and_ack`)."""
+        """Ack the message of ``ack`` on the broker's Redis, as kombu does. Sent now; the callable reads the answer:
+        whether it was still recorded (see :meth:`send_complete_and_ack`)."""
         return self._sent(self._ack, [ack.unacked, ack.index], [ack.tag], bool)
 
     def _sent(self, script: Any, keys: list[str], args: list[Any], answer: Callable[[Any], bool]) -> Callable[[], bool]:

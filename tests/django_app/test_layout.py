@@ -35,9 +35,10 @@ def test_the_django_store_has_every_operation_of_the_redis_store() -> None:
         "written_with_the_effect",
         "fail_with_the_effect",
     }
-    # The Redis-only ones: the ack of a message on the broker's own Redis (celery_guardrails.guardrails.acks), and
-    # the server's clock the claim with the pop hands its script (celery_guardrails.guardrails.pop_claims).
-    assert public(RedisStore) - public(DjangoStore) == {"ack", "complete_and_ack", "server_now"}
+    # The Redis-only ones: the ack of a message on the broker's own Redis, alone or with a key's completion, each
+    # read when asked (celery_guardrails.guardrails.acks), and the server's clock the claim with the pop hands its
+    # script (celery_guardrails.guardrails.pop_claims).
+    assert public(RedisStore) - public(DjangoStore) == {"send_ack", "send_complete_and_ack", "server_now"}
 
 
 def test_each_module_of_the_store_and_the_models_names_the_redis_file_it_mirrors() -> None:

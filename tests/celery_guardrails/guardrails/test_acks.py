@@ -163,9 +163,9 @@ def test_a_result_is_written_unless_a_success_is_stored_as_celery_keeps_the_firs
 
 def test_ack_removes_both_records_and_says_whether_the_delivery_was_there(store: RedisStore) -> None:
     ack = delivery_recorded(store)
-    assert store.ack(ack) is True
+    assert store.send_ack(ack)() is True
     assert recorded(store.client, ack) == (False, False)
-    assert store.ack(ack) is False
+    assert store.send_ack(ack)() is False
 
 
 # -- when the store is the broker's -----------------------------------------------------------------------
