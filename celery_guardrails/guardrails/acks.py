@@ -236,7 +236,7 @@ class StoreAck(Guardrail):
                     result=riding.result.write if riding.result is not None else None,
                 )
         except Exception as exc:  # nothing sent: the message stays unacked (its completion settled first)
-            _answered(task.name, str(task.request.id), riding, functools.partial(_raise, exc))
+            _in_doubt(task.name, str(task.request.id), riding, exc)
             return
         # Read as the worker acks the message, where that is this thread (solo): the round trip overlaps Celery's
         # work after the hooks. The script completes and acks together, so no answer is needed to keep the ack rule.
@@ -266,21 +266,23 @@ def _answered(name: str, task_id: str, riding: RidingCompletion | None, answer: 
     try:
         done = answer()
     except Exception as exc:
-        if riding is None:
-            logger.info("Task %s[%s]: not acked on the store (%s); the worker acks it", name, task_id, exc)
-            return False
-        try:
-            _settle(name, task_id, riding, exc)
-        except Exception:  # the worker acks all the same: a body that returned is not run again
-            logger.exception("Task %s[%s]: key %s not settled without the ack", name, task_id, riding.key)
+        _in_doubt(name, task_id, riding, exc)
         return False
     if riding is not None and not done:
         riding.lost()
     return True
 
 
-def _raise(exc: BaseException) -> bool:
-    raise exc
+def _in_doubt(name: str, task_id: str, riding: RidingCompletion | None, exc: BaseException) -> None:
+    """The store's ack is not known to have happened (``exc``): a completion that was to ride it is made on its
+    own; the worker then acks. Never raises."""
+    if riding is None:
+        logger.info("Task %s[%s]: not acked on the store (%s); the worker acks it", name, task_id, exc)
+        return
+    try:
+        _settle(name, task_id, riding, exc)
+    except Exception:  # the worker acks all the same: a body that returned is not run again
+        logger.exception("Task %s[%s]: key %s not settled without the ack", name, task_id, riding.key)
 
 
 def _settle(name: str, task_id: str, riding: RidingCompletion, exc: BaseException) -> None:

@@ -21,6 +21,13 @@ def _recorder(into: list[float]) -> Any:
     return beat
 
 
+def _hold(beats: Heartbeats, key: str, every: float) -> list[float]:
+    """Hold ``key`` (owner "o") with a beat every ``every`` seconds; the times of its beats."""
+    times: list[float] = []
+    beats.add(None, key, "o", lease=0, beat=_recorder(times), every=every)  # type: ignore[arg-type]
+    return times
+
+
 def _until(condition: Any, seconds: float = 10.0) -> None:
     deadline = time.monotonic() + seconds
     while not condition():
@@ -32,17 +39,15 @@ def test_a_hold_added_while_the_thread_sleeps_is_beaten_on_time_without_waking_i
     # Given a heartbeat thread that has seen a 0.3 s interval (a hold since removed) and now beats one hold every
     # 3 s: nothing of its own would wake it for 3 s
     beats = Heartbeats()
-    short: list[float] = []
-    beats.add(None, "short", "o", lease=0, beat=_recorder(short), every=INTERVAL)  # type: ignore[arg-type]
+    short = _hold(beats, "short", INTERVAL)
     _until(lambda: len(short) >= 1)
     beats.remove("short", "o")
-    beats.add(None, "long", "o", lease=0, beat=_recorder([]), every=3.0)  # type: ignore[arg-type]
+    _hold(beats, "long", 3.0)
     time.sleep(INTERVAL)
 
     # When a hold with the 0.3 s interval is added (no lock taken, the thread not woken)
-    second: list[float] = []
     added = time.monotonic()
-    beats.add(None, "second", "o", lease=0, beat=_recorder(second), every=INTERVAL)  # type: ignore[arg-type]
+    second = _hold(beats, "second", INTERVAL)
 
     # Then it is beaten within its interval, and again at every interval after
     _until(lambda: len(second) >= 4)
@@ -61,13 +66,11 @@ def test_a_hold_added_while_the_thread_sleeps_is_beaten_on_time_without_waking_i
 def test_a_pair_held_again_is_due_as_its_new_hold_says() -> None:
     # Given a hold beaten every 0.3 s, removed, then held again by the same key and owner with a 2 s interval
     beats = Heartbeats()
-    calls: list[float] = []
-    beats.add(None, "key", "o", lease=0, beat=_recorder(calls), every=INTERVAL)  # type: ignore[arg-type]
+    calls = _hold(beats, "key", INTERVAL)
     _until(lambda: len(calls) >= 2)
     beats.remove("key", "o")
-    again: list[float] = []
     added = time.monotonic()
-    beats.add(None, "key", "o", lease=0, beat=_recorder(again), every=2.0)  # type: ignore[arg-type]
+    again = _hold(beats, "key", 2.0)
 
     # When the thread goes on beating for a second
     time.sleep(1.0)
