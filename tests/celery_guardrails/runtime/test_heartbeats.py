@@ -9,8 +9,10 @@ from typing import Any
 from celery_guardrails.runtime.heartbeats import Heartbeats
 
 INTERVAL = 0.3
-#: How late a beat may come on a busy machine (the thread's own scheduling).
-SLACK = 0.25
+#: How late a beat may come on a busy machine (the thread's own scheduling, beside the suite's other processes on
+#: two cores). Well under the 2.7 s a hold would wait without the thread's sleep cap (the first test), and over the
+#: 0.3 s at which the old hold's schedule would beat again (the second): either fault still fails them.
+SLACK = 1.0
 
 
 def _recorder(into: list[float]) -> Any:
