@@ -106,12 +106,22 @@ def guarded_key_ignored(n: int, done: str = "") -> int:
     return finished(n, done)
 
 
-# One INSERT in the Django database: plain Celery in a transaction of its own, and a keyed guarded task
-# with ``atomic=True`` (the body's transaction also commits the key's completion) or without.
+# One INSERT in the Django database: plain Celery in a transaction of its own, a GuardedTask without a key doing
+# the same (what the guardrails cost without the store's key), and a keyed guarded task with ``atomic=True``
+# (the body's transaction also commits the key's completion) or without.
 
 
 @app.task
 def plain_insert(n: int, done: str = "") -> int:
+    from django.db import transaction
+
+    with transaction.atomic():
+        insert(n)
+    return finished(n, done)
+
+
+@app.task(base=GuardedTask, owner="bench")
+def guarded_insert(n: int, done: str = "") -> int:
     from django.db import transaction
 
     with transaction.atomic():

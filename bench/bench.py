@@ -15,9 +15,11 @@ is printed, with their range: this machine's speed drifts by more than the diffe
   its cores, as a worker meets a queue that backed up.
 * Django store on PostgreSQL, in a database made for the run on the local server (BENCH_PG_HOST,
   BENCH_PG_PORT, BENCH_PG_USER) and dropped after it: a task that INSERTs one row, plain Celery in a
-  transaction of its own against a keyed GuardedTask with ``atomic=True`` (the key's completion commits in
-  the body's transaction) and without. BENCH_CONN_MAX_AGE sets Django's CONN_MAX_AGE (default 0). It also
-  counts the database sessions opened per task (PostgreSQL's ``pg_stat_database.sessions``).
+  transaction of its own against a GuardedTask without a key doing the same, and a keyed GuardedTask with
+  ``atomic=True`` (the key's completion commits in the body's transaction) and without; after the table, the
+  keyed kinds over the unkeyed one (the store's own part: the key's statements and their gate).
+  BENCH_CONN_MAX_AGE sets Django's CONN_MAX_AGE (default 0). It also counts the database sessions opened per
+  task (PostgreSQL's ``pg_stat_database.sessions``).
 * Django store on SQLite (a fresh file): the no-op kinds, and the INSERT kinds.
 
 One more Redis-store worker: ``redis_kombu_pop`` pops with kombu's ``BRPOP`` (``broker_atomic_pop`` off; every
@@ -76,13 +78,15 @@ class Group:
     ``duplicates``: every fifth message repeats the one before it (20% duplicates, published while the first
     is still queued or running); ``backlog``: the N messages are published to a list of their own first (that
     publish timed apart), then handed to the worker's queue in one step (Redis ``RENAME``): the worker's
-    throughput on a backlog, without the publisher on the same cores."""
+    throughput on a backlog, without the publisher on the same cores. ``over``: pairs of kinds (a kind, the one
+    it is also compared with) whose difference is printed after the table, paired by round as every figure is."""
 
     title: str
     kinds: list[str]
     stored: bool = True
     duplicates: bool = False
     backlog: bool = False
+    over: tuple[tuple[str, str], ...] = ()
 
 
 #: What each kind of the peers' group guarantees, printed beside its speed.
@@ -96,6 +100,10 @@ GUARANTEES = {
     "lock); a later publish, or a redelivered message, runs again",
 }
 
+
+#: The Django store's own part of a keyed task's cost: the keyed kinds over the GuardedTask without a key doing the
+#: same INSERT in a transaction of its own (the rest of the guardrails run in both).
+KEY_OVER_GUARD = (("guarded_key_atomic_insert", "guarded_insert"), ("guarded_key_insert", "guarded_insert"))
 
 #: Per worker (store): its groups.
 WORKERS: dict[str, list[Group]] = {
@@ -128,19 +136,22 @@ WORKERS: dict[str, list[Group]] = {
     "postgres": [
         Group(
             "Django store (PostgreSQL), one INSERT per task, connections closed around every task (Celery's default)",
-            ["plain_insert", "guarded_key_atomic_insert", "guarded_key_insert"],
+            ["plain_insert", "guarded_insert", "guarded_key_atomic_insert", "guarded_key_insert"],
+            over=KEY_OVER_GUARD,
         ),
     ],
     "postgres_reuse": [
         Group(
             "Django store (PostgreSQL), one INSERT per task, CELERY_DB_REUSE_MAX=1000",
-            ["plain_insert", "guarded_key_atomic_insert", "guarded_key_insert"],
+            ["plain_insert", "guarded_insert", "guarded_key_atomic_insert", "guarded_key_insert"],
+            over=KEY_OVER_GUARD,
         ),
     ],
     "postgres_pool": [
         Group(
             "Django store (PostgreSQL), one INSERT per task, Django's pool (solo worker)",
-            ["plain_insert", "guarded_key_atomic_insert", "guarded_key_insert"],
+            ["plain_insert", "guarded_insert", "guarded_key_atomic_insert", "guarded_key_insert"],
+            over=KEY_OVER_GUARD,
         ),
     ],
     "sqlite": [
@@ -500,6 +511,9 @@ def report(group: Group, results: dict[str, Measured], *, counts: bool, sessions
             extra = [(s - b) / N * 1e6 for b, s in zip(base.published, kind.published, strict=True)]
             line += f" {statistics.median(kind.published) / N * 1e6:>15.0f} {statistics.median(extra):>10.0f}"
         print(line)
+    for name, other in group.over:
+        added = [(s - o) / N * 1e6 for o, s in zip(results[other].seconds, results[name].seconds, strict=True)]
+        print(f"{name} over {other}: {statistics.median(added):+.0f} us/task (median of the rounds)")
 
 
 def pg_answers() -> bool:
