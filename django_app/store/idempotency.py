@@ -27,6 +27,7 @@ from celery_guardrails.stores.base import ACQUIRED, BUSY, COMPLETED, FAILED, Cla
 
 from ..models import IdempotencyKey
 from ..signals import drop_broken_connections
+from .begin import first_with_begin
 from .database import failure, to_datetime, translated
 
 
@@ -165,7 +166,7 @@ class DjangoIdempotency:
         try:
             with transaction.atomic():
                 stage = "claim a key with its effect"
-                claim = self._write(key, "completed", owner=owner, now=now, reason="")
+                claim = self._write(key, "completed", owner=owner, now=now, reason="", opening=True)
                 stage = ""
                 yield claim
                 stage = "commit an effect with its key"
@@ -185,12 +186,21 @@ class DjangoIdempotency:
         claim = self._write(key, "failed", owner=owner, now=now, reason=reason[:200])
         return claim is not None and claim.state == ACQUIRED
 
-    def _write(self, key: str, state: str, *, owner: str, now: float, reason: str) -> Claim | None:
+    def _write(
+        self, key: str, state: str, *, owner: str, now: float, reason: str, opening: bool = False
+    ) -> Claim | None:
+        """``key`` written as ``state`` (see :func:`_with_the_effect_sql`); ``opening``: the first statement of the
+        transaction the caller just opened, sent with its BEGIN where it can be (:mod:`.begin`)."""
         moment = connection.ops.adapt_datetimefield_value(to_datetime(now))
+        params = [key, owner, reason, moment, moment, LOCK_SPACE, key]
+        written = first_with_begin(_with_the_effect_sql(state), params) if opening else None
+        if written == 1:
+            return Claim(state=ACQUIRED)
         with connection.cursor() as cursor:
-            cursor.execute(_with_the_effect_sql(state), [key, owner, reason, moment, moment, LOCK_SPACE, key])
-            if cursor.rowcount == 1:
-                return Claim(state=ACQUIRED)
+            if written is None:  # not sent with the BEGIN: sent now
+                cursor.execute(_with_the_effect_sql(state), params)
+                if cursor.rowcount == 1:
+                    return Claim(state=ACQUIRED)
             # Nothing written: the lock was another transaction's, or the key exists (a lock this transaction
             # took is taken again: advisory locks count per session). Asked apart: the uncommon case.
             cursor.execute("SELECT pg_try_advisory_xact_lock(%s, hashtext(%s))", [LOCK_SPACE, key])

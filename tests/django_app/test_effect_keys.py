@@ -3,7 +3,10 @@ every way a delivery ends leaves the key and the effect agreeing (celery_guardra
 
 from __future__ import annotations
 
+import tempfile
 import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import pytest
@@ -168,3 +171,105 @@ def test_a_replay_published_before_the_failed_run_wrote_its_key_reopens_it_and_w
     assert [item["run"] for item in sink.items()] == [1, 2]
     assert Effect.objects.filter(key=key).count() == 1
     assert key_row("write_effect_scripted", f"scripted-effect:{key}").state == "completed"
+
+
+@contextmanager
+def traced() -> Iterator[list[str]]:
+    """The messages this connection sends to PostgreSQL while the block runs (libpq's trace of the protocol): the
+    text of each simple-protocol Query, in order."""
+    from psycopg import pq
+
+    connection.ensure_connection()
+    pgconn = connection.connection.pgconn
+    sent: list[str] = []
+    with tempfile.TemporaryFile("w+") as trace:
+        pgconn.trace(trace.fileno())
+        pgconn.set_trace_flags(pq.Trace.SUPPRESS_TIMESTAMPS | pq.Trace.REGRESS_MODE)
+        try:
+            yield sent
+        finally:
+            pgconn.untrace()
+            trace.seek(0)
+            for line in trace.read().splitlines():
+                direction, _, kind, *rest = line.split("\t")
+                if direction == "F" and kind in ("Query", "Parse"):
+                    sent.append(" ".join(rest).strip())
+
+
+def test_the_key_is_sent_with_its_transactions_begin_in_one_message() -> None:
+    from django_celery_guardrails.store import DjangoStore
+
+    store, key = DjangoStore(), f"tests.with-effect:-:{uuid.uuid4().hex}"
+    # Given a keyed atomic delivery's transaction on a connection with Django's default settings
+    # When its key is written and its body writes the effect, and the transaction commits
+    with traced() as sent, store.written_with_the_effect(key, owner="first", now=1.0) as claim:
+        assert claim is not None and claim.state == "acquired"
+        Effect.objects.create(key=key)
+    # Then BEGIN and the key's statement went as one message, no BEGIN was sent apart, and both were committed
+    assert sent[0].startswith('"BEGIN; INSERT INTO "guardrails_idempotencykey"'), sent
+    assert not any(text.strip('"') == "BEGIN" for text in sent), sent
+    assert sent[-1] == '"COMMIT"', sent
+    assert key_row_of(key).state == "completed" and Effect.objects.filter(key=key).count() == 1
+
+
+@pytest.mark.parametrize("watcher", ["execute_wrapper", "query_log"])
+def test_a_watched_connection_sees_the_keys_statement_through_djangos_cursor(watcher: str) -> None:
+    from django.test.utils import CaptureQueriesContext
+
+    from django_celery_guardrails.store import DjangoStore
+
+    store, key = DjangoStore(), f"tests.with-effect:-:{uuid.uuid4().hex}"
+    seen: list[str] = []
+
+    def record(execute: Any, sql: str, params: Any, many: bool, context: Any) -> Any:
+        seen.append(sql)
+        return execute(sql, params, many, context)
+
+    # Given a connection something watches: an execute wrapper (APM, tests), or Django's query log (DEBUG)
+    watching = connection.execute_wrapper(record) if watcher == "execute_wrapper" else CaptureQueriesContext(connection)
+    # When a key is written with its effect
+    with watching as captured, store.written_with_the_effect(key, owner="first", now=1.0) as claim:
+        assert claim is not None and claim.state == "acquired"
+    # Then its statement went through Django's cursor, where the watcher saw it, and the key was committed
+    if watcher == "query_log":
+        seen = [query["sql"] for query in captured.captured_queries]
+    assert any("guardrails_idempotencykey" in sql and "pg_try_advisory_xact_lock" in sql for sql in seen), seen
+    assert key_row_of(key).state == "completed"
+
+
+def test_a_connection_with_its_own_isolation_level_keeps_it_for_the_keys_transaction() -> None:
+    from psycopg import IsolationLevel
+
+    from django_celery_guardrails.store import DjangoStore
+
+    store, key = DjangoStore(), f"tests.with-effect:-:{uuid.uuid4().hex}"
+    # Given a connection set to SERIALIZABLE (Django's OPTIONS["isolation_level"] sets psycopg's, as here)
+    connection.ensure_connection()
+    connection.connection.isolation_level = IsolationLevel.SERIALIZABLE
+    try:
+        # When a key is written with its effect
+        with traced() as sent, store.written_with_the_effect(key, owner="first", now=1.0), connection.cursor() as cur:
+            cur.execute("SHOW transaction_isolation")
+            (isolation,) = cur.fetchone()
+    finally:
+        connection.connection.isolation_level = None
+    # Then its transaction began as psycopg begins it on that connection, and was serializable
+    assert sent[0] == '"BEGIN ISOLATION LEVEL SERIALIZABLE"', sent
+    assert isolation == "serializable" and key_row_of(key).state == "completed"
+
+
+def test_a_key_refused_with_its_begin_is_the_stores_error_and_leaves_the_connection_usable() -> None:
+    from celery_guardrails.exceptions import StoreError, StoreUnavailableError
+    from django_celery_guardrails.store import DjangoStore
+
+    store = DjangoStore()
+    # Given a key longer than its column holds (a store given data it cannot keep)
+    key = f"tests.with-effect:-:{'x' * 300}"
+    # When it is written with its effect
+    with pytest.raises(StoreError) as raised, store.written_with_the_effect(key, owner="first", now=1.0):
+        pytest.fail("the body ran without its key")  # pragma: no cover
+    # Then the store refused the data (not an outage), the transaction was rolled back, and the connection is usable
+    assert not isinstance(raised.value, StoreUnavailableError)
+    assert "value too long" in str(raised.value.__cause__)
+    assert not connection.in_atomic_block
+    assert Effect.objects.filter(key=key).count() == 0
