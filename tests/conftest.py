@@ -16,6 +16,7 @@ import struct
 import threading
 import time
 import uuid
+import warnings
 from collections.abc import Callable, Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -380,3 +381,28 @@ def broker_client(queue_name: str) -> Iterator[redis.Redis]:
     for item in client.lrange(MALFORMED_KEY, 0, -1):
         if queue_name.encode() in item:
             client.lrem(MALFORMED_KEY, 0, item)
+
+
+@pytest.fixture(scope="session")
+def django_db_setup(django_db_setup: None, django_db_blocker: Any) -> Iterator[None]:
+    """pytest-django's test databases, and before each is dropped, every other session still on it ended and named
+    in a warning: PostgreSQL refuses to drop a database in use, and pytest-django then warns and leaves it on the
+    server (one a run, from a session a worker or a proxied connection of a test still held at the end)."""
+    yield
+    from django.db import connections
+
+    with django_db_blocker.unblock():
+        for alias in connections:
+            connection = connections[alias]
+            if connection.vendor != "postgresql":
+                continue
+            with connection.cursor() as cursor:
+                cursor.execute(
+                    "SELECT pid, application_name, client_port, state, backend_start, left(query, 80), "
+                    "pg_terminate_backend(pid) FROM pg_stat_activity "
+                    "WHERE datname = current_database() AND pid <> pg_backend_pid()"
+                )
+                ended = cursor.fetchall()
+            if ended:
+                name = connection.settings_dict["NAME"]
+                warnings.warn(f"ended {len(ended)} session(s) still on {name}, to drop it: {ended}", stacklevel=1)
