@@ -42,11 +42,15 @@ def first_with_begin(sql: str, params: Sequence[Any]) -> int | None:
     pgconn = getattr(raw, "pgconn", None)  # psycopg 3 (psycopg2 has none)
     if pgconn is None or not _opening(raw, pgconn):
         return None
+    # Imported here, not with the module: only a psycopg 3 connection comes this far (a project on SQLite, or on
+    # psycopg2, that has psycopg 3 installed does not import it at start-up for this).
     import psycopg
     from psycopg import errors, generators, pq
 
-    statement = psycopg.ClientCursor(raw).mogrify(sql, params)
+    # The binding too raises as Django's: a value the database cannot hold (a NUL in a text) is refused here, as a
+    # cursor's execute refuses it.
     with connection.wrap_database_errors, raw.lock:
+        statement = psycopg.ClientCursor(raw).mogrify(sql, params)
         pgconn.send_query(b"BEGIN; " + statement.encode(raw.info.encoding))
         results = raw.wait(generators.execute(pgconn))
         for result in results:

@@ -3,6 +3,7 @@ every way a delivery ends leaves the key and the effect agreeing (celery_guardra
 
 from __future__ import annotations
 
+import contextlib
 import tempfile
 import uuid
 from collections.abc import Iterator
@@ -273,3 +274,26 @@ def test_a_key_refused_with_its_begin_is_the_stores_error_and_leaves_the_connect
     assert "value too long" in str(raised.value.__cause__)
     assert not connection.in_atomic_block
     assert Effect.objects.filter(key=key).count() == 0
+
+
+@pytest.mark.parametrize("path", ["with_its_begin", "through_djangos_cursor"])
+def test_a_value_the_database_cannot_hold_is_the_stores_refusal_on_either_path(path: str) -> None:
+    from celery_guardrails.exceptions import StoreError, StoreUnavailableError
+    from django_celery_guardrails.store import DjangoStore
+
+    store, key = DjangoStore(), f"tests.with-effect:-:{uuid.uuid4().hex}"
+
+    def passing(execute: Any, sql: str, params: Any, many: bool, context: Any) -> Any:
+        return execute(sql, params, many, context)
+
+    # Given an owner with a NUL in it (a malformed task id: PostgreSQL's text cannot hold it), on the path that
+    # sends the key with its BEGIN, or through Django's cursor (an execute wrapper watching)
+    watching = connection.execute_wrapper(passing) if path == "through_djangos_cursor" else contextlib.nullcontext()
+    # When the key is written with its effect
+    with watching, pytest.raises(StoreError) as raised, store.written_with_the_effect(key, owner="a\x00b", now=1.0):
+        pytest.fail("the body ran without its key")  # pragma: no cover
+    # Then either way the store refused the data (a final failure with its reason, not an outage to wait out), and
+    # the connection is usable
+    assert not isinstance(raised.value, StoreUnavailableError)
+    assert "NUL" in str(raised.value.__cause__)
+    assert not connection.in_atomic_block and Effect.objects.filter(key=key).count() == 0
